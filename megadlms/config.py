@@ -1,0 +1,160 @@
+"""`TransformerConfig`: the architecture and precision of a model, with Megatron-Core field names.
+
+One dataclass, validated in `__post_init__`: every error names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ATTN_MASK_TYPES = ("bidirectional", "causal")
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "rowwise")
+FP8_AMAX_ALGOS = ("max", "most_recent")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which, why, and what to use instead."""
+
+
+@dataclass
+class TransformerConfig:
+    # --- architecture (Megatron-Core names) ---
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # GQA groups (KV heads); None = num_attention_heads
+    kv_channels: int | None = None  # head dim; None = hidden_size // num_attention_heads
+    ffn_hidden_size: int | None = None  # None = 4 * hidden_size
+    vocab_size: int = 1024
+    seq_length: int = 256
+    max_position_embeddings: int | None = None  # None = seq_length
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-6
+    qk_layernorm: bool = False
+    add_qkv_bias: bool = False  # Qwen2 / Qwen2.5
+    untie_embeddings_and_output_weights: bool = True
+    init_method_std: float = 0.02
+    attn_mask_type: str = "bidirectional"  # DLM: bidirectional; AR (vanilla): causal
+    mask_token_id: int | None = None  # the diffusion [MASK] id, recorded for export / sampling
+
+    # --- FP8 (Transformer Engine / Megatron-Core semantics) ---
+    fp8: bool | str = False  # True, or Megatron's string form "e4m3" | "hybrid"
+    fp8_format: str = "hybrid"
+    fp8_recipe: str = "delayed"
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1  # Megatron defaults (TE's DelayedScaling uses 1024, "max")
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_wgrad: bool = True
+    activation_func_fp8_input_store: bool = False
+    num_layers_at_start_in_bf16: int = 0
+    num_layers_at_end_in_bf16: int = 0
+
+    # free-form provenance (e.g. the HF architecture a config came from); not validated
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Megatron's string form: fp8="e4m3" | "hybrid" means fp8=True with that format.
+        if isinstance(self.fp8, str):
+            _choice("fp8", self.fp8, FP8_FORMATS, "or pass fp8=True with fp8_format=...")
+            self.fp8_format, self.fp8 = self.fp8, True
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                     "ffn_hidden_size", "vocab_size", "seq_length", "max_position_embeddings"):
+            _positive(name, getattr(self, name))
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}; set kv_channels (the head dim) explicitly or "
+                    "choose a hidden_size that is a multiple of the head count")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        _positive("kv_channels", self.kv_channels)
+        if self.kv_channels % 2:
+            raise ConfigError(f"kv_channels={self.kv_channels} must be even for rotary embeddings")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_query_groups={self.num_query_groups}; use a group count that divides "
+                "the head count (e.g. 1, 2, 4, 8)")
+        if self.seq_length > self.max_position_embeddings:
+            raise ConfigError(
+                f"seq_length={self.seq_length} exceeds max_position_embeddings="
+                f"{self.max_position_embeddings}; raise max_position_embeddings or shorten seq_length")
+        if self.norm_epsilon <= 0:
+            raise ConfigError(f"norm_epsilon={self.norm_epsilon} must be > 0 (e.g. 1e-6)")
+        if self.rotary_base <= 0:
+            raise ConfigError(f"rotary_base={self.rotary_base} must be > 0 (e.g. 10000 or 1e6)")
+        if self.init_method_std <= 0:
+            raise ConfigError(f"init_method_std={self.init_method_std} must be > 0 (e.g. 0.02)")
+        _choice("attn_mask_type", self.attn_mask_type, ATTN_MASK_TYPES)
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
+                "use a token id of the tokenizer (e.g. its <|mask|> token) or enlarge vocab_size")
+        _choice("fp8_format", self.fp8_format, FP8_FORMATS)
+        _choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        _choice("fp8_amax_compute_algo", self.fp8_amax_compute_algo, FP8_AMAX_ALGOS)
+        if self.fp8_margin < 0:
+            raise ConfigError(f"fp8_margin={self.fp8_margin} must be >= 0 (0 is the usual value)")
+        _positive("fp8_amax_history_len", self.fp8_amax_history_len)
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.num_layers_at_start_in_bf16 + self.num_layers_at_end_in_bf16 > self.num_layers:
+            raise ConfigError(
+                f"num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 = "
+                f"{self.num_layers_at_start_in_bf16 + self.num_layers_at_end_in_bf16} exceeds "
+                f"num_layers={self.num_layers}; keep fewer layers in BF16")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels
+
+    @property
+    def causal(self) -> bool:
+        return self.attn_mask_type == "causal"
+
+    def num_matmul_params(self) -> int:
+        """Parameters that take part in matmuls (FLOPs accounting): all linears plus the LM head."""
+        h, d = self.hidden_size, self.kv_channels
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.ffn_hidden_size
+        return self.num_layers * per_layer + self.vocab_size * h
+
+    def flops_per_token(self, seq_length: int | None = None) -> float:
+        """Training FLOPs per token: 6*N_matmul + attention (12*L*S*H_attn bidirectional, 6*... causal)."""
+        s = seq_length or self.seq_length
+        attn = (6 if self.causal else 12) * self.num_layers * s * self.num_attention_heads * self.kv_channels
+        return 6.0 * self.num_matmul_params() + attn
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TransformerConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown TransformerConfig fields {unknown}; known fields: {sorted(names)}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> TransformerConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...], hint: str = "") -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {list(choices)} {hint}".rstrip())

@@ -1,0 +1,236 @@
+"""The transformer: a pre-norm Qwen3/Llama-family decoder, plain single-device PyTorch.
+
+It knows nothing about FP8, ranks or meshes: precision and parallelism are transformations
+applied afterwards (`megadlms.fp8.convert`, `megadlms.distributed.parallelize`). Module and
+parameter names follow Hugging Face's (`embed_tokens`, `layers.N.self_attn.q_proj`, ...), so
+checkpoint interop is a prefix away.
+
+Shapes: B batch, S query length, T key/value length, H hidden, N heads, G KV groups, D head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, ContextManager, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TransformerConfig
+
+
+class KVCache(Protocol):
+    """What attention needs from a generation cache (implemented in `megadlms.diffusion.cache`)."""
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take this step's k, v [B, G, S, D]; return the k, v [B, G, T, D] to attend to."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 (as HF does), scale in the input dtype
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return y * self.weight.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables in fp32; `rotate_half` convention (HF Qwen3/Llama)."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # [P, D]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, S] or [S] -> cos, sin [B or 1, 1, S, D] (fp32)."""
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        return self.cos[position_ids][:, None], self.sin[position_ids][:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, N, S, D]; rotation in fp32, result in x's dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """silu(gate) * up. A module so that FP8 conversion can swap in an FP8-storing version."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_groups, self.head_dim = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+        h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
+        self.q_proj = nn.Linear(h, q, bias=cfg.add_qkv_bias)
+        self.k_proj = nn.Linear(h, kv, bias=cfg.add_qkv_bias)
+        self.v_proj = nn.Linear(h, kv, bias=cfg.add_qkv_bias)
+        self.o_proj = nn.Linear(q, h, bias=False)
+        self.q_norm = RMSNorm(cfg.kv_channels, cfg.norm_epsilon) if cfg.qk_layernorm else None
+        self.k_norm = RMSNorm(cfg.kv_channels, cfg.norm_epsilon) if cfg.qk_layernorm else None
+        self.causal = cfg.causal
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                attn_mask: torch.Tensor | None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """x [B, S, H] -> [B, S, H]. attn_mask: None or bool [B, 1, S, T] (True = attend)."""
+        b, s, _ = x.shape
+        # -1 instead of the head count: under tensor parallelism the local head count is smaller
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N|G, S, D]
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        is_causal = self.causal and attn_mask is None and kv_cache is None
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+        self.act_fn = SwiGLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TransformerLM(nn.Module):
+    """Token ids [B, S] -> logits [B, S, V] (bidirectional for a DLM, causal for an AR model)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+                        if cfg.untie_embeddings_and_output_weights else None)
+        self.rotary = RotaryEmbedding(cfg.kv_channels, cfg.max_position_embeddings, cfg.rotary_base)
+        # A context entered around the transformer layers (as Megatron's transformer block does):
+        # FP8 conversion sets it to FP8 autocast; plain models use a no-op.
+        self.layer_context: Callable[[], ContextManager] = contextlib.nullcontext
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.init_method_std
+        out_std = std / math.sqrt(2.0 * self.config.num_layers)  # Megatron's scaled init of output layers
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, 0.0, out_std)
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The LM head's weight [V, H] (the embedding's when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                output_hidden: bool = False) -> torch.Tensor:
+        """
+        input_ids: long [B, S].
+        attention_mask: None, bool [B, T] (True = a real key; pads are never attended), or a ready
+            bool [B, 1, S, T] mask (True = attend). T = S without a cache.
+        position_ids: long [B, S] or [S]; default 0..S-1.
+        Returns logits [B, S, V] in the compute dtype, or the final hidden states [B, S, H] with
+        output_hidden=True (for a fused/chunked LM head + loss).
+        """
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device)
+        rope = self.rotary(position_ids)
+        attn_mask = self._attention_mask(attention_mask, s, kv_cache)
+        x = self.embed_tokens(input_ids)
+        with self.layer_context():
+            for layer in self.layers:
+                x = layer(x, rope, attn_mask, kv_cache)
+        x = self.norm(x)
+        return x if output_hidden else self.logits(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] (the LM head; stays in BF16/fp32, never FP8)."""
+        return F.linear(hidden, self.output_weight)
+
+    def _attention_mask(self, attention_mask: torch.Tensor | None, s: int,
+                        kv_cache: KVCache | None) -> torch.Tensor | None:
+        causal = self.config.causal
+        if attention_mask is None:
+            if causal and kv_cache is not None and s > 1:
+                raise ValueError("a causal forward with a KV cache and several new tokens needs an "
+                                 "attention_mask [B, T] covering the cached and the new keys")
+            return None  # SDPA's fast paths: no mask, or is_causal
+        if attention_mask.dim() == 4:
+            return attention_mask.bool()
+        if attention_mask.dim() != 2:
+            raise ValueError(f"attention_mask must be [B, T] or [B, 1, S, T], got shape {tuple(attention_mask.shape)}")
+        t = attention_mask.shape[1]
+        mask = attention_mask.bool()[:, None, None, :].expand(-1, 1, s, t)
+        if causal:  # queries are the last s of the t positions
+            q_pos = torch.arange(t - s, t, device=mask.device)[:, None]
+            mask = mask & (torch.arange(t, device=mask.device)[None, :] <= q_pos)
+        # A query row with no key to attend (a pad query) would give NaN: let it see itself/anything.
+        return mask | ~mask.any(dim=-1, keepdim=True)
+
+
+def build_model(cfg: TransformerConfig, device: torch.device | str | None = None) -> TransformerLM:
+    """Build the model for `cfg` (on `device`), converted to FP8 when `cfg.fp8` is set.
+
+    FP8 is a transformation applied after construction (`megadlms.fp8.convert_to_fp8`); the
+    converted model enters FP8 autocast around its transformer layers in its own forward.
+    """
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = TransformerLM(cfg)
+    if cfg.fp8:
+        from .fp8 import convert_to_fp8, recipe_from_config
+
+        model = convert_to_fp8(model, recipe_from_config(cfg),
+                               num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
+                               num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16,
+                               activation_func_fp8_input_store=cfg.activation_func_fp8_input_store)
+    return model
