@@ -35,7 +35,7 @@ class TransformerConfig:
     norm_epsilon: float = 1e-6
     qk_layernorm: bool = False
     add_qkv_bias: bool = False  # Qwen2 / Qwen2.5
-    untie_embeddings_and_output_weights: bool = True
+    untie_embeddings_and_output_weights: bool = False  # Megatron default: tied
     init_method_std: float = 0.02
     attn_mask_type: str = "bidirectional"  # DLM: bidirectional; AR (vanilla): causal
     mask_token_id: int | None = None  # the diffusion [MASK] id, recorded for export / sampling

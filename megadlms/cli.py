@@ -1,0 +1,61 @@
+"""`megadlms <command>`: train | preprocess | generate | convert | export | fp8-check.
+
+Each command lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`
+(train takes the Megatron-style flags of `megadlms.training.args`); this file only dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Sequence
+
+COMMANDS = {
+    "preprocess": ("megadlms.data.preprocess", "tokenize jsonl into Megatron .bin/.idx files"),
+    "generate": ("megadlms.generate.cli", "sample text from a trained model"),
+    "convert": ("megadlms.interop.convert", "convert checkpoints to and from Hugging Face"),
+    "export": ("megadlms.fp8.export", "export inference weights (BF16 or FP8) as safetensors"),
+    "fp8-check": ("megadlms.fp8.check", "check FP8 support of this device and run one FP8 GEMM"),
+}
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+
+
+def train_main(argv: Sequence[str] | None, prog: str = "megadlms train") -> int:
+    from .training.args import parse_train_args
+    from .training.trainer import train
+
+    setup_logging()
+    train(parse_train_args(argv, prog=prog))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "megadlms {train,%s} [flags]   (megadlms COMMAND --help for a command's flags)" % ",".join(COMMANDS)
+    if not argv:  # the embedded default: train the demo
+        return train_main([])
+    command, rest = argv[0], argv[1:]
+    if command in ("-h", "--help"):
+        print(usage + "\n\n  train        pre-train or fine-tune a diffusion (or AR) LM; no flags: the demo")
+        for name, (_, doc) in COMMANDS.items():
+            print(f"  {name:<12} {doc}")
+        return 0
+    if command == "train":
+        return train_main(rest)
+    if command not in COMMANDS:
+        print(f"megadlms: unknown command {command!r}\nusage: {usage}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    parser = argparse.ArgumentParser(prog=f"megadlms {command}", description=COMMANDS[command][1])
+    module.add_arguments(parser)
+    setup_logging()
+    return int(module.run(parser.parse_args(rest)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

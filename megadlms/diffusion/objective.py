@@ -1,0 +1,156 @@
+"""The training objectives as pure functions: masked diffusion (LLaDA / MDLM) and autoregressive.
+
+Both are expressed as `prepare(tokens) -> (inputs, targets, weights)` followed by the same
+`weighted_cross_entropy(logits, targets, weights)`:
+- masked diffusion: inputs are the tokens with a random subset replaced by the mask token,
+  weights = 1/p on masked positions and 0 elsewhere, normalised by B*L (the ELBO);
+- autoregressive (`vanilla`): inputs x[:-1], targets x[1:], weights 1.
+
+Randomness comes from one `MaskSampler` with its own `torch.Generator` (checkpointed). It draws
+the noise for a whole global batch at once and every rank slices its rows, so the masks a sample
+gets do not depend on how the global batch is split across ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+RUNNING_MODES = ("difflm-noshift", "vanilla")
+PMASK_MODES = ("sampled", "actual")
+
+
+@dataclass
+class ObjectiveConfig:
+    mode: str = "difflm-noshift"  # difflm-noshift (masked diffusion) | vanilla (autoregressive)
+    mask_token_id: int = 0
+    eps: float = 1e-3  # p = (1 - eps) * t + eps
+    pmask: str = "sampled"  # sampled: weight by the drawn p; actual: by the row's masked fraction
+    varilen_prob: float = 0.01  # share of micro-steps cut to a random length in [2, L]
+
+    def __post_init__(self) -> None:
+        if self.mode not in RUNNING_MODES:
+            raise ValueError(f"--model-running-mode {self.mode!r} is not one of {list(RUNNING_MODES)}")
+        if self.pmask not in PMASK_MODES:
+            raise ValueError(f"--difflm-pmask {self.pmask!r} is not one of {list(PMASK_MODES)}")
+        if not 0.0 < self.eps < 1.0:
+            raise ValueError(f"--difflm-eps {self.eps} must be in (0, 1), e.g. 1e-3")
+        if not 0.0 <= self.varilen_prob <= 1.0:
+            raise ValueError(f"--difflm-varilen-prob {self.varilen_prob} must be in [0, 1], e.g. 0.01")
+
+    @property
+    def diffusion(self) -> bool:
+        return self.mode == "difflm-noshift"
+
+
+@dataclass
+class BatchNoise:
+    """Noise for one global batch: rows in global sample order, plus per-micro-step lengths."""
+
+    t: torch.Tensor  # [G, 1] fp32, t ~ U(0, 1)
+    u: torch.Tensor  # [G, L] fp32, a token is masked where u < p
+    lengths: torch.Tensor  # [M] int64 on the CPU, sequence length used by each global micro-step
+
+
+class MaskSampler:
+    """Draws the masking noise from its own generators, identically on every rank.
+
+    The per-token noise is drawn on the compute device; the per-micro-step lengths on the CPU,
+    because slicing needs them on the host (no device sync in the step).
+    """
+
+    def __init__(self, seed: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.length_generator = torch.Generator()
+        self.length_generator.manual_seed(seed + 1)
+
+    def draw(self, global_batch: int, seq_len: int, micro_steps: int, varilen_prob: float) -> BatchNoise:
+        g, gl = self.generator, self.length_generator
+        t = torch.rand(global_batch, 1, generator=g, device=self.device)
+        u = torch.rand(global_batch, seq_len, generator=g, device=self.device)
+        cut = torch.rand(micro_steps, generator=gl) < varilen_prob
+        short = torch.randint(2, seq_len + 1, (micro_steps,), generator=gl)
+        lengths = torch.where(cut, short, torch.full_like(short, seq_len))
+        return BatchNoise(t, u, lengths)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "length_generator": self.length_generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.length_generator.set_state(state["length_generator"])
+
+
+def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, mask_token_id: int,
+                eps: float = 1e-3, pmask: str = "sampled") -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward diffusion: mask each token with probability p = (1 - eps) t + eps.
+
+    tokens: long [B, L]; t: [B, 1]; u: [B, L] uniform noise.
+    Returns (noisy long [B, L], weights fp32 [B, L] = 1/p on masked positions, 0 elsewhere).
+    Every row has at least one masked token (the position of its smallest u).
+    """
+    p = (1.0 - eps) * t + eps  # [B, 1]
+    masked = u < p
+    at_least_one = F.one_hot(u.argmin(dim=1), u.shape[1]).bool()
+    masked = masked | at_least_one
+    if pmask == "actual":  # MegaDLMs' variant: weight by the fraction actually masked
+        p = masked.float().mean(dim=1, keepdim=True)
+    noisy = torch.where(masked, torch.full_like(tokens, mask_token_id), tokens)
+    weights = masked.float() / p
+    return noisy, weights
+
+
+def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Tensor] | None,
+                  length: int | None, cfg: ObjectiveConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A loader sample long [B, L+1] -> (inputs [B, l], targets [B, l], weights fp32 [B, l]).
+
+    noise_rows: (t [B, 1], u [B, L]) for these rows (diffusion only); length: l <= L (varilen).
+    """
+    if cfg.diffusion:
+        tokens = sample[:, :-1]
+        length = length or tokens.shape[1]
+        tokens = tokens[:, :length]
+        t, u = noise_rows
+        noisy, weights = mask_tokens(tokens, t, u[:, :length], mask_token_id=cfg.mask_token_id,
+                                     eps=cfg.eps, pmask=cfg.pmask)
+        return noisy, tokens, weights
+    length = length or sample.shape[1] - 1
+    inputs, targets = sample[:, :length], sample[:, 1:length + 1]
+    return inputs, targets, torch.ones(targets.shape, dtype=torch.float32, device=targets.device)
+
+
+def weighted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_i w_i * CE(logits_i, targets_i) / (B * L), CE in fp32.
+
+    logits [B, L, V] (any float dtype); targets long [B, L]; weights fp32 [B, L]. Returns a scalar.
+    With diffusion weights this is the masked-diffusion ELBO; with unit weights the mean AR loss.
+    """
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+    return (ce * weights.flatten()).sum() / targets.numel()
+
+
+def chunked_weighted_cross_entropy(hidden: torch.Tensor, output_weight: torch.Tensor, targets: torch.Tensor,
+                                   weights: torch.Tensor, chunk_tokens: int = 8192) -> torch.Tensor:
+    """The LM head fused with the loss, over token chunks, so the [B*L, V] logits never exist at once.
+
+    hidden [B, L, H]; output_weight [V, H]; targets long [B, L]; weights fp32 [B, L] -> scalar.
+    Only tokens with a non-zero weight need logits: for diffusion that is the masked ~50%.
+    Each chunk's logits are recomputed in backward (checkpointed), trading a GEMM for memory.
+    """
+    h = hidden.flatten(0, 1)
+    y, w = targets.flatten(), weights.flatten()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, h.shape[0], chunk_tokens):
+        sl = slice(start, start + chunk_tokens)
+        total = total + torch.utils.checkpoint.checkpoint(
+            _chunk_loss, h[sl], output_weight, y[sl], w[sl], use_reentrant=False)
+    return total / targets.numel()
+
+
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(h, weight).float()
+    return (F.cross_entropy(logits, y, reduction="none") * w).sum()

@@ -1,0 +1,157 @@
+"""Command-line flags of `megadlms train` / `pretrain_difflm.py`, with Megatron-LM names.
+
+A thin skin: flags build the same config objects the Python API takes; no logic hides here.
+`--config FILE.yaml` supplies defaults (keys = flag names, dashes or underscores); flags given on
+the command line win. With no flags at all the bundled demo config is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+from importlib import resources
+from typing import Sequence
+
+import yaml
+
+from ..config import FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES
+from ..diffusion.objective import PMASK_MODES, RUNNING_MODES
+from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
+
+DEMO_CONFIG = "demo.yaml"
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML file of flag values (keys = flag names)")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model-path", default="tiny",
+                   help="a preset name (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama3-8b, llada-8b, "
+                        "megatron-13b), a Hugging Face config.json, or a folder holding one")
+    for flag, typ in (("--num-layers", int), ("--hidden-size", int), ("--num-attention-heads", int),
+                      ("--num-query-groups", int), ("--kv-channels", int), ("--ffn-hidden-size", int),
+                      ("--seq-length", int), ("--max-position-embeddings", int), ("--rotary-base", float),
+                      ("--norm-epsilon", float), ("--init-method-std", float)):
+        g.add_argument(flag, type=typ, default=None, help="override the preset's value")
+    g.add_argument("--qk-layernorm", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--untie-embeddings-and-output-weights", action=argparse.BooleanOptionalAction, default=None)
+
+    g = p.add_argument_group("diffusion objective")
+    g.add_argument("--model-running-mode", choices=RUNNING_MODES, default="difflm-noshift",
+                   help="difflm-noshift: masked diffusion, bidirectional; vanilla: autoregressive, causal")
+    g.add_argument("--mask-token", type=int, default=None,
+                   help="mask token id (default: the tokenizer's <|mask|>, else the preset's)")
+    g.add_argument("--difflm-eps", type=float, default=1e-3)
+    g.add_argument("--difflm-pmask", choices=PMASK_MODES, default="sampled")
+    g.add_argument("--difflm-varilen-prob", type=float, default=0.01)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--train-iters", type=int, default=1000)
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro-batch-size x data-parallel size (no accumulation)")
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: length of the final decay")
+    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="linear")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    g.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast (default on GPU)")
+    g.add_argument("--fp32", action="store_true", help="no autocast, also on GPU")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: on for CUDA)")
+    g.add_argument("--recompute-granularity", choices=("full",), default=None,
+                   help="activation checkpointing of every transformer layer")
+    g.add_argument("--loss-chunk-tokens", type=int, default=0,
+                   help="fuse the LM head with the loss over chunks of this many tokens (0: plain logits)")
+
+    g = p.add_argument_group("FP8 (Transformer Engine / Megatron-Core semantics)")
+    g.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
+                   help="enable FP8: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients)")
+    g.add_argument("--fp8-hybrid", action="store_true", help="same as --fp8-format hybrid")
+    g.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed")
+    g.add_argument("--fp8-margin", type=int, default=0)
+    g.add_argument("--fp8-amax-history-len", type=int, default=1)
+    g.add_argument("--fp8-amax-compute-algo", choices=FP8_AMAX_ALGOS, default="most_recent")
+    g.add_argument("--no-fp8-wgrad", dest="fp8_wgrad", action="store_false", help="weight-gradient GEMM in BF16")
+    g.add_argument("--activation-func-fp8-input-store", action="store_true",
+                   help="save the SwiGLU input for backward in FP8")
+    g.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="keep the first/last transformer layers in BF16 (counts below)")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
+    g.add_argument("--fp8-stats", action=argparse.BooleanOptionalAction, default=True,
+                   help="log FP8 amax / underflow / saturation per tensor role every --log-interval")
+
+    g = p.add_argument_group("evaluation, logging, checkpoints")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--save", default=None, help="checkpoint folder")
+    g.add_argument("--save-interval", type=int, default=None, help="default: only at the end")
+    g.add_argument("--load", default=None, help="resume from this checkpoint folder")
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+    g.add_argument("--finetune", action="store_true", help="load model weights only; fresh optimizer and iteration")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the architecture from the checkpoint given by --load")
+    g.add_argument("--generate-sample", action=argparse.BooleanOptionalAction, default=None,
+                   help="print a sample from the trained model at the end (default: on for the demo)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+
+    from ..data.args import add_data_arguments
+    from ..distributed.args import add_distributed_arguments
+
+    add_data_arguments(p)
+    add_distributed_arguments(p)
+    return p
+
+
+def build_parser(prog: str = "megadlms train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Pre-train or fine-tune a diffusion (or AR) language model.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return add_train_arguments(p)
+
+
+def apply_yaml_defaults(p: argparse.ArgumentParser, path: str) -> None:
+    """Set parser defaults from a YAML file whose keys are flag names."""
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise SystemExit(f"--config {path}: expected a mapping of flag names to values, got {type(values).__name__}")
+    known = {a.dest for a in p._actions}
+    defaults = {}
+    for key, value in values.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in known:
+            raise SystemExit(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. train-iters)")
+        defaults[dest] = value
+    p.set_defaults(**defaults)
+
+
+def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train") -> argparse.Namespace:
+    p = build_parser(prog)
+    argv = list(argv or [])
+    config = None
+    if "--config" in argv:
+        config = argv[argv.index("--config") + 1]
+    elif any(a.startswith("--config=") for a in argv):
+        config = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
+    elif not argv:  # the embedded default: the demo
+        config = str(resources.files("megadlms.assets") / DEMO_CONFIG)
+    if config:
+        apply_yaml_defaults(p, config)
+    args = p.parse_args(argv)
+    args.config = config
+    if args.fp8_hybrid:
+        if args.fp8_format not in (None, "hybrid"):
+            p.error(f"--fp8-hybrid conflicts with --fp8-format {args.fp8_format}; pass one of them")
+        args.fp8_format = "hybrid"
+    return args

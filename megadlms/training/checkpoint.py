@@ -1,0 +1,174 @@
+"""Checkpoints through torch.distributed.checkpoint (DCP), written atomically.
+
+Layout of a save folder:
+    latest_checkpointed_iteration.txt   the newest complete iteration (written last)
+    iter_0000100/
+        .metadata, __*_*.distcp       DCP shards: model, optimizer, scheduler, training state
+        rank_00000.pt ...             per-rank state: RNG states, mask sampler, data position
+        meta.json                     format, iteration, TransformerConfig, run arguments
+        tokenizer/                    the tokenizer files, so the folder is self-contained
+
+A save goes to `.tmp_iter_*` and is renamed into place only when every file is written; the
+`latest` pointer is replaced after that. A crash at any point leaves either the previous
+checkpoint or the new one, never a half one that a resume would trust.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from ..config import TransformerConfig
+
+FORMAT = "megadlms-dcp-1"
+LATEST = "latest_checkpointed_iteration.txt"
+META = "meta.json"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def iteration_dir(save_dir: str | Path, iteration: int) -> Path:
+    return Path(save_dir) / f"iter_{iteration:07d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(save_dir: str | Path, iteration: int, app_state: dict[str, Any], *,
+                    rank_state: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
+                    tokenizer_dir: str | Path | None = None,
+                    dcp_save: Callable[..., Any] | None = None) -> Path:
+    """Save `app_state` (a DCP state dict, collective across ranks) and this rank's `rank_state`.
+
+    Every rank calls this. `dcp_save(state, checkpoint_id=...)` defaults to `dcp.save`.
+    Returns the final iteration folder.
+    """
+    save_dir = Path(save_dir)
+    final = iteration_dir(save_dir, iteration)
+    tmp = save_dir / f".tmp_{final.name}"
+    rank = _rank()
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        for stale in save_dir.glob(".tmp_iter_*"):  # left by a crashed save
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    (dcp_save or dcp.save)(app_state, checkpoint_id=str(tmp))
+    if rank_state is not None:
+        torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
+    _barrier()
+    if rank == 0:
+        if tokenizer_dir is not None:
+            shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        full_meta = {"format": FORMAT, "iteration": iteration,
+                     "world_size": dist.get_world_size() if dist.is_initialized() else 1, **(meta or {})}
+        _write_atomic(tmp / META, json.dumps(full_meta, indent=2, default=str))
+        if final.exists():  # re-saving an iteration: move the old one aside first
+            old = save_dir / f".old_{final.name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _write_atomic(save_dir / LATEST, f"{iteration}\n")
+    _barrier()
+    return final
+
+
+def find_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path:
+    """The folder of `iteration` (default: the latest complete one) under `load_dir`.
+
+    `load_dir` may also be an iteration folder itself.
+    """
+    load_dir = Path(load_dir)
+    if (load_dir / META).is_file():
+        return load_dir
+    if iteration is None:
+        pointer = load_dir / LATEST
+        if not pointer.is_file():
+            raise CheckpointError(f"no checkpoint in {load_dir}: {LATEST} is missing (is this a --save folder "
+                                  "of a run that saved at least once?)")
+        iteration = int(pointer.read_text().strip())
+    path = iteration_dir(load_dir, iteration)
+    if not (path / META).is_file():
+        raise CheckpointError(f"checkpoint {path} is missing or incomplete (no {META}); "
+                              f"pick another iteration from {sorted(p.name for p in load_dir.glob('iter_*'))}")
+    return path
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    meta = json.loads((Path(path) / META).read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {meta.get('format')!r}; this version reads {FORMAT!r}")
+    return meta
+
+
+def load_app_state(path: str | Path, app_state: dict[str, Any], *, partial: bool = False) -> None:
+    """Load a DCP checkpoint into `app_state` in place (collective). `partial`: keys absent are fine."""
+    planner = dcp.DefaultLoadPlanner(allow_partial_load=partial)
+    dcp.load(app_state, checkpoint_id=str(path), planner=planner)
+
+
+def load_rank_state(path: str | Path, rank: int | None = None) -> dict[str, Any] | None:
+    """This rank's per-rank state; rank 0's when the checkpoint had fewer ranks (resharded resume)."""
+    rank = _rank() if rank is None else rank
+    path = Path(path)
+    f = path / f"rank_{rank:05d}.pt"
+    if not f.is_file():
+        f = path / "rank_00000.pt"
+    return torch.load(f, weights_only=False) if f.is_file() else None
+
+
+def save_model_checkpoint(save_dir: str | Path, model: nn.Module, cfg: TransformerConfig, *, iteration: int = 0,
+                          tokenizer_dir: str | Path | None = None, args: dict[str, Any] | None = None) -> Path:
+    """A weights-only checkpoint (e.g. an imported model) that `megadlms train --load DIR --finetune` takes."""
+    return save_checkpoint(save_dir, iteration, {"model": model.state_dict()},
+                           meta={"config": cfg.to_dict(), "args": args or {}, "weights_only": True},
+                           tokenizer_dir=tokenizer_dir)
+
+
+def load_model_from_checkpoint(load_dir: str | Path, *, device: torch.device | str = "cpu",
+                               iteration: int | None = None) -> tuple[nn.Module, TransformerConfig, dict[str, Any]]:
+    """Build the model recorded in a checkpoint and load its weights (single process).
+
+    Returns (model, config, meta); meta['tokenizer_dir'] is the checkpoint's tokenizer folder or None.
+    """
+    from ..model import build_model
+
+    path = find_checkpoint(load_dir, iteration)
+    meta = read_meta(path)
+    cfg = TransformerConfig.from_dict(meta["config"])
+    model = build_model(cfg, device=device)
+    state = {"model": model.state_dict()}
+    load_app_state(path, state, partial=True)
+    model.load_state_dict(state["model"])
+    tok = path / "tokenizer"
+    meta["tokenizer_dir"] = str(tok) if tok.is_dir() else None
+    meta["path"] = str(path)
+    return model, cfg, meta

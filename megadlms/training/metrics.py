@@ -1,0 +1,92 @@
+"""Throughput accounting (tokens/s, TFLOP/s, MFU), memory, and metric sinks (log, TensorBoard, jsonl)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense BF16 tensor-core peak (TFLOP/s) by device-name substring, most specific first.
+# MFU is always reported against the BF16 peak; with FP8 on this is the BF16-equivalent MFU.
+BF16_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H800", 989.0),
+    ("GH200", 989.0), ("B200", 2250.0), ("B300", 2250.0), ("GB200", 2500.0), ("H20", 148.0),
+    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
+    ("RTX 6000 Ada", 364.0), ("RTX 4090", 165.0), ("A10", 125.0),
+)
+
+
+def bf16_peak_tflops(device: torch.device) -> float | None:
+    """The device's dense BF16 peak, or None (CPU, unknown GPU: MFU is then reported as n/a)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in BF16_PEAK_TFLOPS:
+        if key in name:
+            return peak
+    return None
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak device memory (CUDA) or peak resident memory of the process (CPU), in GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def throughput(tokens: int, seconds: float, flops_per_token: float, world_size: int,
+               peak_tflops: float | None) -> dict[str, float | None]:
+    """tokens: global tokens in `seconds`. TFLOP/s and MFU are per device."""
+    tok_s = tokens / seconds
+    tflops = tok_s * flops_per_token / world_size / 1e12
+    return {"tokens_per_s": tok_s, "tflops_per_device": tflops,
+            "mfu": tflops / peak_tflops if peak_tflops else None}
+
+
+def format_log_line(m: dict[str, Any], train_iters: int) -> str:
+    parts = [f"iter {m['iteration']:>6}/{train_iters}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.3e}",
+             f"grad_norm {m['grad_norm']:.3f}", f"{m['tokens_per_s']:,.0f} tok/s",
+             f"{m['tflops_per_device']:.1f} TFLOP/s/dev",
+             f"MFU {m['mfu'] * 100:.1f}%" if m.get("mfu") is not None else "MFU n/a",
+             f"mem {m['memory_gib']:.2f} GiB"]
+    fp8 = {k: v for k, v in m.items() if k.startswith("fp8/")}
+    if fp8:
+        parts.append("fp8 " + " ".join(f"{k[4:]}={v:.3g}" for k, v in sorted(fp8.items())))
+    return " | ".join(parts)
+
+
+class MetricSinks:
+    """TensorBoard (if a dir is given) and an append-only metrics.jsonl (if a dir is given); rank 0 only."""
+
+    def __init__(self, tensorboard_dir: str | None, jsonl_dir: str | None, enabled: bool = True):
+        self.tb = None
+        self.jsonl = None
+        if not enabled:
+            return
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(tensorboard_dir)
+        if jsonl_dir:
+            Path(jsonl_dir).mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(Path(jsonl_dir) / "metrics.jsonl", "a")
+
+    def write(self, step: int, metrics: dict[str, Any], prefix: str = "train") -> None:
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and v is not None and k != "iteration":
+                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"split": prefix, **metrics}) + "\n")
+            self.jsonl.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

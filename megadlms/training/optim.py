@@ -1,0 +1,80 @@
+"""AdamW with Megatron's parameter groups, and Megatron's learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+
+
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
+                    eps: float = 1e-8, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW; no weight decay on biases, norm weights and other 1-D parameters (Megatron's rule).
+
+    fused=None picks the fused CUDA kernel when the parameters live on a GPU.
+    """
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    if fused is None:
+        fused = all(p.is_cuda for p in decay + no_decay)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+@dataclass
+class LRSchedule:
+    """lr(iteration): linear warmup, then constant | linear | cosine | WSD decay to min_lr.
+
+    WSD (warmup-stable-decay) holds lr until the last `wsd_decay_iters` of `decay_iters`, then
+    decays with `wsd_decay_style`.
+    """
+
+    lr: float
+    min_lr: float = 0.0
+    warmup_iters: int = 0
+    decay_iters: int = 1
+    decay_style: str = "cosine"
+    wsd_decay_iters: int = 0
+    wsd_decay_style: str = "linear"
+
+    def __post_init__(self) -> None:
+        if self.decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style {self.decay_style!r} is not one of {list(LR_DECAY_STYLES)}")
+        if self.wsd_decay_style not in WSD_DECAY_STYLES:
+            raise ValueError(f"--lr-wsd-decay-style {self.wsd_decay_style!r} is not one of {list(WSD_DECAY_STYLES)}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} is larger than --lr {self.lr}")
+        if self.warmup_iters > self.decay_iters:
+            raise ValueError(f"--lr-warmup-iters {self.warmup_iters} exceeds --lr-decay-iters {self.decay_iters}")
+
+    def __call__(self, iteration: int) -> float:
+        if self.warmup_iters > 0 and iteration < self.warmup_iters:
+            return self.lr * (iteration + 1) / self.warmup_iters
+        if self.decay_style == "constant":
+            return self.lr
+        if iteration >= self.decay_iters:
+            return self.min_lr
+        delta = self.lr - self.min_lr
+        if self.decay_style == "WSD":
+            start = self.decay_iters - self.wsd_decay_iters
+            if iteration < start:
+                return self.lr
+            r = (iteration - start) / max(1, self.wsd_decay_iters)
+            coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                     "exponential": (2.0 * (0.5 ** r)) - 1.0, "minus_sqrt": 1.0 - math.sqrt(r)}[self.wsd_decay_style]
+            return self.min_lr + coeff * delta
+        r = (iteration - self.warmup_iters) / max(1, self.decay_iters - self.warmup_iters)
+        coeff = 1.0 - r if self.decay_style == "linear" else 0.5 * (math.cos(math.pi * r) + 1.0)
+        return self.min_lr + coeff * delta
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,61 @@
+import torch
+
+from megadlms import TransformerConfig, build_model
+
+
+def small(**kw):
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                vocab_size=97, seq_length=32, qk_layernorm=True)
+    return TransformerConfig(**{**base, **kw})
+
+
+def test_shapes_dtypes_and_parameter_names():
+    torch.manual_seed(0)
+    model = build_model(small())
+    x = torch.randint(0, 97, (3, 17))
+    logits = model(x)
+    assert logits.shape == (3, 17, 97) and logits.dtype == torch.float32
+    assert model(x, output_hidden=True).shape == (3, 17, 64)
+    names = set(dict(model.named_parameters()))
+    assert {"embed_tokens.weight", "layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight",
+            "layers.0.self_attn.q_norm.weight", "norm.weight"} <= names
+    assert model.lm_head is None and model.output_weight is model.embed_tokens.weight
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16
+
+
+def test_bidirectional_vs_causal():
+    torch.manual_seed(0)
+    dlm = build_model(small())
+    ar = build_model(small(attn_mask_type="causal"))
+    ar.load_state_dict(dlm.state_dict())
+    x = torch.randint(0, 97, (2, 12))
+    y = x.clone()
+    y[:, -1] = (y[:, -1] + 1) % 97  # change only the last token
+    # DLM: every position sees the change; AR: earlier positions do not
+    assert (dlm(x)[:, 0] - dlm(y)[:, 0]).abs().max() > 1e-4
+    assert torch.equal(ar(x)[:, :-1], ar(y)[:, :-1])
+    # with no mask and a full key mask the causal model gives the same logits
+    torch.testing.assert_close(ar(x, attention_mask=torch.ones(2, 12, dtype=torch.bool)), ar(x))
+
+
+def test_padding_keys_are_never_attended():
+    torch.manual_seed(0)
+    model = build_model(small())
+    x = torch.randint(0, 97, (1, 10))
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    mask[:, :3] = False  # left padding
+    a = model(x, attention_mask=mask)
+    x2 = x.clone()
+    x2[:, :3] = 5
+    b = model(x2, attention_mask=mask)
+    torch.testing.assert_close(a[:, 3:], b[:, 3:])
+
+
+def test_untied_head_and_init_scale():
+    torch.manual_seed(0)
+    model = build_model(small(untie_embeddings_and_output_weights=True, num_layers=8))
+    assert model.lm_head is not None and model.output_weight is model.lm_head.weight
+    std_q = model.layers[0].self_attn.q_proj.weight.std().item()
+    std_o = model.layers[0].self_attn.o_proj.weight.std().item()
+    assert abs(std_q - 0.02) < 0.003 and abs(std_o - 0.02 / 4) < 0.001  # out layers scaled by 1/sqrt(2L)
