@@ -51,7 +51,8 @@ def preset_config(name: str, **overrides: Any) -> TransformerConfig:
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> TransformerConfig:
-    """A TransformerConfig from a Hugging Face config dict of the Qwen3 / Qwen2 / Llama families."""
+    """The field mapping of a Qwen3 / Qwen2 / Llama config dict; `load_model_config` adds the checks
+    and family defaults of `megadlms.interop.hf.hf_config_to_megadlms`."""
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
     arch = archs[0]
     model_type = hf.get("model_type", "")
@@ -95,4 +96,10 @@ def load_model_config(model_path: str, **overrides: Any) -> TransformerConfig:
         hf = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p} is not valid JSON: {e}") from e
-    return config_from_hf(hf, **overrides)
+    from .interop.hf import InteropError, hf_config_to_megadlms  # lazy: interop imports this module
+
+    try:  # the interop layer refuses features the model does not implement (RoPE scaling, ...)
+        cfg = hf_config_to_megadlms(hf)
+    except InteropError as e:
+        raise ConfigError(str(e)) from e
+    return cfg.replace(**overrides) if overrides else cfg

@@ -83,8 +83,10 @@ def save_checkpoint(save_dir: str | Path, iteration: int, app_state: dict[str, A
         torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
     _barrier()
     if rank == 0:
-        if tokenizer_dir is not None:
-            shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        if tokenizer_dir is not None:  # the tokenizer files only, not e.g. the weights of an HF folder
+            from ..interop.hf import copy_tokenizer_files
+
+            copy_tokenizer_files(tokenizer_dir, tmp / "tokenizer")
         full_meta = {"format": FORMAT, "iteration": iteration,
                      "world_size": dist.get_world_size() if dist.is_initialized() else 1, **(meta or {})}
         _write_atomic(tmp / META, json.dumps(full_meta, indent=2, default=str))

@@ -1,0 +1,202 @@
+"""`megadlms convert`: Hugging Face <-> MegaDLMs checkpoints.
+
+    megadlms convert hf-to-megadlms --hf-model DIR --save DIR [--mask-token ID] [--attn-mask-type T] [--verify]
+    megadlms convert megadlms-to-hf --load DIR --save DIR [--max-shard-size 5GB] [--verify]
+    megadlms convert verify --load DIR --hf-model DIR       (compare an existing pair)
+
+Exit status: 0 on success, 1 when --verify finds the models disagree, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..config import ATTN_MASK_TYPES, ConfigError
+from .hf import (
+    DEFAULT_MAX_SHARD_SIZE,
+    DTYPES,
+    InteropError,
+    check_vocab_fits,
+    copy_tokenizer_files,
+    load_hf_model,
+    model_from_state_dict,
+    parse_size,
+    plain_state_dict,
+    read_hf_config,
+    save_hf_model,
+    tokenizer_vocab_size,
+)
+from .verify import DEFAULT_TOLERANCE, VerifyResult, verify_against_folder
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `hf-to-megadlms` and `megadlms-to-hf` subcommands to `parser`."""
+    sub = parser.add_subparsers(dest="convert_command", metavar="{hf-to-megadlms,megadlms-to-hf,verify}")
+    sub.required = True
+    imp = sub.add_parser(
+        "hf-to-megadlms", help="import a Hugging Face Qwen3 / Qwen2 / Llama folder as a MegaDLMs checkpoint",
+        description="Import a local Hugging Face folder (config.json + safetensors, sharded or not) as a "
+                    "weights-only checkpoint for `megadlms train --load DIR --finetune`. The folder's tokenizer "
+                    "files are copied into the checkpoint.")
+    imp.add_argument("--hf-model", required=True, metavar="DIR", help="local Hugging Face model folder")
+    imp.add_argument("--save", required=True, metavar="DIR", help="checkpoint folder to write")
+    imp.add_argument("--mask-token", default=None, metavar="ID",
+                     help="diffusion [MASK] id (or a token string of the tokenizer); default: config.json's "
+                          "mask_token_id, if any")
+    imp.add_argument("--attn-mask-type", choices=ATTN_MASK_TYPES, default=None,
+                     help="attention of the imported model; default: as config.json records it, else causal")
+    imp.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                     help="precision to store the weights in (default float32; training loads them into its own "
+                          "master-weight precision)")
+    imp.add_argument("--iteration", type=int, default=0, help="iteration number to record (default 0)")
+    _add_verify(imp)
+
+    exp = sub.add_parser(
+        "megadlms-to-hf", help="export a MegaDLMs checkpoint as a Hugging Face folder (stock architecture)",
+        description="Export a checkpoint as safetensors + config.json of Qwen3ForCausalLM (QK layernorm), "
+                    "Qwen2ForCausalLM (QKV bias) or LlamaForCausalLM, with mask_token_id and attn_mask_type "
+                    "recorded, generation_config.json and the tokenizer files.")
+    exp.add_argument("--load", required=True, metavar="DIR", help="checkpoint folder (a --save folder of training)")
+    exp.add_argument("--save", required=True, metavar="DIR", help="Hugging Face folder to write")
+    exp.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the latest)")
+    exp.add_argument("--tokenizer", default=None, metavar="DIR",
+                     help="tokenizer folder to ship (default: the checkpoint's own tokenizer/)")
+    exp.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                     help="dtype of the exported weights (default: the loaded model's, float32; bfloat16 halves "
+                          "the size)")
+    exp.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE), metavar="SIZE",
+                     help="largest safetensors shard, bytes or e.g. '5GB', '500MB' (default 5GB)")
+    _add_verify(exp)
+
+    ver = sub.add_parser(
+        "verify", help="compare a MegaDLMs checkpoint with a Hugging Face folder (fp32, CPU)",
+        description="Run the checkpoint's model and transformers' model of the folder on the same batch, under "
+                    "the checkpoint's attention type; exit 1 when they disagree beyond --verify-tol.")
+    ver.add_argument("--load", required=True, metavar="DIR", help="checkpoint folder")
+    ver.add_argument("--hf-model", required=True, metavar="DIR", help="Hugging Face model folder")
+    ver.add_argument("--iteration", type=int, default=None, help="iteration to compare (default: the latest)")
+    ver.add_argument("--verify-tol", type=float, default=DEFAULT_TOLERANCE, metavar="TOL",
+                     help=f"tolerance, as for --verify (default {DEFAULT_TOLERANCE:g})")
+
+
+def _add_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verify", action="store_true",
+                   help="run our model and transformers' on the same batch (fp32, CPU) and fail when the logits "
+                        "or the loss differ beyond --verify-tol")
+    p.add_argument("--verify-tol", type=float, default=DEFAULT_TOLERANCE, metavar="TOL",
+                   help=f"pass when max|dlogit| <= TOL*max(1, max|logit|) and |dloss| <= TOL*max(1, loss) "
+                        f"(default {DEFAULT_TOLERANCE:g})")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the subcommand in `args`; returns the exit status (0 ok, 1 verification failed, 2 bad input)."""
+    from ..training.checkpoint import CheckpointError
+
+    try:
+        if args.convert_command == "hf-to-megadlms":
+            return _hf_to_megadlms(args)
+        if args.convert_command == "megadlms-to-hf":
+            return _megadlms_to_hf(args)
+        if args.convert_command == "verify":
+            return _verify_pair(args)
+        raise InteropError(f"unknown convert command {args.convert_command!r}; use hf-to-megadlms, megadlms-to-hf "
+                           "or verify")
+    except (InteropError, ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _report(result: VerifyResult) -> int:
+    print(result.summary())
+    if not result.passed:
+        print(f"error: verification failed: the converted model disagrees with transformers beyond "
+              f"--verify-tol {result.tolerance:g} (see the numbers above); the weights or the config are wrong",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _hf_to_megadlms(args: argparse.Namespace) -> int:
+    from ..training.checkpoint import load_model_from_checkpoint, save_model_checkpoint
+
+    src = Path(args.hf_model)
+    dtype = DTYPES[args.dtype]
+    model, cfg = load_hf_model(src, dtype=dtype, attn_mask_type=args.attn_mask_type, mask_token_id=args.mask_token)
+    cfg.extra["hf_source"] = str(src.resolve())
+    with tempfile.TemporaryDirectory() as staging:  # only the tokenizer files, not the weights next to them
+        copied = copy_tokenizer_files(src, staging)
+        out = save_model_checkpoint(args.save, model, cfg, iteration=args.iteration,
+                                    tokenizer_dir=staging if copied else None)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"imported {cfg.extra['hf_architecture']} ({n_params / 1e6:.2f}M parameters, {cfg.num_layers} layers, "
+          f"vocab {cfg.vocab_size}, {'untied' if cfg.untie_embeddings_and_output_weights else 'tied'} head, "
+          f"{cfg.attn_mask_type} attention, mask_token_id={cfg.mask_token_id}) from {src} -> {out}")
+    if not copied:
+        print(f"warning: no tokenizer files in {src}; pass --tokenizer-model when training", file=sys.stderr)
+    if cfg.attn_mask_type == "bidirectional" and cfg.mask_token_id is None:
+        print("note: no mask token recorded; pass --mask-token ID for diffusion training/sampling", file=sys.stderr)
+    if not args.verify:
+        return 0
+    del model
+    saved, saved_cfg, _ = load_model_from_checkpoint(args.save, iteration=args.iteration)
+    ours = model_from_state_dict(saved_cfg, plain_state_dict(saved, saved_cfg), dtype=torch.float32)
+    result = verify_against_folder(ours, saved_cfg, src, tolerance=args.verify_tol,
+                                   vocab_limit=tokenizer_vocab_size(src), round_to=dtype)
+    return _report(result)
+
+
+def _megadlms_to_hf(args: argparse.Namespace) -> int:
+    from ..training.checkpoint import load_model_from_checkpoint
+
+    model, cfg, meta = load_model_from_checkpoint(args.load, iteration=args.iteration)
+    tokenizer_dir = args.tokenizer or meta.get("tokenizer_dir")
+    check_vocab_fits(cfg, tokenizer_dir)
+    out = save_hf_model(model, cfg, args.save, tokenizer_dir=tokenizer_dir,
+                        max_shard_size=parse_size(args.max_shard_size), dtype=args.dtype)
+    shards = sorted(p.name for p in out.glob("model*.safetensors"))
+    print(f"exported {meta.get('path', args.load)} -> {out}: {len(shards)} safetensors file(s), "
+          f"{cfg.attn_mask_type} attention, mask_token_id={cfg.mask_token_id}")
+    if tokenizer_dir is None:
+        print("warning: the checkpoint has no tokenizer; pass --tokenizer DIR so AutoTokenizer can load the export",
+              file=sys.stderr)
+    if not args.verify:
+        return 0
+    weights = plain_state_dict(model, cfg)
+    if args.dtype is not None:  # compare against what was written, rounded like the export
+        weights = {k: v.to(DTYPES[args.dtype]) if v.is_floating_point() else v for k, v in weights.items()}
+    ours = model_from_state_dict(cfg, weights, dtype=torch.float32)
+    result = verify_against_folder(ours, cfg, out, tolerance=args.verify_tol,
+                                   vocab_limit=tokenizer_vocab_size(out))
+    return _report(result)
+
+
+def _verify_pair(args: argparse.Namespace) -> int:
+    from ..training.checkpoint import load_model_from_checkpoint
+
+    model, cfg, _ = load_model_from_checkpoint(args.load, iteration=args.iteration)
+    weights = plain_state_dict(model, cfg)
+    del model
+    # Compare at the lower of the two stored precisions (an fp32 checkpoint exported as bf16 is not a defect).
+    hf_conf = read_hf_config(args.hf_model)
+    hf_dtype = DTYPES.get(str(hf_conf.get("dtype") or hf_conf.get("torch_dtype") or "float32"), torch.float32)
+    low = hf_dtype if hf_dtype != torch.float32 else weights["embed_tokens.weight"].dtype
+    ours = model_from_state_dict(cfg, {k: v.to(low) if v.is_floating_point() else v for k, v in weights.items()},
+                                 dtype=torch.float32)
+    return _report(verify_against_folder(ours, cfg, args.hf_model, tolerance=args.verify_tol,
+                                         vocab_limit=tokenizer_vocab_size(args.hf_model), round_to=low))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megadlms.interop.convert ...` (the same as `megadlms convert ...`)."""
+    parser = argparse.ArgumentParser(prog="megadlms convert", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

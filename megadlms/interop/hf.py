@@ -1,0 +1,636 @@
+"""Hugging Face interop: read and write checkpoints of the stock Qwen3 / Qwen2 / Llama architectures.
+
+Our `TransformerLM` uses Hugging Face's module names, so the weight mapping is the `model.` prefix
+plus the tied LM head (`lm_head.weight` absent when `tie_word_embeddings`). What this module adds is
+the checking: every tensor is matched by name and shape against the architecture the config
+describes, and each mismatch is an `InteropError` naming the tensor and both shapes.
+
+Vocabulary padding: the model's `vocab_size` is the embedding's row count (HF's `config.vocab_size`),
+which may exceed the tokenizer's (Qwen pads 151669 tokens to 151936 rows). Padding rows are kept on
+import and export, unchanged, and a mask token may live in one. A tokenizer with *more* ids than the
+embedding has rows is an error: those ids would index past the table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config import ConfigError, TransformerConfig
+from ..model import RotaryEmbedding, TransformerLM
+from ..presets import config_from_hf
+
+# HF class -> our family name; the family decides the config fields and the bias layout.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+# transformers' class defaults for fields that a config.json may leave out
+_FAMILY_DEFAULTS = {"qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+                    "qwen2": {"max_position_embeddings": 32768},
+                    "llama": {"max_position_embeddings": 2048}}
+
+# Files a transformers tokenizer is made of (whichever the folder has are copied).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.jinja",
+                   "chat_template.json")
+_TOKENIZER_MODEL_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' "5GB"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+_DERIVED_KEYS = ("rotary_emb.inv_freq",)  # buffers older checkpoints stored; recomputed from the config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class InteropError(ValueError):
+    """A Hugging Face checkpoint and the architecture disagree; the message names the tensor/field and the fix."""
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The config.json of a Hugging Face model folder (or the file itself) as a dict."""
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        raise InteropError(f"no config.json in {str(p)!r}; pass a local Hugging Face model folder (hub names "
+                           "are not fetched: download it first, e.g. `hf download NAME --local-dir DIR`)")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise InteropError(f"{f} is not valid JSON: {e}") from e
+
+
+def hf_family(hf: Mapping[str, Any]) -> str:
+    """'qwen3' | 'qwen2' | 'llama' for a supported config dict; InteropError otherwise."""
+    archs = hf.get("architectures") or []
+    if archs:
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise InteropError(f"unsupported Hugging Face architecture {arch!r} (config.json 'architectures'); "
+                               f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        return SUPPORTED_ARCHITECTURES[arch]
+    model_type = hf.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise InteropError(f"unsupported Hugging Face model_type {model_type!r} and no 'architectures' in "
+                           f"config.json; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    return model_type
+
+
+def _check_supported_features(hf: Mapping[str, Any], family: str) -> None:
+    """Refuse config features the stock families allow but our model does not implement."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise InteropError(f"hidden_act={act!r} is not supported; the MLP is SwiGLU (hidden_act 'silu')")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else rope
+    if rope_type not in (None, "default"):
+        raise InteropError(f"RoPE scaling {rope_type!r} (config.json rope_parameters/rope_scaling) is not "
+                           "supported; only plain RoPE ('default') is implemented")
+    prf = (rope.get("partial_rotary_factor") if isinstance(rope, Mapping) else None) or hf.get("partial_rotary_factor")
+    if prf not in (None, 1, 1.0):
+        raise InteropError(f"partial_rotary_factor={prf} is not supported; RoPE covers the whole head (1.0)")
+    if family in ("qwen3", "llama") and hf.get("attention_bias", False):
+        raise InteropError(f"attention_bias=true in a {family} config puts a bias on o_proj too, which is not "
+                           "supported (only q/k/v biases, as Qwen2 has)")
+    if hf.get("mlp_bias", False):
+        raise InteropError("mlp_bias=true is not supported; the MLP projections have no bias")
+    if family in ("qwen3", "qwen2") and hf.get("use_sliding_window", False):
+        layer_types = hf.get("layer_types")
+        n = hf["num_hidden_layers"]
+        sliding = ("sliding_attention" in layer_types) if layer_types else n > hf.get("max_window_layers", n)
+        if sliding:
+            raise InteropError("use_sliding_window=true with sliding-window layers is not supported; every layer "
+                               "attends to the full sequence (set use_sliding_window false if it was never used)")
+
+
+def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None = None,
+                          mask_token_id: int | None = None) -> TransformerConfig:
+    """A TransformerConfig for a Qwen3 / Qwen2 / Llama config.json dict.
+
+    attn_mask_type: None -> the config's own record (`attn_mask_type`, or `is_causal: false`), else causal.
+    The original bos/eos/pad ids and architecture are kept in `cfg.extra` for a faithful export.
+    """
+    family = hf_family(hf)
+    _check_supported_features(hf, family)
+    defaults = _FAMILY_DEFAULTS[family]
+    if attn_mask_type is None:
+        attn_mask_type = hf.get("attn_mask_type") or ("bidirectional" if hf.get("is_causal") is False else "causal")
+    heads = hf["num_attention_heads"]
+    max_pos = hf.get("max_position_embeddings") or defaults["max_position_embeddings"]
+    extra = {"hf_architecture": _MODEL_TYPES[family],
+             "hf_token_ids": {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}}
+    overrides: dict[str, Any] = dict(
+        kv_channels=hf.get("head_dim") or defaults.get("head_dim") or hf["hidden_size"] // heads,
+        max_position_embeddings=max_pos, seq_length=min(4096, max_pos),
+        attn_mask_type=attn_mask_type, extra=extra)
+    if mask_token_id is not None:
+        overrides["mask_token_id"] = mask_token_id
+    try:
+        return config_from_hf(dict(hf), **overrides)
+    except ConfigError as e:
+        raise InteropError(f"config.json does not give a valid model: {e}") from e
+
+
+def hf_architecture(cfg: TransformerConfig) -> str:
+    """The stock transformers class that computes exactly what `cfg` does."""
+    if cfg.qk_layernorm and cfg.add_qkv_bias:
+        raise InteropError("qk_layernorm=True together with add_qkv_bias=True has no stock transformers "
+                           "architecture (Qwen3 has QK norm without biases, Qwen2 biases without QK norm)")
+    if cfg.qk_layernorm:
+        return "Qwen3ForCausalLM"
+    return "Qwen2ForCausalLM" if cfg.add_qkv_bias else "LlamaForCausalLM"
+
+
+def megadlms_config_to_hf(cfg: TransformerConfig, *, dtype: torch.dtype = torch.float32,
+                          token_ids: Mapping[str, int | None] | None = None) -> dict[str, Any]:
+    """The config.json dict of the stock architecture for `cfg` (plus `mask_token_id`, `attn_mask_type`).
+
+    A bidirectional model also gets `is_causal: false`, which transformers >= 5 honours when building
+    the attention mask, so `AutoModelForCausalLM.from_pretrained` runs it bidirectionally as saved.
+    Token ids: those recorded at import (`cfg.extra['hf_token_ids']`, e.g. Llama 3's list of eos ids)
+    win; `token_ids` (bos/eos/pad resolved from the tokenizer) fill the ones not recorded.
+    """
+    arch = hf_architecture(cfg)
+    family = SUPPORTED_ARCHITECTURES[arch]
+    ids = {k: v for k, v in (token_ids or {}).items() if v is not None}
+    ids.update({k: v for k, v in ((cfg.extra or {}).get("hf_token_ids") or {}).items() if v is not None})
+    n = cfg.num_layers
+    hf: dict[str, Any] = {
+        "architectures": [arch], "model_type": family,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": n, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.kv_channels, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings, "initializer_range": cfg.init_method_std,
+        "rms_norm_eps": cfg.norm_epsilon, "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+        # rope_parameters for transformers 5, rope_theta for 4.x readers
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+        "rope_theta": float(cfg.rotary_base),
+        "attention_dropout": 0.0, "use_cache": True,
+        "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
+        "pad_token_id": ids.get("pad_token_id"),
+        "dtype": str(dtype).removeprefix("torch."),
+        "mask_token_id": cfg.mask_token_id, "attn_mask_type": cfg.attn_mask_type,
+    }
+    if cfg.attn_mask_type == "bidirectional":
+        hf["is_causal"] = False
+    if family in ("qwen3", "qwen2"):
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=n,
+                  layer_types=["full_attention"] * n)
+    if family in ("qwen3", "llama"):
+        hf["attention_bias"] = False
+    if family == "llama":
+        hf.update(mlp_bias=False, pretraining_tp=1)
+    return hf
+
+
+# --------------------------------------------------------------------------------------- state dicts
+
+
+def expected_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter names -> shapes for `cfg` (the plain, non-FP8 model), built on the meta device."""
+    with torch.device("meta"):
+        model = TransformerLM(cfg.replace(fp8=False) if cfg.fp8 else cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _names(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(sorted(keys)[:limit])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def _shape_hint(name: str, cfg: TransformerConfig) -> str:
+    if "embed_tokens" in name or "lm_head" in name:
+        return f" (vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})"
+    if "proj" in name or "norm" in name:
+        return (f" (hidden_size={cfg.hidden_size}, heads={cfg.num_attention_heads}, kv heads={cfg.num_query_groups}, "
+                f"head_dim={cfg.kv_channels}, intermediate_size={cfg.ffn_hidden_size})")
+    return ""
+
+
+def _hf_name(name: str) -> str:
+    return name if name == "lm_head.weight" else f"model.{name}"
+
+
+def _check_against(ours: dict[str, torch.Tensor], cfg: TransformerConfig, display: Callable[[str], str]) -> None:
+    """Every expected tensor present with its shape; nothing unexpected. display: our name -> name in messages."""
+    expected = expected_shapes(cfg)
+    missing = [n for n in expected if n not in ours]
+    if missing:
+        raise InteropError(f"missing tensors {_names([display(n) for n in missing])} for the architecture "
+                           "in the config; is a shard missing, or does config.json describe another model "
+                           f"(num_hidden_layers={cfg.num_layers}, qk norm={cfg.qk_layernorm}, "
+                           f"qkv bias={cfg.add_qkv_bias})?")
+    unexpected = [n for n in ours if n not in expected]
+    if unexpected:
+        raise InteropError(f"unexpected tensors {_names([display(n) for n in unexpected])}: the "
+                           "architecture in the config has no such parameters (a different model family, or "
+                           "config.json with fewer layers / no biases than the weights)")
+    for n, shape in expected.items():
+        got = tuple(ours[n].shape)
+        if got != shape:
+            raise InteropError(f"shape mismatch for {display(n)}: the checkpoint has {list(got)}, the "
+                               f"config expects {list(shape)}{_shape_hint(n, cfg)}; fix config.json or the weights")
+
+
+def hf_state_dict_to_megadlms(hf_state_dict: Mapping[str, torch.Tensor],
+                              cfg: TransformerConfig) -> dict[str, torch.Tensor]:
+    """HF names (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`) -> ours (`layers.0...`).
+
+    Tensors are passed through (same objects, any dtype). Checks names and shapes against `cfg`.
+    Tied (`untie_embeddings_and_output_weights=False`): an `lm_head.weight` equal to the embedding is
+    dropped; one that differs is an error (the tie would silently replace it).
+    """
+    ours: dict[str, torch.Tensor] = {}
+    lm_head = None
+    for k, v in hf_state_dict.items():
+        if k.endswith(_DERIVED_KEYS):
+            continue
+        if k == "lm_head.weight":
+            lm_head = v
+            continue
+        name = k.removeprefix("model.") if k.startswith("model.") else None
+        if name is None:
+            raise InteropError(f"unexpected tensor {k!r}: a *ForCausalLM checkpoint has only 'model.*' tensors and "
+                               "'lm_head.weight' (is this a different head, e.g. sequence classification?)")
+        ours[name] = v
+    embed = ours.get("embed_tokens.weight")
+    if cfg.untie_embeddings_and_output_weights:
+        if lm_head is None:
+            raise InteropError("tie_word_embeddings is false but the checkpoint has no lm_head.weight; set "
+                               "tie_word_embeddings true in config.json if the head shares the embedding, or "
+                               "add the missing shard")
+        ours["lm_head.weight"] = lm_head
+    elif lm_head is not None:
+        if embed is None or lm_head.shape != embed.shape or not torch.equal(lm_head, embed.to(lm_head.dtype)):
+            raise InteropError(
+                f"tie_word_embeddings is true but lm_head.weight {list(lm_head.shape)} differs from "
+                f"model.embed_tokens.weight {None if embed is None else list(embed.shape)}; set "
+                "tie_word_embeddings false in config.json to keep a separate head")
+    _check_against(ours, cfg, _hf_name)
+    return ours
+
+
+def megadlms_state_dict_to_hf(state_dict: Mapping[str, torch.Tensor], cfg: TransformerConfig, *,
+                              strict: bool = True) -> dict[str, torch.Tensor]:
+    """Our names -> HF names (`model.` prefix; `lm_head.weight` only when untied).
+
+    strict=False drops tensors the plain architecture does not have (e.g. FP8 scale/amax buffers of an
+    FP8-converted model, which are training state, not weights); missing or misshapen ones still fail.
+    """
+    expected = expected_shapes(cfg)
+    if not cfg.untie_embeddings_and_output_weights and "lm_head.weight" in state_dict:
+        raise InteropError("the config ties the LM head to the embedding (untie_embeddings_and_output_weights="
+                           f"False) but the state dict has lm_head.weight {list(state_dict['lm_head.weight'].shape)}; "
+                           "set untie_embeddings_and_output_weights=True to export a separate head")
+    if cfg.untie_embeddings_and_output_weights and "lm_head.weight" not in state_dict:
+        raise InteropError("the config has a separate LM head (untie_embeddings_and_output_weights=True) but the "
+                           "state dict has no lm_head.weight; set untie_embeddings_and_output_weights=False for a "
+                           "tied model")
+    ours = dict(state_dict) if strict else {k: v for k, v in state_dict.items() if k in expected}
+    _check_against(ours, cfg, lambda n: n)
+    return {_hf_name(n): v for n, v in ours.items()}
+
+
+# --------------------------------------------------------------------------------------- safetensors
+
+
+def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a folder's safetensors: `model.safetensors`, or the shards listed in
+    `model.safetensors.index.json` (each must exist and hold the tensors the index assigns it)."""
+    folder = Path(path)
+    index_file = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index_file.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise InteropError(f"{index_file} is not a safetensors index (needs a 'weight_map'): {e}") from e
+        by_file: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            by_file.setdefault(fname, []).append(name)
+        missing = {f: names for f, names in by_file.items() if not (folder / f).is_file()}
+        if missing:
+            f, names = next(iter(missing.items()))
+            raise InteropError(f"missing shard {f!r} in {folder} (listed in {SAFE_WEIGHTS_INDEX_NAME}, holding "
+                               f"{_names(names, 4)}); {len(missing)} of {len(by_file)} shards are missing: copy them "
+                               "from the source model")
+        out: dict[str, torch.Tensor] = {}
+        for fname, names in by_file.items():
+            with safe_open(folder / fname, framework="pt", device="cpu") as f:
+                present = set(f.keys())
+                absent = [n for n in names if n not in present]
+                if absent:
+                    raise InteropError(f"shard {fname!r} lacks {_names(absent, 4)} that {SAFE_WEIGHTS_INDEX_NAME} "
+                                       "assigns to it; the shard is truncated or from another model")
+                for n in names:
+                    out[n] = f.get_tensor(n)
+        return out
+    files = [folder / SAFE_WEIGHTS_NAME] if (folder / SAFE_WEIGHTS_NAME).is_file() else sorted(
+        folder.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+        hint = (f" (found {other}: re-save them as safetensors with transformers, "
+                "model.save_pretrained(dir) writes safetensors by default)") if other else ""
+        raise InteropError(f"no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} in {folder}{hint}")
+    out = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for n in f.keys():
+                if n in out:
+                    raise InteropError(f"tensor {n!r} appears in more than one of {[p.name for p in files]}; "
+                                       f"keep one set of weights (or add a {SAFE_WEIGHTS_INDEX_NAME})")
+                out[n] = f.get_tensor(n)
+    return out
+
+
+def save_safetensors_sharded(state_dict: Mapping[str, torch.Tensor], save_dir: str | Path, *,
+                             max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:
+    """Write `state_dict` as transformers does: `model.safetensors`, or `model-0000i-of-0000n.safetensors`
+    plus `model.safetensors.index.json` when the total exceeds `max_shard_size` bytes.
+
+    Shards are filled greedily in order; a tensor larger than the limit gets a shard of its own.
+    Earlier `model*.safetensors` files and index in `save_dir` are removed first (so no stale shard
+    survives a re-export with fewer shards). Returns the files written.
+    """
+    if max_shard_size <= 0:
+        raise InteropError(f"max_shard_size={max_shard_size} must be a positive number of bytes (e.g. 5e9)")
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*save_dir.glob("model*.safetensors"), save_dir / SAFE_WEIGHTS_INDEX_NAME]:
+        stale.unlink(missing_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    total = 0
+    for name, t in state_dict.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.detach().to("cpu").contiguous()
+        size += nbytes
+        total += nbytes
+    metadata = {"format": "pt"}  # transformers refuses safetensors without it
+    if len(shards) == 1:
+        path = save_dir / SAFE_WEIGHTS_NAME
+        save_file(shards[0], str(path), metadata=metadata)
+        return [path]
+    paths, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        path = save_dir / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path), metadata=metadata)
+        paths.append(path)
+        weight_map.update({n: path.name for n in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (save_dir / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return paths
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, '1234' -> 1234 (bytes; transformers' units)."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper()
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    unit = next((u for u in units if s.endswith(u)), "")
+    num, mult = (s[: -len(unit)].strip(), units[unit]) if unit else (s, 1)
+    try:
+        value = float(num) * mult
+    except ValueError:
+        raise InteropError(f"size {text!r} is not a number of bytes or a size like '5GB' / '500MB' / '2GiB'") from None
+    if not math.isfinite(value) or value <= 0:
+        raise InteropError(f"size {text!r} must be positive")
+    return int(value)
+
+
+# ----------------------------------------------------------------------------------------- tokenizer
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy the transformers tokenizer files found in `src` to `dst`; returns the names copied."""
+    src, dst = Path(src), Path(dst)
+    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if names:
+        dst.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        shutil.copyfile(src / n, dst / n)
+    return names
+
+
+def tokenizer_vocab_size(folder: str | Path) -> int | None:
+    """Ids the folder's tokenizer.json can produce (max id + 1, added tokens included); None without one."""
+    f = Path(folder) / "tokenizer.json"
+    if not f.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        vocab = Tokenizer.from_file(str(f)).get_vocab(with_added_tokens=True)
+    except Exception as e:  # the Rust side raises a bare Exception on malformed files
+        raise InteropError(f"cannot read tokenizer {f}: {e}") from e
+    return max(vocab.values()) + 1 if vocab else 0
+
+
+def check_vocab_fits(cfg: TransformerConfig, tokenizer_dir: str | Path | None) -> int | None:
+    """Raise when the tokenizer has more ids than the embedding rows; returns the tokenizer's size."""
+    if tokenizer_dir is None:
+        return None
+    n = tokenizer_vocab_size(tokenizer_dir)
+    if n is not None and n > cfg.vocab_size:
+        raise InteropError(
+            f"the tokenizer in {tokenizer_dir} has {n} ids but embed_tokens.weight has shape "
+            f"[{cfg.vocab_size}, {cfg.hidden_size}] (vocab_size={cfg.vocab_size}); ids >= {cfg.vocab_size} would "
+            "index past the embedding: use the tokenizer the model was trained with, or resize the embedding")
+    return n
+
+
+def resolve_token(token: str | int, tokenizer_dir: str | Path | None) -> int:
+    """An id given as an int / digit string, or a token string looked up in the folder's tokenizer.json."""
+    if isinstance(token, int):
+        return token
+    if str(token).lstrip("-").isdigit():
+        return int(token)
+    f = Path(tokenizer_dir) / "tokenizer.json" if tokenizer_dir is not None else None
+    if f is None or not f.is_file():
+        raise InteropError(f"mask token {token!r} is a string but there is no tokenizer.json to look it up in; "
+                           "pass its integer id instead")
+    from tokenizers import Tokenizer
+
+    i = Tokenizer.from_file(str(f)).token_to_id(token)
+    if i is None:
+        raise InteropError(f"token {token!r} is not in {f}; pass an integer id (a spare embedding row works too)")
+    return int(i)
+
+
+def _special_token_ids(tokenizer_dir: str | Path | None) -> dict[str, int | None]:
+    """bos/eos/pad ids named by tokenizer_config.json, resolved through tokenizer.json."""
+    if tokenizer_dir is None:
+        return {}
+    folder = Path(tokenizer_dir)
+    if not (folder / "tokenizer.json").is_file() or not (folder / "tokenizer_config.json").is_file():
+        return {}
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    conf = json.loads((folder / "tokenizer_config.json").read_text())
+    out: dict[str, int | None] = {}
+    for key in ("bos", "eos", "pad"):
+        v = conf.get(f"{key}_token")
+        v = v.get("content") if isinstance(v, dict) else v
+        if isinstance(v, str):
+            out[f"{key}_token_id"] = tok.token_to_id(v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- import / export
+
+
+def _to_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise InteropError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def model_from_state_dict(cfg: TransformerConfig, state_dict: Mapping[str, torch.Tensor], *,
+                          device: torch.device | str = "cpu",
+                          dtype: torch.dtype | None = torch.float32) -> TransformerLM:
+    """A plain TransformerLM holding `state_dict` (our names), without a random init of the weights.
+
+    Built on the meta device and filled with assign=True; the RoPE tables (not in the state dict) are
+    then computed on `device`. dtype=None keeps each tensor's stored dtype.
+    """
+    with torch.device("meta"):
+        model = TransformerLM(cfg.replace(fp8=False) if cfg.fp8 else cfg)
+    tensors = {k: v.to(device=device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
+               for k, v in state_dict.items()}
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.rotary = RotaryEmbedding(cfg.kv_channels, cfg.max_position_embeddings, cfg.rotary_base).to(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:  # a buffer the model gained that this loader does not know how to rebuild
+        raise InteropError(f"tensors {left} were not loaded; the model has state this loader does not fill")
+    return model.eval()
+
+
+def load_hf_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = torch.float32,
+                  attn_mask_type: str | None = None, mask_token_id: int | str | None = None
+                  ) -> tuple[TransformerLM, TransformerConfig]:
+    """Load a local Hugging Face Qwen3 / Qwen2 / Llama folder as our TransformerLM (in eval mode).
+
+    attn_mask_type: 'bidirectional' | 'causal'; None -> as recorded in config.json (`attn_mask_type` or
+    `is_causal: false`), else causal. mask_token_id: an id or a token string of the folder's tokenizer.
+    dtype: of the floating-point weights (None keeps the stored dtype, e.g. bfloat16).
+    """
+    folder = Path(path)
+    hf = read_hf_config(folder)
+    mask_id = resolve_token(mask_token_id, folder) if mask_token_id is not None else None
+    cfg = hf_config_to_megadlms(hf, attn_mask_type=attn_mask_type, mask_token_id=mask_id)
+    gen_file = folder / "generation_config.json"
+    if gen_file.is_file():  # kept for export (sampling defaults, eos ids)
+        try:
+            cfg.extra["hf_generation_config"] = json.loads(gen_file.read_text())
+        except json.JSONDecodeError as e:
+            raise InteropError(f"{gen_file} is not valid JSON: {e}; fix or delete it") from e
+    check_vocab_fits(cfg, folder)
+    ours = hf_state_dict_to_megadlms(load_hf_state_dict(folder), cfg)
+    return model_from_state_dict(cfg, ours, device=device, dtype=_to_dtype(dtype)), cfg
+
+
+def plain_state_dict(model: torch.nn.Module, cfg: TransformerConfig) -> dict[str, torch.Tensor]:
+    """The weights of `model` under our names, as the plain architecture has them (FP8 training buffers
+    such as amax histories left out); missing or misshapen tensors raise InteropError."""
+    hf_sd = megadlms_state_dict_to_hf(model.state_dict(), cfg, strict=False)
+    return {k.removeprefix("model."): v for k, v in hf_sd.items()}
+
+
+def save_hf_model(model: torch.nn.Module, cfg: TransformerConfig, save_dir: str | Path, *,
+                  tokenizer_dir: str | Path | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                  dtype: torch.dtype | str | None = None) -> Path:
+    """Export `model` as a folder that `transformers.AutoModelForCausalLM.from_pretrained` loads with
+    its stock classes: safetensors (sharded above `max_shard_size` bytes), config.json,
+    generation_config.json, and the tokenizer files of `tokenizer_dir`.
+
+    dtype: of the saved weights (None keeps the model's). Returns `save_dir`.
+    """
+    save_dir = Path(save_dir)
+    check_vocab_fits(cfg, tokenizer_dir)
+    hf_sd = megadlms_state_dict_to_hf(model.state_dict(), cfg, strict=False)
+    dt = _to_dtype(dtype)
+    if dt is not None:
+        hf_sd = {k: v.to(dt) if v.is_floating_point() else v for k, v in hf_sd.items()}
+    saved_dtype = hf_sd["model.embed_tokens.weight"].dtype
+    save_safetensors_sharded(hf_sd, save_dir, max_shard_size=parse_size(max_shard_size))
+    copied = copy_tokenizer_files(tokenizer_dir, save_dir) if tokenizer_dir is not None else []
+    if tokenizer_dir is not None and not any(n in copied for n in _TOKENIZER_MODEL_FILES):
+        warnings.warn(f"no tokenizer files ({', '.join(_TOKENIZER_MODEL_FILES)}) in {tokenizer_dir}; "
+                      "AutoTokenizer.from_pretrained will not load the export", stacklevel=2)
+    token_ids = _special_token_ids(save_dir if copied else None)
+    hf_cfg = megadlms_config_to_hf(cfg, dtype=saved_dtype, token_ids=token_ids)
+    (save_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    if hf_cfg["model_type"] == "qwen2" and "tokenizer.json" in copied:
+        _check_autotokenizer(save_dir)
+    # the source model's generation_config.json when imported from one, else derived from config.json
+    gen = dict((cfg.extra or {}).get("hf_generation_config") or {"_from_model_config": True})
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if gen.get(k) is None and hf_cfg.get(k) is not None:
+            gen[k] = hf_cfg[k]
+    (save_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return save_dir
+
+
+_PROBE_TEXT = "The quick brown fox, 12345 jumps!\n  Over\tthe lazy dog's back: naïve café."
+
+
+def _check_autotokenizer(folder: Path) -> None:
+    """Warn when AutoTokenizer would not reproduce the folder's tokenizer.json.
+
+    transformers >= 5 loads the tokenizer of a `qwen2` model as Qwen2Tokenizer, rebuilt from the
+    vocabulary with Qwen's own pre-tokenizer, whatever tokenizer_config.json names; a tokenizer that is
+    not Qwen's then tokenizes differently.
+    """
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:  # nothing to check against
+        return
+    from tokenizers import Tokenizer
+
+    want = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(_PROBE_TEXT, add_special_tokens=False).ids
+    try:
+        got = AutoTokenizer.from_pretrained(str(folder))(_PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    except Exception as e:  # any failure to load is what the warning is about
+        got = f"an error ({e})"
+    if got != want:
+        warnings.warn(
+            f"AutoTokenizer.from_pretrained({str(folder)!r}) does not reproduce tokenizer.json: transformers loads "
+            "the tokenizer of a qwen2 model as Qwen2Tokenizer, and this tokenizer is not Qwen's. Load it with "
+            "transformers.PreTrainedTokenizerFast.from_pretrained(folder) instead", stacklevel=3)
+
+
+def set_causal(hf_model: torch.nn.Module, causal: bool) -> torch.nn.Module:
+    """Switch a transformers decoder between causal and bidirectional attention, in place; returns it.
+
+    Sets `config.is_causal` (transformers >= 5 then builds a bidirectional mask, padding included, and
+    passes is_causal to the attention kernel) and `is_causal` on every attention module (what
+    flash-attention and older releases read).
+    """
+    hf_model.config.is_causal = causal
+    for m in hf_model.modules():
+        if hasattr(m, "is_causal"):
+            m.is_causal = causal
+    return hf_model
+
+
+def make_bidirectional(hf_model: torch.nn.Module) -> torch.nn.Module:
+    """Run a transformers decoder with full (non-causal) attention, in place: `set_causal(hf_model, False)`."""
+    return set_causal(hf_model, False)
