@@ -15,11 +15,13 @@ checkpoint or the new one, never a half one that a resume would trust.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,6 +52,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every single-process save/load that it assumes one process: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with open(tmp, "w") as f:
@@ -68,6 +78,56 @@ def save_checkpoint(save_dir: str | Path, iteration: int, app_state: dict[str, A
     Every rank calls this. `dcp_save(state, checkpoint_id=...)` defaults to `dcp.save`.
     Returns the final iteration folder.
     """
+    tmp, final = _begin_save(save_dir, iteration, rank_state)
+    with _single_process_quiet():
+        (dcp_save or dcp.save)(app_state, checkpoint_id=str(tmp))
+    _commit_save(tmp, final, iteration, meta, tokenizer_dir)
+    return final
+
+
+class PendingCheckpoint:
+    """A checkpoint being written in the background by `async_save_checkpoint`.
+
+    It is not a checkpoint yet: `wait()` (collective) waits for every rank's write, then renames the
+    folder into place and moves the `latest` pointer. Until then a resume does not see it, and a crash
+    leaves only a `.tmp_iter_*` folder that the next save deletes.
+    """
+
+    def __init__(self, future: Any, tmp: Path, final: Path, iteration: int, meta: dict[str, Any] | None,
+                 tokenizer_dir: str | Path | None):
+        self.future, self.tmp, self.final, self.iteration = future, tmp, final, iteration
+        self.meta, self.tokenizer_dir = meta, tokenizer_dir
+
+    def wait(self) -> Path:
+        """Finish the write (re-raising its error) and commit the checkpoint; every rank calls this."""
+        self.future.result()
+        _commit_save(self.tmp, self.final, self.iteration, self.meta, self.tokenizer_dir)
+        return self.final
+
+
+def async_save_checkpoint(save_dir: str | Path, iteration: int, app_state: dict[str, Any], *,
+                          rank_state: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
+                          tokenizer_dir: str | Path | None = None,
+                          process_group: dist.ProcessGroup | None = None) -> PendingCheckpoint:
+    """Like `save_checkpoint`, but the DCP write runs in a background thread (`dcp.async_save`).
+
+    Returns once `app_state` is copied to host memory (training may then change it). Every rank calls
+    this, and later `.wait()` on the result, before the next save and before the process exits.
+    process_group: a gloo group for the background write's collectives, which must not share a
+    group with the training's own collectives (None: no process group is initialised).
+    """
+    if dist.is_available() and dist.is_initialized() and process_group is None:
+        raise ValueError("async_save_checkpoint needs a gloo process_group of its own when torch.distributed is "
+                         "initialised (e.g. torch.distributed.new_group(backend='gloo'))")
+    tmp, final = _begin_save(save_dir, iteration, rank_state)
+    with _single_process_quiet():
+        response = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=process_group)
+    future = getattr(response, "upload_completion", response)  # AsyncSaveResponse with a staging future
+    return PendingCheckpoint(future, tmp, final, iteration, meta, tokenizer_dir)
+
+
+def _begin_save(save_dir: str | Path, iteration: int, rank_state: dict[str, Any] | None) -> tuple[Path, Path]:
+    """Create the temporary folder (deleting ones of crashed saves) and write this rank's state into it."""
     save_dir = Path(save_dir)
     final = iteration_dir(save_dir, iteration)
     tmp = save_dir / f".tmp_{final.name}"
@@ -78,11 +138,16 @@ def save_checkpoint(save_dir: str | Path, iteration: int, app_state: dict[str, A
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    (dcp_save or dcp.save)(app_state, checkpoint_id=str(tmp))
     if rank_state is not None:
         torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
+    return tmp, final
+
+
+def _commit_save(tmp: Path, final: Path, iteration: int, meta: dict[str, Any] | None,
+                 tokenizer_dir: str | Path | None) -> None:
+    """After every rank wrote into `tmp`: add meta.json and the tokenizer, rename to `final`, move `latest`."""
     _barrier()
-    if rank == 0:
+    if _rank() == 0:
         if tokenizer_dir is not None:  # the tokenizer files only, not e.g. the weights of an HF folder
             from ..interop.hf import copy_tokenizer_files
 
@@ -91,16 +156,15 @@ def save_checkpoint(save_dir: str | Path, iteration: int, app_state: dict[str, A
                      "world_size": dist.get_world_size() if dist.is_initialized() else 1, **(meta or {})}
         _write_atomic(tmp / META, json.dumps(full_meta, indent=2, default=str))
         if final.exists():  # re-saving an iteration: move the old one aside first
-            old = save_dir / f".old_{final.name}"
+            old = final.parent / f".old_{final.name}"
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _write_atomic(save_dir / LATEST, f"{iteration}\n")
+        _write_atomic(final.parent / LATEST, f"{iteration}\n")
     _barrier()
-    return final
 
 
 def find_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path:
@@ -134,7 +198,8 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 def load_app_state(path: str | Path, app_state: dict[str, Any], *, partial: bool = False) -> None:
     """Load a DCP checkpoint into `app_state` in place (collective). `partial`: keys absent are fine."""
     planner = dcp.DefaultLoadPlanner(allow_partial_load=partial)
-    dcp.load(app_state, checkpoint_id=str(path), planner=planner)
+    with _single_process_quiet():
+        dcp.load(app_state, checkpoint_id=str(path), planner=planner)
 
 
 def load_rank_state(path: str | Path, rank: int | None = None) -> dict[str, Any] | None:
