@@ -1,0 +1,24 @@
+"""Native FP8 training on torch float8 dtypes and `torch._scaled_mm` (Transformer Engine semantics).
+
+    model = build_model(cfg)                       # cfg.fp8=True converts with recipe_from_config(cfg)
+    # or: convert_to_fp8(model, DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16))
+    loss = loss_fn(model(tokens))                  # FP8 GEMMs inside the model's transformer layers
+    loss.backward(); optimizer.step()
+    fp8_step(model)                                # amax reduction + scale update + weight recast
+
+See recipe.py (recipes), linear.py (Float8Linear), convert.py (conversion, fp8_step),
+swiglu.py (FP8 activation storage), monitor.py (telemetry), export.py (FP8 inference export).
+"""
+
+from .convert import convert_to_fp8, fp8_modules, fp8_step, invalidate_fp8_weight_caches
+from .hardware import FP8UnsupportedError, check_fp8_support, fp8_backend_note
+from .linear import Float8Linear
+from .monitor import enable_fp8_stats, fp8_stats
+from .recipe import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Format, recipe_from_config
+from .state import FP8GlobalStateManager, fp8_autocast, fp8_checkpoint_context_fn
+from .swiglu import SwiGLUFP8InputStore
+
+__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "recipe_from_config",
+           "fp8_autocast", "FP8GlobalStateManager", "fp8_checkpoint_context_fn", "Float8Linear",
+           "SwiGLUFP8InputStore", "convert_to_fp8", "fp8_step", "fp8_modules", "invalidate_fp8_weight_caches",
+           "check_fp8_support", "fp8_backend_note", "FP8UnsupportedError", "fp8_stats", "enable_fp8_stats"]

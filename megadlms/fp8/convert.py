@@ -1,0 +1,160 @@
+"""Turning a `TransformerLM` into an FP8 model, and the once-per-step FP8 update (`fp8_step`)."""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..model import SwiGLU
+from .hardware import check_fp8_support
+from .linear import Float8Linear
+from .quantize import amax_to_scale
+from .recipe import DelayedScaling, Recipe, check_recipe
+from .state import FP8GlobalStateManager, fp8_autocast
+from .swiglu import SwiGLUFP8InputStore
+
+
+def fp8_eligible(linear: nn.Module) -> bool:
+    """A plain nn.Linear whose in and out features are multiples of 16 (what FP8 GEMMs tile)."""
+    return (isinstance(linear, nn.Linear) and not isinstance(linear, Float8Linear)
+            and linear.in_features % 16 == 0 and linear.out_features % 16 == 0)
+
+
+def fp8_layer_range(num_layers: int, num_layers_at_start_in_bf16: int = 0,
+                    num_layers_at_end_in_bf16: int = 0) -> range:
+    """Indices of the transformer layers that run in FP8."""
+    for name, v in (("num_layers_at_start_in_bf16", num_layers_at_start_in_bf16),
+                    ("num_layers_at_end_in_bf16", num_layers_at_end_in_bf16)):
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name}={v!r} must be an integer >= 0")
+    if num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 > num_layers:
+        raise ValueError(f"num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 = "
+                         f"{num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16} exceeds the model's "
+                         f"{num_layers} layers; keep fewer layers in BF16")
+    return range(num_layers_at_start_in_bf16, num_layers - num_layers_at_end_in_bf16)
+
+
+def _set_child(root: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent_name, _, leaf = dotted.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, leaf, module)
+
+
+def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_bf16: int = 0,
+                   num_layers_at_end_in_bf16: int = 0, activation_func_fp8_input_store: bool = False,
+                   fp8_wgrad: bool = True) -> nn.Module:
+    """Convert `model` (a TransformerLM) to FP8 in place and return it.
+
+    Every eligible nn.Linear inside `model.layers` (in/out features multiples of 16) becomes a
+    Float8Linear holding the same weight/bias Parameter objects, so optimizers, initialisation
+    and tied references are unaffected. The embedding, final norm and LM head stay in high
+    precision, as do the first/last `num_layers_at_{start,end}_in_bf16` transformer layers.
+    activation_func_fp8_input_store: the SwiGLU of each FP8 layer keeps its inputs for backward
+        in E4M3. fp8_wgrad=False: weight gradients in BF16 (fprop/dgrad stay FP8).
+    The model's `layer_context` becomes `fp8_autocast(enabled=True, fp8_recipe=recipe)`, which the
+    model enters around its transformer layers.
+    """
+    check_recipe(recipe)
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"convert_to_fp8 expects a TransformerLM (a model with a `layers` ModuleList), got "
+                        f"{type(model).__name__}")
+    param = next(model.parameters(), None)
+    if param is not None:
+        check_fp8_support(param.device)
+    for i in fp8_layer_range(len(layers), num_layers_at_start_in_bf16, num_layers_at_end_in_bf16):
+        layer = layers[i]
+        for name, child in list(layer.named_modules()):
+            if fp8_eligible(child):
+                _set_child(layer, name, Float8Linear.from_linear(child, recipe, fp8_wgrad=fp8_wgrad))
+            elif activation_func_fp8_input_store and type(child) is SwiGLU:
+                _set_child(layer, name, SwiGLUFP8InputStore())
+    model.layer_context = functools.partial(fp8_autocast, enabled=True, fp8_recipe=recipe)
+    return model
+
+
+def fp8_modules(model: nn.Module) -> Iterator[Float8Linear]:
+    """The Float8Linear modules of `model` (works through DDP/FSDP wrappers)."""
+    return (m for m in model.modules() if isinstance(m, Float8Linear))
+
+
+def invalidate_fp8_weight_caches(model: nn.Module) -> None:
+    """Make every Float8Linear recast its weight on the next forward (after weights changed outside
+    an optimizer step followed by `fp8_step`, e.g. a manual load into `.data`)."""
+    for m in fp8_modules(model):
+        m.invalidate_fp8_weight_cache()
+
+
+def _default_group(group: Any) -> Any:
+    if group is None:
+        group = FP8GlobalStateManager.get_amax_reduction_group()
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def reduce_amaxes(modules: list[Float8Linear], group: Any = None) -> None:
+    """MAX-reduce the current-step amax slot of every module across `group` in one all_reduce.
+
+    The slots [3] of all modules are concatenated into one fp32 tensor (which gloo and NCCL both
+    send), reduced, and copied back.
+    """
+    group = _default_group(group)
+    if group is None or not modules:
+        return
+    slots = [m.fp8_amax_history[0] for m in modules]
+    flat = torch.cat(slots)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    torch._foreach_copy_(slots, list(flat.view(-1, 3).unbind(0)))
+
+
+def _update_scales(recipe: DelayedScaling, modules: list[Float8Linear]) -> None:
+    """New scales from the histories, then roll each history (slot 0 = the new step, zeroed).
+
+    Tensor ops on stacked buffers: a fixed number of kernels whatever the layer count, no sync.
+    """
+    hists = [m.fp8_amax_history for m in modules]
+    scales = [m.fp8_scale for m in modules]
+    h = torch.stack(hists)  # [n, L, 3]
+    amax = h[:, 0] if recipe.amax_compute_algo == "most_recent" else h.amax(dim=1)  # [n, 3]
+    old = torch.stack(scales)  # [n, 3]
+    fmt = recipe.fp8_format
+    new = torch.cat([amax_to_scale(amax[:, :2], fmt.max_fwd, recipe.margin, old[:, :2]),
+                     amax_to_scale(amax[:, 2:], fmt.max_bwd, recipe.margin, old[:, 2:])], dim=1)
+    rolled = torch.roll(h, 1, dims=1)
+    rolled[:, 0] = 0
+    torch._foreach_copy_(hists, list(rolled.unbind(0)))
+    torch._foreach_copy_(scales, list(new.unbind(0)))
+    for m in modules:
+        if not m._is_ready():
+            m.fp8_initialized.fill_(True)
+            m._mark_ready()
+
+
+@torch.no_grad()
+def fp8_step(model: nn.Module, group: Any = None) -> None:
+    """The FP8 update of one optimizer step; call it right after `optimizer.step()`.
+
+    1. MAX-reduce the current amaxes of all delayed-scaling modules across `group` (default: the
+       group of the enclosing `fp8_autocast`, else the whole world when torch.distributed is
+       initialized) with one collective;
+    2. compute the new scales and roll the amax histories (tensor ops only, no host sync);
+    3. drop the cached FP8 weights, so the next forward casts the updated weights.
+    """
+    modules = list(fp8_modules(model))
+    delayed = [m for m in modules if isinstance(m.recipe, DelayedScaling)]
+    reduce_amaxes([m for m in delayed if m.recipe.reduce_amax], group)
+    groups: dict[tuple, list[Float8Linear]] = defaultdict(list)
+    for m in delayed:
+        groups[(m.recipe, m.fp8_amax_history.device)].append(m)
+    for (recipe, _), members in groups.items():
+        _update_scales(recipe, members)
+    for m in modules:
+        m.invalidate_fp8_weight_cache()

@@ -1,0 +1,214 @@
+"""`megadlms export`: inference weights as safetensors, optionally with FP8 linear weights.
+
+Layout of an export folder:
+    model.safetensors   tensors named as in `TransformerLM.state_dict()` (no "model." prefix)
+    config.json         the TransformerConfig as a dict (`TransformerConfig.from_dict`)
+    tokenizer files     copied from the checkpoint's tokenizer folder, when it has one
+
+With --fp8, each FP8 linear (the Float8Linear layers of an FP8 model; for a BF16 model the
+linears `convert_to_fp8` would convert) is stored as
+    <name>.weight            float8_e4m3fn [out, in]
+    <name>.weight_scale_inv  float32 [1] (--fp8-scaling tensor) or [out, 1] (row): the dequantization
+                             factor, weight ~= weight.float() * weight_scale_inv
+and every other tensor (embedding, norms, LM head, biases, BF16 layers) in bfloat16; without --fp8
+everything is bfloat16. The safetensors header metadata records "megadlms.fp8" ("tensor", "row" or
+"none"). `load_fp8_export` builds a model that runs those FP8 weights directly in `torch._scaled_mm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import TransformerConfig
+from ..model import RotaryEmbedding, TransformerLM
+from .convert import fp8_eligible, fp8_layer_range
+from .hardware import check_fp8_support
+from .linear import Float8Linear, apply_keeping_dtypes, compute_dtype
+from .quantize import E4M3, FP8_MAX, amax_to_scale, quantize, round_up16, scaled_mm
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+SCALINGS = ("tensor", "row")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--load", required=True, help="a MegaDLMs checkpoint (a --save folder or one iter_* folder)")
+    parser.add_argument("--save", required=True, help="output folder")
+    parser.add_argument("--fp8", action="store_true", help="store the FP8 linears' weights as float8_e4m3fn + scales")
+    parser.add_argument("--fp8-scaling", choices=SCALINGS, default="tensor",
+                        help="one scale per weight tensor (default) or per output channel")
+    parser.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default: the latest)")
+
+
+def fp8_linear_names(model: nn.Module) -> list[str]:
+    """Module names of the linears an FP8 export quantizes: the model's Float8Linear layers, or, for a
+    model that is not FP8, the ones `convert_to_fp8` would convert under its config."""
+    names = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    if names:
+        return names
+    cfg = model.config
+    keep = fp8_layer_range(len(model.layers), cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16)
+    return [f"layers.{i}.{n}" for i in keep for n, m in model.layers[i].named_modules() if fp8_eligible(m)]
+
+
+def quantize_weight(w: torch.Tensor, scaling: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (float8_e4m3fn [out, in], scale_inv fp32 [1] or [out, 1]); w ~= q * scale_inv."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling={scaling!r} must be one of {SCALINGS}")
+    w = w.detach().float()
+    amax = w.abs().amax().reshape(1) if scaling == "tensor" else w.abs().amax(dim=1, keepdim=True)
+    scale = amax_to_scale(amax, FP8_MAX[E4M3])
+    return quantize(w, scale, E4M3), scale.reciprocal()
+
+
+def export_model(model: TransformerLM, cfg: TransformerConfig, save_dir: str | Path, *, fp8: bool = False,
+                 scaling: str = "tensor", tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
+    """Write `model` as an inference export (see the module docstring). Returns a summary:
+    {'path', 'bytes' (the safetensors file), 'bf16_bytes' (the same export all in BF16), 'fp8_tensors'}."""
+    from safetensors.torch import save_file
+
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    fp8_names = set(fp8_linear_names(model)) if fp8 else set()
+    tensors: dict[str, torch.Tensor] = {}
+    bf16_bytes = 0
+    for name, p in model.named_parameters():  # tied weights appear once
+        bf16_bytes += p.numel() * 2
+        module, _, leaf = name.rpartition(".")
+        if module in fp8_names and leaf == "weight":
+            q, scale_inv = quantize_weight(p, scaling)
+            tensors[name] = q.cpu().contiguous()
+            tensors[f"{module}.weight_scale_inv"] = scale_inv.cpu().contiguous()
+        else:
+            tensors[name] = p.detach().to(torch.bfloat16).cpu().contiguous()
+    meta = {"format": "pt", "megadlms.fp8": scaling if fp8 else "none"}
+    path = save_dir / WEIGHTS
+    save_file(tensors, str(path), metadata=meta)
+    (save_dir / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.is_file():
+                shutil.copy2(f, save_dir / f.name)
+    return {"path": str(path), "bytes": path.stat().st_size, "bf16_bytes": bf16_bytes,
+            "fp8_tensors": len(fp8_names)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..training.checkpoint import load_model_from_checkpoint
+
+    model, cfg, meta = load_model_from_checkpoint(args.load, device="cpu", iteration=args.ckpt_step)
+    info = export_model(model, cfg, args.save, fp8=args.fp8, scaling=args.fp8_scaling,
+                        tokenizer_dir=meta.get("tokenizer_dir"))
+    mib = 1024 ** 2
+    kind = f"FP8 E4M3 linears ({info['fp8_tensors']}, per-{args.fp8_scaling} scales), BF16 rest" if args.fp8 \
+        else "BF16"
+    print(f"wrote {info['path']}: {info['bytes'] / mib:.1f} MiB ({kind})")
+    print(f"a BF16 export: {info['bf16_bytes'] / mib:.1f} MiB; this export is "
+          f"{info['bytes'] / info['bf16_bytes']:.2f}x of it")
+    note = "" if meta.get("tokenizer_dir") else " (the checkpoint has no tokenizer)"
+    print(f"config: {Path(args.save) / CONFIG}{note}")
+    return 0
+
+
+class Float8InferenceLinear(nn.Module):
+    """A linear layer running a stored FP8 weight directly: y = x @ (weight * weight_scale_inv)^T + bias.
+
+    weight: float8_e4m3fn [out, in]; weight_scale_inv: fp32 [1] (per tensor) or [out, 1] (per
+    output channel); bias: [out] or None. The input is cast to E4M3 on the fly with its own current
+    scale (per tensor, or per row when the weight is per channel, as rowwise `_scaled_mm` needs).
+    x [..., in] -> [..., out] in the compute dtype. Dims that are not multiples of 16 are padded.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, scaling: str = "tensor",
+                 device: Any = None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if scaling not in SCALINGS:
+            raise ValueError(f"scaling={scaling!r} must be one of {SCALINGS}")
+        self.in_features, self.out_features, self.scaling = in_features, out_features, scaling
+        self.register_buffer("weight", torch.zeros(out_features, in_features, device=device, dtype=E4M3))
+        shape = (1,) if scaling == "tensor" else (out_features, 1)
+        self.register_buffer("weight_scale_inv", torch.ones(shape, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device, dtype=dtype) if bias else None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.scaling}"
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Float8InferenceLinear:
+        # `.to(dtype)` casts the bias; the FP8 weight and its fp32 scales only follow device moves
+        return apply_keeping_dtypes(self, fn, ("weight", "weight_scale_inv"), recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = compute_dtype(x)
+        n, k = self.weight.shape
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        if m == 0:
+            return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
+        mp, kp, np_ = round_up16(m), round_up16(k), round_up16(n)
+        xp = F.pad(x2, (0, kp - k, 0, mp - m)) if (mp, kp) != (m, k) else x2.contiguous()
+        w, w_si = self.weight, self.weight_scale_inv
+        if (np_, kp) != (n, k):  # pad the fp8 bytes (0x00 is +0.0 in E4M3)
+            w = F.pad(w.view(torch.uint8), (0, kp - k, 0, np_ - n)).view(E4M3)
+            if self.scaling == "row":
+                w_si = F.pad(w_si, (0, 0, 0, np_ - n), value=1.0)
+        if self.scaling == "row":
+            amax = xp.abs().amax(dim=1, keepdim=True).float()
+            w_si = w_si.reshape(1, -1)
+        else:
+            amax = xp.abs().amax().float()
+            w_si = w_si.reshape(())
+        scale = amax_to_scale(amax, FP8_MAX[E4M3])
+        y = scaled_mm(quantize(xp, scale, E4M3), w.t(), scale.reciprocal().contiguous(), w_si, out_dtype,
+                      use_fast_accum=True)[:m, :n]
+        if self.bias is not None:
+            y = y + self.bias.to(out_dtype)
+        return y.reshape(*x.shape[:-1], n)
+
+
+def load_fp8_export(path: str | Path, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.bfloat16) -> tuple[TransformerLM, TransformerConfig]:
+    """Build the model of an export folder (FP8 or not) on `device`, ready for inference.
+
+    FP8 linears become Float8InferenceLinear modules holding the stored FP8 weights and scales;
+    the other tensors are loaded as `dtype` (default bfloat16). Returns (model in eval mode, config).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / WEIGHTS).is_file() or not (path / CONFIG).is_file():
+        raise FileNotFoundError(f"{path} is not an export folder: it needs {WEIGHTS} and {CONFIG} "
+                                "(write one with `megadlms export --load CKPT --save DIR [--fp8]`)")
+    device = torch.device(device)
+    cfg = TransformerConfig.from_dict(json.loads((path / CONFIG).read_text()))
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        scaling = (f.metadata() or {}).get("megadlms.fp8", "none")
+    tensors = load_file(str(path / WEIGHTS), device=str(device))
+    if scaling != "none":
+        check_fp8_support(device)
+    with torch.device("meta"):
+        model = TransformerLM(cfg.replace(fp8=False))
+    for name in [k[: -len(".weight_scale_inv")] for k in tensors if k.endswith(".weight_scale_inv")]:
+        lin = model.get_submodule(name)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, Float8InferenceLinear(
+            lin.in_features, lin.out_features, bias=lin.bias is not None, scaling=scaling, device="meta"))
+    for k, t in tensors.items():
+        if t.is_floating_point() and t.dtype not in (E4M3, torch.float32):
+            tensors[k] = t.to(dtype)
+        elif t.dtype == torch.float32 and not k.endswith(".weight_scale_inv"):
+            tensors[k] = t.to(dtype)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    # non-persistent tables are not in the file: rebuild them on the device
+    model.rotary = RotaryEmbedding(cfg.kv_channels, cfg.max_position_embeddings, cfg.rotary_base).to(device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval(), cfg

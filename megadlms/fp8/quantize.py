@@ -1,0 +1,132 @@
+"""The FP8 cast and GEMM primitives: small pure tensor functions (no host syncs, no data-dependent
+Python control flow), so that torch.compile can fuse amax -> scale -> clamp -> cast.
+
+Conventions: `scale` multiplies a high-precision value into FP8 range (q = x * scale); the
+"scale_inv" (1 / scale) is what `torch._scaled_mm` takes to dequantize (x ~= q * scale_inv).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .recipe import E4M3, E5M2, FP8_MAX
+
+__all__ = ["E4M3", "E5M2", "FP8_MAX", "amax_to_scale", "quantize", "quantize_tensorwise", "quantize_rowwise",
+           "dequantize", "scaled_mm", "pad_2d", "round_up16", "quant_stats"]
+
+
+def round_up16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def pad_2d(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad a 2-D tensor to [rows, cols] (a no-op when it already has that shape).
+
+    Zeros leave amaxes unchanged and contribute nothing to the GEMMs.
+    """
+    r, c = x.shape
+    if r == rows and c == cols:
+        return x
+    return F.pad(x, (0, cols - c, 0, rows - r))
+
+
+def amax_to_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0,
+                  fallback: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """scale = (fp8_max / amax) / 2**margin, in fp32, elementwise over any shape of `amax`.
+
+    Where amax is zero or not finite, or the scale would overflow fp32, the result is `fallback`
+    (the previous scale under delayed scaling; 1.0 for a fresh tensor, whose values are all zero).
+    """
+    amax = amax.float()
+    # a true division (`number / tensor` in torch is reciprocal-then-multiply, rounded twice)
+    scale = torch.full_like(amax, fp8_max).div_(amax) / (2.0 ** margin)
+    ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
+    return torch.where(ok, scale, fallback)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """q = cast(clamp(x * scale, -fp8_max, fp8_max)) with the product in fp32.
+
+    x: any float dtype and shape; scale: fp32, broadcastable to x (a scalar, [M, 1] or [1, K]).
+    Clamping first makes overflow saturate on every backend (a bare cast gives inf/NaN on some).
+    """
+    fmax = FP8_MAX[fp8_dtype]
+    return (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q (fp8) * scale_inv (broadcastable fp32) -> `dtype`."""
+    return (q.float() * scale_inv).to(dtype)
+
+
+def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current per-tensor scaling. Returns (q, scale_inv [] fp32, amax [] fp32)."""
+    amax = x.abs().amax().float()
+    scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
+    return quantize(x, scale, fp8_dtype), scale.reciprocal(), amax
+
+
+def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, dim: int, margin: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling with one scale per slice along the other axis of a 2-D x [R, C].
+
+    dim=1: one scale per row -> scale_inv [R, 1]; dim=0: one scale per column -> scale_inv [1, C].
+    Returns (q [R, C], scale_inv fp32 contiguous, amax [] fp32 of the whole tensor).
+    """
+    amax = x.abs().amax(dim=dim, keepdim=True).float()
+    scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
+    return quantize(x, scale, fp8_dtype), scale.reciprocal().contiguous(), amax.amax()
+
+
+# |x * scale| at or above these would round past the largest finite value: max + half its ulp
+OVERFLOW = {E4M3: 464.0, E5M2: 61440.0}
+
+
+def quant_stats(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype,
+                valid_numel: int | None = None) -> torch.Tensor:
+    """On-device numerics of one cast: [amax, underflow count, saturation count, numel] (fp32).
+
+    Underflow: nonzero values that became zero. Saturation: values out of the FP8 range, i.e. that
+    the clamp changed (|x * scale| would round past fp8_max). scale None: derive it as fp8_max / amax
+    (current scaling); for a rowwise cast pass the reciprocal of its scale_inv. valid_numel: the
+    element count without padding (padding zeros neither underflow nor saturate).
+    """
+    xf = x.float()
+    amax = xf.abs().amax()
+    if scale is None:
+        scale = amax_to_scale(amax, FP8_MAX[fp8_dtype])
+    under = ((xf != 0) & (q.float() == 0)).sum()
+    sat = ((xf * scale).abs() >= OVERFLOW[fp8_dtype]).sum()
+    numel = torch.full((), float(x.numel() if valid_numel is None else valid_numel), device=x.device)
+    return torch.stack([amax, under.float(), sat.float(), numel])
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
+    """The layout/shape rules CUDA's `_scaled_mm` enforces, checked on every backend (the CPU kernel
+    is lenient), so that CPU tests catch what would fail on a GPU. Metadata only: no sync."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"scaled_mm: shapes {tuple(a.shape)} x {tuple(b.shape)} do not multiply")
+    if a.shape[0] % 16 or a.shape[1] % 16 or b.shape[1] % 16:
+        raise ValueError(f"scaled_mm: dims of {tuple(a.shape)} x {tuple(b.shape)} must be multiples of 16 "
+                         "(pad the operands)")
+    if a.stride(1) != 1:
+        raise ValueError(f"scaled_mm: a must be row-major, got strides {a.stride()}")
+    if b.stride(0) != 1:
+        raise ValueError(f"scaled_mm: b must be column-major, got strides {b.stride()}")
+    if a.dtype == E5M2 and b.dtype == E5M2:
+        raise ValueError("scaled_mm: E5M2 x E5M2 is not supported by the GPU kernels; one operand must be E4M3")
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale_inv_b: torch.Tensor,
+              out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
+    """(a * scale_inv_a) @ (b * scale_inv_b) through `torch._scaled_mm`, accumulated in fp32.
+
+    a: fp8 [M, K] row-major; b: fp8 [K, N] column-major (e.g. `w.t()` of a row-major [N, K]);
+    M, K, N multiples of 16. Scales fp32: both scalars (tensorwise), or scale_inv_a [M, 1] and
+    scale_inv_b [1, N] (rowwise). Returns [M, N] in out_dtype.
+    """
+    _check_operands(a, b)
+    return torch._scaled_mm(a, b, scale_a=scale_inv_a, scale_b=scale_inv_b, out_dtype=out_dtype,
+                            use_fast_accum=use_fast_accum)

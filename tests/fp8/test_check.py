@@ -1,0 +1,32 @@
+"""megadlms.fp8.check: the `fp8-check` command on the CPU and on an unsupported GPU."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megadlms.fp8 import check
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    check.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cpu_check_reports_error_and_passes(capsys):
+    assert check.run(_args("--device", "cpu", "--size", "64", "48", "128")) == 0
+    out = capsys.readouterr().out
+    assert "device: cpu" in out and "FP8 supported: yes" in out and "OK" in out
+    err = float(out.split("torch.float32 out): ")[1].split()[0])
+    assert 0.01 < err < check.MAX_REL_ERROR  # a real E4M3 error: neither zero nor broken
+
+
+def test_unsupported_gpu_exits_1(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Tesla V100-SXM2-32GB")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert check.run(_args("--device", "cuda:0")) == 1
+    out = capsys.readouterr().out
+    assert "FP8 supported: no" in out and "Tesla V100" in out and "7.0" in out
