@@ -1,0 +1,269 @@
+"""Resumable, data-parallel micro-batch loaders over the (blended, shuffled) sample order.
+
+The only state is the global `consumed_samples`. Global micro-step k covers samples
+[consumed + k*mbs*dp, consumed + (k+1)*mbs*dp) of the sample order and data-parallel rank r takes the slice
+[r*mbs, (r+1)*mbs) of it (Megatron's MegatronPretrainingSampler). So the samples one training iteration sees
+do not depend on dp_size for a fixed global batch, and a checkpoint written with any dp_size resumes
+exactly with any other.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .dataset import (
+    BlendedDataset,
+    DataError,
+    GPTDataset,
+    check_tokens,
+    parse_blend,
+    parse_split,
+    resolve_cache_dir,
+    split_ranges,
+    user_cache_dir,
+)
+from .indexed import IndexedDataset
+from .tokenizer import Tokenizer
+
+DEFAULT_SPLIT = "969,30,1"
+BUNDLED_SPLIT = "98,1,1"  # the bundled corpus is small: give valid/test 1% each unless --split is set
+_BLEND_MARGIN = 1.005  # per-dataset oversampling in a blend (Megatron's), so no dataset wraps early
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+class SampleSource(Protocol):
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int) -> np.ndarray: ...
+
+
+@dataclass
+class DataConfig:
+    """Training data settings (Megatron flag names). `data_path=None` and no per-split paths: the bundled
+    demo corpus, tokenized on first use into $MEGADLMS_CACHE (default ~/.cache/megadlms) and split 98/1/1
+    (or by `split` when it is not the default)."""
+
+    data_path: list[str] | None = None  # prefixes or "w1 p1 w2 p2" tokens as typed on the CLI
+    split: str = DEFAULT_SPLIT
+    train_data_path: list[str] | None = None
+    valid_data_path: list[str] | None = None
+    test_data_path: list[str] | None = None
+    data_cache_path: str | None = None
+    seq_length: int = 256
+    micro_batch_size: int = 8
+    seed: int = 1234
+    num_workers: int = 2
+    train_samples: int = 0  # samples the whole training run will consume (train_iters * global_batch)
+    eval_samples: int = 0  # samples per valid/test pass budget (eval_iters * global_batch * number of evals)
+
+    def __post_init__(self) -> None:
+        for name in ("seq_length", "micro_batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise DataError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("num_workers", "train_samples", "eval_samples"):
+            if int(getattr(self, name)) < 0:
+                raise DataError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            v = getattr(self, name)
+            if isinstance(v, (str, os.PathLike)):
+                setattr(self, name, [os.fspath(v)])
+        per_split = any(getattr(self, f"{s}_data_path") for s in SPLIT_NAMES)
+        if self.data_path and per_split:
+            raise DataError("give either --data-path (split by --split) or --train/valid/test-data-path, not both")
+        parse_split(self.split)  # validate early
+
+
+class _MicroBatches(Dataset):
+    """Indexed by a list of sample positions; returns the stacked micro-batch (int64 [len, seq_length+1])."""
+
+    def __init__(self, source: SampleSource) -> None:
+        self.source = source
+
+    def __getitem__(self, positions: list[int]) -> torch.Tensor:
+        return torch.from_numpy(np.stack([self.source[p] for p in positions]))
+
+
+class _RankPositions(Sampler):
+    """Endless: for micro-step k from `start`, this rank's positions [base + r*mbs, base + (r+1)*mbs)."""
+
+    def __init__(self, start: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
+        self.start, self.mbs, self.rank, self.dp = start, micro_batch_size, dp_rank, dp_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        base = self.start + self.rank * self.mbs
+        while True:
+            yield list(range(base, base + self.mbs))
+            base += self.mbs * self.dp
+
+
+class StatefulLoader:
+    """Endless iterator of micro-batches for one data-parallel rank; checkpoint with state_dict().
+
+    `iter(loader)` yields int64 tensors [micro_batch_size, seq_length + 1] (pinned when CUDA is available);
+    each `next` advances the global `consumed_samples` by micro_batch_size * dp_size. A new `iter()`
+    (or one after `load_state_dict`) starts at `consumed_samples`; older iterators stop working.
+    Sample positions wrap around `num_samples` (one pass over the cached index), looping epochs forever.
+    """
+
+    def __init__(self, source: SampleSource, *, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 num_workers: int = 0, name: str = "train", fingerprint: str = "",
+                 pin_memory: bool | None = None) -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank {dp_rank} is outside [0, dp_size={dp_size})")
+        self.source, self.micro_batch_size, self.dp_rank, self.dp_size = source, micro_batch_size, dp_rank, dp_size
+        self.num_workers, self.name, self.fingerprint = num_workers, name, fingerprint
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.consumed_samples = 0
+        self._generation = 0
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in one pass of the sample order before it wraps."""
+        return len(self.source)
+
+    @property
+    def global_micro_batch(self) -> int:
+        return self.micro_batch_size * self.dp_size
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self._generation += 1
+        generation = self._generation
+        sampler = _RankPositions(self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size)
+        loader = DataLoader(_MicroBatches(self.source), sampler=sampler, batch_size=None,
+                            num_workers=self.num_workers, pin_memory=self.pin_memory,
+                            prefetch_factor=2 if self.num_workers > 0 else None)
+        return self._run(iter(loader), generation)
+
+    def _run(self, it: Iterator[torch.Tensor], generation: int) -> Iterator[torch.Tensor]:
+        while True:
+            batch = next(it)
+            if generation != self._generation:
+                raise RuntimeError(f"this {self.name} iterator is stale: iter() or load_state_dict() was called "
+                                   "since it was made; use the newest iterator")
+            self.consumed_samples += self.global_micro_batch
+            yield batch
+
+    def state_dict(self) -> dict:
+        """Plain ints/strs: consumed_samples (global) plus what identifies the sample order."""
+        return {"consumed_samples": int(self.consumed_samples), "name": self.name,
+                "fingerprint": self.fingerprint, "micro_batch_size": int(self.micro_batch_size),
+                "dp_size": int(self.dp_size)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the position; the next iter() continues exactly there (any micro_batch_size / dp_size)."""
+        if "consumed_samples" not in state:
+            raise DataError(f"loader state {sorted(state)} has no 'consumed_samples'")
+        consumed = int(state["consumed_samples"])
+        if consumed < 0:
+            raise DataError(f"consumed_samples must be >= 0, got {consumed}")
+        fp = state.get("fingerprint")
+        if fp and self.fingerprint and fp != self.fingerprint:
+            warnings.warn(f"the {self.name} data differs from the checkpoint's (data files, split, seq_length, "
+                          "seed or weights changed): resuming at the same sample count, but not the same samples",
+                          stacklevel=2)
+        self.consumed_samples = consumed
+        self._generation += 1
+
+
+@dataclass
+class Loaders:
+    """The train / valid / test loaders (None where a split has no documents) and the EOD id."""
+
+    train: StatefulLoader | None
+    valid: StatefulLoader | None
+    test: StatefulLoader | None
+    eod_id: int | None = None
+
+    def state_dict(self) -> dict:
+        return {n: getattr(self, n).state_dict() for n in SPLIT_NAMES if getattr(self, n) is not None}
+
+    def load_state_dict(self, state: dict) -> None:
+        for n in SPLIT_NAMES:
+            if getattr(self, n) is not None and n in state:
+                getattr(self, n).load_state_dict(state[n])
+
+
+def _open(prefix: str, tokenizer: Tokenizer, opened: dict[str, IndexedDataset]) -> IndexedDataset:
+    if prefix not in opened:
+        ds = IndexedDataset(prefix)
+        check_tokens(ds, tokenizer.vocab_size, tokenizer.eod_id)
+        opened[prefix] = ds
+    return opened[prefix]
+
+
+def _build_source(parts: list[tuple[IndexedDataset, int, int, float]], num_samples: int, cfg: DataConfig,
+                  cache_dir: Path, name: str) -> tuple[SampleSource, str] | None:
+    """One dataset or a blend of (indexed, doc_start, doc_end, weight); None when no part has documents."""
+    parts = [p for p in parts if p[2] > p[1] and p[3] > 0 and int(p[0].document_lengths[p[1]:p[2]].sum()) > 0]
+    if not parts:
+        return None
+    if len(parts) == 1:
+        ds, a, b, _ = parts[0]
+        g = GPTDataset(ds, a, b, seq_length=cfg.seq_length, num_samples=num_samples, seed=cfg.seed,
+                       cache_dir=cache_dir, name=name)
+        return g, g.order_key
+    total = sum(p[3] for p in parts)
+    weights = [p[3] / total for p in parts]
+    children = [GPTDataset(ds, a, b, seq_length=cfg.seq_length,
+                           num_samples=int(np.ceil(w * num_samples * _BLEND_MARGIN)) + 1 if num_samples else 0,
+                           seed=cfg.seed, cache_dir=cache_dir, name=name)
+                for (ds, a, b, _), w in zip(parts, weights)]
+    size = num_samples if num_samples else sum(len(c) for c in children)
+    blend = BlendedDataset(children, weights, size, cache_dir=cache_dir, name=name)
+    return blend, blend.order_key
+
+
+def build_loaders(cfg: DataConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_size: int = 1) -> Loaders:
+    """Build the train / valid / test loaders for data-parallel rank `dp_rank` of `dp_size`.
+
+    Sources: `cfg.data_path` (one prefix, several, or 'w1 p1 w2 p2 ...') split into contiguous document ranges
+    by `cfg.split`; or `cfg.{train,valid,test}_data_path` used whole; or, with neither, the bundled demo
+    corpus. Train covers `cfg.train_samples` samples, valid/test `cfg.eval_samples` (0: one epoch); all
+    three loop forever. Missing files raise naming the path tried."""
+    if not 0 <= dp_rank < dp_size:
+        raise DataError(f"dp_rank {dp_rank} is outside [0, dp_size={dp_size})")
+    opened: dict[str, IndexedDataset] = {}
+    budgets = {"train": cfg.train_samples, "valid": cfg.eval_samples, "test": cfg.eval_samples}
+    per_split = {n: getattr(cfg, f"{n}_data_path") for n in SPLIT_NAMES}
+    plans: dict[str, list[tuple[IndexedDataset, int, int, float]]] = {}
+    if any(per_split.values()):
+        first = next(parse_blend(v)[0][0] for v in per_split.values() if v and parse_blend(v)[0])
+        cache_dir = resolve_cache_dir(cfg.data_cache_path, first)
+        for n in SPLIT_NAMES:
+            prefixes, weights = parse_blend(per_split[n])
+            opened_n = [_open(p, tokenizer, opened) for p in prefixes]
+            weights = weights or [float(d.num_tokens) for d in opened_n]
+            plans[n] = [(d, 0, d.num_documents, w) for d, w in zip(opened_n, weights)]
+    else:
+        if cfg.data_path:
+            prefixes, weights = parse_blend(cfg.data_path)
+            split = cfg.split
+            cache_dir = resolve_cache_dir(cfg.data_cache_path, prefixes[0])
+        else:
+            from .preprocess import bundled_dataset
+
+            prefixes, weights = [bundled_dataset(tokenizer, user_cache_dir())], None
+            split = BUNDLED_SPLIT if cfg.split == DEFAULT_SPLIT else cfg.split
+            cache_dir = resolve_cache_dir(cfg.data_cache_path, prefixes[0])
+        fractions = parse_split(split)
+        datasets = [_open(p, tokenizer, opened) for p in prefixes]
+        ranges = [split_ranges(d.num_documents, fractions) for d in datasets]
+        for si, n in enumerate(SPLIT_NAMES):
+            # Unweighted prefixes are mixed in proportion to their tokens in this split.
+            ws = weights or [float(d.document_lengths[r[si][0]:r[si][1]].sum()) for d, r in zip(datasets, ranges)]
+            plans[n] = [(d, r[si][0], r[si][1], w) for d, r, w in zip(datasets, ranges, ws)]
+    loaders = {}
+    for n in SPLIT_NAMES:
+        built = _build_source(plans.get(n, []), budgets[n], cfg, cache_dir, n)
+        loaders[n] = None if built is None else StatefulLoader(
+            built[0], micro_batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+            num_workers=cfg.num_workers, name=n, fingerprint=built[1])
+    return Loaders(train=loaders["train"], valid=loaders["valid"], test=loaders["test"], eod_id=tokenizer.eod_id)
