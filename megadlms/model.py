@@ -29,7 +29,7 @@ CUDA_SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SD
 
 
 class KVCache(Protocol):
-    """What attention needs from a generation cache (implemented in `megadlms.diffusion.cache`)."""
+    """What attention needs from a generation cache (implemented in `megadlms.diffusion.kv_cache`)."""
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Take this step's k, v [B, G, S, D]; return the k, v [B, G, T, D] to attend to."""

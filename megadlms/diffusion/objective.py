@@ -13,7 +13,9 @@ gets do not depend on how the global batch is split across ranks and micro-batch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,20 +139,91 @@ def chunked_weighted_cross_entropy(hidden: torch.Tensor, output_weight: torch.Te
                                    weights: torch.Tensor, chunk_tokens: int = 8192) -> torch.Tensor:
     """The LM head fused with the loss, over token chunks, so the [B*L, V] logits never exist at once.
 
-    hidden [B, L, H]; output_weight [V, H]; targets long [B, L]; weights fp32 [B, L] -> scalar.
-    Only tokens with a non-zero weight need logits: for diffusion that is the masked ~50%.
-    Each chunk's logits are recomputed in backward (checkpointed), trading a GEMM for memory.
+    hidden [B, L, H]; output_weight [V, H]; targets long [B, L]; weights [B, L] -> fp32 scalar, the
+    same value as `weighted_cross_entropy(hidden @ output_weight.T, targets, weights)`.
+    Only tokens with a non-zero weight get logits (for diffusion: the masked ~50%); finding them
+    reads the weights on the host once. Because the loss is a scalar, each chunk's gradients with
+    respect to `hidden` and `output_weight` are computed right after its logits, in the forward
+    pass: backward only scales them, and nothing of size [tokens, V] is kept or recomputed.
+    The head GEMMs run in the autocast dtype when autocast is on (else in hidden's dtype); the
+    softmax and the loss in fp32.
     """
     h = hidden.flatten(0, 1)
     y, w = targets.flatten(), weights.flatten()
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, h.shape[0], chunk_tokens):
-        sl = slice(start, start + chunk_tokens)
-        total = total + torch.utils.checkpoint.checkpoint(
-            _chunk_loss, h[sl], output_weight, y[sl], w[sl], use_reentrant=False)
+    rows = w.nonzero().squeeze(1)
+    if rows.numel() < w.numel():
+        h, y, w = h.index_select(0, rows), y[rows], w[rows]
+    dev = hidden.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+    if torch.is_grad_enabled() and (h.requires_grad or output_weight.requires_grad):
+        total = _HeadLoss.apply(h, output_weight, y, w, dtype, chunk_tokens)
+    else:
+        total = hidden.new_zeros((), dtype=torch.float32)
+        wt = output_weight.to(dtype)
+        for start in range(0, h.shape[0], chunk_tokens):
+            sl = slice(start, start + chunk_tokens)
+            hc = h[sl].to(dtype)
+            total = total + _ce_kernel(hc)(hc @ wt.t(), y[sl], w[sl], grad=False)[0]
     return total / targets.numel()
 
 
-def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(h, weight).float()
-    return (F.cross_entropy(logits, y, reduction="none") * w).sum()
+def _ce_loss_and_grad(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
+                      grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [T, V], y long [T], w [T] -> (sum_i w_i CE_i in fp32 or wider, d/dlogits in logits' dtype)."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1, keepdim=True)
+    loss = ((lse - lf.gather(1, y[:, None])).squeeze(1) * w).sum()
+    if not grad:
+        return loss, None
+    onehot = torch.arange(lf.shape[1], device=lf.device) == y[:, None]
+    dlogits = (torch.exp(lf - lse) - onehot.to(lf.dtype)) * w[:, None]
+    return loss, dlogits.to(logits.dtype)
+
+
+_compiled_ce: Any = None
+
+
+def _ce_kernel(logits: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """`_ce_loss_and_grad`, compiled on CUDA (two passes over the logits instead of ~8 in eager)."""
+    global _compiled_ce
+    if logits.device.type != "cuda":
+        return _ce_loss_and_grad
+    if _compiled_ce is None:
+        _compiled_ce = torch.compile(_ce_loss_and_grad, dynamic=True)
+    return _compiled_ce
+
+
+class _HeadLoss(torch.autograd.Function):
+    """(h [T, H], weight [V, H], y [T], w [T]) -> sum_i w_i CE(h_i @ weight.T, y_i), gradients made in forward."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
+                dtype: torch.dtype, chunk: int) -> torch.Tensor:
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty(h.shape, dtype=dtype, device=h.device) if need_h else None
+        grad_w = None
+        with torch.autocast(h.device.type, enabled=False):
+            wt = weight.to(dtype)
+            for start in range(0, h.shape[0], chunk):
+                sl = slice(start, start + chunk)
+                hc = h[sl].to(dtype)
+                loss, dlogits = _ce_kernel(hc)(hc @ wt.t(), y[sl], w[sl])
+                total = total + loss
+                if need_h:
+                    torch.mm(dlogits, wt, out=grad_h[sl])
+                if need_w:
+                    gw = dlogits.t() @ hc
+                    grad_w = gw.to(torch.float32) if grad_w is None else grad_w.add_(gw)
+        if need_w and grad_w is None:  # no token had a weight
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (h.dtype, weight.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_h, grad_w = ctx.saved_tensors
+        dh = (grad_h * g).to(ctx.dtypes[0]) if grad_h is not None else None
+        dw = (grad_w * g).to(ctx.dtypes[1]) if grad_w is not None else None
+        return dh, dw, None, None, None, None

@@ -1,0 +1,264 @@
+"""`megadlms generate`: sample text from a checkpoint, an exported Hugging Face folder or an FP8 export.
+
+Diffusion models (bidirectional) use the fast sampler on GPU and LLaDA's reference sampler on
+CPU unless --sampler says otherwise; causal (vanilla) models decode autoregressively.
+
+    megadlms generate --load runs/tiny --prompt "Once upon a time" --gen-length 64 --block-length 32
+    megadlms generate --hf-model export/ --prompt-file in.jsonl --output-file out.jsonl --sampler fast
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..diffusion.fast_sampler import fast_generate_tokens
+from ..diffusion.sampler import REMASKING, generate_tokens, prepare_prompts
+from .ar import ar_generate_tokens
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = p.add_argument_group("model")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--load", metavar="DIR", help="a megadlms checkpoint folder (as written by `megadlms train`)")
+    src.add_argument("--hf-model", metavar="DIR", help="a Hugging Face model folder (e.g. `megadlms convert` output)")
+    src.add_argument("--fp8-export", metavar="DIR", help="a model exported with FP8 weights")
+    g.add_argument("--iteration", type=int, default=None, help="with --load: this iteration (default: the latest)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the one stored with the model)")
+    g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="weights dtype: auto = bf16 on GPU, fp32 on CPU (FP8 exports keep their own)")
+
+    g = p.add_argument_group("prompts")
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    g.add_argument("--prompt-file", metavar="FILE.jsonl", help='one JSON object per line with a "prompt" key')
+    g.add_argument("--output-file", metavar="FILE.jsonl",
+                   help='write each input record plus "completion" and "num_tokens" as jsonl')
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--eos-token", type=int, default=None, help="stop token (default: the tokenizer's EOD)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop or cut at EOS")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    g = p.add_argument_group("diffusion sampling")
+    g.add_argument("--sampler", choices=("reference", "fast"), default=None,
+                   help="reference: LLaDA's sampler; fast: KV cache + parallel decoding (default: fast on GPU, "
+                        "reference on CPU)")
+    g.add_argument("--gen-length", type=int, default=128)
+    g.add_argument("--block-length", type=int, default=32)
+    g.add_argument("--steps", type=int, default=None, help="reference sampler steps (default: --gen-length)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--remasking", choices=REMASKING, default="low_confidence")
+    g.add_argument("--cfg-scale", type=float, default=0.0)
+    g.add_argument("--threshold", type=float, default=0.9,
+                   help="fast sampler: commit every position above this confidence (at least one per step)")
+    g.add_argument("--cache", choices=("dual", "prefix", "none"), default="dual", help="fast sampler KV cache")
+    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture the sampler's fixed-shape forwards in CUDA graphs (default: on for GPU)")
+    g.add_argument("--mask-token", type=int, default=None,
+                   help="the [MASK] id (default: the model config's mask_token_id, else the tokenizer's)")
+
+    g = p.add_argument_group("autoregressive models (attn_mask_type causal)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--top-p", type=float, default=1.0)
+    return p
+
+
+def _load_tokenizer(path: str | None) -> Any:
+    from ..data import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available here; use --device cpu")
+    return dev
+
+
+def load_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Any, str | None]:
+    """(model in eval mode on `device`, its TransformerConfig, the tokenizer path to use)."""
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.load:
+        from ..training.checkpoint import load_model_from_checkpoint
+
+        model, cfg, meta = load_model_from_checkpoint(args.load, device=device, iteration=args.iteration)
+        tok = meta.get("tokenizer_dir")
+        if not cfg.fp8:  # weights only: the RoPE tables (buffers) stay fp32
+            for prm in model.parameters():
+                prm.data = prm.data.to(dtype)
+    elif args.hf_model:
+        from ..interop.hf import load_hf_model
+
+        model, cfg = load_hf_model(args.hf_model, device=device, dtype=dtype)
+        tok = args.hf_model
+    else:
+        from ..fp8.export import load_fp8_export
+
+        model, cfg = load_fp8_export(args.fp8_export, device, dtype=dtype)
+        tok = args.fp8_export
+    return model.eval(), cfg, args.tokenizer or tok
+
+
+def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
+    records = [{"prompt": p} for p in args.prompt]
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise ValueError(f"--prompt-file {path} does not exist")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n} is not valid JSON ({e})") from e
+            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                raise ValueError(f'{path}:{n} needs a "prompt" string, got {line[:80]!r}')
+            records.append(rec)
+    if not records:
+        raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompt-file FILE.jsonl")
+    return records
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.batch_size <= 0:
+        raise ValueError(f"--batch-size {args.batch_size} must be > 0")
+
+
+class _StepCounter:
+    """A progress callback that counts steps (and shows a tqdm bar when asked)."""
+
+    def __init__(self, show: bool):
+        self.n, self.show, self.bar = 0, show, None
+
+    def start(self, total: int) -> _StepCounter:
+        if self.show:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
+        return self
+
+    def __call__(self, k: int) -> None:
+        self.n += k
+        if self.bar is not None:
+            self.bar.update(k)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `megadlms generate`; returns the process exit code (2 on bad input)."""
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megadlms generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    records = _read_prompts(args)
+    device = _device(args.device)
+    model, cfg, tok_path = load_model(args, device)
+    tokenizer = _load_tokenizer(tok_path)
+    eos = None if args.ignore_eos else (args.eos_token if args.eos_token is not None else tokenizer.eod_id)
+    causal = cfg.attn_mask_type == "causal"
+    mask_id = args.mask_token
+    if not causal and mask_id is None:
+        mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(tokenizer, "mask_id", None)
+        if mask_id is None:
+            raise ValueError("no mask token id: the model config has no mask_token_id and the tokenizer no mask "
+                             "token; pass --mask-token ID (the id the model was trained with)")
+    sampler = "ar" if causal else args.sampler or ("fast" if device.type == "cuda" else "reference")
+    cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
+    pad_id = getattr(tokenizer, "pad_id", None)
+    pad_id = pad_id if pad_id is not None else (eos if eos is not None else 0)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    progress = not args.no_progress
+    counter = _StepCounter(progress)
+
+    completions: list[tuple[str, int]] = []
+    produced = forwards = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(records), args.batch_size):
+        batch = [tokenizer.encode(r["prompt"]) for r in records[i:i + args.batch_size]]
+        ids, attn = prepare_prompts(batch, pad_id=pad_id, device=device, vocab_size=cfg.vocab_size)
+        p = ids.shape[1]
+        if sampler == "ar":
+            out = ar_generate_tokens(model, ids, attn, max_new_tokens=args.max_new_tokens,
+                                     temperature=args.temperature, top_p=args.top_p, eos_id=eos,
+                                     generator=generator, progress=progress)
+            forwards += out.shape[1] - p
+        elif sampler == "reference":
+            counter.start(args.steps or args.gen_length)
+            try:
+                out = generate_tokens(model, ids, attn, mask_id=mask_id, gen_length=args.gen_length,
+                                      block_length=args.block_length, steps=args.steps,
+                                      temperature=args.temperature, remasking=args.remasking,
+                                      cfg_scale=args.cfg_scale, eos_id=eos, generator=generator, progress=counter,
+                                      cuda_graph=cuda_graph)
+            finally:
+                counter.close()
+        else:
+            out, nfe = fast_generate_tokens(model, ids, attn, mask_id=mask_id, gen_length=args.gen_length,
+                                            block_length=args.block_length, threshold=args.threshold,
+                                            cache=None if args.cache == "none" else args.cache,
+                                            temperature=args.temperature, remasking=args.remasking,
+                                            cfg_scale=args.cfg_scale, eos_id=eos, generator=generator,
+                                            progress=progress, cuda_graph=cuda_graph)
+            forwards += nfe
+        new = out[:, p:]
+        if sampler != "ar":  # positions decoded (an EOS stop leaves later blocks masked)
+            produced += int((new != mask_id).sum())
+        for row in new.tolist():
+            if sampler == "ar":
+                produced += len(row) if eos is None or eos not in row else row.index(eos) + 1
+            if eos is not None and eos in row:
+                row = row[:row.index(eos)]
+            if mask_id is not None:
+                row = [t for t in row if t != mask_id]
+            completions.append((tokenizer.decode(row), len(row)))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - t0
+
+    if args.output_file:
+        with open(args.output_file, "w") as f:
+            for rec, (text, n) in zip(records, completions):
+                f.write(json.dumps({**rec, "completion": text, "num_tokens": n}, ensure_ascii=False) + "\n")
+    else:
+        for rec, (text, _) in zip(records, completions):
+            print(f">>> {rec['prompt']}\n{text}\n")
+    if sampler == "reference":
+        forwards = counter.n
+    print(f"[{sampler}] {produced} tokens in {elapsed:.2f} s: {produced / max(elapsed, 1e-9):.1f} tokens/s "
+          f"({forwards} forwards, {len(records)} prompts, batch size {args.batch_size}, {device.type})",
+          file=sys.stderr)
+    if args.output_file:
+        print(f"wrote {len(records)} completions to {args.output_file}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="megadlms generate", description=__doc__.split("\n")[0]))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""`megadlms generate` end to end on tiny checkpoints (CPU)."""
+
+import argparse
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from megadlms.config import TransformerConfig
+from megadlms.diffusion.fast_sampler import fast_generate
+from megadlms.diffusion.sampler import generate
+from megadlms.generate import cli
+from megadlms.generate.ar import ar_generate
+from megadlms.model import TransformerLM
+from megadlms.training.checkpoint import save_model_checkpoint
+
+EOD, MASK, PAD = 256, 257, 258
+
+
+class ByteTokenizer:
+    """A stand-in with the interface of megadlms.data's Tokenizer: bytes 0-255 plus three specials."""
+
+    vocab_size, eod_id, mask_id, pad_id = 259, EOD, MASK, PAD
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+
+@pytest.fixture
+def tokenizer(monkeypatch):
+    seen = []
+
+    def load_tokenizer(path):
+        seen.append(path)
+        return ByteTokenizer()
+
+    monkeypatch.setitem(sys.modules, "megadlms.data", types.SimpleNamespace(load_tokenizer=load_tokenizer))
+    return seen
+
+
+def tiny(causal=False, mask_token_id=MASK):
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=64, vocab_size=260, seq_length=128, max_position_embeddings=128,
+                            init_method_std=0.3, mask_token_id=mask_token_id,
+                            attn_mask_type="causal" if causal else "bidirectional")
+    return TransformerLM(cfg).eval(), cfg
+
+
+def run_cli(argv, capsys):
+    args = cli.add_arguments(argparse.ArgumentParser()).parse_args(argv + ["--no-progress"])
+    code = cli.run(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+PROMPTS = ["Hello", "The cat sat on"]
+
+
+def test_generate_from_checkpoint_matches_the_sampler(tmp_path, capsys, tokenizer):
+    model, cfg = tiny()
+    save_model_checkpoint(tmp_path / "ckpt", model, cfg)
+    prompt_file = tmp_path / "in.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS)))
+    argv = ["--load", str(tmp_path / "ckpt"), "--prompt-file", str(prompt_file), "--gen-length", "16",
+            "--block-length", "8", "--steps", "8", "--output-file", str(tmp_path / "out.jsonl"), "--ignore-eos"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert "[reference] 32 tokens in" in err and "tokens/s (8 forwards, 2 prompts" in err
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [0, 1] and all(r["num_tokens"] == 16 for r in rows)
+    expect = generate(model, [list(p.encode()) for p in PROMPTS], mask_id=MASK, gen_length=16, block_length=8,
+                      steps=8, pad_id=PAD)
+    assert [r["completion"] for r in rows] == [ByteTokenizer().decode(e) for e in expect]
+    assert tokenizer == [None]  # the checkpoint stored no tokenizer: the default one
+
+    # the fast sampler, prompts from the command line, text to stdout
+    code, out, err = run_cli(["--load", str(tmp_path / "ckpt"), "--prompt", PROMPTS[0], "--prompt", PROMPTS[1],
+                              "--sampler", "fast", "--threshold", "0.5", "--gen-length", "16", "--block-length",
+                              "8", "--cache", "prefix"], capsys)
+    assert code == 0, err
+    expect = fast_generate(model, [list(p.encode()) for p in PROMPTS], mask_id=MASK, gen_length=16,
+                           block_length=8, threshold=0.5, cache="prefix", eos_id=EOD, pad_id=PAD)
+    assert out == "".join(f">>> {p}\n{ByteTokenizer().decode(e)}\n\n" for p, e in zip(PROMPTS, expect))
+    assert "[fast]" in err
+
+
+def test_causal_checkpoint_decodes_autoregressively(tmp_path, capsys, tokenizer):
+    model, cfg = tiny(causal=True, mask_token_id=None)
+    save_model_checkpoint(tmp_path / "ar", model, cfg)
+    code, out, err = run_cli(["--load", str(tmp_path / "ar"), "--prompt", "Hi", "--max-new-tokens", "5",
+                              "--ignore-eos"], capsys)
+    assert code == 0, err
+    expect = ar_generate(model, [list(b"Hi")], max_new_tokens=5)[0]
+    assert out == f">>> Hi\n{ByteTokenizer().decode(expect)}\n\n"
+    assert "[ar] 5 tokens in" in err
+
+
+def test_hf_and_fp8_loaders_are_used(tmp_path, capsys, tokenizer, monkeypatch):
+    model, cfg = tiny()
+    calls = []
+
+    def load_hf_model(path, *, device="cpu", dtype=torch.float32, attn_mask_type=None):
+        calls.append(("hf", path, str(device), dtype))
+        return model, cfg
+
+    def load_fp8_export(path, device="cpu", dtype=torch.bfloat16):
+        calls.append(("fp8", path, str(device), dtype))
+        return model, cfg
+
+    monkeypatch.setitem(sys.modules, "megadlms.interop.hf", types.SimpleNamespace(load_hf_model=load_hf_model))
+    monkeypatch.setitem(sys.modules, "megadlms.fp8.export", types.SimpleNamespace(load_fp8_export=load_fp8_export))
+    common = ["--prompt", "x", "--gen-length", "8", "--block-length", "8", "--steps", "4"]
+    assert run_cli(["--hf-model", "hfdir"] + common, capsys)[0] == 0
+    assert run_cli(["--fp8-export", "fp8dir", "--tokenizer", "tokdir"] + common, capsys)[0] == 0
+    assert calls == [("hf", "hfdir", "cpu", torch.float32), ("fp8", "fp8dir", "cpu", torch.float32)]
+    assert tokenizer == ["hfdir", "tokdir"]
+
+
+def test_bad_input_gives_clear_errors(tmp_path, capsys, tokenizer):
+    model, cfg = tiny()
+    save_model_checkpoint(tmp_path / "ckpt", model, cfg)
+    base = ["--load", str(tmp_path / "ckpt"), "--prompt", "hi"]
+    code, _, err = run_cli(base + ["--gen-length", "100", "--block-length", "32"], capsys)
+    assert code == 2 and "gen_length=100 is not divisible by block_length=32" in err
+    code, _, err = run_cli(base + ["--gen-length", "64", "--block-length", "8", "--steps", "100"], capsys)
+    assert code == 2 and "use a multiple of 8" in err
+    code, _, err = run_cli(base + ["--mask-token", "300"], capsys)
+    assert code == 2 and "mask_id=300 is outside the vocabulary [0, 260)" in err
+    code, _, err = run_cli(base + ["--gen-length", "128", "--block-length", "128"], capsys)
+    assert code == 2 and "exceeds the model's max_position_embeddings=128" in err
+    code, _, err = run_cli(["--load", str(tmp_path / "ckpt")], capsys)
+    assert code == 2 and "no prompts" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x"}\n')
+    code, _, err = run_cli(["--load", str(tmp_path / "ckpt"), "--prompt-file", str(bad)], capsys)
+    assert code == 2 and 'bad.jsonl:1 needs a "prompt" string' in err
+
+
+def test_with_the_bundled_tokenizer(tmp_path, capsys):
+    from megadlms.data import default_tokenizer_path, load_tokenizer
+
+    tok = load_tokenizer(None)
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                            vocab_size=tok.vocab_size, seq_length=64, init_method_std=0.3)
+    model = TransformerLM(cfg).eval()
+    save_model_checkpoint(tmp_path / "ckpt", model, cfg, tokenizer_dir=default_tokenizer_path())
+    code, out, err = run_cli(["--load", str(tmp_path / "ckpt"), "--prompt", "Hello world", "--gen-length", "8",
+                              "--block-length", "4", "--steps", "4", "--ignore-eos"], capsys)
+    assert code == 0, err  # the mask id comes from the tokenizer (the config has none)
+    expect = generate(model, [tok.encode("Hello world")], mask_id=tok.mask_id, gen_length=8, block_length=4,
+                      steps=4)[0]
+    assert out == f">>> Hello world\n{tok.decode(expect)}\n\n"
