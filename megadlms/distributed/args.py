@@ -9,16 +9,26 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism (launch with torchrun)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="split each layer's heads and FFN over this many ranks (DTensor tensor parallelism); "
+                        "must divide num_attention_heads, num_query_groups and ffn_hidden_size")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with tensor parallelism, run norms on seq_length / tp positions per rank")
     g.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES, default="no_shard",
-                   help="no_shard: DDP; optim: DDP + sharded optimizer; optim_grads / optim_grads_params: FSDP2 "
-                        "without / with resharding after forward")
+                   help="no_shard: DDP; optim: ZeRO-1 (sharded optimizer state); optim_grads: ZeRO-2 (+ sharded "
+                        "gradients); optim_grads_params: ZeRO-3 (+ sharded parameters). The sharded ones use FSDP2")
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard the optimizer state across data-parallel ranks (same as strategy optim)")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--tp-only-amax-red", action="store_true", help="reduce FP8 amaxes over the TP group only")
-    g.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+                   help="shard the optimizer state across data-parallel ranks (turns no_shard into optim)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="accepted for Megatron command lines: DDP (bucketed all-reduce) and FSDP2 (per-layer "
+                        "reduce-scatter) always overlap the gradient reduction with backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="FSDP2: prefetch the next layer's parameters (all-gather issued before the current "
+                        "layer runs, forward and backward); needs a sharded strategy")
+    g.add_argument("--tp-only-amax-red", action="store_true",
+                   help="reduce FP8 amaxes over the TP group only (default: over data x tensor parallel ranks)")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background; each one is committed (renamed into place, "
+                        "latest pointer updated) at the next save or at the end of training")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl on GPUs, gloo on CPU")

@@ -1,13 +1,23 @@
-"""Process-group and device-mesh setup from torchrun's environment (world size 1 without it)."""
+"""Process-group and device-mesh setup from torchrun's environment (world size 1 without it).
+
+`torchrun --nproc_per_node=N [--nnodes M --rdzv-endpoint HOST:PORT] pretrain_difflm.py ...` sets
+RANK / WORLD_SIZE / LOCAL_RANK; `init_parallel` turns them into a process group (NCCL on GPUs,
+gloo on CPU) and a ("dp", "tp") DeviceMesh. A world of one process (plain `python`, or torchrun
+with one process) creates no process group at all, so the single-device path has no overhead.
+"""
 
 from __future__ import annotations
 
+import datetime
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+log = logging.getLogger("megadlms")
 
 
 @dataclass
@@ -18,6 +28,10 @@ class ParallelContext:
     device: torch.device = torch.device("cpu")
     tp_size: int = 1
     mesh: DeviceMesh | None = None  # dims ("dp", "tp") when distributed
+    # set by `parallelize_model`: how the data-parallel ranks share the model ("none" with one dp rank,
+    # else one of the --data-parallel-sharding-strategy values) and whether activations are sequence-sharded
+    dp_strategy: str = "none"
+    sequence_parallel: bool = False
 
     @property
     def dp_size(self) -> int:
@@ -26,6 +40,10 @@ class ParallelContext:
     @property
     def dp_rank(self) -> int:
         return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -46,29 +64,61 @@ class ParallelContext:
 
 def pick_device(requested: str | None, local_rank: int = 0) -> torch.device:
     if requested in (None, "cuda") and torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+                               "launch at most that many processes per node (torchrun --nproc_per_node)")
         return torch.device("cuda", local_rank)
     if requested == "cuda":
         raise RuntimeError("--device cuda was requested but no CUDA GPU is visible")
+    if requested not in (None, "cpu") and not str(requested).startswith("cuda"):
+        raise ValueError(f"--device {requested!r} is not supported; use cuda or cpu")
     return torch.device(requested or "cpu")
 
 
-def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | None = None) -> ParallelContext:
-    """Initialise torch.distributed when launched by torchrun (NCCL on GPUs, gloo on CPU)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer (it is set by torchrun)") from None
+
+
+def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | None = None,
+                  timeout_minutes: float = 30.0) -> ParallelContext:
+    """Initialise torch.distributed when launched by torchrun (NCCL on GPUs, gloo on CPU).
+
+    Returns the ParallelContext of this process; its mesh has dims ("dp", "tp") of sizes
+    (world_size // tp_size, tp_size), tp innermost so that a TP group stays within a node.
+    """
+    world = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if tp_size < 1:
+        raise ValueError(f"--tensor-model-parallel-size {tp_size} must be >= 1")
     dev = pick_device(device, local_rank)
-    if world == 1 and not dist.is_initialized():
-        if tp_size != 1:
-            raise ValueError(f"--tensor-model-parallel-size {tp_size} needs that many processes (use torchrun)")
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        return ParallelContext(device=dev)
-    if world % tp_size:
-        raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp_size}")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    if world == 1 and not dist.is_initialized():
+        if tp_size != 1:
+            raise ValueError(f"--tensor-model-parallel-size {tp_size} needs at least {tp_size} processes; launch "
+                             f"with torchrun --nproc_per_node={tp_size} (or a multiple of it)")
+        return ParallelContext(device=dev)
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if dev.type == "cuda" else "gloo"))
+        backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+        if backend == "nccl" and dev.type != "cuda":
+            raise ValueError("--distributed-backend nccl needs GPUs; use gloo with --device cpu")
+        kwargs = {"device_id": dev} if backend == "nccl" else {}  # eager NCCL init, bound to this GPU
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+    world = dist.get_world_size()
+    if world % tp_size:
+        raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp_size}; "
+                         f"launch a multiple of {tp_size} processes")
     mesh = init_device_mesh(dev.type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
     return ParallelContext(rank=dist.get_rank(), world_size=world, local_rank=local_rank, device=dev,
                            tp_size=tp_size, mesh=mesh)
+
+
+def destroy_parallel() -> None:
+    """Tear down the process group (if any) at the end of a run, after the last collective."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

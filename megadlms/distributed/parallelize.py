@@ -7,19 +7,34 @@ tensor parallel -> activation checkpointing -> torch.compile -> FSDP2 / DDP.
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .data_parallel import apply_ddp, apply_fsdp, resolve_strategy
 from .init import ParallelContext
+from .tensor_parallel import apply_tensor_parallel
+
+log = logging.getLogger("megadlms")
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each transformer layer in backward (composable API: parameter names are kept)."""
+    """Recompute each transformer layer in backward (composable API: parameter names are kept).
+
+    FP8 models recompute under the FP8 state of the original forward (the recomputation runs in
+    backward, outside the model's `fp8_autocast`).
+    """
     from torch.distributed._composable import checkpoint
 
+    kwargs = {}
+    if getattr(model.config, "fp8", False):
+        from ..fp8 import fp8_checkpoint_context_fn
+
+        kwargs["context_fn"] = fp8_checkpoint_context_fn
     for layer in model.layers:
-        checkpoint(layer)
+        checkpoint(layer, **kwargs)
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -29,9 +44,68 @@ def apply_compile(model: nn.Module) -> None:
         layer.compile()
 
 
+def compute_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype | None:
+    """The dtype the trainer computes in: bf16 (default on GPU, --bf16 on CPU) or None (--fp32: fp32)."""
+    if getattr(args, "fp32", False):
+        return None
+    if getattr(args, "bf16", None) or device.type == "cuda":
+        return torch.bfloat16
+    return None
+
+
+def _meshes(ctx: ParallelContext, strategy: str) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """(TP mesh, data-parallel mesh), both sub-meshes of one root mesh as FSDP2 + TP requires."""
+    if ctx.mesh is None:
+        return None, None
+    if strategy == "no_shard" and ctx.tp_size > 1 and ctx.dp_size > 1:
+        # DDP takes no DTensor parameters: replicate with FSDP2 over a (dp, 1) mesh instead (HSDP whose shard
+        # groups have one rank). Same rank layout as ctx.mesh, so dp ranks and groups are unchanged.
+        mesh = init_device_mesh(ctx.device.type, (ctx.dp_size, 1, ctx.tp_size),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        return mesh["tp"], mesh["dp_replicate", "dp_shard"]
+    return ctx.mesh["tp"], ctx.mesh["dp"]
+
+
 def parallelize_model(model: nn.Module, ctx: ParallelContext, args: argparse.Namespace) -> nn.Module:
+    """Apply tensor parallelism, activation checkpointing, compile and data parallelism from the flags.
+
+    Returns the model to train (a DDP wrapper for no_shard without TP, else `model` itself) and records
+    the strategy in ctx.dp_strategy / ctx.sequence_parallel for the trainer.
+    """
+    strategy = resolve_strategy(args)
+    sequence_parallel = bool(getattr(args, "sequence_parallel", False)) and ctx.tp_size > 1
+    tp_mesh, dp_mesh = _meshes(ctx, strategy)
+    if ctx.tp_size > 1:
+        apply_tensor_parallel(model, tp_mesh, sequence_parallel)
     if getattr(args, "recompute_granularity", None) == "full":
         apply_activation_checkpointing(model)
     if args.compile:
         apply_compile(model)
+    ctx.sequence_parallel = sequence_parallel
+    ctx.dp_strategy = strategy if ctx.dp_size > 1 else "none"
+    if ctx.dp_size == 1:
+        return model
+    if strategy == "no_shard" and ctx.tp_size == 1:
+        model = apply_ddp(model, ctx.dp_group, ctx.device)
+    else:
+        apply_fsdp(model, dp_mesh, reshard_after_forward=strategy == "optim_grads_params",
+                   param_dtype=compute_dtype(args, ctx.device), prefetch=bool(getattr(args, "overlap_param_gather",
+                                                                                     False)))
+        if strategy in ("optim_grads", "optim_grads_params") and getattr(model.config, "fp8", False):
+            # these strategies free gathered weights between micro-batches; an FP8 weight cache would keep them
+            from ..fp8 import fp8_modules
+
+            for m in fp8_modules(model):
+                m.cache_weight = False
+    if ctx.is_main:
+        log.info("data parallel: %s over %d ranks%s", _describe(strategy, ctx.tp_size), ctx.dp_size,
+                 f" | tensor parallel {ctx.tp_size}{' + sequence parallel' if sequence_parallel else ''}"
+                 if ctx.tp_size > 1 else "")
     return model
+
+
+def _describe(strategy: str, tp_size: int) -> str:
+    return {"no_shard": "DDP" if tp_size == 1 else "replicated (FSDP2, shard groups of 1)",
+            "optim": "FSDP2 ZeRO-1 (sharded optimizer state)",
+            "optim_grads": "FSDP2 ZeRO-2 (sharded optimizer state and gradients)",
+            "optim_grads_params": "FSDP2 ZeRO-3 (sharded optimizer state, gradients and parameters)"}[strategy]

@@ -17,13 +17,14 @@ the BF16 GEMM of the unquantized tensors.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from .fused import cast_fp8, transpose_fp8
 from .hardware import check_fp8_support
 from .quantize import FP8_MAX, amax_to_scale, pad_2d, quant_stats, quantize, quantize_rowwise, round_up16, scaled_mm
 from .recipe import DelayedScaling, Float8RowwiseScaling, Recipe, check_recipe
@@ -160,8 +161,10 @@ class Float8Linear(nn.Linear):
     def _local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) as this rank computes with them: the local shards when tensor parallelism made
         them DTensors (its style hands this layer local inputs: megadlms.distributed.tensor_parallel)."""
-        w, b = self.weight, self.bias
-        return (w.to_local() if isinstance(w, DTensor) else w), (b.to_local() if isinstance(b, DTensor) else b)
+        dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: no DTensor exists (and no import cost)
+        if dtensor is None or not isinstance(self.weight, dtensor.DTensor):
+            return self.weight, self.bias
+        return self.weight.to_local(), self.bias.to_local() if self.bias is not None else None
 
     def _is_ready(self) -> bool:
         """Whether delayed scales exist (a `fp8_step` has run). Reads the buffer once after a load."""
@@ -197,6 +200,20 @@ class Float8Linear(nn.Linear):
             self._record_stats(role, x, q, scale, numel)
         return q, scale.reciprocal()
 
+    def _cast_qt(self, x: torch.Tensor, role: int, fp8_dtype: torch.dtype, record: bool, numel: int,
+                 want_q: bool = True, want_t: bool = False
+                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """`_cast` that can also (or only) produce the transposed FP8 copy, both made from x in one compiled
+        call (`fused.cast_fp8`). Returns (q [R, C] or None, scale_inv [] fp32, q^T [C, R] contiguous or None)."""
+        if self.collect_fp8_stats:  # the telemetry path compares x with q: the plain cast
+            q, scale_inv = self._cast(x, role, fp8_dtype, record, numel)
+            return q, scale_inv, (transpose_fp8(q) if want_t else None)
+        delayed = isinstance(self.recipe, DelayedScaling)
+        scale = self.fp8_scale[role] if delayed and self._is_ready() else None
+        slot = self.fp8_amax_history[0, role] if delayed and record else None
+        q, t, scale_inv, _ = cast_fp8(x, scale, slot, fp8_dtype, self.recipe.margin, want_q, want_t)
+        return q, scale_inv, t
+
     def _cast_rowwise(self, x: torch.Tensor, role: int, fp8_dtype: torch.dtype, dim: int, numel: int,
                       stats: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Rowwise (dim=1, scale_inv [R, 1]) or columnwise (dim=0, [1, C]) current cast of a 2-D x."""
@@ -224,9 +241,14 @@ class Float8Linear(nn.Linear):
             if isinstance(self.recipe, Float8RowwiseScaling):
                 q, scale_inv = self._cast_rowwise(wp, WEIGHT, fwd, dim=1, numel=w.numel(), stats=False)
                 scale_inv = scale_inv.reshape(1, -1)  # [Np, 1] -> [1, Np]: scale_b of x @ W^T
+                wt = None
             else:
-                q, scale_inv = self._cast(wp, WEIGHT, fwd, record=self.training, numel=w.numel())
+                want_t = getattr(self, "_grad_follows", torch.is_grad_enabled()) and w.requires_grad
+                q, scale_inv, wt = self._cast_qt(wp, WEIGHT, fwd, record=self.training, numel=w.numel(),
+                                                 want_t=want_t)
             cache = _Fp8Weight(key, q, scale_inv)
+            if wt is not None:  # the column-major operand of the input-gradient GEMM
+                cache.dgrad = (wt.t(), scale_inv)
             if self.collect_fp8_stats:
                 cache.stats_epoch = self._stats_epoch  # recorded by the cast (tensorwise)
             self.num_weight_casts += 1
@@ -249,10 +271,14 @@ class Float8Linear(nn.Linear):
                 q, scale_inv, _ = quantize_rowwise(wp, self.recipe.fp8_format.fwd_dtype, 0, self.recipe.margin)
                 cache.dgrad = (q.t().contiguous().t(), scale_inv)
             else:
-                cache.dgrad = (cache.q.t().contiguous().t(), cache.scale_inv)
+                cache.dgrad = (transpose_fp8(cache.q).t(), cache.scale_inv)
         return cache.dgrad
 
     # ------------------------------------------------------------------ forward
+    # Outside torch.compile's graphs: a compiled model breaks its graph here and runs this layer
+    # eagerly (its per-step weight cache and scale bookkeeping are Python state), while the FP8
+    # casts inside are compiled functions (`fused.cast_fp8`) and the GEMMs cuBLASLt calls.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self._local_params()
         if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0:
@@ -268,6 +294,9 @@ class Float8Linear(nn.Linear):
         if x.device.type == "cuda":
             _check_device_once(x.device)
         x2 = x.reshape(-1, k).contiguous()
+        # whether a backward can follow (grad mode is off inside autograd.Function.forward): then the
+        # casts also write the transposed FP8 copies the backward GEMMs take
+        self._grad_follows = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         y = _Float8LinearFn.apply(x2, weight, bias, self, compute_dtype(x))
         return y.reshape(*x.shape[:-1], n)
 
@@ -289,7 +318,9 @@ class _Float8LinearFn(torch.autograd.Function):
         if rowwise:
             xq, x_si = layer._cast_rowwise(xp, INPUT, fwd, dim=1, numel=m * k)
         else:
-            xq, x_si = layer._cast(xp, INPUT, fwd, record=layer.training, numel=m * k)
+            # with an FP8 weight gradient ahead, the same cast also makes x^T (K-major over tokens) for it
+            want_t = ctx.needs_input_grad[1] and layer.fp8_wgrad
+            xq, x_si, xt = layer._cast_qt(xp, INPUT, fwd, record=layer.training, numel=m * k, want_t=want_t)
         y = scaled_mm(xq, w.q.t(), x_si, w.scale_inv, out_dtype, layer.fprop_fast_accum)
         y = y[:m, :n]
         if bias is not None:
@@ -302,8 +333,8 @@ class _Float8LinearFn(torch.autograd.Function):
             elif rowwise:
                 # wgrad contracts over tokens: one scale per input feature, cast from x (not from xq)
                 x_saved, x_saved_si, _ = quantize_rowwise(xp, fwd, 0, recipe.margin)
-            else:
-                x_saved, x_saved_si = xq, x_si
+            else:  # [Mp, Kp] with the values of xq, stored column-major: the wgrad GEMM's right operand
+                x_saved, x_saved_si = xt.t(), x_si
         ctx.save_for_backward(x_saved, x_saved_si)
         ctx.layer, ctx.wcache, ctx.fp8_wgrad = layer, w, layer.fp8_wgrad
         ctx.dims = (m, k, n)
@@ -337,12 +368,13 @@ class _Float8LinearFn(torch.autograd.Function):
                 dw = scaled_mm(gcq.t().contiguous(), x_saved.t().contiguous().t(), gc_si.reshape(-1, 1),
                                x_saved_si, ctx.w_dtype, layer.backward_fast_accum)
         elif need_dx or fp8_wgrad:
-            gq, g_si = layer._cast(gp, GRAD, bwd, record=True, numel=m * n)
+            # from g at once: gq for the input gradient, g^T (K-major over tokens) for the weight gradient
+            gq, g_si, gt = layer._cast_qt(gp, GRAD, bwd, record=True, numel=m * n, want_q=need_dx, want_t=fp8_wgrad)
             if need_dx:
                 wq, w_si = layer._fp8_weight_dgrad(ctx.wcache)
                 dx = scaled_mm(gq, wq, g_si, w_si, ctx.x_dtype, layer.backward_fast_accum)
             if fp8_wgrad:
-                dw = scaled_mm(gq.t().contiguous(), x_saved.t().contiguous().t(), g_si, x_saved_si, ctx.w_dtype,
+                dw = scaled_mm(gt, x_saved, g_si, x_saved_si, ctx.w_dtype,
                                layer.backward_fast_accum)
 
         if need_dw and not ctx.fp8_wgrad:

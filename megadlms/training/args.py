@@ -46,6 +46,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=1000)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, if --save) when the iteration is a multiple of this")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default: micro-batch-size x data-parallel size (no accumulation)")
@@ -69,8 +71,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="torch.compile the model (default: on for CUDA)")
     g.add_argument("--recompute-granularity", choices=("full",), default=None,
                    help="activation checkpointing of every transformer layer")
-    g.add_argument("--loss-chunk-tokens", type=int, default=0,
-                   help="fuse the LM head with the loss over chunks of this many tokens (0: plain logits)")
+    g.add_argument("--loss-chunk-tokens", type=int, default=None,
+                   help="fuse the LM head with the loss over chunks of this many tokens, computing logits only "
+                        "where the loss has weight (0: plain logits; default: 8192 when the vocabulary has "
+                        ">= 32768 tokens, else 0)")
 
     g = p.add_argument_group("FP8 (Transformer Engine / Megatron-Core semantics)")
     g.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,

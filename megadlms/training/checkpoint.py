@@ -116,12 +116,12 @@ def async_save_checkpoint(save_dir: str | Path, iteration: int, app_state: dict[
     process_group: a gloo group for the background write's collectives, which must not share a
     group with the training's own collectives (None: no process group is initialised).
     """
-    if dist.is_available() and dist.is_initialized() and process_group is None:
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and process_group is None:
         raise ValueError("async_save_checkpoint needs a gloo process_group of its own when torch.distributed is "
                          "initialised (e.g. torch.distributed.new_group(backend='gloo'))")
     tmp, final = _begin_save(save_dir, iteration, rank_state)
-    with _single_process_quiet():
-        response = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=process_group)
+    response = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=process_group, no_dist=not distributed)
     future = getattr(response, "upload_completion", response)  # AsyncSaveResponse with a staging future
     return PendingCheckpoint(future, tmp, final, iteration, meta, tokenizer_dir)
 

@@ -51,7 +51,7 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, world_size: 
 def format_log_line(m: dict[str, Any], train_iters: int) -> str:
     parts = [f"iter {m['iteration']:>6}/{train_iters}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.3e}",
              f"grad_norm {m['grad_norm']:.3f}", f"{m['tokens_per_s']:,.0f} tok/s",
-             f"{m['tflops_per_device']:.1f} TFLOP/s/dev",
+             f"{m['tflops_per_device']:.3g} TFLOP/s/dev",
              f"MFU {m['mfu'] * 100:.1f}%" if m.get("mfu") is not None else "MFU n/a",
              f"mem {m['memory_gib']:.2f} GiB"]
     fp8 = {k: v for k, v in m.items() if k.startswith("fp8/")}

@@ -22,11 +22,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import TransformerConfig
 from ..diffusion.objective import (MaskSampler, ObjectiveConfig, chunked_weighted_cross_entropy, prepare_batch,
                                    weighted_cross_entropy)
-from ..distributed.init import ParallelContext, init_parallel
+from ..distributed.data_parallel import grad_sync_context
+from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
 from ..model import build_model
 from ..presets import load_model_config
 from . import checkpoint as ckpt
@@ -140,7 +142,13 @@ class Trainer:
         self.peak = bf16_peak_tflops(self.device)
         self.sinks = MetricSinks(args.tensorboard_dir, args.save or args.tensorboard_dir, enabled=ctx.is_main)
         self.fp8 = bool(cfg.fp8)
+        # large vocabularies: the fused, masked-rows-only LM head + loss (the [tokens, V] logits dominate memory)
+        chunk = getattr(args, "loss_chunk_tokens", None)
+        self.loss_chunk_tokens = (8192 if cfg.vocab_size >= 32768 else 0) if chunk is None else chunk
         self._train_iter: Iterator[torch.Tensor] | None = None
+        self._pending_save: ckpt.PendingCheckpoint | None = None  # --async-save: the write in flight
+        self._async_group: dist.ProcessGroup | None = None
+        self.data_wait_s = 0.0
 
     # ----------------------------------------------------------------- precision
     def _autocast_dtype(self) -> torch.dtype | None:
@@ -158,21 +166,26 @@ class Trainer:
     # ----------------------------------------------------------------- step
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            if self.args.loss_chunk_tokens:
+            if self.loss_chunk_tokens:
                 hidden = self.model(inputs, output_hidden=True)
                 return chunked_weighted_cross_entropy(hidden, self._output_weight(), targets, weights,
-                                                      self.args.loss_chunk_tokens)
+                                                      self.loss_chunk_tokens)
             return weighted_cross_entropy(self.model(inputs), targets, weights)
 
     def _output_weight(self) -> torch.Tensor:
         m = self.model.module if hasattr(self.model, "module") else self.model
-        return m.output_weight
+        w = m.output_weight
+        # tensor parallel: the weight is vocabulary-sharded; gather it (every TP rank computes the whole loss)
+        return w.full_tensor() if isinstance(w, DTensor) else w
 
     def _micro_batches(self, it: Iterator[torch.Tensor], noise, count: int):
         """Yield (inputs, targets, weights) for this rank's `count` micro-batches of one global batch."""
         dp, r = self.ctx.dp_size, self.ctx.dp_rank
         for m in range(count):
-            sample = next(it).to(self.device, non_blocking=True)
+            t0 = time.perf_counter()
+            sample = next(it)
+            self.data_wait_s += time.perf_counter() - t0  # host time blocked on the loader
+            sample = sample.to(self.device, non_blocking=True)
             rows = slice(m * dp * self.mbs + r * self.mbs, m * dp * self.mbs + (r + 1) * self.mbs)
             length = int(noise.lengths[m])
             yield prepare_batch(sample, (noise.t[rows], noise.u[rows]), length, self.objective), length
@@ -181,17 +194,26 @@ class Trainer:
         model, opt = self.model, self.optimizer
         it = self.state.iteration
         lr = self.schedule(it)
+        # FP8 telemetry is recorded (on device) only in the iteration that ends a log interval
+        collect = self.fp8 and self.args.fp8_stats and ((it + 1) % self.args.log_interval == 0
+                                                        or it + 1 == self.args.train_iters)
+        if collect:
+            from ..fp8 import enable_fp8_stats
+
+            enable_fp8_stats(model, True)
         set_lr(opt, lr)
         noise = self.sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, self.objective.varilen_prob)
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         for m, ((inputs, targets, weights), length) in enumerate(self._micro_batches(self._train_iter, noise,
                                                                                       self.accum)):
-            with self._grad_sync(last=m == self.accum - 1):
+            with self._grad_sync(last=m == self.accum - 1), self._compile_stance(length):
                 loss = self._loss(inputs, targets, weights)
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
             tokens += length * self.mbs * self.ctx.dp_size
+        if collect:
+            enable_fp8_stats(model, False)
         grad_norm = self._clip_grads()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -204,17 +226,16 @@ class Trainer:
         self.state.consumed_tokens += tokens
         return {"loss": loss_sum / self.accum, "grad_norm": grad_norm, "lr": lr, "tokens": tokens}
 
-    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
-        """Skip the gradient all-reduce on all but the last micro-batch (DDP / FSDP2)."""
-        m = self.model
-        if last or not self.ctx.distributed:
-            return contextlib.nullcontext()
-        if hasattr(m, "no_sync"):
-            return m.no_sync()
-        if hasattr(m, "set_requires_gradient_sync"):
-            m.set_requires_gradient_sync(False)
-            return _restore_grad_sync(m)
+    def _compile_stance(self, length: int) -> contextlib.AbstractContextManager:
+        """Tensor-parallel compiled layers run only at the full sequence length; a cut (varilen) micro-batch runs
+        eagerly, since DTensor graphs with dynamic shapes recompile for every length or fail to compile."""
+        if self.args.compile and self.ctx.tp_size > 1 and length != self.cfg.seq_length:
+            return torch.compiler.set_stance("force_eager")
         return contextlib.nullcontext()
+
+    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Whether this micro-batch reduces gradients (and keeps gathered weights), per sharding strategy."""
+        return grad_sync_context(self.model, self.ctx.dp_strategy, last)
 
     def _clip_grads(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -266,21 +287,35 @@ class Trainer:
                       "data": self.loaders.train.state_dict()}
         meta = {"config": self.cfg.to_dict(), "args": vars(self.args)}
         tok_dir = getattr(self.tokenizer, "source_dir", None)
+        self.finish_save()  # one checkpoint in flight at a time
+        if getattr(self.args, "async_save", False):
+            if self.ctx.distributed and self._async_group is None:  # the background write's own collectives
+                self._async_group = dist.new_group(backend="gloo")
+            self._pending_save = ckpt.async_save_checkpoint(
+                self.args.save, self.state.iteration, self._dcp_state(), rank_state=rank_state, meta=meta,
+                tokenizer_dir=tok_dir, process_group=self._async_group)
+            log.info("writing checkpoint %s in the background", self._pending_save.final)
+            return self._pending_save.final
         path = ckpt.save_checkpoint(self.args.save, self.state.iteration, self._dcp_state(), rank_state=rank_state,
                                     meta=meta, tokenizer_dir=tok_dir)
         log.info("saved checkpoint %s", path)
         return path
 
+    def finish_save(self) -> None:
+        """Wait for a background checkpoint write (--async-save) and commit it; a no-op when none is in flight."""
+        if self._pending_save is not None:
+            pending, self._pending_save = self._pending_save, None
+            log.info("saved checkpoint %s", pending.wait())
+
     def load(self, load_dir: str, iteration: int | None = None, finetune: bool = False) -> None:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_state_dict
 
         path = ckpt.find_checkpoint(load_dir, iteration)
         meta = ckpt.read_meta(path)
         if finetune or meta.get("weights_only"):
-            msd, _ = get_state_dict(self.model, self.optimizer)
-            state = {"model": msd}
+            state = {"model": get_model_state_dict(self.model)}
             ckpt.load_app_state(path, state)
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict={})
+            set_model_state_dict(self.model, state["model"])
             log.info("loaded model weights from %s (fresh optimizer, iteration 0)", path)
             return
         state = self._dcp_state()
@@ -291,11 +326,13 @@ class Trainer:
         self.state.iteration = int(train["iteration"])
         self.state.consumed_samples = int(train["consumed_samples"])
         self.state.consumed_tokens = int(train["consumed_tokens"])
-        rank_state = ckpt.load_rank_state(path)
-        if rank_state is not None:
+        rank_state = ckpt.load_rank_state(path) or {}
+        # the data position is global (samples consumed by all ranks), so it holds for any number of ranks
+        self.loaders.train.load_state_dict({**rank_state.get("data", {}),
+                                            "consumed_samples": self.state.consumed_samples})
+        if rank_state:
             _set_rng_state(rank_state["rng"], self.device)
             self.sampler.load_state_dict(rank_state["mask_sampler"])
-            self.loaders.train.load_state_dict(rank_state["data"])
         log.info("resumed from %s at iteration %d", path, self.state.iteration)
 
     # ----------------------------------------------------------------- loop
@@ -321,17 +358,25 @@ class Trainer:
             if it % args.log_interval == 0 or it == args.train_iters:
                 self._log(step, window_loss / window_n, window_tokens, time.perf_counter() - window_t0, bar)
                 window_t0, window_tokens, window_loss, window_n = time.perf_counter(), 0, None, 0
+                self.data_wait_s = 0.0
+            paused = time.perf_counter()  # evaluation and saving do not count towards throughput
             if args.eval_interval and it % args.eval_interval == 0 and it < args.train_iters:
+                wait = self.data_wait_s
                 self._log_eval(bar)
+                self.data_wait_s = wait
             if args.save and args.save_interval and it % args.save_interval == 0:
                 self.save()
                 last_saved = it
+            window_t0 += time.perf_counter() - paused
+            if args.exit_interval and it % args.exit_interval == 0:
+                break
         if bar is not None:
             bar.close()
-        if args.eval_iters > 0:
+        if args.eval_iters > 0 and self.state.iteration >= args.train_iters:
             self._log_eval(None)
         if args.save and last_saved != self.state.iteration:
             self.save()
+        self.finish_save()
         self.sinks.close()
         return self.state
 
@@ -346,7 +391,7 @@ class Trainer:
         m = {"iteration": self.state.iteration, "loss": loss_value, "lr": step["lr"],
              "grad_norm": float(step["grad_norm"]), "consumed_samples": self.state.consumed_samples,
              **throughput(tokens, seconds, self.flops_per_token, self.ctx.world_size, self.peak),
-             "memory_gib": memory_gib(self.device)}
+             "memory_gib": memory_gib(self.device), "data_wait_share": self.data_wait_s / max(seconds, 1e-9)}
         if self.fp8 and self.args.fp8_stats:
             from ..fp8 import fp8_stats
 
@@ -369,14 +414,6 @@ class Trainer:
             self.sinks.write(self.state.iteration, m, prefix="valid")
 
 
-@contextlib.contextmanager
-def _restore_grad_sync(model: nn.Module):
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
 def setup(args: argparse.Namespace) -> Trainer:
     """Everything a run needs, built from the arguments (also used by benchmarks and tests)."""
     from ..data import build_loaders, load_tokenizer
@@ -387,7 +424,7 @@ def setup(args: argparse.Namespace) -> Trainer:
     if not ctx.is_main:
         logging.getLogger("megadlms").setLevel(logging.WARNING)
     _seed_all(args.seed)
-    tokenizer = load_tokenizer(args.tokenizer_model)
+    tokenizer = load_tokenizer(args.tokenizer_model, tokenizer_type=args.tokenizer_type)
     cfg = model_config_from_args(args, tokenizer.vocab_size, tokenizer.mask_id)
     if cfg.fp8:
         from ..fp8 import check_fp8_support
@@ -406,7 +443,11 @@ def setup(args: argparse.Namespace) -> Trainer:
     data_cfg = data_config_from_args(args, seq_length=cfg.seq_length, micro_batch_size=args.micro_batch_size,
                                      seed=args.seed, train_samples=args.train_iters * global_batch,
                                      eval_samples=args.eval_iters * global_batch * n_evals)
+    if ctx.distributed and not ctx.is_main:  # rank 0 tokenizes / indexes into the caches first, the others reuse them
+        dist.barrier()
     loaders = build_loaders(data_cfg, tokenizer, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+    if ctx.distributed and ctx.is_main:
+        dist.barrier()
     trainer = Trainer(args, ctx, cfg, model, loaders, tokenizer)
     if ctx.is_main:
         n_params = sum(p.numel() for p in model.parameters())
@@ -424,9 +465,9 @@ def setup(args: argparse.Namespace) -> Trainer:
 def train(args: argparse.Namespace) -> TrainState:
     trainer = setup(args)
     state = trainer.run()
-    if trainer.ctx.is_main and (args.generate_sample or (args.generate_sample is None and args.config and
-                                                         args.config.endswith("demo.yaml"))):
-        print_sample(trainer)
+    if args.generate_sample or (args.generate_sample is None and args.config and args.config.endswith("demo.yaml")):
+        print_sample(trainer)  # on every rank: the forward of a sharded model is collective
+    destroy_parallel()
     return state
 
 
@@ -435,15 +476,17 @@ def print_sample(trainer: Trainer, prompt: str = "Once upon a time", gen_length:
     from ..diffusion.sampler import generate
 
     tok, cfg = trainer.tokenizer, trainer.cfg
-    model = trainer.model
+    model = trainer.model.module if hasattr(trainer.model, "module") else trainer.model  # DDP: the model itself
     model.eval()
     ids = tok.encode(prompt)
-    with torch.no_grad(), trainer._autocast():
+    # eager: the sampler's shapes differ from training's (a compiled model would recompile for them)
+    with torch.no_grad(), trainer._autocast(), torch.compiler.set_stance("force_eager"):
         if cfg.causal:
-            from ..generate.ar import generate_ar
+            from ..generate.ar import ar_generate
 
-            out = generate_ar(model, [ids], max_new_tokens=gen_length, eos_id=tok.eod_id)[0]
+            out = ar_generate(model, [ids], max_new_tokens=gen_length, eos_id=tok.eod_id)[0]
         else:
             out = generate(model, [ids], mask_id=cfg.mask_token_id, gen_length=gen_length, block_length=gen_length // 2,
                            steps=gen_length, eos_id=tok.eod_id)[0]
-    print(f"\nsample> {prompt}{tok.decode(out)}\n")
+    if trainer.ctx.is_main:
+        print(f"\nsample> {prompt}{tok.decode(out)}\n")

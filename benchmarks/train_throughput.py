@@ -1,0 +1,220 @@
+"""Training throughput of the real trainer (`megadlms.training.trainer.setup` with command-line args):
+the DLM loss, AdamW, LR schedule and the Megatron-format data loader, BF16 vs FP8, one GPU.
+
+Each configuration runs in its own process (fresh memory, one failure does not stop the rest):
+warm-up steps (compilation), then timed `train_step()`s between device synchronisations.
+Prints tokens/s, model TFLOP/s (6*N_matmul + 12*L*S*H_attn per token), MFU against the dense
+BF16 peak (989 TFLOP/s on H100/H200; FP8 runs report the BF16-equivalent figure) and the peak
+memory of the timed steps. `--hf-peer` also runs benchmarks/hf_peer.py (the Hugging Face
+transformers baseline) in the same command and prints our speed-ups over it.
+
+The data is a synthetic Megatron corpus (.bin/.idx of random token ids) written to a temporary
+folder, with ids of the bundled tokenizer (the one the trainer loads; the ids' values do not change
+the cost of any kernel). Varying-length batches are off (--difflm-varilen-prob 0)
+so that every timed step has the same shape.
+
+    python benchmarks/train_throughput.py --hf-peer        # on a GPU: the full table
+    python benchmarks/train_throughput.py --smoke          # the tiny preset on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name -> (flags for `megadlms train`, description)
+CONFIGS: dict[str, list[str]] = {
+    "qwen3-1.7b/bf16": ["--model-path", "qwen3-1.7b"],
+    "qwen3-1.7b/fp8": ["--model-path", "qwen3-1.7b", "--fp8-format", "hybrid"],
+    "llama3-8b-8L/bf16": ["--model-path", "llama3-8b", "--num-layers", "8"],
+    "llama3-8b-8L/fp8": ["--model-path", "llama3-8b", "--num-layers", "8", "--fp8-format", "hybrid"],
+    "tiny/bf16": ["--model-path", "tiny"],
+    "tiny/fp8": ["--model-path", "tiny", "--fp8-format", "hybrid"],
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="qwen3-1.7b/bf16,qwen3-1.7b/fp8,llama3-8b-8L/bf16,llama3-8b-8L/fp8")
+    p.add_argument("--batch", type=int, default=4, help="micro-batch size (sequences)")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--extra", default="", help="more `megadlms train` flags for every configuration")
+    p.add_argument("--hf-peer", action="store_true", help="also run benchmarks/hf_peer.py (same batch and seq)")
+    p.add_argument("--hf-peer-steps", type=int, default=6)
+    p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, 2 steps")
+    p.add_argument("--timeout", type=int, default=400, help="seconds per configuration")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for logs and the JSON results")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.smoke:
+        a.configs, a.batch, a.seq, a.warmup, a.steps = "tiny/bf16,tiny/fp8", 2, 128, 1, 2
+    return a
+
+
+def write_corpus(prefix: Path, vocab: int, n_tokens: int, seed: int = 0) -> None:
+    """A Megatron indexed dataset of random documents (100..6000 token ids in [0, vocab), then the EOD token)."""
+    import numpy as np
+
+    from megadlms.data import IndexedDatasetBuilder, load_tokenizer
+
+    tok = load_tokenizer()  # the bundled tokenizer, as the trainer loads it: ids must lie in its vocabulary
+    eod, vocab = tok.eod_id, min(vocab, tok.vocab_size)
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetBuilder(prefix, np.int32) as b:
+        done = 0
+        while done < n_tokens:
+            n = int(rng.integers(100, 6000))
+            doc = rng.integers(0, vocab, n + 1, dtype=np.int32)
+            doc[-1] = eod
+            b.add_document(doc)
+            done += n + 1
+
+
+def worker(spec: dict) -> None:
+    """One configuration: setup() from flags, warm-up, timed steps; prints one RESULT line."""
+    import torch
+
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.trainer import setup
+
+    argv = spec["flags"] + ["--seq-length", str(spec["seq"]), "--micro-batch-size", str(spec["batch"]),
+                            "--data-path", spec["data"], "--train-iters", "100000", "--lr", "1e-4",
+                            "--lr-warmup-iters", "10", "--eval-iters", "0", "--eval-interval", "0",
+                            "--log-interval", "100000", "--difflm-varilen-prob", "0", "--no-progress"]
+    if spec.get("device"):
+        argv += ["--device", spec["device"]]
+    argv += spec.get("extra", [])
+    args = parse_train_args(argv)
+    t0 = time.perf_counter()
+    trainer = setup(args)
+    trainer.model.train()
+    trainer._train_iter = iter(trainer.loaders.train)
+    cuda = trainer.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    setup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(spec["warmup"]):
+        trainer.train_step()
+    sync()
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    tokens, losses = 0, []
+    t0 = time.perf_counter()
+    for _ in range(spec["steps"]):
+        step = trainer.train_step()
+        tokens += step["tokens"]
+        losses.append(step["loss"])
+    sync()
+    dt = time.perf_counter() - t0
+    loss = float(torch.stack(losses).float().mean())
+    tok_s = tokens / dt
+    fpt = trainer.cfg.flops_per_token(trainer.cfg.seq_length)
+    res = {"config": spec["name"], "tokens_per_s": tok_s, "ms_per_step": dt / spec["steps"] * 1e3,
+           "tflops": tok_s * fpt / 1e12, "mfu": tok_s * fpt / 989e12, "loss": loss,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+           "setup_s": setup_s, "warmup_s": warmup_s,
+           "params_m": sum(p.numel() for p in trainer.model.parameters()) / 1e6,
+           "loss_chunk_tokens": trainer.loss_chunk_tokens, "compile": bool(args.compile),
+           "fp8": f"{trainer.cfg.fp8_format}/{trainer.cfg.fp8_recipe}" if trainer.cfg.fp8 else "off"}
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def run_logged(cmd: list[str], log: Path | None, timeout: int) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text, rc = text + f"\nTIMEOUT after {timeout} s", 124
+    if log is not None:  # one log for all runs (the files that come back from a GPU machine are few)
+        with open(log, "a") as f:
+            f.write(f"===== {' '.join(cmd[:2])} {cmd[-1][:200]}\n{text}\n")
+    return rc, text
+
+
+def main() -> None:
+    a = parse_args()
+    if a.worker:
+        worker(json.loads(a.worker))
+        return
+    out = Path(a.out) if a.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    print(json.dumps({"torch": torch.__version__,
+                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not a.smoke else "cpu",
+                      "batch": a.batch, "seq": a.seq, "steps": a.steps, "warmup": a.warmup}), flush=True)
+    results: list[dict] = []
+    peer = None
+    if a.hf_peer and not a.smoke:
+        log = out / "runs.log" if out else None
+        rc, text = run_logged([sys.executable, str(ROOT / "benchmarks" / "hf_peer.py"), "--batch", str(a.batch),
+                               "--seq", str(a.seq), "--steps", str(a.hf_peer_steps)], log, a.timeout)
+        m = re.search(r"hf_peer .*?(\d+) ms/step (\d+) tok/s (\d+) TFLOP/s MFU ([\d.]+)% peak_mem ([\d.]+) GiB", text)
+        if m:
+            peer = {"config": "hf_peer (transformers)", "ms_per_step": float(m.group(1)),
+                    "tokens_per_s": float(m.group(2)), "tflops": float(m.group(3)), "mfu": float(m.group(4)) / 100,
+                    "peak_gib": float(m.group(5))}
+            results.append(peer)
+            print(text.strip().splitlines()[-1], flush=True)
+        else:
+            print(f"hf_peer FAILED rc={rc}\n" + "\n".join(text.strip().splitlines()[-10:]), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = Path(tmp) / "synthetic_text_document"
+        write_corpus(prefix, vocab=128000,
+                     n_tokens=(a.warmup + a.steps + 2) * a.batch * (a.seq + 1) * 2)
+        for name in [c for c in a.configs.split(",") if c]:
+            spec = {"name": name, "flags": CONFIGS[name], "seq": a.seq, "batch": a.batch, "data": str(prefix),
+                    "warmup": a.warmup, "steps": a.steps, "extra": a.extra.split() if a.extra else []}
+            if a.smoke:
+                spec["device"] = "cpu"
+            t0 = time.time()
+            log = out / "runs.log" if out else None
+            rc, text = run_logged([sys.executable, __file__, "--worker", json.dumps(spec)], log, a.timeout)
+            m = re.search(r"^RESULT (.*)$", text, re.M)
+            if m:
+                r = json.loads(m.group(1))
+                print(f"{name}: {r['tokens_per_s']:.0f} tok/s, MFU {r['mfu'] * 100:.1f}%, peak {r['peak_gib']:.1f} GiB "
+                      f"(setup {r['setup_s']:.0f} s, warm-up {r['warmup_s']:.0f} s, wall {time.time() - t0:.0f} s)",
+                      flush=True)
+            else:
+                tail = "\n".join(text.strip().splitlines()[-15:])
+                print(f"{name}: FAILED rc={rc}\n{tail}", flush=True)
+                r = {"config": name, "error": f"rc={rc}: {text.strip().splitlines()[-1][:200] if text.strip() else ''}"}
+            results.append(r)
+    if out is not None:
+        (out / "train_throughput.json").write_text(json.dumps(results, indent=1))
+
+    by = {r["config"]: r for r in results if "error" not in r}
+    print(f"\ntrain throughput | B={a.batch} S={a.seq} | {a.steps} timed steps after {a.warmup} warm-up")
+    print(f"{'config':24s} {'ms/step':>8s} {'tok/s':>8s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} {'vs bf16':>8s} "
+          f"{'vs hf':>6s}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['config']:24s} ERROR {r['error']}")
+            continue
+        bf = by.get(r["config"].replace("/fp8", "/bf16"))
+        vs_bf = r["tokens_per_s"] / bf["tokens_per_s"] if bf and "/fp8" in r["config"] else float("nan")
+        same_arch = peer and r["config"].startswith("qwen3-1.7b")
+        vs_hf = r["tokens_per_s"] / peer["tokens_per_s"] if same_arch else float("nan")
+        print(f"{r['config']:24s} {r['ms_per_step']:8.0f} {r['tokens_per_s']:8.0f} {r['tflops']:8.0f} "
+              f"{r['mfu'] * 100:5.1f}% {r['peak_gib']:9.1f} {vs_bf:8.2f} {vs_hf:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

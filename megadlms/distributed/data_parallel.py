@@ -1,0 +1,116 @@
+"""Data parallelism: DDP or FSDP2 (`fully_shard`), chosen by --data-parallel-sharding-strategy.
+
+    no_shard            DDP: parameters, gradients and optimizer state replicated; gradients all-reduced
+                        in buckets while backward runs. With tensor parallelism (DTensor parameters, which
+                        DDP does not take) the same replication is done by FSDP2 on a (dp, 1) mesh: a shard
+                        group of one rank, gradients all-reduced over dp.
+    optim               ZeRO-1: optimizer state sharded. FSDP2 keeps the gathered parameters from the
+                        step's first forward to its last backward (no resharding after forward, nor after
+                        backward while gradients accumulate) and accumulates full gradients locally; the
+                        last micro-batch reduce-scatters them, so each rank updates its shard. One
+                        all-gather and one reduce-scatter per step: the traffic of one all-reduce.
+                        (ZeroRedundancyOptimizer is not used: its state cannot go through
+                        get_state_dict / DCP, so it could not be resharded on resume.)
+    optim_grads         ZeRO-2: FSDP2 without resharding after forward; gradients are reduce-scattered
+                        after every micro-batch, so only a shard of them is kept.
+    optim_grads_params  ZeRO-3: FSDP2 resharding after forward (parameters all-gathered again in backward).
+
+Every strategy stores the model and optimizer in DCP as sharded or replicated tensors of the same
+names, so a checkpoint of one strategy / world size loads into any other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .args import SHARDING_STRATEGIES
+
+FSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
+
+
+def resolve_strategy(args: argparse.Namespace) -> str:
+    """The sharding strategy of the flags: --use-distributed-optimizer turns no_shard into optim (Megatron)."""
+    strategy = args.data_parallel_sharding_strategy
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"--data-parallel-sharding-strategy {strategy!r} is not one of {list(SHARDING_STRATEGIES)}")
+    if getattr(args, "use_distributed_optimizer", False) and strategy == "no_shard":
+        strategy = "optim"
+    if getattr(args, "overlap_param_gather", False) and strategy == "no_shard":
+        raise ValueError("--overlap-param-gather overlaps the all-gather of sharded parameters, and "
+                         "--data-parallel-sharding-strategy no_shard has none; add --use-distributed-optimizer or "
+                         "pick optim, optim_grads or optim_grads_params")
+    return strategy
+
+
+def mixed_precision_policy(param_dtype: torch.dtype | None):
+    """FSDP2 compute in `param_dtype` (None: the parameters' own dtype), gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
+               param_dtype: torch.dtype | None = None, prefetch: bool = False) -> None:
+    """fully_shard each transformer layer, then the root (embedding, final norm, LM head), in place.
+
+    mesh: 1-D (sharding) or 2-D (replicate, shard) data-parallel mesh. With tensor parallelism it must
+    come from the same root mesh as the TP mesh. The root is not resharded after forward: backward
+    starts with it, and a chunked LM head + loss uses its output weight after the forward.
+    prefetch: also issue the next layer's all-gather before the current layer runs, in forward and
+    backward (--overlap-param-gather), instead of when the CPU reaches it.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mp = mixed_precision_policy(param_dtype)
+    layers = list(model.layers)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    if prefetch and len(layers) > 1:
+        for prev, nxt in zip(layers[:-1], layers[1:]):
+            prev.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([prev])
+
+
+def apply_ddp(model: nn.Module, group, device: torch.device) -> nn.Module:
+    """DistributedDataParallel over `group`. Buffers are not broadcast each forward: they are equal on every
+    rank already (RoPE tables) or reduced by their owner (FP8 amax histories, in `fp8_step`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=group, broadcast_buffers=False,
+                                   device_ids=[device.index] if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def _fsdp_accumulate(model: nn.Module, keep_unsharded: bool) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    if keep_unsharded:
+        model.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        if keep_unsharded:
+            model.set_reshard_after_backward(True)
+
+
+def grad_sync_context(model: nn.Module, strategy: str, last: bool) -> contextlib.AbstractContextManager:
+    """The context of one micro-batch's forward + backward under `strategy` (see the module doc).
+
+    no_shard / optim: gradients are reduced only on the last micro-batch of a step (accumulated locally
+    before); optim keeps the gathered parameters until then. optim_grads(_params): every micro-batch
+    reduce-scatters, so no full gradient outlives its micro-batch.
+    """
+    if last or strategy in ("none", "optim_grads", "optim_grads_params"):
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    return _fsdp_accumulate(model, keep_unsharded=strategy in ("no_shard", "optim"))

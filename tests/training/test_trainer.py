@@ -1,0 +1,114 @@
+"""End-to-end training on CPU: falling loss, exact resume, accumulation, AR mode, CLI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megadlms.training import checkpoint as ckpt
+from megadlms.training.args import parse_train_args
+from megadlms.training.trainer import setup, train
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--ffn-hidden-size", "128", "--seq-length", "32", "--device", "cpu", "--no-compile", "--num-workers", "0",
+         "--eval-iters", "0", "--log-interval", "1", "--no-progress", "--lr", "3e-3", "--lr-warmup-iters", "2",
+         "--difflm-varilen-prob", "0.2", "--no-generate-sample"]
+
+
+def run(argv):
+    return train(parse_train_args(argv))
+
+
+def losses(state):
+    return [m["loss"] for m in state.history if "loss" in m and "eval_loss" not in m]
+
+
+def test_loss_falls_on_the_bundled_corpus(tmp_path):
+    # the validation loss uses the same batches and masks every time, so before/after are comparable
+    args = parse_train_args(SMALL + ["--micro-batch-size", "16", "--train-iters", "60", "--lr-decay-style",
+                                     "constant", "--eval-iters", "4", "--eval-interval", "1000",
+                                     "--save", str(tmp_path / "ck")])
+    trainer = setup(args)
+    before = trainer.evaluate()
+    state = trainer.run()
+    after = trainer.evaluate()
+    assert len(losses(state)) == 60
+    assert after < 0.8 * before, (before, after)
+    # metrics.jsonl beside the checkpoints: one line per log interval and the final validation
+    lines = [json.loads(x) for x in (tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()]
+    train_rec = [r for r in lines if r["split"] == "train"][-1]
+    assert train_rec["iteration"] == 60
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "memory_gib"} <= set(train_rec)
+    assert [r for r in lines if r["split"] == "valid"][-1]["loss"] < before
+
+
+def _weights(path):
+    model, _, _ = ckpt.load_model_from_checkpoint(path)
+    return model.state_dict()
+
+
+def test_exact_resume_is_bitwise(tmp_path):
+    common = SMALL + ["--micro-batch-size", "4", "--global-batch-size", "8"]
+    straight = run(common + ["--train-iters", "8", "--save", str(tmp_path / "a")])
+    run(common + ["--train-iters", "8", "--save", str(tmp_path / "b"), "--save-interval", "4", "--exit-interval", "4"])
+    assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    resumed = run(common + ["--train-iters", "8", "--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")])
+    assert losses(resumed) == losses(straight)[4:]  # bitwise equal floats
+    wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_gradient_accumulation_matches_a_large_micro_batch(tmp_path):
+    common = SMALL + ["--train-iters", "4", "--difflm-varilen-prob", "0"]
+    big = losses(run(common + ["--micro-batch-size", "8"]))
+    acc = losses(run(common + ["--micro-batch-size", "2", "--global-batch-size", "8"]))
+    torch.testing.assert_close(torch.tensor(acc), torch.tensor(big), rtol=1e-5, atol=1e-6)
+
+
+def test_autoregressive_mode_trains(tmp_path):
+    state = run(SMALL + ["--model-running-mode", "vanilla", "--micro-batch-size", "8", "--train-iters", "30",
+                         "--lr-decay-style", "constant"])
+    ls = losses(state)
+    assert sum(ls[-5:]) / 5 < 0.8 * sum(ls[:5]) / 5
+
+
+def test_finetune_loads_weights_only(tmp_path):
+    run(SMALL + ["--micro-batch-size", "4", "--train-iters", "3", "--save", str(tmp_path / "a")])
+    state = run(SMALL + ["--micro-batch-size", "4", "--train-iters", "2", "--load", str(tmp_path / "a"),
+                         "--finetune"])
+    assert state.iteration == 2  # counted from zero
+
+
+def test_yaml_config_and_unknown_key(tmp_path):
+    good = tmp_path / "run.yaml"
+    good.write_text("train-iters: 7\nmicro_batch_size: 3\n")
+    args = parse_train_args(["--config", str(good), "--train-iters", "9"])
+    assert args.train_iters == 9 and args.micro_batch_size == 3
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train-itres: 7\n")
+    with pytest.raises(SystemExit, match="train-itres"):
+        parse_train_args(["--config", str(bad)])
+
+
+def test_fp8_hybrid_synonym():
+    assert parse_train_args(["--fp8-hybrid"]).fp8_format == "hybrid"
+    assert parse_train_args(["--fp8-format", "e4m3"]).fp8_format == "e4m3"
+
+
+def test_cli_help_and_train_smoke(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "pretrain_difflm.py"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--fp8-format" in out.stdout and "--data-path" in out.stdout
+    ours = subprocess.run([sys.executable, "-m", "megadlms", "train", "--help"], capture_output=True, text=True)
+    # exactly the same flags
+    strip = lambda s: s.split("options:", 1)[1]
+    assert strip(ours.stdout) == strip(out.stdout)
+    run_ = subprocess.run([sys.executable, "-m", "megadlms", "train", *SMALL, "--micro-batch-size", "2",
+                           "--train-iters", "2", "--save", str(tmp_path / "s")], capture_output=True, text=True)
+    assert run_.returncode == 0, run_.stderr[-2000:]
+    assert "iter      2/2" in run_.stdout and "MFU n/a" in run_.stdout
