@@ -9,6 +9,8 @@ and the speed-up of each variant over our BF16 block.
 Variants (--variants, comma-separated):
   bf16           our block in BF16 (the model's default attention path)
   fp8-delayed    our FP8 engine, DelayedScaling, HYBRID (E4M3 forward, E5M2 gradients)
+  fp8-delayed-unfused  the same with q/k/v and gate/up as separate FP8 linears (convert_to_fp8's
+                 fuse_projections=False)
   fp8-tensorwise our FP8 engine, Float8CurrentScaling, HYBRID
   fp8-rowwise    our FP8 engine, Float8RowwiseScaling, HYBRID
   torchao        torchao.float8 tensorwise (when torchao is importable), same block otherwise
@@ -103,11 +105,11 @@ def build_variant(name: str, cfg: TransformerConfig, device: torch.device, compi
             fp8_step,
         )
 
-        recipe = {"fp8-delayed": DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=1,
-                                                amax_compute_algo="most_recent"),
+        delayed = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=1, amax_compute_algo="most_recent")
+        recipe = {"fp8-delayed": delayed, "fp8-delayed-unfused": delayed,
                   "fp8-tensorwise": Float8CurrentScaling(fp8_format=Format.HYBRID),
                   "fp8-rowwise": Float8RowwiseScaling(fp8_format=Format.HYBRID)}[name]
-        holder = convert_to_fp8(_Holder(layer), recipe)
+        holder = convert_to_fp8(_Holder(layer), recipe, fuse_projections=not name.endswith("-unfused"))
         ctx = holder.layer_context
 
         def step() -> None:  # what the trainer does after optimizer.step()
@@ -183,7 +185,7 @@ def run_variant(name: str, cfg: TransformerConfig, a: argparse.Namespace, device
 KERNEL_CLASSES = (  # first match wins
     ("attention", ("fmha", "flash", "attention", "cudnn", "sdpa", "mha")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas", "scaled_mm", "wgmma")),
-    ("fp8 cast", ("clamp", "clone_t", "absmax", "amax", "norm_kernel", "normops")),
+    ("fp8 cast", ("cast_transpose", "clamp", "clone_t", "absmax", "amax", "norm_kernel", "normops")),
     ("triton (norm/rope/swiglu/...)", ("triton",)),
     ("aten elementwise", ("elementwise", "vectorized", "reduce", "copy", "fill", "cat", "index")),
 )
@@ -434,7 +436,11 @@ def main() -> None:
         print(f"profile {name} (ms per fwd+bwd, by kernel class): {cls} | total {sum(p['by_class_ms'].values()):.2f}")
         for ms, cnt, c, key in p["top"][:6]:
             print(f"    {ms:8.3f} ms x{cnt:<3d} {c:16s} {key[:90]}")
-    print(f"\nblock {env['shape']} | torch {env['torch']} | {env['device']} | compile={compile_}")
+    from megadlms.fp8 import triton_cast
+
+    env["fp8_triton_cast"] = triton_cast._state["ok"]
+    print(f"\nblock {env['shape']} | torch {env['torch']} | {env['device']} | compile={compile_} | "
+          f"one-pass Triton FP8 cast: {triton_cast._state['ok']}")
     print(f"{'variant':16s} {'fwd ms':>8s} {'bwd ms':>8s} {'fwd TF/s':>9s} {'bwd TF/s':>9s} {'tot TF/s':>9s} "
           f"{'fwd x':>6s} {'bwd x':>6s} {'peak GiB':>9s} {'rel err':>8s}")
     for r in rows:

@@ -88,14 +88,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.kv_channels, cfg.norm_epsilon) if cfg.qk_layernorm else None
         self.causal = cfg.causal
 
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, S, H] -> q, k, v [B, S, N*D | G*D]. A hook: the FP8 conversion replaces it on the instance
+        with one FP8 GEMM over the three weights (megadlms.fp8.fused_linear)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn_mask: torch.Tensor | None, kv_cache: KVCache | None = None) -> torch.Tensor:
         """x [B, S, H] -> [B, S, H]. attn_mask: None or bool [B, 1, S, T] (True = attend)."""
         b, s, _ = x.shape
+        q, k, v = self.project_qkv(x)
         # -1 instead of the head count: under tensor parallelism the local head count is smaller
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        q, k, v = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim), v.view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N|G, S, D]
@@ -119,8 +123,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
         self.act_fn = SwiGLU()
 
+    def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., H] -> gate, up [..., F]. A hook, like `Attention.project_qkv`."""
+        return self.gate_proj(x), self.up_proj(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act_fn(*self.project_gate_up(x)))
 
 
 class TransformerLayer(nn.Module):

@@ -9,15 +9,12 @@ with one process) creates no process group at all, so the single-device path has
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-log = logging.getLogger("megadlms")
 
 
 @dataclass

@@ -83,24 +83,22 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, args: argparse.Nam
         apply_compile(model)
     ctx.sequence_parallel = sequence_parallel
     ctx.dp_strategy = strategy if ctx.dp_size > 1 else "none"
-    if ctx.dp_size == 1:
-        return model
-    if strategy == "no_shard" and ctx.tp_size == 1:
+    if ctx.dp_size > 1 and strategy == "no_shard" and ctx.tp_size == 1:
         model = apply_ddp(model, ctx.dp_group, ctx.device)
-    else:
+    elif ctx.dp_size > 1:
         apply_fsdp(model, dp_mesh, reshard_after_forward=strategy == "optim_grads_params",
-                   param_dtype=compute_dtype(args, ctx.device), prefetch=bool(getattr(args, "overlap_param_gather",
-                                                                                     False)))
+                   param_dtype=compute_dtype(args, ctx.device),
+                   prefetch=bool(getattr(args, "overlap_param_gather", False)))
         if strategy in ("optim_grads", "optim_grads_params") and getattr(model.config, "fp8", False):
             # these strategies free gathered weights between micro-batches; an FP8 weight cache would keep them
             from ..fp8 import fp8_modules
 
             for m in fp8_modules(model):
                 m.cache_weight = False
-    if ctx.is_main:
-        log.info("data parallel: %s over %d ranks%s", _describe(strategy, ctx.tp_size), ctx.dp_size,
-                 f" | tensor parallel {ctx.tp_size}{' + sequence parallel' if sequence_parallel else ''}"
-                 if ctx.tp_size > 1 else "")
+    if ctx.distributed and ctx.is_main:
+        tp = f"tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if sequence_parallel else ''}"
+        dp = f"data parallel: {_describe(strategy, ctx.tp_size)} over {ctx.dp_size} ranks"
+        log.info("%s", " | ".join(x for x, on in ((dp, ctx.dp_size > 1), (tp, ctx.tp_size > 1)) if on))
     return model
 
 

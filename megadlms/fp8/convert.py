@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model import SwiGLU
+from .fused_linear import install_fused_projections
 from .hardware import check_fp8_support
 from .linear import Float8Linear
 from .quantize import amax_to_scale
@@ -47,7 +48,7 @@ def _set_child(root: nn.Module, dotted: str, module: nn.Module) -> None:
 
 def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_bf16: int = 0,
                    num_layers_at_end_in_bf16: int = 0, activation_func_fp8_input_store: bool = False,
-                   fp8_wgrad: bool = True) -> nn.Module:
+                   fp8_wgrad: bool = True, fuse_projections: bool = True) -> nn.Module:
     """Convert `model` (a TransformerLM) to FP8 in place and return it.
 
     Every eligible nn.Linear inside `model.layers` (in/out features multiples of 16) becomes a
@@ -56,6 +57,9 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
     precision, as do the first/last `num_layers_at_{start,end}_in_bf16` transformer layers.
     activation_func_fp8_input_store: the SwiGLU of each FP8 layer keeps its inputs for backward
         in E4M3. fp8_wgrad=False: weight gradients in BF16 (fprop/dgrad stay FP8).
+    fuse_projections: q/k/v and gate/up of each FP8 layer run as one FP8 GEMM each, sharing one cast of
+        their input (`fused_linear.FusedFloat8Projection`, installed as the instance's `project_qkv` /
+        `project_gate_up`; parameters and state_dict keys are unchanged). Per-tensor recipes only.
     The model's `layer_context` becomes `fp8_autocast(enabled=True, fp8_recipe=recipe)`, which the
     model enters around its transformer layers.
     """
@@ -74,6 +78,8 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
                 _set_child(layer, name, Float8Linear.from_linear(child, recipe, fp8_wgrad=fp8_wgrad))
             elif activation_func_fp8_input_store and type(child) is SwiGLU:
                 _set_child(layer, name, SwiGLUFP8InputStore())
+        if fuse_projections:
+            install_fused_projections(layer)
     model.layer_context = functools.partial(fp8_autocast, enabled=True, fp8_recipe=recipe)
     return model
 

@@ -6,8 +6,11 @@ needs the transposes of the FP8 input and gradient, and the input-gradient GEMM 
 the FP8 weight. `cast_fp8` makes q^T from the high-precision x at cast time (no later transpose
 pass over a saved FP8 tensor in backward).
 
-On CUDA the cast is a compiled pointwise function (torch.compile, dynamic shapes; inductor emits
-one kernel per output layout); the amax is ATen's one-pass inf-norm reduction (an amax compiled
+On CUDA the cast is one Triton pass (`triton_cast`: reads x once, writes q and q^T, and with a
+known scale (delayed scaling) also the amax for the history); without Triton, or if its first-call
+check against the ATen cast fails, it is a compiled pointwise function (torch.compile, dynamic
+shapes; inductor emits one kernel per output layout). The amax needed before a cast (current
+scaling) is ATen's one-pass inf-norm reduction (an amax compiled
 with dynamic shapes ran ~3x slower per call on an H200: benchmarks/RESULTS.md). Elsewhere
 everything runs eagerly. Both compute exactly what `quantize.quantize` / `amax_to_scale` compute.
 """
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 
+from . import triton_cast
 from .quantize import FP8_MAX, amax_to_scale
 
 
@@ -65,19 +69,25 @@ def _get(name: str, fn: Any) -> Any:
 
 
 def cast_fp8(x: torch.Tensor, scale: torch.Tensor | None, amax_slot: torch.Tensor | None, fp8_dtype: torch.dtype,
-             margin: int = 0, want_q: bool = True, want_t: bool = False
+             margin: int = 0, want_q: bool = True, want_t: bool = False, amax: torch.Tensor | None = None
              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Per-tensor FP8 cast of a 2-D x [R, C] (any float dtype).
 
     scale: fp32 scalar tensor (delayed scaling), or None to take it from x's amax (current scaling:
         (fp8_max / amax) / 2**margin, 1.0 where amax is 0 or not finite).
     amax_slot: fp32 scalar tensor updated in place to max(slot, amax(|x|)) (delayed-scaling history), or None.
+    amax: max |x| when the caller has it already (fp32 scalar tensor); computed here when needed otherwise.
     Returns (q [R, C] row-major or None, q^T [C, R] contiguous or None, scale_inv [] fp32,
     amax [] fp32 or None when neither the scale nor the slot needed it).
     """
     x = x.detach()
     cuda = x.device.type == "cuda"
-    amax = _amax(x) if scale is None or amax_slot is not None else None
+    if (want_q or want_t) and triton_cast.available(x):
+        out = _cast_fp8_triton(x, scale, amax_slot, fp8_dtype, margin, want_q, want_t, amax)
+        if out is not None:
+            return out
+    if amax is None and (scale is None or amax_slot is not None):
+        amax = _amax(x)
     if scale is None:
         fn = _get("current", _cast_current) if cuda else _cast_current
         q, t, scale_inv = fn(x, amax, amax_slot, fp8_dtype, margin, want_q, want_t)
@@ -85,6 +95,28 @@ def cast_fp8(x: torch.Tensor, scale: torch.Tensor | None, amax_slot: torch.Tenso
         fn = _get("scaled", _cast_scaled) if cuda else _cast_scaled
         q, t, scale_inv = fn(x, scale, amax, amax_slot, fp8_dtype, want_q, want_t)
     return q, t, scale_inv, amax
+
+
+def _cast_fp8_triton(x: torch.Tensor, scale: torch.Tensor | None, amax_slot: torch.Tensor | None,
+                     fp8_dtype: torch.dtype, margin: int, want_q: bool, want_t: bool, amax: torch.Tensor | None
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
+    """`cast_fp8` through the one-pass Triton kernel; None when the kernel is off (the caller falls back).
+
+    With a scale (delayed scaling) the amax the history needs comes out of the cast itself (atomic max
+    straight into the slot): one read of x. Without one (current scaling) the amax pass comes first."""
+    if scale is None:
+        if amax is None:
+            amax = _amax(x)
+        scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
+        slot_in_kernel = None
+    else:
+        slot_in_kernel = amax_slot if amax is None else None
+    out = triton_cast.checked_cast_transpose(x, scale, fp8_dtype, want_q, want_t, slot_in_kernel)
+    if out is None:
+        return None
+    if amax_slot is not None and slot_in_kernel is None:
+        amax_slot.copy_(torch.maximum(amax_slot, amax))
+    return out[0], out[1], scale.reciprocal(), amax
 
 
 def _transpose(q: torch.Tensor) -> torch.Tensor:
@@ -96,3 +128,54 @@ def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
     if q.device.type != "cuda":
         return _transpose(q)
     return _get("transpose", _transpose)(q)
+
+
+def _cast_cat(ws: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: torch.dtype, want_t: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    fmax = FP8_MAX[fp8_dtype]
+    xf = torch.cat([w.float() for w in ws])
+    q = (xf * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    t = (xf.t() * scale).clamp(-fmax, fmax).to(fp8_dtype).contiguous() if want_t else None
+    return q, t
+
+
+def cast_fp8_cat(ws: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: torch.dtype, want_t: bool = False,
+                 amax_outs: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-tensor FP8 cast of the row-concatenation of 2-D tensors ws[i] [R_i, C] with one scale (fp32 scalar
+    tensor), without materializing the high-precision concatenation on CUDA (inductor writes each input's rows
+    straight into the FP8 outputs). Returns (q [sum R_i, C], q^T [C, sum R_i] contiguous or None); each element is
+    what `cast_fp8` with the same scale gives for it. amax_outs: fp32 scalars raised in place to
+    max(amax_outs[i], max |ws[i]|) (on CUDA in the cast's own pass), or None."""
+    ws = [w.detach() for w in ws]
+    if all(triton_cast.available(w) for w in ws):
+        out = _cast_cat_triton(ws, scale, fp8_dtype, want_t, amax_outs)
+        if out is not None:
+            return out
+    if amax_outs is not None:
+        for a, w in zip(amax_outs, ws):
+            a.copy_(torch.maximum(a, _amax(w)))
+    fn = _get("cat", _cast_cat) if ws[0].device.type == "cuda" else _cast_cat
+    return fn(ws, scale, fp8_dtype, want_t)
+
+
+def _cast_cat_triton(ws: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: torch.dtype, want_t: bool,
+                     amax_outs: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`cast_fp8_cat` with each input cast by the Triton kernel straight into its row block of q and its
+    column block of q^T."""
+    n, c = sum(w.shape[0] for w in ws), ws[0].shape[1]
+    q = torch.empty(n, c, dtype=fp8_dtype, device=ws[0].device)
+    t = torch.empty(c, n, dtype=fp8_dtype, device=ws[0].device) if want_t else None
+    row = 0
+    for i, w in enumerate(ws):
+        r = w.shape[0]
+        out = triton_cast.checked_cast_transpose(w, scale, fp8_dtype, True, want_t,
+                                                 amax_outs[i] if amax_outs is not None else None, q[row:row + r],
+                                                 t[:, row:row + r] if want_t else None)
+        if out is None:
+            if amax_outs is not None:  # the ones done so far are max-updates: repeating them is harmless
+                for a, w2 in zip(amax_outs, ws):
+                    a.copy_(torch.maximum(a, _amax(w2)))
+                amax_outs.clear()
+            return None
+        row += r
+    return q, t

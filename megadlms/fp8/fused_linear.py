@@ -1,0 +1,316 @@
+"""Horizontal fusion of sibling Float8Linears that read the same input: q/k/v and gate/up.
+
+`FusedFloat8Projection` is what `convert_to_fp8` installs as an instance's `Attention.project_qkv` /
+`MLP.project_gate_up` (hooks of megadlms.model). Instead of N Float8Linears each casting the same
+input, running its own GEMMs and saving its own FP8 copy of the input, it runs
+
+    forward:  one cast of x (q and x^T), one GEMM  y = x @ [W_1; ...; W_n]^T, outputs split (views)
+    backward: one cast of g = [g_1, ..., g_n], one dgrad GEMM (no adds of partial input gradients),
+              one wgrad GEMM whose row blocks are the n weight gradients
+
+with the per-step FP8 weight written from the separate high-precision parameters into one
+concatenated FP8 buffer (and its transpose). Parameters, module names and state_dict keys are
+unchanged: the member modules keep their weights, amax histories and scales.
+
+Scaling: one scale per GEMM operand. The input scale, the concatenated weight's scale and the
+gradient's scale are the smallest of the members' scales for that role (delayed scaling, i.e. the
+largest amax seen by any member), or come from the amax of the operand being cast (current scaling
+and the first step of delayed scaling). Delayed scaling records each member's own weight amax and
+the shared input/gradient amax into every member's history, so after one `fp8_step` the members of
+a group hold equal input and gradient scales. With equal member scales every output equals the
+unfused layers' output for the same inputs (each element is the same FP8 product).
+
+Whenever fusion does not apply (outside an enabled fp8_autocast, rowwise recipe, FP8 telemetry on,
+hooks on a member (tensor parallelism), DTensor weights, mixed member settings), the call falls
+back to calling the member modules one by one.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import triton_cast
+from .fused import _amax, cast_fp8, cast_fp8_cat, transpose_fp8
+from .linear import GRAD, INPUT, WEIGHT, Float8Linear, _check_device_once, _Fp8Weight, compute_dtype
+from .quantize import FP8_MAX, amax_to_scale, pad_2d, round_up16, scaled_mm
+from .recipe import DelayedScaling, Float8RowwiseScaling
+from .state import FP8GlobalStateManager
+
+_SETTINGS = ("recipe", "fp8_wgrad", "cache_weight", "fprop_fast_accum", "backward_fast_accum", "training")
+
+
+class _GroupWeight:
+    """The concatenated FP8 weight of one group for one optimizer step."""
+
+    __slots__ = ("members", "q", "t", "scale_inv", "scales", "sizes")
+
+    def __init__(self, members: tuple[_Fp8Weight, ...], q: torch.Tensor, t: torch.Tensor | None,
+                 scale_inv: torch.Tensor, scales: torch.Tensor | None, sizes: tuple[int, ...]):
+        self.members, self.q, self.t, self.scale_inv, self.scales, self.sizes = members, q, t, scale_inv, scales, sizes
+
+
+def _record(slots: list[torch.Tensor], amax: torch.Tensor) -> None:
+    """slot = max(slot, amax) for every slot (0-dim views into amax histories)."""
+    for slot in slots:
+        slot.copy_(torch.maximum(slot, amax))
+
+
+class FusedFloat8Projection:
+    """Callable x [..., K] -> tuple of the members' outputs [..., N_i]: one FP8 GEMM for the sibling
+    Float8Linears `owner.<names>` (see the module docstring). Holds no parameters or buffers."""
+
+    def __init__(self, owner: nn.Module, names: tuple[str, ...]):
+        self.owner, self.names = owner, tuple(names)
+        self._cache: _GroupWeight | None = None
+        self.num_fused_calls = 0  # forwards that took the fused path (tests, debugging)
+
+    def __repr__(self) -> str:
+        return f"FusedFloat8Projection({', '.join(self.names)})"
+
+    def members(self) -> list[nn.Module]:
+        return [getattr(self.owner, n) for n in self.names]
+
+    def _fusable(self, mods: list[nn.Module], x: torch.Tensor) -> bool:
+        if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0:
+            return False
+        first = mods[0]
+        if not all(type(m) is Float8Linear for m in mods) or isinstance(first.recipe, Float8RowwiseScaling):
+            return False
+        explicit = FP8GlobalStateManager.get_explicit_recipe()
+        if explicit is not None and explicit != first.recipe:
+            return False  # the members raise the mismatch error
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        k = first.weight.shape[1]
+        for m in mods:
+            if m._forward_hooks or m._forward_pre_hooks or m.collect_fp8_stats:
+                return False
+            if dtensor is not None and isinstance(m.weight, dtensor.DTensor):
+                return False
+            if m.weight.shape[1] != k or m.weight.shape[0] % 16 or k % 16 or m.weight.device != x.device:
+                return False
+            if any(getattr(m, s) != getattr(first, s) for s in _SETTINGS):
+                return False
+        return x.shape[-1] == k
+
+    @torch.compiler.disable
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mods = self.members()
+        if not self._fusable(mods, x):
+            return tuple(m(x) for m in mods)
+        if x.device.type == "cuda":
+            _check_device_once(x.device)
+        ws = [m.weight for m in mods]
+        bs = [m.bias for m in mods]
+        k = ws[0].shape[1]
+        sizes = tuple(w.shape[0] for w in ws)
+        x2 = x.reshape(-1, k).contiguous()
+        grad_follows = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws))
+        self.num_fused_calls += 1
+        ys = _FusedFloat8LinearFn.apply(x2, self, tuple(mods), compute_dtype(x), grad_follows, *ws, *bs)
+        return tuple(y.view(*x.shape[:-1], n) for y, n in zip(ys, sizes))
+
+    # ------------------------------------------------------------------ weights
+    def _group_weight(self, mods: list[Float8Linear], want_t: bool) -> _GroupWeight:
+        """The concatenated FP8 weight for this step: cast on the first micro-batch after any member's weight
+        changed (same detection as `Float8Linear._fp8_weight`; `fp8_step` drops the members' caches)."""
+        keys = [(m.weight._version, m.weight.data_ptr(), m.weight.dtype, m.weight.device) for m in mods]
+        c = self._cache
+        if c is not None and all(m._wcache is mc and mc.key == key for m, mc, key in zip(mods, c.members, keys)):
+            if want_t and c.t is None:
+                c.t = transpose_fp8(c.q)
+            return c
+        first = mods[0]
+        recipe = first.recipe
+        fwd = recipe.fp8_format.fwd_dtype
+        delayed = isinstance(recipe, DelayedScaling)
+        ready = delayed and all(m._is_ready() for m in mods)
+        scales = torch.stack([m.fp8_scale for m in mods]).amin(0) if ready else None  # [3]: input, weight, grad
+        ws = [m.weight.detach() for m in mods]
+        record = delayed and first.training
+        if ready:  # the weights' amaxes (for the histories) come out of the cast itself
+            amax_outs = [m.fp8_amax_history[0, WEIGHT] for m in mods] if record else None
+            q, t = cast_fp8_cat(ws, scales[WEIGHT], fwd, want_t, amax_outs)
+            scale = scales[WEIGHT]
+        else:
+            amaxes = [_amax(w) for w in ws]
+            if record:
+                for m, a in zip(mods, amaxes):
+                    _record([m.fp8_amax_history[0, WEIGHT]], a)
+            scale = amax_to_scale(torch.stack(amaxes).max(), FP8_MAX[fwd], recipe.margin)
+            q, t = cast_fp8_cat(ws, scale, fwd, want_t)
+        scale_inv = scale.reciprocal()
+        member_caches, row = [], 0
+        for m, w, key in zip(mods, ws, keys):
+            n = w.shape[0]
+            mc = _Fp8Weight(key, q[row:row + n], scale_inv)  # what the member itself uses if called alone
+            row += n
+            m.num_weight_casts += 1
+            if first.cache_weight:
+                m._wcache = mc
+            member_caches.append(mc)
+        c = _GroupWeight(tuple(member_caches), q, t, scale_inv, scales, tuple(w.shape[0] for w in ws))
+        self._cache = c if first.cache_weight else None
+        return c
+
+
+def _cast_shared(mods: tuple[Float8Linear, ...], x: torch.Tensor, role: int, fp8_dtype: torch.dtype,
+                 scales: torch.Tensor | None, record: bool, want_q: bool, want_t: bool
+                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """Cast of an operand shared by the group (the input, or the concatenated gradient): one scale (the
+    smallest member scale when delayed scales exist, else from x's amax); with `record`, x's amax goes into
+    every member's history slot of `role`. Returns (q, scale_inv, q^T)."""
+    slots = [m.fp8_amax_history[0, role] for m in mods] if record else []
+    margin = mods[0].recipe.margin
+    if scales is not None:  # the amax comes out of the cast (one pass over x)
+        tmp = torch.zeros((), dtype=torch.float32, device=x.device) if len(slots) > 1 else None
+        slot = tmp if tmp is not None else (slots[0] if slots else None)
+        q, t, scale_inv, _ = cast_fp8(x, scales[role], slot, fp8_dtype, margin, want_q, want_t)
+        if tmp is not None:
+            _record(slots, tmp)
+    else:
+        amax = _amax(x)
+        _record(slots, amax)
+        q, t, scale_inv, _ = cast_fp8(x, None, None, fp8_dtype, margin, want_q, want_t, amax=amax)
+    return q, scale_inv, t
+
+
+def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
+                     scales: torch.Tensor | None, record: bool, want_q: bool, want_t: bool, mp: int
+                     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """The FP8 cast of the gradient [g_1, ..., g_n] ([M, N_i] each, contiguous) as one operand, padded to mp rows:
+    (q [mp, sum N_i] or None, scale_inv, q^T [sum N_i, mp] or None). On CUDA each part is cast straight into
+    its blocks of q and q^T; elsewhere the parts are concatenated and cast by `_cast_shared`."""
+    m = parts[0].shape[0]
+    if all(triton_cast.available(p) for p in parts):
+        slots = [mod.fp8_amax_history[0, GRAD] for mod in mods] if record else []
+        if scales is not None:
+            scale = scales[GRAD]
+            tmp = torch.zeros((), dtype=torch.float32, device=parts[0].device) if record else None
+        else:
+            amax = torch.stack([_amax(p) for p in parts]).amax()
+            scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], mods[0].recipe.margin)
+            tmp = None
+        ncat = sum(p.shape[1] for p in parts)
+        alloc = torch.empty if mp == m else torch.zeros  # padding rows: zeros
+        gq = alloc(mp, ncat, dtype=fp8_dtype, device=parts[0].device) if want_q else None
+        gt = alloc(ncat, mp, dtype=fp8_dtype, device=parts[0].device) if want_t else None
+        col, ok = 0, True
+        for p in parts:
+            n = p.shape[1]
+            out = triton_cast.checked_cast_transpose(p, scale, fp8_dtype, want_q, want_t, tmp,
+                                                     gq[:m, col:col + n] if want_q else None,
+                                                     gt[col:col + n, :m] if want_t else None)
+            if out is None:
+                ok = False
+                break
+            col += n
+        if ok:
+            if scales is None:
+                _record(slots, amax)
+            elif tmp is not None:
+                _record(slots, tmp)
+            return gq, scale.reciprocal(), gt
+    g = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    return _cast_shared(mods, pad_2d(g, mp, g.shape[1]), GRAD, fp8_dtype, scales, record, want_q, want_t)
+
+
+class _FusedFloat8LinearFn(torch.autograd.Function):
+    """x [M, K], weights W_i [N_i, K], biases b_i [N_i] | None -> y [M, sum N_i] = x @ [W_1; ...]^T (+ [b_1, ...])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: FusedFloat8Projection, mods: tuple[Float8Linear, ...],
+                out_dtype: torch.dtype, grad_follows: bool, *params: torch.Tensor | None
+                ) -> tuple[torch.Tensor, ...]:
+        n_mod = len(mods)
+        ws, bs = params[:n_mod], params[n_mod:]
+        first = mods[0]
+        recipe = first.recipe
+        fwd = recipe.fp8_format.fwd_dtype
+        delayed = isinstance(recipe, DelayedScaling)
+        m, k = x.shape
+        mp = round_up16(m)
+        xp = pad_2d(x, mp, k)
+        need_w = any(ctx.needs_input_grad[5:5 + n_mod])
+        want_wt = grad_follows and any(w.requires_grad for w in ws)
+        w = group._group_weight(list(mods), want_wt)
+        want_xt = need_w and first.fp8_wgrad
+        xq, x_si, xt = _cast_shared(mods, xp, INPUT, fwd, w.scales, delayed and first.training, True, want_xt)
+        y = scaled_mm(xq, w.q.t(), x_si, w.scale_inv, out_dtype, first.fprop_fast_accum)
+        y = y[:m]
+        if any(b is not None for b in bs):
+            y = y + torch.cat([(b if b is not None else torch.zeros(wi.shape[0], device=y.device)).to(out_dtype)
+                               for b, wi in zip(bs, ws)])
+        x_saved = x_si_saved = None
+        if need_w:
+            if not first.fp8_wgrad:
+                x_saved = x.to(out_dtype)
+            else:
+                x_saved, x_si_saved = xt.t(), x_si
+        ctx.save_for_backward(x_saved, x_si_saved)
+        ctx.mods, ctx.wcache = mods, w
+        ctx.dims = (m, k)
+        ctx.x_dtype, ctx.out_dtype = x.dtype, out_dtype
+        ctx.w_dtypes = tuple(wi.dtype for wi in ws)
+        ctx.b_dtypes = tuple(b.dtype if b is not None else None for b in bs)
+        # column blocks of one GEMM output; their gradients arrive separately and are cast straight into
+        # the blocks of one FP8 gradient (no concatenation pass)
+        return tuple(y.split(w.sizes, dim=1))
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        mods: tuple[Float8Linear, ...] = ctx.mods
+        n_mod = len(mods)
+        first = mods[0]
+        recipe = first.recipe
+        bwd = recipe.fp8_format.bwd_dtype
+        delayed = isinstance(recipe, DelayedScaling)
+        x_saved, x_si = ctx.saved_tensors
+        w: _GroupWeight = ctx.wcache
+        m, k = ctx.dims
+        mp = round_up16(m)
+        need_dx = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[5:5 + n_mod]
+        need_b = ctx.needs_input_grad[5 + n_mod:]
+        fp8_wgrad = any(need_w) and first.fp8_wgrad
+        gs = tuple(g.contiguous() for g in gs)
+        dx = None
+        dws: list[torch.Tensor | None] = [None] * n_mod
+        if need_dx or fp8_wgrad:
+            gq, g_si, gt = _cast_grad_parts(mods, gs, bwd, w.scales, delayed, need_dx, fp8_wgrad, mp)
+            if need_dx:
+                if w.t is None:
+                    w.t = transpose_fp8(w.q)
+                dx = scaled_mm(gq, w.t.t(), g_si, w.scale_inv, ctx.x_dtype, first.backward_fast_accum)[:m]
+            if fp8_wgrad:
+                dw = scaled_mm(gt, x_saved, g_si, x_si, ctx.w_dtypes[0], first.backward_fast_accum)
+                parts = dw[:, :k].split(w.sizes)
+                dws = [d.to(dt) if need else None for d, dt, need in zip(parts, ctx.w_dtypes, need_w)]
+        if any(need_w) and not first.fp8_wgrad:  # per member: exactly the unfused layers' BF16 GEMMs
+            dws = [(g.to(ctx.out_dtype).t() @ x_saved).to(dt) if need else None
+                   for g, dt, need in zip(gs, ctx.w_dtypes, need_w)]
+        dbs = [g.float().sum(0).to(dt) if need else None for g, dt, need in zip(gs, ctx.b_dtypes, need_b)]
+        return (dx, None, None, None, None, *dws, *dbs)
+
+
+def install_fused_projections(module: nn.Module) -> int:
+    """Install a `FusedFloat8Projection` on every Attention (q/k/v) and MLP (gate/up) inside `module` whose
+    projections are Float8Linears with a per-tensor recipe. Returns how many were installed."""
+    from ..model import MLP, Attention
+
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, Attention):
+            names, hook = ("q_proj", "k_proj", "v_proj"), "project_qkv"
+        elif isinstance(sub, MLP):
+            names, hook = ("gate_proj", "up_proj"), "project_gate_up"
+        else:
+            continue
+        mods = [getattr(sub, n) for n in names]
+        if all(type(m) is Float8Linear for m in mods) and not isinstance(mods[0].recipe, Float8RowwiseScaling):
+            setattr(sub, hook, FusedFloat8Projection(sub, names))
+            count += 1
+    return count

@@ -1,0 +1,68 @@
+"""megadlms.fp8.triton_cast: the one-pass cast + transpose + amax kernel, run by Triton's interpreter on the CPU
+(in a subprocess, as the interpreter must be on before Triton is imported; skipped where Triton is not
+installed). Inputs are chosen so that x * scale is exact in fp32: the interpreter's own FP8 rounding emulation is
+not what runs on a GPU (there the first call of each variant is checked against the ATen cast)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    from megadlms.fp8 import triton_cast
+
+    torch.manual_seed(0)
+    for src in (torch.float32, torch.bfloat16):
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale = torch.tensor(32.0)
+            x = ((torch.randn(80, 144) * 3).to(fp8).float() / 32.0).to(src)  # partial tiles on both axes
+            assert triton_cast.available(x)
+            amax = torch.tensor(0.01)
+            q, t = triton_cast.checked_cast_transpose(x, scale, fp8, True, True, amax)
+            ref = (x.float() * scale).clamp(-triton_cast.FP8_MAX[fp8], triton_cast.FP8_MAX[fp8]).to(fp8)
+            assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8)), (src, fp8)
+            assert torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8)), (src, fp8)
+            assert torch.equal(amax, x.abs().amax().float()), (src, fp8)
+            _, t_only = triton_cast.cast_transpose(x, scale, fp8, False, True)
+            assert torch.equal(t_only.view(torch.uint8), t.view(torch.uint8))
+
+    # row / column blocks of larger buffers (the concatenated weights of a fused projection)
+    x = (torch.randn(32, 48) * 10).to(torch.float8_e4m3fn).float() / 16
+    big_q = torch.zeros(64, 48, dtype=torch.float8_e4m3fn)
+    big_t = torch.zeros(48, 64, dtype=torch.float8_e4m3fn)
+    triton_cast.cast_transpose(x, torch.tensor(16.0), torch.float8_e4m3fn, True, True, None, big_q[32:],
+                               big_t[:, 32:])
+    ref = (x * 16).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(big_q[32:].view(torch.uint8), ref) and not big_q[:32].view(torch.uint8).any()
+    assert torch.equal(big_t[:, 32:].view(torch.uint8), ref.t()) and not big_t[:, :32].view(torch.uint8).any()
+    # column blocks (row stride > width) and a padded transpose (the gradient of a fused projection)
+    gq = torch.zeros(48, 96, dtype=torch.float8_e5m2)
+    gt = torch.zeros(96, 48, dtype=torch.float8_e5m2)
+    g = (torch.randn(40, 48) * 4).to(torch.float8_e5m2).float().to(torch.bfloat16)
+    amax = torch.zeros(())
+    triton_cast.cast_transpose(g, torch.tensor(1.0), torch.float8_e5m2, True, True, amax, gq[:40, 48:],
+                               gt[48:, :40])
+    ref = g.float().to(torch.float8_e5m2).view(torch.uint8)
+    assert torch.equal(gq[:40, 48:].view(torch.uint8), ref) and not gq[:40, :48].view(torch.uint8).any()
+    assert not gq[40:].view(torch.uint8).any() and not gt[:, 40:].view(torch.uint8).any()
+    assert torch.equal(gt[48:, :40].view(torch.uint8), ref.t()) and not gt[:48].view(torch.uint8).any()
+    assert torch.equal(amax, g.abs().amax().float())
+    print("OK")
+""")
+
+
+def test_cast_transpose_amax_match_aten_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
