@@ -25,8 +25,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import TransformerConfig
-from ..diffusion.objective import (MaskSampler, ObjectiveConfig, chunked_weighted_cross_entropy, prepare_batch,
-                                   weighted_cross_entropy)
+from ..diffusion.objective import (
+    MaskSampler,
+    ObjectiveConfig,
+    chunked_weighted_cross_entropy,
+    prepare_batch,
+    weighted_cross_entropy,
+)
 from ..distributed.data_parallel import grad_sync_context
 from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
 from ..model import build_model
@@ -409,7 +414,8 @@ class Trainer:
         m = {"iteration": self.state.iteration, "loss": loss}
         self.state.history.append({"eval_loss": loss, "iteration": self.state.iteration})
         if self.ctx.is_main:
-            line = f"validation at iter {self.state.iteration} | loss {loss:.4f} | ELBO ppl {math.exp(min(loss, 50)):.2f}"
+            ppl = math.exp(min(loss, 50))  # the loss is an upper bound on the NLL, so this bounds the perplexity
+            line = f"validation at iter {self.state.iteration} | loss {loss:.4f} | ELBO ppl {ppl:.2f}"
             (bar.write if bar is not None else print)(line)
             self.sinks.write(self.state.iteration, m, prefix="valid")
 

@@ -3,8 +3,14 @@ import math
 import pytest
 import torch
 
-from megadlms.diffusion.objective import (MaskSampler, ObjectiveConfig, chunked_weighted_cross_entropy, mask_tokens,
-                                          prepare_batch, weighted_cross_entropy)
+from megadlms.diffusion.objective import (
+    MaskSampler,
+    ObjectiveConfig,
+    chunked_weighted_cross_entropy,
+    mask_tokens,
+    prepare_batch,
+    weighted_cross_entropy,
+)
 
 MASK = 7
 
