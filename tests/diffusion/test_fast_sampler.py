@@ -8,16 +8,6 @@ from megadlms.diffusion.fast_sampler import commit_step, fast_generate, fast_gen
 from megadlms.diffusion.sampler import generate, generate_tokens
 from megadlms.model import TransformerLM
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: thread start-up and contention cost more than the math (10x slower on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 VOCAB, MASK = 61, 60
 PROMPT = torch.tensor([[3, 14, 15, 9, 26, 5], [2, 7, 18, 28, 18, 28]])
 

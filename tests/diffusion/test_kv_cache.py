@@ -8,15 +8,6 @@ from megadlms.diffusion.kv_cache import AppendCache, DualCache, PrefixCache
 from megadlms.model import TransformerLM
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: thread start-up and contention cost more than the math (10x slower on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def model(layers=2, causal=False, seed=0):
     torch.manual_seed(seed)
     cfg = TransformerConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,

@@ -16,16 +16,6 @@ from megadlms.diffusion.sampler import (
 )
 from megadlms.model import TransformerLM
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: thread start-up and contention cost more than the math (10x slower on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 VOCAB, MASK = 61, 60
 
 
