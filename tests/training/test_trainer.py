@@ -109,6 +109,8 @@ def test_cli_help_and_train_smoke(tmp_path):
     strip = lambda s: s.split("options:", 1)[1]
     assert strip(ours.stdout) == strip(out.stdout)
     run_ = subprocess.run([sys.executable, "-m", "megadlms", "train", *SMALL, "--micro-batch-size", "2",
-                           "--train-iters", "2", "--save", str(tmp_path / "s")], capture_output=True, text=True)
+                           "--train-iters", "2", "--save", str(tmp_path / "s"), "--generate-sample"],
+                          capture_output=True, text=True)
     assert run_.returncode == 0, run_.stderr[-2000:]
     assert "iter      2/2" in run_.stdout and "MFU n/a" in run_.stdout
+    assert "sample> Once upon a time" in run_.stdout  # the demo's closing sample
