@@ -16,12 +16,6 @@ from megadlms.model import build_model
 
 from .helpers import ref_fake_quant, rel
 
-try:
-    from megadlms.training.checkpoint import load_model_from_checkpoint, save_model_checkpoint  # noqa: F401
-    HAVE_CHECKPOINT = True
-except ImportError:  # pragma: no cover - the checkpoint module ships with the package
-    HAVE_CHECKPOINT = False
-
 
 def _model(fp8: bool):
     cfg = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=96,
@@ -106,7 +100,6 @@ def test_missing_export_is_a_clear_error(tmp_path):
         load_fp8_export(tmp_path)
 
 
-@pytest.mark.skipif(not HAVE_CHECKPOINT, reason="needs megadlms.training.checkpoint")
 def test_export_command_from_checkpoint(tmp_path, capsys):
     from megadlms.fp8 import export
     from megadlms.training.checkpoint import save_model_checkpoint
