@@ -33,11 +33,11 @@ from .sampler import (
     ProgressBar,
     Prompts,
     StaticGraph,
-    check_model_fit,
     check_sampling_args,
     eos_reached,
     get_num_transfer_tokens,
     guided_logits,
+    initial_sequence,
     model_device,
     position_ids_from_mask,
     prepare_prompts,
@@ -101,20 +101,14 @@ def fast_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_ma
         steps = gen_length if steps is None else steps
     check_sampling_args(gen_length=gen_length, block_length=block_length, steps=steps if threshold is None else None,
                         temperature=temperature, remasking=remasking, cfg_scale=cfg_scale)
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, P], got shape {tuple(input_ids.shape)}")
+    x, real = initial_sequence(model, input_ids, attention_mask, mask_id=mask_id, gen_length=gen_length)
     b, p = input_ids.shape
     total = p + gen_length
-    check_model_fit(model, mask_id=mask_id, total_length=total, prompt_length=p, gen_length=gen_length)
     device = input_ids.device
     reps = 2 if cfg_scale > 0 else 1
 
-    x = torch.full((b, total), mask_id, dtype=torch.long, device=device)
-    x[:, :p] = input_ids
     mask_in = pos_full = None
-    if attention_mask is not None and not bool(attention_mask.all()):
-        real = torch.cat([attention_mask.to(device=device, dtype=torch.bool),
-                          torch.ones(b, gen_length, dtype=torch.bool, device=device)], dim=1)
+    if real is not None:
         mask_in = real.repeat(reps, 1)  # [rows, L]: covers every key the caches return
         pos_full = position_ids_from_mask(mask_in)
     elif cuda_graph:

@@ -135,6 +135,28 @@ def prepare_prompts(prompts: Prompts, *, pad_id: int, device: torch.device | str
     return ids, mask
 
 
+def initial_sequence(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                     mask_id: int, gen_length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Check a prompt batch against the model and lay out the sequence to denoise.
+
+    input_ids long [B, P] (left-padded), attention_mask bool [B, P] or None. Returns
+    x long [B, P + gen_length] (the prompt, then mask_id) and real bool [B, P + gen_length]
+    (True = a real, non-pad position), or None when no row is padded.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, P], got shape {tuple(input_ids.shape)}")
+    b, p = input_ids.shape
+    check_model_fit(model, mask_id=mask_id, total_length=p + gen_length, prompt_length=p, gen_length=gen_length)
+    device = input_ids.device
+    x = torch.full((b, p + gen_length), mask_id, dtype=torch.long, device=device)
+    x[:, :p] = input_ids
+    real = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        real = torch.cat([attention_mask.to(device=device, dtype=torch.bool),
+                          torch.ones(b, gen_length, dtype=torch.bool, device=device)], dim=1)
+    return x, real
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """bool [B, T] (True = real) -> long [B, T]: 0 at each row's first real token (pads get 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -315,19 +337,10 @@ def generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     steps = gen_length if steps is None else steps
     check_sampling_args(gen_length=gen_length, block_length=block_length, steps=steps, temperature=temperature,
                         remasking=remasking, cfg_scale=cfg_scale)
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, P], got shape {tuple(input_ids.shape)}")
+    x, real = initial_sequence(model, input_ids, attention_mask, mask_id=mask_id, gen_length=gen_length)
     b, p = input_ids.shape
     total = p + gen_length
-    check_model_fit(model, mask_id=mask_id, total_length=total, prompt_length=p, gen_length=gen_length)
     device = input_ids.device
-
-    x = torch.full((b, total), mask_id, dtype=torch.long, device=device)
-    x[:, :p] = input_ids
-    real = None  # bool [B, L]: True = a real (non-pad) position
-    if attention_mask is not None and not bool(attention_mask.all()):
-        real = torch.cat([attention_mask.to(device=device, dtype=torch.bool),
-                          torch.ones(b, gen_length, dtype=torch.bool, device=device)], dim=1)
     rows = 2 * b if cfg_scale > 0 else b
     mask_in = None if real is None else real.repeat(rows // b, 1)
     pos_in = None if mask_in is None else position_ids_from_mask(mask_in)
