@@ -34,6 +34,7 @@ from ..diffusion.objective import (
 )
 from ..distributed.data_parallel import grad_sync_context
 from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
+from ..distributed.parallelize import compute_dtype, parallelize_model
 from ..model import build_model
 from ..presets import load_model_config
 from . import checkpoint as ckpt
@@ -141,7 +142,7 @@ class Trainer:
                                    wsd_decay_iters=args.lr_wsd_decay_iters or max(1, (args.lr_decay_iters
                                                                                      or args.train_iters) // 10),
                                    wsd_decay_style=args.lr_wsd_decay_style)
-        self.autocast_dtype = self._autocast_dtype()
+        self.autocast_dtype = compute_dtype(args, self.device)  # bf16, or None for fp32
         self.state = TrainState()
         self.flops_per_token = cfg.flops_per_token(cfg.seq_length)
         self.peak = bf16_peak_tflops(self.device)
@@ -156,13 +157,6 @@ class Trainer:
         self.data_wait_s = 0.0
 
     # ----------------------------------------------------------------- precision
-    def _autocast_dtype(self) -> torch.dtype | None:
-        if self.args.fp32:
-            return None
-        if self.args.bf16 or self.device.type == "cuda":
-            return torch.bfloat16
-        return None
-
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -424,7 +418,6 @@ def setup(args: argparse.Namespace) -> Trainer:
     """Everything a run needs, built from the arguments (also used by benchmarks and tests)."""
     from ..data import build_loaders, load_tokenizer
     from ..data.args import data_config_from_args
-    from ..distributed.parallelize import parallelize_model
 
     ctx = init_parallel(args.device, args.tensor_model_parallel_size, args.distributed_backend)
     if not ctx.is_main:
