@@ -81,7 +81,7 @@ class MetricSinks:
     def write(self, step: int, metrics: dict[str, Any], prefix: str = "train") -> None:
         if self.tb is not None:
             for k, v in metrics.items():
-                if isinstance(v, (int, float)) and v is not None and k != "iteration":
+                if isinstance(v, (int, float)) and k != "iteration":
                     self.tb.add_scalar(f"{prefix}/{k}", v, step)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"split": prefix, **metrics}) + "\n")
