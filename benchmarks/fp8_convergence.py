@@ -1,10 +1,19 @@
 """FP8 vs BF16 loss curves with the real trainer, on the same data and masks.
 
-Trains the same model from the same initialisation in BF16, FP8 delayed scaling (hybrid) and FP8
-tensorwise (current) scaling, then prints the final training loss (mean of the last 20
-iterations) and the validation loss of each, with the relative gap to BF16. Target: within 1.5%.
+Trains the same model from the same initialisation in BF16 and in FP8 variants, then prints the final
+training loss (mean of the last 20 iterations) and the validation loss of each, with the relative gap
+to BF16 (target: within 1.5%), and the training-loss curve of each variant. `bf16 rechunked` (the
+same run with the LM head + loss summed in other chunks: equal in exact arithmetic, different in the
+last bits) and `bf16 seed2` (another initialisation, mask and data order) measure the run-to-run
+spread a gap must be judged against;
+the FP8 ablations (e4m3, BF16 weight gradient, unfused projections, precise forward accumulation,
+BF16 first/last layers) locate where a gap comes from.
 
-    python benchmarks/fp8_convergence.py --model-path qwen3-0.6b --iters 300 --seq-length 1024 --mbs 16
+Variants run as separate processes, `--parallel` at a time (several small runs share one GPU well:
+each alone leaves it idle between eager kernels).
+
+    python benchmarks/fp8_convergence.py --model-path qwen3-0.6b --iters 300 --seq-length 512 --mbs 16 \
+        --variants all --parallel 5 --extra=--no-compile
     python benchmarks/fp8_convergence.py --smoke      # CPU, tiny, seconds (checks the script)
 """
 
@@ -12,66 +21,148 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
-import torch
-
-from megadlms.training.args import parse_train_args
-from megadlms.training.trainer import setup
-
+DELAYED = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16",
+           "--fp8-amax-compute-algo", "max"]
 VARIANTS = {
     "bf16": [],
-    "fp8 delayed/hybrid": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16",
-                           "--fp8-amax-compute-algo", "max"],
+    "bf16 seed2": ["--seed", "1235"],
+    "bf16 rechunked": ["--loss-chunk-tokens", "4096"],
+    "fp8 delayed/hybrid": DELAYED,
+    "fp8 delayed/hybrid seed2": DELAYED + ["--seed", "1235"],
     "fp8 tensorwise/hybrid": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "fp8 rowwise/hybrid": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
+    "fp8 delayed/e4m3": ["--fp8-format", "e4m3", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16",
+                         "--fp8-amax-compute-algo", "max"],
+    "fp8 delayed no-fp8-wgrad": DELAYED + ["--no-fp8-wgrad"],
+    "fp8 delayed unfused": DELAYED + ["--no-fp8-fuse-projections"],
+    "fp8 delayed precise-fprop": DELAYED + ["--no-fp8-fprop-fast-accum"],
+    "fp8 delayed bf16-first-last": DELAYED + ["--first-last-layers-bf16"],
 }
+DEFAULT_VARIANTS = "bf16,fp8 delayed/hybrid,fp8 tensorwise/hybrid"
+
+
+def train_flags(a: argparse.Namespace) -> list[str]:
+    flags = ["--model-path", a.model_path, "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.mbs),
+             "--train-iters", str(a.iters), "--lr", str(a.lr), "--min-lr", str(a.lr / 10),
+             "--lr-warmup-iters", str(max(1, a.iters // 10)), "--log-interval", "10", "--eval-iters", "8",
+             "--eval-interval", str(a.iters), "--no-progress", "--no-generate-sample", "--fp8-stats"]
+    if a.smoke:
+        flags += ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups",
+                  "2", "--ffn-hidden-size", "128", "--device", "cpu", "--bf16", "--num-workers", "0"]
+    return flags + a.extra.split()
+
+
+def run_variant(a: argparse.Namespace, name: str) -> dict:
+    """Train one variant in this process; its losses every --log-interval and the final eval loss."""
+    import torch
+
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.trainer import setup
+
+    save = ["--save", a.save_baseline] if a.save_baseline and name == "bf16" else []
+    trainer = setup(parse_train_args(train_flags(a) + VARIANTS[name] + save))
+    t0 = time.perf_counter()
+    state = trainer.run()
+    logs = [m for m in state.history if "loss" in m and "eval_loss" not in m]
+    evals = [m["eval_loss"] for m in state.history if "eval_loss" in m]
+    tail = [m["loss"] for m in logs[-2:]]
+    row = {"variant": name, "final_train_loss": sum(tail) / len(tail), "eval_loss": evals[-1],
+           "seconds": time.perf_counter() - t0, "curve": {m["iteration"]: m["loss"] for m in logs},
+           "tokens_per_s": logs[-1].get("tokens_per_s") if logs else None}
+    if torch.cuda.is_available():
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+def run_parallel(a: argparse.Namespace, names: list[str]) -> list[dict]:
+    """Each variant in its own process, `a.parallel` at a time; rows in the order of `names`."""
+    tmp = tempfile.mkdtemp(prefix="fp8conv_")
+    pending, running, rows = list(enumerate(names)), [], {}
+    while pending or running:
+        while pending and len(running) < a.parallel:
+            i, name = pending.pop(0)
+            out = os.path.join(tmp, f"{i}.json")
+            log = open(os.path.join(a.log_dir or tmp, f"variant{i}.log"), "w")
+            argv = [sys.executable, os.path.abspath(__file__), "--model-path", a.model_path, "--iters", str(a.iters),
+                    "--seq-length", str(a.seq_length), "--mbs", str(a.mbs), "--lr", str(a.lr), f"--extra={a.extra}",
+                    "--variants", name, "--parallel", "1", "--json-out", out] + (["--smoke"] if a.smoke else [])
+            if a.save_baseline:
+                argv += ["--save-baseline", a.save_baseline]
+            running.append((i, name, out, log, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)))
+        time.sleep(1)
+        for item in list(running):
+            i, name, out, log, proc = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            log.close()
+            if proc.returncode != 0 or not os.path.exists(out):
+                print(f"variant {name!r} failed (exit {proc.returncode}): see {log.name}", file=sys.stderr)
+                continue
+            with open(out) as f:
+                rows[i] = json.load(f)[0]
+    return [rows[i] for i in sorted(rows)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", default="qwen3-0.6b")
     p.add_argument("--iters", type=int, default=300)
-    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--mbs", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--variants", default=DEFAULT_VARIANTS,
+                   help=f"comma-separated, or 'all': {', '.join(VARIANTS)}")
+    p.add_argument("--parallel", type=int, default=1, help="variants trained at once, each in its own process")
     p.add_argument("--extra", default="", help="more train flags, space separated")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--log-dir", default=None, help="where the per-variant logs go (with --parallel > 1)")
+    p.add_argument("--save-baseline", default=None, help="checkpoint folder for the bf16 run's final weights")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args()
-    common = ["--model-path", a.model_path, "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.mbs),
-              "--train-iters", str(a.iters), "--lr", str(a.lr), "--min-lr", str(a.lr / 10),
-              "--lr-warmup-iters", str(max(1, a.iters // 10)), "--log-interval", "10", "--eval-iters", "8",
-              "--eval-interval", str(a.iters), "--no-progress", "--no-generate-sample", "--fp8-stats"]
-    if a.smoke:
-        common += ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups",
-                   "2", "--ffn-hidden-size", "128", "--device", "cpu", "--bf16", "--num-workers", "0"]
-    common += a.extra.split()
-    rows = []
-    for name, flags in VARIANTS.items():
-        args = parse_train_args(common + flags)
-        trainer = setup(args)
-        t0 = time.perf_counter()
-        state = trainer.run()
-        train_losses = [m["loss"] for m in state.history if "loss" in m and "eval_loss" not in m]
-        evals = [m["eval_loss"] for m in state.history if "eval_loss" in m]
-        tail = train_losses[-2:] if len(train_losses) >= 2 else train_losses
-        rows.append({"variant": name, "final_train_loss": sum(tail) / len(tail), "eval_loss": evals[-1],
-                     "seconds": time.perf_counter() - t0,
-                     "tokens_per_s": state.history[-2]["tokens_per_s"] if len(state.history) > 1 else None})
-        del trainer
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    base = rows[0]
-    print(f"\n{'variant':<24}{'train loss':>12}{'eval loss':>12}{'gap vs bf16':>14}{'tok/s':>12}{'time s':>9}")
-    for r in rows:
-        gap = (r["eval_loss"] - base["eval_loss"]) / base["eval_loss"] * 100
-        r["eval_gap_pct"] = gap
-        tok = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
-        print(f"{r['variant']:<24}{r['final_train_loss']:>12.4f}{r['eval_loss']:>12.4f}{gap:>+13.2f}%"
-              f"{tok:>12}{r['seconds']:>9.0f}")
+    if a.smoke:  # small enough for several processes on a laptop (the 151k-vocab logits dominate memory)
+        a.seq_length, a.mbs = min(a.seq_length, 64), min(a.mbs, 4)
+    names = list(VARIANTS) if a.variants == "all" else [v.strip() for v in a.variants.split(",")]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    if a.parallel > 1:
+        rows = run_parallel(a, names)
+    else:
+        rows = []
+        for name in names:
+            rows.append(run_variant(a, name))
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(rows, f, indent=2)
+    if a.parallel == 1 and a.json_out and len(names) == 1:
+        return  # a child of run_parallel: the parent prints
+    report(rows)
+
+
+def report(rows: list[dict]) -> None:
+    base = next((r for r in rows if r["variant"] == "bf16"), rows[0])
+    print(f"\n{'variant':<28}{'train loss':>11}{'eval loss':>11}{'gap vs bf16':>13}{'tok/s':>10}{'GiB':>6}{'s':>6}")
+    for r in rows:
+        gap = (r["eval_loss"] - base["eval_loss"]) / base["eval_loss"] * 100
+        r["eval_gap_pct"] = gap
+        tok = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
+        gib = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
+        print(f"{r['variant']:<28}{r['final_train_loss']:>11.4f}{r['eval_loss']:>11.4f}{gap:>+12.2f}%"
+              f"{tok:>10}{gib:>6}{r['seconds']:>6.0f}")
+    iters = sorted({int(i) for r in rows for i in r["curve"]})
+    marks = [i for i in iters if i % 50 == 0] or iters[-6:]
+    print("\ntraining loss (mean of the 10 iterations up to)")
+    print(f"{'variant':<28}" + "".join(f"{i:>8}" for i in marks))
+    for r in rows:
+        curve = {int(k): v for k, v in r["curve"].items()}
+        print(f"{r['variant']:<28}" + "".join(f"{curve.get(i, float('nan')):>8.3f}" for i in marks))
 
 
 if __name__ == "__main__":

@@ -11,22 +11,29 @@ Rows: the reference sampler eager and with its fixed-shape forward in a CUDA gra
 give the same tokens), the fast sampler with and without CUDA graphs. tok/s counts generated
 positions (batch * gen_length) over the wall time of one call (graph capture included).
 A random model is never confident: with threshold 0.9 the fast sampler commits one token per
-step, so its speed-up here comes from the cache alone. --logit-scale S multiplies the logits
-to emulate a confident (trained) model and shows the effect of parallel decoding; "agree" is the
-share of generated tokens equal to the reference's.
+step, so its speed-up here comes from the cache alone. `--load CKPT` measures a trained checkpoint
+of `megadlms train` instead, with prompts cut from the bundled corpus (real text in its tokenizer):
+there parallel decoding commits several tokens per step where the model is sure. --logit-scale S
+multiplies the logits (a crude emulation of confidence on random weights); "agree" is the share of
+generated tokens equal to the reference's.
+
+    python benchmarks/generate.py --load runs/ckpt --batch-sizes 1 16   # a trained model
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
 
 from megadlms.diffusion.fast_sampler import fast_generate_tokens
 from megadlms.diffusion.sampler import generate_tokens
+from megadlms.distributed.parallelize import apply_compile
 from megadlms.model import build_model
 from megadlms.presets import preset_config
+from megadlms.training.checkpoint import load_model_from_checkpoint
 
 
 def sync(device: torch.device) -> None:
@@ -42,6 +49,26 @@ def timed(device, fn, *args, **kwargs):
     return out, time.perf_counter() - t0
 
 
+def prompts_from_corpus(tokenizer_dir: str | None, length: int, n: int) -> torch.Tensor:
+    """[n, length] token ids: the first `length` tokens of the first n bundled-corpus documents that long."""
+    import gzip
+    import json
+    from importlib import resources
+
+    from megadlms.data import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    rows = []
+    with gzip.open(resources.files("megadlms.assets") / "demo_corpus.jsonl.gz", "rt") as f:
+        for line in f:
+            ids = tok.encode(json.loads(line)["text"])
+            if len(ids) >= length:
+                rows.append(ids[:length])
+                if len(rows) == n:
+                    break
+    return torch.tensor(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="qwen3-1.7b")
@@ -55,11 +82,13 @@ def main() -> None:
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--cache", choices=("dual", "prefix", "none"), default="dual")
     p.add_argument("--logit-scale", type=float, default=1.0, help="multiply the logits (emulates confidence)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model's forward (fuses elementwise ops; "
-                   "may change the last bits of the logits, so tokens can differ from eager)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each layer for the reference sampler (fuses elementwise ops; may change the "
+                        "last bits of the logits, so tokens can differ from eager)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--skip-eager", action="store_true", help="only the CUDA-graph rows")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load", default=None, help="a `megadlms train` checkpoint folder instead of random weights")
     args = p.parse_args()
 
     device = torch.device(args.device)
@@ -68,8 +97,15 @@ def main() -> None:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda"
                                                                            else "fp32")]
     torch.manual_seed(args.seed)
-    cfg = preset_config(args.preset)
-    model = build_model(cfg, device=device).eval()
+    corpus_prompts = None
+    if args.load:
+        model, cfg, meta = load_model_from_checkpoint(args.load, device=device)
+        model.eval()
+        corpus_prompts = prompts_from_corpus(meta.get("tokenizer_dir"), args.prompt_length, max(args.batch_sizes))
+        args.preset = f"checkpoint {meta['path']} ({cfg.num_layers} layers, hidden {cfg.hidden_size})"
+    else:
+        cfg = preset_config(args.preset)
+        model = build_model(cfg, device=device).eval()
     for prm in model.parameters():  # weights in the compute dtype; RoPE tables stay fp32
         prm.data = prm.data.to(dtype)
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else cfg.vocab_size - 1
@@ -85,8 +121,12 @@ def main() -> None:
         return out
 
     model.logits = logits
-    if args.compile:
-        model.forward = torch.compile(model.forward)
+    if args.compile:  # per layer, as `megadlms generate --compile` (one compilation serves every layer)
+        apply_compile(model)
+    # the cached (fast) sampler runs eagerly: its per-layer cache state would recompile the layers
+    # (set_stance switches on being called, so each `with` makes a fresh one)
+    def cached_stance() -> contextlib.AbstractContextManager:
+        return torch.compiler.set_stance("force_eager") if args.compile else contextlib.nullcontext()
     cache = None if args.cache == "none" else args.cache
     graph_modes = [False, True] if device.type == "cuda" else [False]
     if args.skip_eager and device.type == "cuda":
@@ -100,13 +140,17 @@ def main() -> None:
     warm = torch.randint(0, mask_id, (1, 8), device=device)
     generate_tokens(model, warm, mask_id=mask_id, gen_length=args.block_length, steps=2 if args.block_length > 1
                     else 1)
-    fast_generate_tokens(model, warm, mask_id=mask_id, gen_length=args.block_length, block_length=args.block_length,
-                         threshold=args.threshold, cache=cache)
+    with cached_stance():
+        fast_generate_tokens(model, warm, mask_id=mask_id, gen_length=args.block_length,
+                             block_length=args.block_length, threshold=args.threshold, cache=cache)
 
     rows = []
     for b in args.batch_sizes:
-        prompt = torch.randint(0, min(mask_id, cfg.vocab_size), (b, args.prompt_length), device=device,
-                               generator=torch.Generator(device=device).manual_seed(args.seed + b))
+        if corpus_prompts is not None:
+            prompt = corpus_prompts[:b].to(device)
+        else:
+            prompt = torch.randint(0, min(mask_id, cfg.vocab_size), (b, args.prompt_length), device=device,
+                                   generator=torch.Generator(device=device).manual_seed(args.seed + b))
         n_tok = b * args.gen_length
         ref, batch_rows = None, []
         for graph in graph_modes:
@@ -116,9 +160,10 @@ def main() -> None:
             ref = out if ref is None else ref
             batch_rows.append([b, "reference" + (" +graph" if graph else ""), dt, args.steps, check])
         for graph in graph_modes:
-            (out, nfe), dt = timed(device, fast_generate_tokens, model, prompt, mask_id=mask_id,
-                                   gen_length=args.gen_length, block_length=args.block_length,
-                                   threshold=args.threshold, cache=cache, cuda_graph=graph)
+            with cached_stance():
+                (out, nfe), dt = timed(device, fast_generate_tokens, model, prompt, mask_id=mask_id,
+                                       gen_length=args.gen_length, block_length=args.block_length,
+                                       threshold=args.threshold, cache=cache, cuda_graph=graph)
             agree = (out[:, args.prompt_length:] == ref[:, args.prompt_length:]).float().mean().item()
             batch_rows.append([b, f"fast {args.cache}" + (" +graph" if graph else ""), dt, nfe, f"{agree:.0%} agree"])
         base = batch_rows[len(graph_modes) - 1][2]  # the fastest reference variant

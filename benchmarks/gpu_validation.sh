@@ -22,7 +22,7 @@ step train_qwen3_1p7b 150 $PY -m megadlms train --model-path qwen3-1.7b --seq-le
     --train-iters 20 --log-interval 5 --eval-iters 0 --no-progress --difflm-varilen-prob 0 --num-workers 2
 step generate 120 $PY benchmarks/generate.py
 step fp8_convergence 200 $PY benchmarks/fp8_convergence.py --model-path qwen3-0.6b --iters 150 --seq-length 512 \
-    --mbs 16 --extra=--no-compile --json-out "$OUT/fp8_convergence.json"
+    --mbs 16 --extra=--no-compile --parallel 3 --json-out "$OUT/fp8_convergence.json"
 step torchrun_overhead 150 $PY benchmarks/torchrun_overhead.py --rounds 1 --iters 30
 echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
 echo "=== fp8-check"; tail -6 "$OUT/fp8_check.log"

@@ -56,6 +56,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, 2 steps")
     p.add_argument("--timeout", type=int, default=400, help="seconds per configuration")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for logs and the JSON results")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile 2 steps and print GPU time per kernel class")
+    p.add_argument("--trace", action="store_true",
+                   help="write a gzipped Chrome trace (host + GPU) of one step per configuration to --out")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.smoke:
@@ -129,7 +133,61 @@ def worker(spec: dict) -> None:
            "params_m": sum(p.numel() for p in trainer.model.parameters()) / 1e6,
            "loss_chunk_tokens": trainer.loss_chunk_tokens, "compile": bool(args.compile),
            "fp8": f"{trainer.cfg.fp8_format}/{trainer.cfg.fp8_recipe}" if trainer.cfg.fp8 else "off"}
+    if spec.get("profile") and cuda:
+        res["profile_ms"] = profile_steps(trainer, 2)
+    if spec.get("trace") and spec.get("out"):
+        res["trace"] = trace_step(trainer, Path(spec["out"]) / f"trace_{spec['name'].replace('/', '_')}.json.gz")
     print("RESULT " + json.dumps(res), flush=True)
+
+
+def trace_step(trainer, path: Path) -> str:
+    """One train step under torch.profiler (host and GPU activity), saved as a gzipped Chrome trace: where
+    the GPU waits, and on which host code (open it in chrome://tracing or https://ui.perfetto.dev)."""
+    import gzip
+    import shutil
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        trainer.train_step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    raw = path.with_suffix("")  # .json
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    return str(path)
+
+
+def profile_steps(trainer, n: int) -> dict[str, float]:
+    """GPU kernel time per step by kernel class over n train steps, plus the step's wall time and the
+    time the GPU ran no kernel ('idle': host-bound gaps, syncs)."""
+    import torch
+    from fp8_block import classify  # the kernel classes of the block benchmark
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            trainer.train_step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / n
+    by: dict[str, float] = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if t <= 0 or ev.key.startswith("ProfilerStep"):
+            continue
+        if getattr(ev, "device_type", None) is not None and "CUDA" not in str(ev.device_type):
+            continue
+        cls = classify(ev.key)
+        by[cls] = by.get(cls, 0.0) + t / 1e3 / n
+    busy = sum(by.values())
+    return {**{k: round(v, 2) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
+            "kernels total": round(busy, 2), "idle": round(max(0.0, wall - busy), 2), "wall (profiled)": round(wall, 2)}
 
 
 def run_logged(cmd: list[str], log: Path | None, timeout: int) -> tuple[int, str]:
@@ -180,7 +238,8 @@ def main() -> None:
                      n_tokens=(a.warmup + a.steps + 2) * a.batch * (a.seq + 1) * 2)
         for name in [c for c in a.configs.split(",") if c]:
             spec = {"name": name, "flags": CONFIGS[name], "seq": a.seq, "batch": a.batch, "data": str(prefix),
-                    "warmup": a.warmup, "steps": a.steps, "extra": a.extra.split() if a.extra else []}
+                    "warmup": a.warmup, "steps": a.steps, "extra": a.extra.split() if a.extra else [],
+                    "profile": a.profile, "trace": a.trace, "out": str(out) if out else None}
             if a.smoke:
                 spec["device"] = "cpu"
             t0 = time.time()
@@ -214,6 +273,13 @@ def main() -> None:
         vs_hf = r["tokens_per_s"] / peer["tokens_per_s"] if same_arch else float("nan")
         print(f"{r['config']:24s} {r['ms_per_step']:8.0f} {r['tokens_per_s']:8.0f} {r['tflops']:8.0f} "
               f"{r['mfu'] * 100:5.1f}% {r['peak_gib']:9.1f} {vs_bf:8.2f} {vs_hf:6.2f}")
+    profiled = [r for r in results if r.get("profile_ms")]
+    if profiled:
+        classes = list(dict.fromkeys(k for r in profiled for k in r["profile_ms"]))
+        print("\nGPU ms per step by kernel class (torch.profiler, 2 steps)")
+        print(f"{'class':30s}" + "".join(f"{r['config']:>20s}" for r in profiled))
+        for c in classes:
+            print(f"{c:30s}" + "".join(f"{r['profile_ms'].get(c, 0.0):20.1f}" for r in profiled))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,18 @@ def test_fused_head_loss_equals_plain(chunk, zero_share):
     torch.testing.assert_close(cw, gw, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("zero_share", [0.0, 0.5, 1.0])
+def test_fused_head_loss_with_a_known_row_count_is_the_same(zero_share):
+    """num_rows (the weighted-token count the trainer copies to the host before the forward) selects the same rows
+    without the device sync: bitwise the same loss and gradients."""
+    hidden, weight, y, w = _case(3, zero_share=zero_share)
+    ref = chunked_weighted_cross_entropy(hidden, weight, y, w, chunk_tokens=5)
+    got = chunked_weighted_cross_entropy(hidden, weight, y, w, chunk_tokens=5, num_rows=int(torch.count_nonzero(w)))
+    assert torch.equal(got, ref)
+    for a, b in zip(torch.autograd.grad(got, (hidden, weight)), torch.autograd.grad(ref, (hidden, weight))):
+        assert torch.equal(a, b)
+
+
 def test_fused_head_loss_upstream_gradient_scales():
     hidden, weight, y, w = _case(7, dtype=torch.float32)
     ref = 3.5 * weighted_cross_entropy(hidden @ weight.T, y, w)

@@ -136,13 +136,15 @@ def weighted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights:
 
 
 def chunked_weighted_cross_entropy(hidden: torch.Tensor, output_weight: torch.Tensor, targets: torch.Tensor,
-                                   weights: torch.Tensor, chunk_tokens: int = 8192) -> torch.Tensor:
+                                   weights: torch.Tensor, chunk_tokens: int = 8192,
+                                   num_rows: int | None = None) -> torch.Tensor:
     """The LM head fused with the loss, over token chunks, so the [B*L, V] logits never exist at once.
 
     hidden [B, L, H]; output_weight [V, H]; targets long [B, L]; weights [B, L] -> fp32 scalar, the
     same value as `weighted_cross_entropy(hidden @ output_weight.T, targets, weights)`.
-    Only tokens with a non-zero weight get logits (for diffusion: the masked ~50%); finding them
-    reads the weights on the host once. Because the loss is a scalar, each chunk's gradients with
+    Only tokens with a non-zero weight get logits (for diffusion: the masked ~50%). Finding them needs
+    their count on the host: pass it as `num_rows` when known (the trainer copies it to the host before
+    queuing the forward), else it is read here, a device sync. Because the loss is a scalar, each chunk's gradients with
     respect to `hidden` and `output_weight` are computed right after its logits, in the forward
     pass: backward only scales them, and nothing of size [tokens, V] is kept or recomputed.
     The head GEMMs run in the autocast dtype when autocast is on (else in hidden's dtype); the
@@ -150,7 +152,10 @@ def chunked_weighted_cross_entropy(hidden: torch.Tensor, output_weight: torch.Te
     """
     h = hidden.flatten(0, 1)
     y, w = targets.flatten(), weights.flatten()
-    rows = w.nonzero().squeeze(1)
+    if num_rows is None:
+        rows = w.nonzero().squeeze(1)
+    else:  # the same indices, without a sync (the output size is known)
+        rows = torch.nonzero_static(w, size=num_rows).squeeze(1)
     if rows.numel() < w.numel():
         h, y, w = h.index_select(0, rows), y[rows], w[rows]
     dev = hidden.device.type

@@ -48,7 +48,8 @@ def _set_child(root: nn.Module, dotted: str, module: nn.Module) -> None:
 
 def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_bf16: int = 0,
                    num_layers_at_end_in_bf16: int = 0, activation_func_fp8_input_store: bool = False,
-                   fp8_wgrad: bool = True, fuse_projections: bool = True) -> nn.Module:
+                   fp8_wgrad: bool = True, fuse_projections: bool = True, fprop_fast_accum: bool = True
+                   ) -> nn.Module:
     """Convert `model` (a TransformerLM) to FP8 in place and return it.
 
     Every eligible nn.Linear inside `model.layers` (in/out features multiples of 16) becomes a
@@ -60,6 +61,8 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
     fuse_projections: q/k/v and gate/up of each FP8 layer run as one FP8 GEMM each, sharing one cast of
         their input (`fused_linear.FusedFloat8Projection`, installed as the instance's `project_qkv` /
         `project_gate_up`; parameters and state_dict keys are unchanged). Per-tensor recipes only.
+    fprop_fast_accum: Hopper's fast (reduced-precision) accumulation in the forward GEMM; False makes it
+        accumulate like the backward GEMMs (slower, for numerics checks).
     The model's `layer_context` becomes `fp8_autocast(enabled=True, fp8_recipe=recipe)`, which the
     model enters around its transformer layers.
     """
@@ -75,7 +78,8 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
         layer = layers[i]
         for name, child in list(layer.named_modules()):
             if fp8_eligible(child):
-                _set_child(layer, name, Float8Linear.from_linear(child, recipe, fp8_wgrad=fp8_wgrad))
+                _set_child(layer, name, Float8Linear.from_linear(child, recipe, fp8_wgrad=fp8_wgrad,
+                                                                      fprop_fast_accum=fprop_fast_accum))
             elif activation_func_fp8_input_store and type(child) is SwiGLU:
                 _set_child(layer, name, SwiGLUFP8InputStore())
         if fuse_projections:

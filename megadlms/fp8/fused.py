@@ -22,12 +22,17 @@ from typing import Any
 import torch
 
 from . import triton_cast
-from .quantize import FP8_MAX, amax_to_scale
+from .quantize import FP8_MAX, amax_to_scale, round_to_fp8_grid
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as an fp32 scalar tensor (one reduction pass; exact, as max is)."""
     return torch.linalg.vector_norm(x, float("inf")).float()
+
+
+def _to_fp8(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 y in range -> FP8 with ATen's rounding, also inside generated kernels (`round_to_fp8_grid`)."""
+    return round_to_fp8_grid(y, fp8_dtype).to(fp8_dtype)
 
 
 def _cast_current(x: torch.Tensor, amax: torch.Tensor, amax_slot: torch.Tensor | None, fp8_dtype: torch.dtype,
@@ -38,8 +43,8 @@ def _cast_current(x: torch.Tensor, amax: torch.Tensor, amax_slot: torch.Tensor |
         amax_slot.copy_(torch.maximum(amax_slot, amax))
     scale = amax_to_scale(amax, fmax, margin)
     xf = x.float()
-    q = (xf * scale).clamp(-fmax, fmax).to(fp8_dtype) if want_q else None
-    t = (xf.t() * scale).clamp(-fmax, fmax).to(fp8_dtype).contiguous() if want_t else None
+    q = _to_fp8((xf * scale).clamp(-fmax, fmax), fp8_dtype) if want_q else None
+    t = _to_fp8((xf.t() * scale).clamp(-fmax, fmax), fp8_dtype).contiguous() if want_t else None
     return q, t, scale.reciprocal()
 
 
@@ -50,21 +55,29 @@ def _cast_scaled(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None
     if amax_slot is not None:
         amax_slot.copy_(torch.maximum(amax_slot, amax))
     xf = x.float()
-    q = (xf * scale).clamp(-fmax, fmax).to(fp8_dtype) if want_q else None
-    t = (xf.t() * scale).clamp(-fmax, fmax).to(fp8_dtype).contiguous() if want_t else None
+    q = _to_fp8((xf * scale).clamp(-fmax, fmax), fp8_dtype) if want_q else None
+    t = _to_fp8((xf.t() * scale).clamp(-fmax, fmax), fp8_dtype).contiguous() if want_t else None
     return q, t, scale.reciprocal()
 
 
-# Compiled lazily on the first CUDA call. Separate functions (separate code objects), so that the
-# variants each one meets in training (input / weight / gradient casts, fp32 or bf16 sources, E4M3
-# or E5M2) stay within torch.compile's per-function recompile limit.
+# Compiled lazily on the first CUDA call, one function per kind of cast. Each meets several variants in
+# training (fp32 or bf16 sources, E4M3 or E5M2, which outputs, inside or outside autocast), each a
+# recompilation: past torch.compile's default limit of 8 per function it would silently run eagerly
+# (unfused, several kernels per cast), so these calls raise the limit to cover every variant.
 _compiled: dict[str, Any] = {}
+_RECOMPILE_LIMIT = 64
 
 
 def _get(name: str, fn: Any) -> Any:
     c = _compiled.get(name)
     if c is None:
-        c = _compiled[name] = torch.compile(fn, dynamic=True)
+        compiled = torch.compile(fn, dynamic=True)
+
+        def c(*args: Any) -> Any:
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                return compiled(*args)
+
+        _compiled[name] = c
     return c
 
 
@@ -134,8 +147,8 @@ def _cast_cat(ws: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: torch.dtyp
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     fmax = FP8_MAX[fp8_dtype]
     xf = torch.cat([w.float() for w in ws])
-    q = (xf * scale).clamp(-fmax, fmax).to(fp8_dtype)
-    t = (xf.t() * scale).clamp(-fmax, fmax).to(fp8_dtype).contiguous() if want_t else None
+    q = _to_fp8((xf * scale).clamp(-fmax, fmax), fp8_dtype)
+    t = _to_fp8((xf.t() * scale).clamp(-fmax, fmax), fp8_dtype).contiguous() if want_t else None
     return q, t
 
 

@@ -13,7 +13,10 @@ import torch.nn.functional as F
 from .recipe import E4M3, E5M2, FP8_MAX
 
 __all__ = ["E4M3", "E5M2", "FP8_MAX", "amax_to_scale", "quantize", "quantize_tensorwise", "quantize_rowwise",
-           "dequantize", "scaled_mm", "pad_2d", "round_up16", "quant_stats"]
+           "dequantize", "scaled_mm", "pad_2d", "round_up16", "quant_stats", "round_to_fp8_grid"]
+
+# (mantissa bits, smallest normal exponent) of each FP8 format
+FP8_GRID = {E4M3: (3, -6), E5M2: (2, -14)}
 
 
 def round_up16(n: int) -> int:
@@ -53,6 +56,24 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> to
     """
     fmax = FP8_MAX[fp8_dtype]
     return (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
+
+
+def round_to_fp8_grid(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 y (already clamped to +-fp8_max) rounded to the nearest FP8 value, ties to even, still in fp32.
+
+    The same bits as ATen's fp32 -> FP8 cast, computed with fp32 arithmetic: |y| is scaled by the power
+    of two that makes the FP8 spacing at its exponent 1, rounded (`torch.round` is half-to-even), scaled
+    back, and the sign bit put back (so -0.0 and negatives that round to zero stay -0). The result is
+    exactly representable, so any later cast to `fp8_dtype` is exact whatever its own rounding: generated
+    kernels (torch.compile) then cannot round differently from the eager cast.
+    """
+    mbits, emin = FP8_GRID[fp8_dtype]
+    bits = y.view(torch.int32)
+    exp = torch.clamp(((bits >> 23) & 0xFF) - 127, min=emin) - mbits  # log2 of the FP8 spacing at |y|
+    up = ((127 - exp) << 23).view(torch.float32)  # 2**-exp
+    down = ((127 + exp) << 23).view(torch.float32)  # 2**exp
+    r = torch.round(y.abs() * up) * down
+    return (r.view(torch.int32) | ((bits >> 31) << 31)).view(torch.float32)
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -10,6 +10,7 @@ CPU unless --sampler says otherwise; causal (vanilla) models decode autoregressi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -62,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cache", choices=("dual", "prefix", "none"), default="dual", help="fast sampler KV cache")
     g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the sampler's fixed-shape forwards in CUDA graphs (default: on for GPU)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer for the reference sampler (fused norms, RoPE and "
+                        "SwiGLU; the first batch pays the compilation); the cached samplers run eagerly")
     g.add_argument("--mask-token", type=int, default=None,
                    help="the [MASK] id (default: the model config's mask_token_id, else the tokenizer's)")
 
@@ -176,6 +180,14 @@ def _run(args: argparse.Namespace) -> int:
     records = _read_prompts(args)
     device = _device(args.device)
     model, cfg, tok_path = load_model(args, device)
+    if args.compile:
+        from ..distributed.parallelize import apply_compile
+
+        apply_compile(model)
+    # compiled layers serve the full-sequence forwards; the cache's per-layer state would recompile them
+    # (set_stance switches on being called, so each `with` makes a fresh one)
+    def cached_stance() -> contextlib.AbstractContextManager:
+        return torch.compiler.set_stance("force_eager") if args.compile else contextlib.nullcontext()
     tokenizer = _load_tokenizer(tok_path)
     eos = None if args.ignore_eos else (args.eos_token if args.eos_token is not None else tokenizer.eod_id)
     causal = cfg.attn_mask_type == "causal"
@@ -201,9 +213,10 @@ def _run(args: argparse.Namespace) -> int:
         ids, attn = prepare_prompts(batch, pad_id=pad_id, device=device, vocab_size=cfg.vocab_size)
         p = ids.shape[1]
         if sampler == "ar":
-            out = ar_generate_tokens(model, ids, attn, max_new_tokens=args.max_new_tokens,
-                                     temperature=args.temperature, top_p=args.top_p, eos_id=eos,
-                                     generator=generator, progress=progress)
+            with cached_stance():
+                out = ar_generate_tokens(model, ids, attn, max_new_tokens=args.max_new_tokens,
+                                         temperature=args.temperature, top_p=args.top_p, eos_id=eos,
+                                         generator=generator, progress=progress)
             forwards += out.shape[1] - p
         elif sampler == "reference":
             counter.start(args.steps or args.gen_length)
@@ -216,12 +229,13 @@ def _run(args: argparse.Namespace) -> int:
             finally:
                 counter.close()
         else:
-            out, nfe = fast_generate_tokens(model, ids, attn, mask_id=mask_id, gen_length=args.gen_length,
-                                            block_length=args.block_length, threshold=args.threshold,
-                                            cache=None if args.cache == "none" else args.cache,
-                                            temperature=args.temperature, remasking=args.remasking,
-                                            cfg_scale=args.cfg_scale, eos_id=eos, generator=generator,
-                                            progress=progress, cuda_graph=cuda_graph)
+            with cached_stance():
+                out, nfe = fast_generate_tokens(model, ids, attn, mask_id=mask_id, gen_length=args.gen_length,
+                                                block_length=args.block_length, threshold=args.threshold,
+                                                cache=None if args.cache == "none" else args.cache,
+                                                temperature=args.temperature, remasking=args.remasking,
+                                                cfg_scale=args.cfg_scale, eos_id=eos, generator=generator,
+                                                progress=progress, cuda_graph=cuda_graph)
             forwards += nfe
         new = out[:, p:]
         if sampler != "ar":  # positions decoded (an EOS stop leaves later blocks masked)

@@ -87,6 +87,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-fp8-wgrad", dest="fp8_wgrad", action="store_false", help="weight-gradient GEMM in BF16")
     g.add_argument("--activation-func-fp8-input-store", action="store_true",
                    help="save the SwiGLU input for backward in FP8")
+    g.add_argument("--fp8-fuse-projections", action=argparse.BooleanOptionalAction, default=True,
+                   help="run q/k/v and gate/up as one FP8 GEMM each (same parameters and checkpoints)")
+    g.add_argument("--fp8-fprop-fast-accum", action=argparse.BooleanOptionalAction, default=True,
+                   help="fast accumulation in the forward FP8 GEMM (off: full-precision accumulation, slower)")
     g.add_argument("--first-last-layers-bf16", action="store_true",
                    help="keep the first/last transformer layers in BF16 (counts below)")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)

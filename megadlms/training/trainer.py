@@ -75,6 +75,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
         fp8_margin=args.fp8_margin, fp8_amax_history_len=args.fp8_amax_history_len,
         fp8_amax_compute_algo=args.fp8_amax_compute_algo, fp8_wgrad=args.fp8_wgrad,
         activation_func_fp8_input_store=args.activation_func_fp8_input_store,
+        fp8_fuse_projections=args.fp8_fuse_projections, fp8_fprop_fast_accum=args.fp8_fprop_fast_accum,
         num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16 if args.first_last_layers_bf16 else 0,
         num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16 if args.first_last_layers_bf16 else 0)
     if base is None:
@@ -94,6 +95,30 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
         raise SystemExit(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
                          "use a tokenizer that fits the model or a model with a larger vocabulary")
     return cfg
+
+
+class _HostCount:
+    """count_nonzero of a CUDA tensor, copied to pinned host memory behind the work queued so far.
+
+    Made before the forward is queued and read after it, the count is there long before the host asks,
+    so reading it does not wait for the forward (as a `nonzero()` after the forward would: the GPU
+    would then sit idle until the host has queued the next kernels).
+    """
+
+    def __init__(self, t: torch.Tensor):
+        self._ready = None
+        if not t.is_cuda:  # nothing runs ahead on the CPU
+            self._host = torch.count_nonzero(t)
+            return
+        self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
+        self._host.copy_(torch.count_nonzero(t), non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def get(self) -> int:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return int(self._host)
 
 
 def _seed_all(seed: int) -> None:
@@ -163,12 +188,14 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     # ----------------------------------------------------------------- step
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+              rows: _HostCount | None = None) -> torch.Tensor:
         with self._autocast():
             if self.loss_chunk_tokens:
                 hidden = self.model(inputs, output_hidden=True)
                 return chunked_weighted_cross_entropy(hidden, self._output_weight(), targets, weights,
-                                                      self.loss_chunk_tokens)
+                                                      self.loss_chunk_tokens,
+                                                      num_rows=rows.get() if rows is not None else None)
             return weighted_cross_entropy(self.model(inputs), targets, weights)
 
     def _output_weight(self) -> torch.Tensor:
@@ -178,7 +205,9 @@ class Trainer:
         return w.full_tensor() if isinstance(w, DTensor) else w
 
     def _micro_batches(self, it: Iterator[torch.Tensor], noise, count: int):
-        """Yield (inputs, targets, weights) for this rank's `count` micro-batches of one global batch."""
+        """Yield ((inputs, targets, weights), length, rows) for this rank's `count` micro-batches of one global
+        batch; rows: with the fused LM head, the number of weighted tokens on its way to the host, so that the
+        loss can select them without a device sync after the forward."""
         dp, r = self.ctx.dp_size, self.ctx.dp_rank
         for m in range(count):
             t0 = time.perf_counter()
@@ -187,7 +216,9 @@ class Trainer:
             sample = sample.to(self.device, non_blocking=True)
             rows = slice(m * dp * self.mbs + r * self.mbs, m * dp * self.mbs + (r + 1) * self.mbs)
             length = int(noise.lengths[m])
-            yield prepare_batch(sample, (noise.t[rows], noise.u[rows]), length, self.objective), length
+            batch = prepare_batch(sample, (noise.t[rows], noise.u[rows]), length, self.objective)
+            counted = _HostCount(batch[2]) if self.loss_chunk_tokens else None
+            yield batch, length, counted
 
     def train_step(self) -> dict[str, Any]:
         model, opt = self.model, self.optimizer
@@ -204,10 +235,10 @@ class Trainer:
         noise = self.sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, self.objective.varilen_prob)
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
-        for m, ((inputs, targets, weights), length) in enumerate(self._micro_batches(self._train_iter, noise,
-                                                                                      self.accum)):
+        for m, ((inputs, targets, weights), length, rows) in enumerate(
+                self._micro_batches(self._train_iter, noise, self.accum)):
             with self._grad_sync(last=m == self.accum - 1), self._compile_stance(length):
-                loss = self._loss(inputs, targets, weights)
+                loss = self._loss(inputs, targets, weights, rows)
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
             tokens += length * self.mbs * self.ctx.dp_size
@@ -263,8 +294,8 @@ class Trainer:
         n = 0
         for _ in range(self.args.eval_iters):
             noise = sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, 0.0)
-            for (inputs, targets, weights), _ in self._micro_batches(it, noise, self.accum):
-                total += self._loss(inputs, targets, weights)
+            for (inputs, targets, weights), _, rows in self._micro_batches(it, noise, self.accum):
+                total += self._loss(inputs, targets, weights, rows)
                 n += 1
         if self.ctx.distributed:
             dist.all_reduce(total, group=self.ctx.dp_group)

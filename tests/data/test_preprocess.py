@@ -196,3 +196,24 @@ def test_bundled_dataset_is_cached(tmp_path, tok, monkeypatch):
     ds = IndexedDataset(first)
     assert ds.num_documents == 20000
     assert ds.document(0)[-1] == tok.eod_id
+
+
+def test_files_to_jsonl_makes_a_corpus_of_text_files(tmp_path):
+    """tools/files_to_jsonl.py: sorted, UTF-8 only, duplicates and short / large files dropped, size budget."""
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "files_to_jsonl.py"))
+    src = tmp_path / "src"
+    (src / "b").mkdir(parents=True)
+    body = "def f(x):\n    return x + 1\n" * 20
+    (src / "b" / "two.py").write_text(body + "# two\n")
+    (src / "a.py").write_text(body + "# one\n")
+    (src / "copy.py").write_text(body + "# one\n")  # duplicate of a.py
+    (src / "short.py").write_text("x = 1\n")
+    (src / "latin1.py").write_bytes(b"# caf\xe9\n" * 100)
+    (src / "notes.txt").write_text(body)
+    (src / "big.py").write_text("y = 2\n" * 100_000)
+    out = tmp_path / "corpus.jsonl"
+    assert tool["main"]([str(src), "--output", str(out), "--max-file-kb", "64"]) == 0
+    texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert texts == [body + "# one\n", body + "# two\n"]  # a.py, then b/two.py; copy.py was a duplicate
+    assert tool["main"]([str(src), "--output", str(out), "--max-mb", "0.0001"]) == 0
+    assert len(out.read_text().splitlines()) == 1

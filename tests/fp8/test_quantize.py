@@ -17,6 +17,7 @@ from megadlms.fp8.quantize import (
     quantize,
     quantize_rowwise,
     quantize_tensorwise,
+    round_to_fp8_grid,
     scaled_mm,
 )
 
@@ -51,6 +52,23 @@ def test_cast_matches_ml_dtypes_normal_subnormal_and_ties(dtype):
     smallest_normal = float(ml_dtypes.finfo(ML[dtype]).smallest_normal)
     out = ours.float().abs()
     assert ((out > 0) & (out < smallest_normal)).sum() > 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_to_fp8_grid_gives_the_cast_bits_and_exact_values(dtype):
+    """The fp32-arithmetic rounding used inside generated / Triton kernels: the same bits as the ATen cast and as
+    ml_dtypes (ties to even, subnormals, signed zeros), and values the cast then represents exactly."""
+    fmax = float(ml_dtypes.finfo(ML[dtype]).max)
+    rng = np.random.default_rng(1)
+    x = np.concatenate([_all_codes_and_midpoints(dtype), -_all_codes_and_midpoints(dtype),
+                        (rng.normal(0, 1, 20000) * np.exp2(rng.integers(-30, 17, 20000))).astype(np.float32),
+                        np.array([0.0, -0.0, 1e-38, -1e-38, 1e-45, -1e-45], np.float32)])
+    y = torch.from_numpy(x).clamp(-fmax, fmax)
+    r = round_to_fp8_grid(y, dtype)
+    np.testing.assert_array_equal(_bits(r.to(dtype)), _bits(y.to(dtype)))
+    np.testing.assert_array_equal(_bits(r.to(dtype)), y.numpy().astype(ML[dtype]).view(np.uint8))
+    assert torch.equal(r, r.to(dtype).float())  # on the grid: exactly representable
+    assert torch.equal(torch.signbit(r), torch.signbit(y))  # -0.0 and negatives rounding to zero keep the sign
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,7 +1,8 @@
 """megadlms.fp8.triton_cast: the one-pass cast + transpose + amax kernel, run by Triton's interpreter on the CPU
 (in a subprocess, as the interpreter must be on before Triton is imported; skipped where Triton is not
-installed). Inputs are chosen so that x * scale is exact in fp32: the interpreter's own FP8 rounding emulation is
-not what runs on a GPU (there the first call of each variant is checked against the ATen cast)."""
+installed). The kernel rounds to the FP8 grid in fp32 arithmetic itself, so arbitrary inputs (ties, subnormals,
+-0.0, saturation) must give ATen's bits whatever the conversion instruction (or the interpreter's emulation of it)
+does."""
 
 from __future__ import annotations
 
@@ -56,6 +57,25 @@ SCRIPT = textwrap.dedent("""
     assert not gq[40:].view(torch.uint8).any() and not gt[:, 40:].view(torch.uint8).any()
     assert torch.equal(gt[48:, :40].view(torch.uint8), ref.t()) and not gt[:48].view(torch.uint8).any()
     assert torch.equal(amax, g.abs().amax().float())
+
+    # arbitrary values: random magnitudes over the whole range, exact FP8 midpoints (ties) and their fp32
+    # neighbours, subnormals, signed zeros, values past the maximum (saturate)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fmax = triton_cast.FP8_MAX[fp8]
+        grid = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+        grid = grid[torch.isfinite(grid)].unique()
+        mids = (grid[1:] + grid[:-1]) / 2
+        vals = torch.cat([mids, torch.nextafter(mids, torch.tensor(1e30)), torch.nextafter(mids, torch.tensor(-1e30)),
+                          torch.randn(6000) * torch.exp2(torch.randint(-24, 18, (6000,)).float()),
+                          torch.tensor([0.0, -0.0, 1e-30, -1e-30, 2 * fmax, -3 * fmax])])
+        n = vals.numel() // 64 * 64
+        for src in (torch.float32, torch.bfloat16):
+            x = vals[:n].reshape(-1, 64).to(src)
+            for scale in (torch.tensor(1.0), torch.tensor(0.7310585)):
+                q, t = triton_cast.cast_transpose(x, scale, fp8, True, True)
+                ref = (x.float() * scale).clamp(-fmax, fmax).to(fp8).view(torch.uint8)
+                assert torch.equal(q.view(torch.uint8), ref), (fp8, src, (q.view(torch.uint8) != ref).sum())
+                assert torch.equal(t.view(torch.uint8), ref.t()), (fp8, src)
     print("OK")
 """)
 

@@ -122,6 +122,34 @@ def test_hf_and_fp8_loaders_are_used(tmp_path, capsys, tokenizer, monkeypatch):
     assert tokenizer == ["hfdir", "tokdir"]
 
 
+def test_compile_flag_compiles_the_layers_and_keeps_cached_samplers_eager(tmp_path, capsys, tokenizer, monkeypatch):
+    """--compile compiles each layer (megadlms.distributed.parallelize.apply_compile) for the reference sampler;
+    the cached fast sampler runs under the force_eager stance, which is off again afterwards."""
+    from torch._dynamo import eval_frame
+
+    from megadlms.distributed import parallelize
+
+    model, cfg = tiny()
+    save_model_checkpoint(tmp_path / "ckpt", model, cfg)
+    compiled, stances = [], []
+    monkeypatch.setattr(parallelize, "apply_compile", lambda m: compiled.append(len(m.layers)))
+    real_fast = cli.fast_generate_tokens
+
+    def fast(*a, **k):
+        stances.append(eval_frame._stance.stance)
+        return real_fast(*a, **k)
+
+    monkeypatch.setattr(cli, "fast_generate_tokens", fast)
+    common = ["--load", str(tmp_path / "ckpt"), "--prompt", "Hi", "--gen-length", "8", "--block-length", "8",
+              "--compile"]
+    code, out, err = run_cli(common + ["--sampler", "reference", "--steps", "4"], capsys)
+    assert code == 0, err
+    assert compiled == [2] and eval_frame._stance.stance == "default"
+    code, out, err = run_cli(common + ["--sampler", "fast"], capsys)
+    assert code == 0, err
+    assert stances == ["force_eager"] and eval_frame._stance.stance == "default"
+
+
 def test_bad_input_gives_clear_errors(tmp_path, capsys, tokenizer):
     model, cfg = tiny()
     save_model_checkpoint(tmp_path / "ckpt", model, cfg)
