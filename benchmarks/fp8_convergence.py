@@ -10,10 +10,16 @@ the FP8 ablations (e4m3, BF16 weight gradient, unfused projections, precise forw
 BF16 first/last layers) locate where a gap comes from.
 
 Variants run as separate processes, `--parallel` at a time (several small runs share one GPU well:
-each alone leaves it idle between eager kernels).
+each alone leaves it idle between eager kernels; qwen3-0.6b at micro-batch 16 x 512 needs ~29 GiB each).
 
-    python benchmarks/fp8_convergence.py --model-path qwen3-0.6b --iters 300 --seq-length 512 --mbs 16 \
-        --variants all --parallel 5 --extra=--no-compile
+Data: the bundled corpus (default) is procedurally generated English of ~3M tokens, which a 0.6B
+model learns by heart within a few hundred iterations, in a sharp drop whose timing is chaotic.
+`--corpus code` trains on the Python sources of the running interpreter's installation instead
+(standard library and site-packages, `--corpus-mb` of text; real, varied text that no run repeats),
+built once with tools/files_to_jsonl.py and `megadlms preprocess` under --corpus-dir.
+
+    python benchmarks/fp8_convergence.py --model-path qwen3-0.6b --iters 500 --seq-length 512 --mbs 16 \
+        --corpus code --variants all --parallel 4 --extra=--no-compile
     python benchmarks/fp8_convergence.py --smoke      # CPU, tiny, seconds (checks the script)
 """
 
@@ -26,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 DELAYED = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16",
            "--fp8-amax-compute-algo", "max"]
@@ -56,6 +63,28 @@ def train_flags(a: argparse.Namespace) -> list[str]:
         flags += ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups",
                   "2", "--ffn-hidden-size", "128", "--device", "cpu", "--bf16", "--num-workers", "0"]
     return flags + a.extra.split()
+
+
+def build_code_corpus(folder: Path, mb: float, smoke: bool = False) -> str:
+    """The Python sources of this installation as a Megatron corpus (bundled tokenizer); returns its prefix."""
+    import sysconfig
+
+    prefix = folder / f"code_{mb:g}mb"
+    data = f"{prefix}_text_document"
+    if os.path.exists(data + ".idx"):
+        return data
+    folder.mkdir(parents=True, exist_ok=True)
+    roots = sorted({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]})
+    jsonl = folder / f"code_{mb:g}mb.jsonl"
+    tools = Path(__file__).resolve().parents[1] / "tools" / "files_to_jsonl.py"
+    subprocess.run([sys.executable, str(tools), *roots, "--max-mb", str(mb), "--output", str(jsonl)], check=True)
+    from megadlms.data.preprocess import main as preprocess
+
+    workers = 1 if smoke else max(1, min(16, (os.cpu_count() or 2) - 1))
+    if preprocess(["--input", str(jsonl), "--output-prefix", str(prefix), "--workers", str(workers),
+                   "--append-eod", "--no-progress"]) != 0:
+        raise SystemExit("preprocessing the code corpus failed")
+    return data
 
 
 def run_variant(a: argparse.Namespace, name: str) -> dict:
@@ -123,11 +152,18 @@ def main() -> None:
     p.add_argument("--extra", default="", help="more train flags, space separated")
     p.add_argument("--json-out", default=None)
     p.add_argument("--log-dir", default=None, help="where the per-variant logs go (with --parallel > 1)")
+    p.add_argument("--corpus", choices=("bundled", "code"), default="bundled",
+                   help="bundled: the demo corpus; code: this Python installation's sources (see above)")
+    p.add_argument("--corpus-mb", type=float, default=60.0, help="MB of text for --corpus code")
+    p.add_argument("--corpus-dir", default="/tmp/megadlms_code_corpus", help="where --corpus code is built")
     p.add_argument("--save-baseline", default=None, help="checkpoint folder for the bf16 run's final weights")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args()
     if a.smoke:  # small enough for several processes on a laptop (the 151k-vocab logits dominate memory)
         a.seq_length, a.mbs = min(a.seq_length, 64), min(a.mbs, 4)
+    if a.corpus == "code":  # built once here; the variants (and children) get it as --data-path
+        a.extra = f"{a.extra} --data-path {build_code_corpus(Path(a.corpus_dir), a.corpus_mb, a.smoke)}".strip()
+        a.corpus = "bundled"
     names = list(VARIANTS) if a.variants == "all" else [v.strip() for v in a.variants.split(",")]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
