@@ -31,6 +31,7 @@ import torch
 from megadlms.diffusion.fast_sampler import fast_generate_tokens
 from megadlms.diffusion.sampler import generate_tokens
 from megadlms.distributed.parallelize import apply_compile
+from megadlms.generate.fuse import fuse_projections
 from megadlms.model import build_model
 from megadlms.presets import preset_config
 from megadlms.training.checkpoint import load_model_from_checkpoint
@@ -85,6 +86,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each layer for the reference sampler (fuses elementwise ops; may change the "
                         "last bits of the logits, so tokens can differ from eager)")
+    p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="q/k/v and gate/up as one GEMM each, as `megadlms generate` (default: on for GPU)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--skip-eager", action="store_true", help="only the CUDA-graph rows")
     p.add_argument("--seed", type=int, default=0)
@@ -121,6 +124,10 @@ def main() -> None:
         return out
 
     model.logits = logits
+    if args.fuse_projections is None:
+        args.fuse_projections = device.type == "cuda"
+    if args.fuse_projections:  # after the dtype cast above: the fused weights are the final ones
+        fuse_projections(model)
     if args.compile:  # per layer, as `megadlms generate --compile` (one compilation serves every layer)
         apply_compile(model)
     # the cached (fast) sampler runs eagerly: its per-layer cache state would recompile the layers
@@ -134,7 +141,8 @@ def main() -> None:
     print(f"{args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {dtype}) on "
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; prompt {args.prompt_length}, "
           f"gen {args.gen_length}, block {args.block_length}, steps {args.steps}, threshold {args.threshold}, "
-          f"cache {args.cache}, logit scale {args.logit_scale}, compile {args.compile}")
+          f"cache {args.cache}, logit scale {args.logit_scale}, compile {args.compile}, "
+          f"fused projections {args.fuse_projections}")
 
     # warm up kernels / allocator once (a short call of each path)
     warm = torch.randint(0, mask_id, (1, 8), device=device)

@@ -63,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cache", choices=("dual", "prefix", "none"), default="dual", help="fast sampler KV cache")
     g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the sampler's fixed-shape forwards in CUDA graphs (default: on for GPU)")
+    g.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="run q/k/v and gate/up as one GEMM each (default: on for GPU; megadlms.generate.fuse)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer layer for the reference sampler (fused norms, RoPE and "
                         "SwiGLU; the first batch pays the compilation); the cached samplers run eagerly")
@@ -180,6 +182,10 @@ def _run(args: argparse.Namespace) -> int:
     records = _read_prompts(args)
     device = _device(args.device)
     model, cfg, tok_path = load_model(args, device)
+    if args.fuse_projections if args.fuse_projections is not None else device.type == "cuda":
+        from .fuse import fuse_projections
+
+        fuse_projections(model)  # after load_model has set the final device and dtype
     if args.compile:
         from ..distributed.parallelize import apply_compile
 

@@ -150,6 +150,22 @@ def test_compile_flag_compiles_the_layers_and_keeps_cached_samplers_eager(tmp_pa
     assert stances == ["force_eager"] and eval_frame._stance.stance == "default"
 
 
+def test_fuse_projections_flag_gives_the_same_text(tmp_path, capsys, tokenizer, monkeypatch):
+    """--fuse-projections (default on GPU) fuses the loaded model's q/k/v and gate/up; the output is unchanged."""
+    from megadlms.generate import fuse
+
+    model, cfg = tiny()
+    save_model_checkpoint(tmp_path / "ckpt", model, cfg)
+    fused = []
+    real = fuse.fuse_projections
+    monkeypatch.setattr(fuse, "fuse_projections", lambda m: fused.append(real(m)))
+    common = ["--load", str(tmp_path / "ckpt"), "--prompt", "Hello", "--gen-length", "16", "--block-length", "8",
+              "--steps", "8", "--ignore-eos"]
+    plain = run_cli(common, capsys)
+    assert plain[0] == 0 and fused == []  # CPU default: off
+    assert run_cli(common + ["--fuse-projections"], capsys)[1] == plain[1] and fused == [4]
+
+
 def test_bad_input_gives_clear_errors(tmp_path, capsys, tokenizer):
     model, cfg = tiny()
     save_model_checkpoint(tmp_path / "ckpt", model, cfg)
