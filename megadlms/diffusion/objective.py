@@ -144,9 +144,10 @@ def chunked_weighted_cross_entropy(hidden: torch.Tensor, output_weight: torch.Te
     same value as `weighted_cross_entropy(hidden @ output_weight.T, targets, weights)`.
     Only tokens with a non-zero weight get logits (for diffusion: the masked ~50%). Finding them needs
     their count on the host: pass it as `num_rows` when known (the trainer copies it to the host before
-    queuing the forward), else it is read here, a device sync. Because the loss is a scalar, each chunk's gradients with
-    respect to `hidden` and `output_weight` are computed right after its logits, in the forward
-    pass: backward only scales them, and nothing of size [tokens, V] is kept or recomputed.
+    queuing the forward), else it is read here, a device sync. Because the loss is a scalar, each
+    chunk's gradients with respect to `hidden` and `output_weight` are computed right after its
+    logits, in the forward pass: backward only scales them, and nothing of size [tokens, V] is kept
+    or recomputed.
     The head GEMMs run in the autocast dtype when autocast is on (else in hidden's dtype); the
     softmax and the loss in fp32.
     """
