@@ -20,9 +20,11 @@ the shared input/gradient amax into every member's history, so after one `fp8_st
 a group hold equal input and gradient scales. With equal member scales every output equals the
 unfused layers' output for the same inputs (each element is the same FP8 product).
 
-Whenever fusion does not apply (outside an enabled fp8_autocast, rowwise recipe, FP8 telemetry on,
-hooks on a member (tensor parallelism), DTensor weights, mixed member settings), the call falls
-back to calling the member modules one by one.
+Whenever fusion does not apply (outside an enabled fp8_autocast, rowwise recipe, hooks on a member
+(tensor parallelism), DTensor weights, mixed member settings), the call falls back to calling the
+member modules one by one. FP8 telemetry (`enable_fp8_stats`) is recorded on the fused path itself:
+each member gets the statistics of the shared input cast, of its rows of the weight cast and of its
+columns of the gradient cast.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class FusedFloat8Projection:
         dtensor = sys.modules.get("torch.distributed.tensor")
         k = first.weight.shape[1]
         for m in mods:
-            if m._forward_hooks or m._forward_pre_hooks or m.collect_fp8_stats:
+            if m._forward_hooks or m._forward_pre_hooks:
                 return False
             if dtensor is not None and isinstance(m.weight, dtensor.DTensor):
                 return False
@@ -218,6 +220,19 @@ def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, 
     return _cast_shared(mods, pad_2d(g, mp, g.shape[1]), GRAD, fp8_dtype, scales, record, want_q, want_t)
 
 
+def _record_group_stats(mods: tuple[Float8Linear, ...], w: _GroupWeight, ws: tuple[torch.Tensor, ...],
+                        xp: torch.Tensor, xq: torch.Tensor, x_si: torch.Tensor, numel: int) -> None:
+    """FP8 telemetry of a fused forward: the shared input cast for every member, and each member's rows of the
+    concatenated weight cast once per statistics window (as `Float8Linear._fp8_weight` records its weight)."""
+    x_scale = x_si.reciprocal()
+    w_scale = w.scale_inv.reciprocal()
+    for mod, mc, wi in zip(mods, w.members, ws):
+        mod._record_stats(INPUT, xp, xq, x_scale, numel)
+        if mc.stats_epoch != mod._stats_epoch:
+            mod._record_stats(WEIGHT, wi.detach(), mc.q, w_scale, wi.numel())
+            mc.stats_epoch = mod._stats_epoch
+
+
 class _FusedFloat8LinearFn(torch.autograd.Function):
     """x [M, K], weights W_i [N_i, K], biases b_i [N_i] | None -> y [M, sum N_i] = x @ [W_1; ...]^T (+ [b_1, ...])."""
 
@@ -239,6 +254,8 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
         w = group._group_weight(list(mods), want_wt)
         want_xt = need_w and first.fp8_wgrad
         xq, x_si, xt = _cast_shared(mods, xp, INPUT, fwd, w.scales, delayed and first.training, True, want_xt)
+        if first.collect_fp8_stats:
+            _record_group_stats(mods, w, ws, xp, xq, x_si, m * k)
         y = scaled_mm(xq, w.q.t(), x_si, w.scale_inv, out_dtype, first.fprop_fast_accum)
         y = y[:m]
         if any(b is not None for b in bs):
@@ -281,6 +298,13 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
         dws: list[torch.Tensor | None] = [None] * n_mod
         if need_dx or fp8_wgrad:
             gq, g_si, gt = _cast_grad_parts(mods, gs, bwd, w.scales, delayed, need_dx, fp8_wgrad, mp)
+            if first.collect_fp8_stats:  # each member: its gradient against its columns of the FP8 gradient
+                col, scale = 0, g_si.reciprocal()
+                for mod, g in zip(mods, gs):
+                    n = g.shape[1]
+                    q = gq[:m, col:col + n] if gq is not None else gt[col:col + n, :m].t()
+                    mod._record_stats(GRAD, g, q, scale, g.numel())
+                    col += n
             if need_dx:
                 if w.t is None:
                     w.t = transpose_fp8(w.q)

@@ -26,7 +26,7 @@ from torch import nn
 
 from .fused import cast_fp8, transpose_fp8
 from .hardware import check_fp8_support
-from .quantize import FP8_MAX, amax_to_scale, pad_2d, quant_stats, quantize, quantize_rowwise, round_up16, scaled_mm
+from .quantize import pad_2d, quant_stats, quantize_rowwise, round_up16, scaled_mm
 from .recipe import DelayedScaling, Float8RowwiseScaling, Recipe, check_recipe
 from .state import FP8GlobalStateManager
 
@@ -181,37 +181,18 @@ class Float8Linear(nn.Linear):
         buf = self.fp8_stats_buffer[role]
         buf.copy_(torch.cat([torch.maximum(buf[:1], s[:1]), buf[1:] + s[1:]]))
 
-    def _cast(self, x: torch.Tensor, role: int, fp8_dtype: torch.dtype, record: bool, numel: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-tensor cast of x with this layer's recipe. Returns (q, scale_inv [] fp32)."""
-        fmax = FP8_MAX[fp8_dtype]
-        recipe = self.recipe
-        delayed = isinstance(recipe, DelayedScaling)
-        ready = delayed and self._is_ready()
-        amax = None
-        if not ready or (delayed and record) or self.collect_fp8_stats:
-            amax = x.abs().amax().float()
-        if delayed and record:
-            slot = self.fp8_amax_history[0, role]
-            slot.copy_(torch.maximum(slot, amax))
-        scale = self.fp8_scale[role] if ready else amax_to_scale(amax, fmax, recipe.margin)
-        q = quantize(x, scale, fp8_dtype)
-        if self.collect_fp8_stats:
-            self._record_stats(role, x, q, scale, numel)
-        return q, scale.reciprocal()
-
     def _cast_qt(self, x: torch.Tensor, role: int, fp8_dtype: torch.dtype, record: bool, numel: int,
                  want_q: bool = True, want_t: bool = False
                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """`_cast` that can also (or only) produce the transposed FP8 copy, both made from x in one compiled
-        call (`fused.cast_fp8`). Returns (q [R, C] or None, scale_inv [] fp32, q^T [C, R] contiguous or None)."""
-        if self.collect_fp8_stats:  # the telemetry path compares x with q: the plain cast
-            q, scale_inv = self._cast(x, role, fp8_dtype, record, numel)
-            return q, scale_inv, (transpose_fp8(q) if want_t else None)
+        """Per-tensor cast of x with this layer's recipe: q and/or the transposed FP8 copy, both made from x in
+        one pass (`fused.cast_fp8`); with delayed scaling and `record`, x's amax goes into the history slot.
+        Returns (q [R, C] or None, scale_inv [] fp32, q^T [C, R] contiguous or None)."""
         delayed = isinstance(self.recipe, DelayedScaling)
         scale = self.fp8_scale[role] if delayed and self._is_ready() else None
         slot = self.fp8_amax_history[0, role] if delayed and record else None
         q, t, scale_inv, _ = cast_fp8(x, scale, slot, fp8_dtype, self.recipe.margin, want_q, want_t)
+        if self.collect_fp8_stats:  # telemetry compares x with what the cast made (q, or q^T transposed back)
+            self._record_stats(role, x, q if q is not None else t.t(), scale_inv.reciprocal(), numel)
         return q, scale_inv, t
 
     def _cast_rowwise(self, x: torch.Tensor, role: int, fp8_dtype: torch.dtype, dim: int, numel: int,

@@ -240,3 +240,33 @@ def test_one_pass_kernel_paths_equal_the_compiled_cast_paths(monkeypatch, recipe
     for (n, a), (_, b) in zip(fused.named_buffers(), other.named_buffers()):
         assert torch.equal(a, b), n
     assert triton_cast._state["ok"] and len(triton_cast._state["checked"]) >= 4
+
+
+def test_fp8_telemetry_is_recorded_on_the_fused_path():
+    """With statistics on, the groups still run fused and every member records every role: for the first layer's
+    q/k/v (the same input in both models, cast with the same current scale) exactly the unfused counts; for the
+    weights the same amax and element count (the fused cast shares one scale over the group)."""
+    from megadlms.fp8 import enable_fp8_stats, fp8_stats
+    from megadlms.fp8.linear import GRAD, INPUT, WEIGHT
+
+    fused, plain = _pair(Float8CurrentScaling())
+    tokens = torch.randint(0, 128, (2, 16))
+    for model in (fused, plain):
+        enable_fp8_stats(model)
+    calls = [g.num_fused_calls for g in _groups(fused)]
+    _step(fused, tokens)
+    _step(plain, tokens)
+    assert all(g.num_fused_calls == c + 1 for g, c in zip(_groups(fused), calls))
+    for name in ("q_proj", "k_proj", "v_proj"):
+        a = getattr(fused.layers[0].self_attn, name).fp8_stats_buffer
+        b = getattr(plain.layers[0].self_attn, name).fp8_stats_buffer
+        assert torch.equal(a[INPUT], b[INPUT]), name
+        assert a[WEIGHT, 0] == b[WEIGHT, 0] and a[WEIGHT, 3] == b[WEIGHT, 3], name
+        assert a[GRAD, 0] > 0 and a[GRAD, 3] == b[GRAD, 3], name
+    s = fp8_stats(fused)
+    assert set(s) == {f"{r}_{k}" for r in ("input", "weight", "grad") for k in ("amax", "underflow", "saturation")}
+    assert all(0.0 <= v <= 1.0 for k, v in s.items() if not k.endswith("amax"))
+
+
+def _groups(model):
+    return [g for layer in model.layers for g in (layer.self_attn.project_qkv, layer.mlp.project_gate_up)]

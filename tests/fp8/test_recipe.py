@@ -102,7 +102,7 @@ def test_zero_or_non_finite_amax_keeps_the_previous_scale():
 def test_current_and_rowwise_scales(margin):
     x = torch.tensor([[1.0, -2.0], [0.0, 0.0], [0.5, 0.25]])
     cur = Float8Linear(2, 2, recipe=Float8CurrentScaling(margin=margin))
-    _, scale_inv = cur._cast(x, INPUT, E4M3, record=False, numel=x.numel())
+    _, scale_inv, _ = cur._cast_qt(x, INPUT, E4M3, record=False, numel=x.numel())
     assert scale_inv.item() == pytest.approx(2.0 / 448 * 2 ** margin, rel=1e-7)
     row = Float8Linear(2, 2, recipe=Float8RowwiseScaling(margin=margin))
     _, si = row._cast_rowwise(x, INPUT, E5M2, dim=1, numel=x.numel())
@@ -113,6 +113,6 @@ def test_current_and_rowwise_scales(margin):
 def test_bootstrap_before_first_step_uses_current_amax():
     layer = Float8Linear(16, 16, recipe=DelayedScaling())
     x = torch.full((4, 16), 0.01)
-    q, scale_inv = layer._cast(x, INPUT, E4M3, record=True, numel=x.numel())
+    q, scale_inv, _ = layer._cast_qt(x, INPUT, E4M3, record=True, numel=x.numel())
     assert q.float().max().item() == 448.0  # scaled to the top of the range, not flushed at scale 1
     assert scale_inv.item() == pytest.approx(0.01 / 448, rel=1e-6)
