@@ -38,7 +38,7 @@ from torch import nn
 from . import triton_cast
 from .fused import _amax, cast_fp8, cast_fp8_cat, transpose_fp8
 from .linear import GRAD, INPUT, WEIGHT, Float8Linear, _check_device_once, _Fp8Weight, compute_dtype
-from .quantize import FP8_MAX, amax_to_scale, pad_2d, round_up16, scaled_mm
+from .quantize import FP8_MAX, amax_to_scale, pad_2d, quant_stats, round_up16, scaled_mm
 from .recipe import DelayedScaling, Float8RowwiseScaling
 from .state import FP8GlobalStateManager
 
@@ -224,10 +224,10 @@ def _record_group_stats(mods: tuple[Float8Linear, ...], w: _GroupWeight, ws: tup
                         xp: torch.Tensor, xq: torch.Tensor, x_si: torch.Tensor, numel: int) -> None:
     """FP8 telemetry of a fused forward: the shared input cast for every member, and each member's rows of the
     concatenated weight cast once per statistics window (as `Float8Linear._fp8_weight` records its weight)."""
-    x_scale = x_si.reciprocal()
+    x_stats = quant_stats(xp, xq, x_si.reciprocal(), xq.dtype, numel)  # one input: computed once
     w_scale = w.scale_inv.reciprocal()
     for mod, mc, wi in zip(mods, w.members, ws):
-        mod._record_stats(INPUT, xp, xq, x_scale, numel)
+        mod._add_stats(INPUT, x_stats)
         if mc.stats_epoch != mod._stats_epoch:
             mod._record_stats(WEIGHT, wi.detach(), mc.q, w_scale, wi.numel())
             mc.stats_epoch = mod._stats_epoch

@@ -177,7 +177,10 @@ class Float8Linear(nn.Linear):
 
     # ------------------------------------------------------------------ casts
     def _record_stats(self, role: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, numel: int) -> None:
-        s = quant_stats(x, q, scale, q.dtype, numel)
+        self._add_stats(role, quant_stats(x, q, scale, q.dtype, numel))
+
+    def _add_stats(self, role: int, s: torch.Tensor) -> None:
+        """Merge one cast's [amax, underflow, saturation, numel] into this window's statistics of `role`."""
         buf = self.fp8_stats_buffer[role]
         buf.copy_(torch.cat([torch.maximum(buf[:1], s[:1]), buf[1:] + s[1:]]))
 
