@@ -1,0 +1,33 @@
+"""Every GPU benchmark script runs end to end in its CPU smoke form (a broken script must not cost device time).
+
+Each runs in its own process, as on the GPU machine, and must exit 0 and print its result table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKES = {
+    "fp8_block": (["--smoke"], "fp8-delayed"),
+    "fp8_numerics": (["--device", "cpu", "--small"], "budgets:"),
+    "generate": (["--device", "cpu", "--preset", "tiny", "--gen-length", "16", "--block-length", "8", "--steps", "16",
+                  "--prompt-length", "8", "--batch-sizes", "1", "2"], "fast dual"),
+    "fp8_convergence": (["--smoke", "--iters", "3", "--variants", "bf16,fp8 delayed/hybrid"], "gap vs bf16"),
+    "train_throughput": (["--smoke", "--steps", "1", "--warmup", "1"], "tiny/fp8"),
+}
+
+
+@pytest.mark.parametrize("name", list(SMOKES))
+def test_benchmark_smoke(name, tmp_path):
+    args, expect = SMOKES[name]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "MEGADLMS_CACHE": str(tmp_path / "cache"), "OUT": str(tmp_path / "out")}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert expect in res.stdout, res.stdout[-3000:]
