@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,32 +111,41 @@ def run_variant(a: argparse.Namespace, name: str) -> dict:
 
 
 def run_parallel(a: argparse.Namespace, names: list[str]) -> list[dict]:
-    """Each variant in its own process, `a.parallel` at a time; rows in the order of `names`."""
+    """Each variant in its own process, `a.parallel` at a time; rows in the order of `names`. The children are
+    stopped when this process ends early (a time cap's SIGTERM included), so none keeps the GPU busy."""
     tmp = tempfile.mkdtemp(prefix="fp8conv_")
     pending, running, rows = list(enumerate(names)), [], {}
-    while pending or running:
-        while pending and len(running) < a.parallel:
-            i, name = pending.pop(0)
-            out = os.path.join(tmp, f"{i}.json")
-            log = open(os.path.join(a.log_dir or tmp, f"variant{i}.log"), "w")
-            argv = [sys.executable, os.path.abspath(__file__), "--model-path", a.model_path, "--iters", str(a.iters),
-                    "--seq-length", str(a.seq_length), "--mbs", str(a.mbs), "--lr", str(a.lr), f"--extra={a.extra}",
-                    "--variants", name, "--parallel", "1", "--json-out", out] + (["--smoke"] if a.smoke else [])
-            if a.save_baseline:
-                argv += ["--save-baseline", a.save_baseline]
-            running.append((i, name, out, log, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)))
-        time.sleep(1)
-        for item in list(running):
-            i, name, out, log, proc = item
-            if proc.poll() is None:
-                continue
-            running.remove(item)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        while pending or running:
+            while pending and len(running) < a.parallel:
+                i, name = pending.pop(0)
+                out = os.path.join(tmp, f"{i}.json")
+                log = open(os.path.join(a.log_dir or tmp, f"variant{i}.log"), "w")
+                argv = [sys.executable, os.path.abspath(__file__), "--model-path", a.model_path, "--iters",
+                        str(a.iters), "--seq-length", str(a.seq_length), "--mbs", str(a.mbs), "--lr", str(a.lr),
+                        f"--extra={a.extra}", "--variants", name, "--parallel", "1", "--json-out", out]
+                argv += (["--smoke"] if a.smoke else []) + (["--save-baseline", a.save_baseline]
+                                                             if a.save_baseline else [])
+                running.append((i, name, out, log, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)))
+            time.sleep(1)
+            for item in list(running):
+                i, name, out, log, proc = item
+                if proc.poll() is None:
+                    continue
+                running.remove(item)
+                log.close()
+                if proc.returncode != 0 or not os.path.exists(out):
+                    print(f"variant {name!r} failed (exit {proc.returncode}): see {log.name}", file=sys.stderr)
+                    continue
+                with open(out) as f:
+                    rows[i] = json.load(f)[0]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for _, _, _, log, proc in running:
+            proc.terminate()
+            proc.wait()
             log.close()
-            if proc.returncode != 0 or not os.path.exists(out):
-                print(f"variant {name!r} failed (exit {proc.returncode}): see {log.name}", file=sys.stderr)
-                continue
-            with open(out) as f:
-                rows[i] = json.load(f)[0]
     return [rows[i] for i in sorted(rows)]
 
 
