@@ -17,7 +17,8 @@ SMOKES = {
     "fp8_numerics": (["--device", "cpu", "--small"], "budgets:"),
     "generate": (["--device", "cpu", "--preset", "tiny", "--gen-length", "16", "--block-length", "8", "--steps", "16",
                   "--prompt-length", "8", "--batch-sizes", "1", "2"], "fast dual"),
-    "fp8_convergence": (["--smoke", "--iters", "3", "--variants", "bf16,fp8 delayed/hybrid"], "gap vs bf16"),
+    "fp8_convergence": (["--smoke", "--iters", "3", "--variants", "bf16,fp8 delayed/hybrid", "--parallel", "2"],
+                        "gap vs bf16"),
     "train_throughput": (["--smoke", "--steps", "1", "--warmup", "1"], "tiny/fp8"),
 }
 
