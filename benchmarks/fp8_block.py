@@ -199,6 +199,24 @@ def classify(kernel: str) -> str:
     return "other"
 
 
+def kernel_time_by_class(prof, n: int) -> tuple[dict[str, float], list[tuple[float, int, str, str]]]:
+    """GPU kernel time of a torch.profiler run of n repetitions: ms per repetition by kernel class, and the
+    kernels as (ms, calls, class, name) rows, longest first."""
+    by_class: dict[str, float] = {}
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if t <= 0 or ev.key.startswith("ProfilerStep"):
+            continue
+        if getattr(ev, "device_type", None) is not None and "CUDA" not in str(ev.device_type):
+            continue
+        cls = classify(ev.key)
+        by_class[cls] = by_class.get(cls, 0.0) + t / 1e3 / n
+        rows.append((t / 1e3 / n, ev.count // n, cls, ev.key[:110]))
+    rows.sort(reverse=True)
+    return by_class, rows
+
+
 def profile_variant(res: dict, g0: torch.Tensor, out_dir: Path | None) -> dict:
     """CUDA kernel time of one forward+backward (mean over 3), summed by kernel class."""
     from torch.profiler import ProfilerActivity, profile
@@ -213,18 +231,7 @@ def profile_variant(res: dict, g0: torch.Tensor, out_dir: Path | None) -> dict:
             out.backward(g0)
             step()
         torch.cuda.synchronize()
-    by_class: dict[str, float] = {}
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-        if t <= 0 or ev.key.startswith("ProfilerStep"):
-            continue
-        if getattr(ev, "device_type", None) is not None and "CUDA" not in str(ev.device_type):
-            continue
-        cls = classify(ev.key)
-        by_class[cls] = by_class.get(cls, 0.0) + t / 1e3 / n
-        rows.append((t / 1e3 / n, ev.count // n, cls, ev.key[:110]))
-    rows.sort(reverse=True)
+    by_class, rows = kernel_time_by_class(prof, n)
     if out_dir is not None:
         with open(out_dir / f"profile_{res['variant']}.txt", "w") as f:
             for ms, cnt, cls, key in rows:

@@ -175,7 +175,7 @@ def profile_steps(trainer, n: int) -> dict[str, float]:
     """GPU kernel time per step by kernel class over n train steps, plus the step's wall time and the
     time the GPU ran no kernel ('idle': host-bound gaps, syncs)."""
     import torch
-    from fp8_block import classify  # the kernel classes of the block benchmark
+    from fp8_block import kernel_time_by_class  # the kernel classes of the block benchmark
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -185,15 +185,7 @@ def profile_steps(trainer, n: int) -> dict[str, float]:
             trainer.train_step()
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3 / n
-    by: dict[str, float] = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-        if t <= 0 or ev.key.startswith("ProfilerStep"):
-            continue
-        if getattr(ev, "device_type", None) is not None and "CUDA" not in str(ev.device_type):
-            continue
-        cls = classify(ev.key)
-        by[cls] = by.get(cls, 0.0) + t / 1e3 / n
+    by, _ = kernel_time_by_class(prof, n)
     busy = sum(by.values())
     return {**{k: round(v, 2) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
             "kernels total": round(busy, 2), "idle": round(max(0.0, wall - busy), 2), "wall (profiled)": round(wall, 2)}
