@@ -54,13 +54,13 @@ def prompts_from_corpus(tokenizer_dir: str | None, length: int, n: int) -> torch
     """[n, length] token ids: the first `length` tokens of the first n bundled-corpus documents that long."""
     import gzip
     import json
-    from importlib import resources
 
     from megadlms.data import load_tokenizer
+    from megadlms.data.preprocess import BUNDLED_CORPUS
 
     tok = load_tokenizer(tokenizer_dir)
     rows = []
-    with gzip.open(resources.files("megadlms.assets") / "demo_corpus.jsonl.gz", "rt") as f:
+    with gzip.open(BUNDLED_CORPUS, "rt") as f:
         for line in f:
             ids = tok.encode(json.loads(line)["text"])
             if len(ids) >= length:
