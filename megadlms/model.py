@@ -131,6 +131,12 @@ class MLP(nn.Module):
         return self.down_proj(self.act_fn(*self.project_gate_up(x)))
 
 
+# The sibling projections that read the same input, per module type, and the hook that runs them: what the
+# fusing transformations (megadlms.fp8.fused_linear, megadlms.generate.fuse) replace with one GEMM.
+PROJECTION_GROUPS = ((Attention, ("q_proj", "k_proj", "v_proj"), "project_qkv"),
+                     (MLP, ("gate_proj", "up_proj"), "project_gate_up"))
+
+
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: TransformerConfig, layer_idx: int):
         super().__init__()

@@ -323,18 +323,15 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
 def install_fused_projections(module: nn.Module) -> int:
     """Install a `FusedFloat8Projection` on every Attention (q/k/v) and MLP (gate/up) inside `module` whose
     projections are Float8Linears with a per-tensor recipe. Returns how many were installed."""
-    from ..model import MLP, Attention
+    from ..model import PROJECTION_GROUPS
 
     count = 0
     for sub in module.modules():
-        if isinstance(sub, Attention):
-            names, hook = ("q_proj", "k_proj", "v_proj"), "project_qkv"
-        elif isinstance(sub, MLP):
-            names, hook = ("gate_proj", "up_proj"), "project_gate_up"
-        else:
-            continue
-        mods = [getattr(sub, n) for n in names]
-        if all(type(m) is Float8Linear for m in mods) and not isinstance(mods[0].recipe, Float8RowwiseScaling):
-            setattr(sub, hook, FusedFloat8Projection(sub, names))
-            count += 1
+        for cls, names, hook in PROJECTION_GROUPS:
+            if not isinstance(sub, cls):
+                continue
+            mods = [getattr(sub, n) for n in names]
+            if all(type(m) is Float8Linear for m in mods) and not isinstance(mods[0].recipe, Float8RowwiseScaling):
+                setattr(sub, hook, FusedFloat8Projection(sub, names))
+                count += 1
     return count

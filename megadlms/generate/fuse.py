@@ -15,10 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import MLP, Attention
-
-GROUPS = ((Attention, ("q_proj", "k_proj", "v_proj"), "project_qkv"),
-          (MLP, ("gate_proj", "up_proj"), "project_gate_up"))
+from ..model import PROJECTION_GROUPS
 
 
 class FusedProjection:
@@ -40,7 +37,7 @@ def fuse_projections(model: nn.Module) -> int:
     groups fused; layers whose projections are not plain nn.Linear (FP8) or mix bias settings are skipped."""
     count = 0
     for sub in model.modules():
-        for cls, names, hook in GROUPS:
+        for cls, names, hook in PROJECTION_GROUPS:
             if not isinstance(sub, cls) or hook in sub.__dict__:
                 continue
             mods = [getattr(sub, n) for n in names]
