@@ -98,9 +98,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
 
 
 class _HostCount:
-    """count_nonzero of a CUDA tensor, copied to pinned host memory behind the work queued so far.
-
-    Made before the forward is queued and read after it, the count is there long before the host asks,
+    """count_nonzero of a tensor for the host. On CUDA it is copied to pinned memory behind the work queued
+    so far: made before the forward is queued and read after it, the count is there long before the host asks,
     so reading it does not wait for the forward (as a `nonzero()` after the forward would: the GPU
     would then sit idle until the host has queued the next kernels).
     """
