@@ -23,7 +23,6 @@ generated tokens equal to the reference's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from megadlms.diffusion.fast_sampler import fast_generate_tokens
 from megadlms.diffusion.sampler import generate_tokens
 from megadlms.distributed.parallelize import apply_compile
+from megadlms.generate.cli import eager_if_compiled
 from megadlms.generate.fuse import fuse_projections
 from megadlms.model import build_model
 from megadlms.presets import preset_config
@@ -130,10 +130,6 @@ def main() -> None:
         fuse_projections(model)
     if args.compile:  # per layer, as `megadlms generate --compile` (one compilation serves every layer)
         apply_compile(model)
-    # the cached (fast) sampler runs eagerly: its per-layer cache state would recompile the layers
-    # (set_stance switches on being called, so each `with` makes a fresh one)
-    def cached_stance() -> contextlib.AbstractContextManager:
-        return torch.compiler.set_stance("force_eager") if args.compile else contextlib.nullcontext()
     cache = None if args.cache == "none" else args.cache
     graph_modes = [False, True] if device.type == "cuda" else [False]
     if args.skip_eager and device.type == "cuda":
@@ -148,7 +144,7 @@ def main() -> None:
     warm = torch.randint(0, mask_id, (1, 8), device=device)
     generate_tokens(model, warm, mask_id=mask_id, gen_length=args.block_length, steps=2 if args.block_length > 1
                     else 1)
-    with cached_stance():
+    with eager_if_compiled(args.compile):
         fast_generate_tokens(model, warm, mask_id=mask_id, gen_length=args.block_length,
                              block_length=args.block_length, threshold=args.threshold, cache=cache)
 
@@ -168,7 +164,7 @@ def main() -> None:
             ref = out if ref is None else ref
             batch_rows.append([b, "reference" + (" +graph" if graph else ""), dt, args.steps, check])
         for graph in graph_modes:
-            with cached_stance():
+            with eager_if_compiled(args.compile):
                 (out, nfe), dt = timed(device, fast_generate_tokens, model, prompt, mask_id=mask_id,
                                        gen_length=args.gen_length, block_length=args.block_length,
                                        threshold=args.threshold, cache=cache, cuda_graph=graph)

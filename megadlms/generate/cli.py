@@ -77,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def eager_if_compiled(compiled: bool) -> contextlib.AbstractContextManager:
+    """For the cached samplers: compiled layers serve the full-sequence forwards, and a cache's per-layer state
+    would recompile them, so these run eagerly. (set_stance switches on being called: make one per `with`.)"""
+    return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
+
+
 def _load_tokenizer(path: str | None) -> Any:
     from ..data import load_tokenizer
 
@@ -190,10 +196,6 @@ def _run(args: argparse.Namespace) -> int:
         from ..distributed.parallelize import apply_compile
 
         apply_compile(model)
-    # compiled layers serve the full-sequence forwards; the cache's per-layer state would recompile them
-    # (set_stance switches on being called, so each `with` makes a fresh one)
-    def cached_stance() -> contextlib.AbstractContextManager:
-        return torch.compiler.set_stance("force_eager") if args.compile else contextlib.nullcontext()
     tokenizer = _load_tokenizer(tok_path)
     eos = None if args.ignore_eos else (args.eos_token if args.eos_token is not None else tokenizer.eod_id)
     causal = cfg.attn_mask_type == "causal"
@@ -219,7 +221,7 @@ def _run(args: argparse.Namespace) -> int:
         ids, attn = prepare_prompts(batch, pad_id=pad_id, device=device, vocab_size=cfg.vocab_size)
         p = ids.shape[1]
         if sampler == "ar":
-            with cached_stance():
+            with eager_if_compiled(args.compile):
                 out = ar_generate_tokens(model, ids, attn, max_new_tokens=args.max_new_tokens,
                                          temperature=args.temperature, top_p=args.top_p, eos_id=eos,
                                          generator=generator, progress=progress)
@@ -235,7 +237,7 @@ def _run(args: argparse.Namespace) -> int:
             finally:
                 counter.close()
         else:
-            with cached_stance():
+            with eager_if_compiled(args.compile):
                 out, nfe = fast_generate_tokens(model, ids, attn, mask_id=mask_id, gen_length=args.gen_length,
                                                 block_length=args.block_length, threshold=args.threshold,
                                                 cache=None if args.cache == "none" else args.cache,
