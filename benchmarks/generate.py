@@ -9,7 +9,10 @@ prompt 64, gen_length 256, block 32, steps 256, batch 1 and 16, threshold 0.9.
 
 Rows: the reference sampler eager and with its fixed-shape forward in a CUDA graph (the two must
 give the same tokens), the fast sampler with and without CUDA graphs. tok/s counts generated
-positions (batch * gen_length) over the wall time of one call (graph capture included).
+positions (batch * gen_length) over the wall time of one call (graph capture included), after an
+untimed call of each sampler at the same shapes (one step per block), so that kernel autotuning and,
+with --compile, the compilation for these shapes are not timed. --profile adds the GPU time of one
+reference forward by kernel class, and the GPU and wall time of an (eager) fast-sampler step.
 A random model is never confident: with threshold 0.9 the fast sampler commits one token per
 step, so its speed-up here comes from the cache alone. `--load CKPT` measures a trained checkpoint
 of `megadlms train` instead, with prompts cut from the bundled corpus (real text in its tokenizer):
@@ -30,7 +33,6 @@ import torch
 from megadlms.diffusion.fast_sampler import fast_generate_tokens
 from megadlms.diffusion.sampler import generate_tokens
 from megadlms.distributed.parallelize import apply_compile
-from megadlms.generate.cli import eager_if_compiled
 from megadlms.generate.fuse import fuse_projections
 from megadlms.model import build_model
 from megadlms.presets import preset_config
@@ -70,6 +72,41 @@ def prompts_from_corpus(tokenizer_dir: str | None, length: int, n: int) -> torch
     return torch.tensor(rows)
 
 
+def profile_forward(model, prompt: torch.Tensor, mask_id: int, args: argparse.Namespace) -> dict[str, float]:
+    """GPU ms per reference step by kernel class (torch.profiler over a one-step-per-block call, eager)."""
+    import sys
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fp8_block import kernel_time_by_class  # the kernel classes of the block benchmark
+
+    n = args.gen_length // args.block_length
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate_tokens(model, prompt, mask_id=mask_id, gen_length=args.gen_length, block_length=args.block_length,
+                        steps=n)
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / n
+    by, _ = kernel_time_by_class(prof, n)
+    busy = sum(by.values())
+    # the fast sampler over one block (no CUDA graph): GPU time of its average step against the step's wall time
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, nfe = fast_generate_tokens(model, prompt, mask_id=mask_id, gen_length=args.block_length,
+                                      block_length=args.block_length, threshold=args.threshold,
+                                      cache=None if args.cache == "none" else args.cache)
+        torch.cuda.synchronize()
+    fast_wall = (time.perf_counter() - t0) * 1e3 / nfe
+    fast_by, _ = kernel_time_by_class(prof, nfe)
+    return {**{k: round(v, 2) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
+            "kernels total": round(busy, 2), "wall (profiled, eager)": round(wall, 2),
+            "fast step: kernels": round(sum(fast_by.values()), 2), "fast step: wall (no graph)": round(fast_wall, 2)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="qwen3-1.7b")
@@ -84,12 +121,13 @@ def main() -> None:
     p.add_argument("--cache", choices=("dual", "prefix", "none"), default="dual")
     p.add_argument("--logit-scale", type=float, default=1.0, help="multiply the logits (emulates confidence)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile each layer for the reference sampler (fuses elementwise ops; may change the "
+                   help="torch.compile each layer for both samplers (fuses elementwise ops; may change the "
                         "last bits of the logits, so tokens can differ from eager)")
     p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="q/k/v and gate/up as one GEMM each, as `megadlms generate` (default: on for GPU)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--skip-eager", action="store_true", help="only the CUDA-graph rows")
+    p.add_argument("--profile", action="store_true", help="GPU time of one reference forward by kernel class")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load", default=None, help="a `megadlms train` checkpoint folder instead of random weights")
     args = p.parse_args()
@@ -144,11 +182,10 @@ def main() -> None:
     warm = torch.randint(0, mask_id, (1, 8), device=device)
     generate_tokens(model, warm, mask_id=mask_id, gen_length=args.block_length, steps=2 if args.block_length > 1
                     else 1)
-    with eager_if_compiled(args.compile):
-        fast_generate_tokens(model, warm, mask_id=mask_id, gen_length=args.block_length,
-                             block_length=args.block_length, threshold=args.threshold, cache=cache)
+    fast_generate_tokens(model, warm, mask_id=mask_id, gen_length=args.block_length,
+                         block_length=args.block_length, threshold=args.threshold, cache=cache)
 
-    rows = []
+    rows, profile_rows = [], []
     for b in args.batch_sizes:
         if corpus_prompts is not None:
             prompt = corpus_prompts[:b].to(device)
@@ -156,6 +193,13 @@ def main() -> None:
             prompt = torch.randint(0, min(mask_id, cfg.vocab_size), (b, args.prompt_length), device=device,
                                    generator=torch.Generator(device=device).manual_seed(args.seed + b))
         n_tok = b * args.gen_length
+        n_blocks = args.gen_length // args.block_length
+        generate_tokens(model, prompt, mask_id=mask_id, gen_length=args.gen_length,  # warm-up: these shapes
+                        block_length=args.block_length, steps=n_blocks)
+        fast_generate_tokens(model, prompt, mask_id=mask_id, gen_length=args.gen_length,
+                             block_length=args.block_length, threshold=0.0, cache=cache)
+        if args.profile and device.type == "cuda":
+            profile_rows.append((b, profile_forward(model, prompt, mask_id, args)))
         ref, batch_rows = None, []
         for graph in graph_modes:
             out, dt = timed(device, generate_tokens, model, prompt, mask_id=mask_id, gen_length=args.gen_length,
@@ -164,15 +208,20 @@ def main() -> None:
             ref = out if ref is None else ref
             batch_rows.append([b, "reference" + (" +graph" if graph else ""), dt, args.steps, check])
         for graph in graph_modes:
-            with eager_if_compiled(args.compile):
-                (out, nfe), dt = timed(device, fast_generate_tokens, model, prompt, mask_id=mask_id,
-                                       gen_length=args.gen_length, block_length=args.block_length,
-                                       threshold=args.threshold, cache=cache, cuda_graph=graph)
+            (out, nfe), dt = timed(device, fast_generate_tokens, model, prompt, mask_id=mask_id,
+                                   gen_length=args.gen_length, block_length=args.block_length,
+                                   threshold=args.threshold, cache=cache, cuda_graph=graph)
             agree = (out[:, args.prompt_length:] == ref[:, args.prompt_length:]).float().mean().item()
             batch_rows.append([b, f"fast {args.cache}" + (" +graph" if graph else ""), dt, nfe, f"{agree:.0%} agree"])
         base = batch_rows[len(graph_modes) - 1][2]  # the fastest reference variant
         rows += [(b, name, n_tok / dt, nfe, dt / nfe * 1e3, base / dt, check) for b, name, dt, nfe, check in batch_rows]
 
+    if profile_rows:
+        classes = list(dict.fromkeys(c for _, by in profile_rows for c in by))
+        print("\nGPU ms of one reference forward (model + LM head over the block + proposal) by kernel class")
+        print(f"{'class':30s}" + "".join(f"{'batch ' + str(b):>14s}" for b, _ in profile_rows))
+        for c in classes:
+            print(f"{c:30s}" + "".join(f"{by.get(c, 0.0):14.2f}" for _, by in profile_rows))
     print(f"\n{'batch':>5}  {'sampler':<20} {'tok/s':>9} {'forwards':>9} {'ms/fwd':>8} {'vs ref':>8}  check")
     for b, name, tps, nfe, ms, speedup, check in rows:
         print(f"{b:>5}  {name:<20} {tps:>9.1f} {nfe:>9} {ms:>8.2f} {speedup:>7.2f}x  {check}")

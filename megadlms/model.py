@@ -74,6 +74,15 @@ class SwiGLU(nn.Module):
         return F.silu(gate) * up
 
 
+# Outside torch.compile's graphs: a cache is per-layer Python state (buffers by layer index, a mode), which compiled
+# code would guard on, recompiling per layer and per mode; as an opaque call, one compilation of a layer serves
+# every layer and cache (the layer index is read here, not in the graph).
+@torch.compiler.disable
+def _cache_update(cache: KVCache, attn: nn.Module, k: torch.Tensor, v: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    return cache.update(attn.layer_idx, k, v)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig, layer_idx: int):
         super().__init__()
@@ -106,7 +115,7 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
+            k, v = _cache_update(kv_cache, self, k, v)
         is_causal = self.causal and attn_mask is None and kv_cache is None
         # grouped K/V as they are: on torch 2.11 + H200 SDPA picks cuDNN attention for this call
         # (measured: expanding K/V to every head was 0.2 ms slower per 8B-class layer, benchmarks/RESULTS.md)

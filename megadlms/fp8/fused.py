@@ -17,6 +17,7 @@ everything runs eagerly. Both compute exactly what `quantize.quantize` / `amax_t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,12 +36,21 @@ def _to_fp8(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return round_to_fp8_grid(y, fp8_dtype).to(fp8_dtype)
 
 
-def _cast_current(x: torch.Tensor, amax: torch.Tensor, amax_slot: torch.Tensor | None, fp8_dtype: torch.dtype,
-                  margin: int, want_q: bool, want_t: bool
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+def record_amax(slots: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
+    """slot = max(slot, amax) for every slot (0-dim views into amax histories): one foreach kernel."""
+    if slots:
+        torch._foreach_maximum_(list(slots), [amax] * len(slots))
+
+
+def _slots(amax_slot: torch.Tensor | Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    if amax_slot is None:
+        return []
+    return [amax_slot] if isinstance(amax_slot, torch.Tensor) else list(amax_slot)
+
+
+def _cast_current(x: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int, want_q: bool,
+                  want_t: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     fmax = FP8_MAX[fp8_dtype]
-    if amax_slot is not None:
-        amax_slot.copy_(torch.maximum(amax_slot, amax))
     scale = amax_to_scale(amax, fmax, margin)
     xf = x.float()
     q = _to_fp8((xf * scale).clamp(-fmax, fmax), fp8_dtype) if want_q else None
@@ -48,16 +58,13 @@ def _cast_current(x: torch.Tensor, amax: torch.Tensor, amax_slot: torch.Tensor |
     return q, t, scale.reciprocal()
 
 
-def _cast_scaled(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None, amax_slot: torch.Tensor | None,
-                 fp8_dtype: torch.dtype, want_q: bool, want_t: bool
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+def _cast_scaled(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, want_q: bool, want_t: bool
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     fmax = FP8_MAX[fp8_dtype]
-    if amax_slot is not None:
-        amax_slot.copy_(torch.maximum(amax_slot, amax))
     xf = x.float()
     q = _to_fp8((xf * scale).clamp(-fmax, fmax), fp8_dtype) if want_q else None
     t = _to_fp8((xf.t() * scale).clamp(-fmax, fmax), fp8_dtype).contiguous() if want_t else None
-    return q, t, scale.reciprocal()
+    return q, t
 
 
 # Compiled lazily on the first CUDA call, one function per kind of cast. Each meets several variants in
@@ -81,55 +88,65 @@ def _get(name: str, fn: Any) -> Any:
     return c
 
 
-def cast_fp8(x: torch.Tensor, scale: torch.Tensor | None, amax_slot: torch.Tensor | None, fp8_dtype: torch.dtype,
-             margin: int = 0, want_q: bool = True, want_t: bool = False, amax: torch.Tensor | None = None
+def cast_fp8(x: torch.Tensor, scale: torch.Tensor | None,
+             amax_slot: torch.Tensor | Sequence[torch.Tensor] | None, fp8_dtype: torch.dtype, margin: int = 0,
+             want_q: bool = True, want_t: bool = False, amax: torch.Tensor | None = None,
+             scale_inv: torch.Tensor | None = None
              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Per-tensor FP8 cast of a 2-D x [R, C] (any float dtype).
 
     scale: fp32 scalar tensor (delayed scaling), or None to take it from x's amax (current scaling:
         (fp8_max / amax) / 2**margin, 1.0 where amax is 0 or not finite).
-    amax_slot: fp32 scalar tensor updated in place to max(slot, amax(|x|)) (delayed-scaling history), or None.
+    amax_slot: fp32 scalar tensor, or a list of them (the members of a fused group), each updated in place to
+        max(slot, amax(|x|)) (delayed-scaling history), or None.
     amax: max |x| when the caller has it already (fp32 scalar tensor); computed here when needed otherwise.
+    scale_inv: 1 / scale when the caller has it already (delayed scaling: once per step, not per cast).
     Returns (q [R, C] row-major or None, q^T [C, R] contiguous or None, scale_inv [] fp32,
     amax [] fp32 or None when neither the scale nor the slot needed it).
     """
     x = x.detach()
+    slots = _slots(amax_slot)
     cuda = x.device.type == "cuda"
     if (want_q or want_t) and triton_cast.available(x):
-        out = _cast_fp8_triton(x, scale, amax_slot, fp8_dtype, margin, want_q, want_t, amax)
+        out = _cast_fp8_triton(x, scale, slots, fp8_dtype, margin, want_q, want_t, amax, scale_inv)
         if out is not None:
             return out
-    if amax is None and (scale is None or amax_slot is not None):
+    if amax is None and (scale is None or slots):
         amax = _amax(x)
+    record_amax(slots, amax)
     if scale is None:
         fn = _get("current", _cast_current) if cuda else _cast_current
-        q, t, scale_inv = fn(x, amax, amax_slot, fp8_dtype, margin, want_q, want_t)
+        q, t, scale_inv = fn(x, amax, fp8_dtype, margin, want_q, want_t)
     else:
         fn = _get("scaled", _cast_scaled) if cuda else _cast_scaled
-        q, t, scale_inv = fn(x, scale, amax, amax_slot, fp8_dtype, want_q, want_t)
+        q, t = fn(x, scale, fp8_dtype, want_q, want_t)
+        if scale_inv is None:
+            scale_inv = scale.reciprocal()
     return q, t, scale_inv, amax
 
 
-def _cast_fp8_triton(x: torch.Tensor, scale: torch.Tensor | None, amax_slot: torch.Tensor | None,
-                     fp8_dtype: torch.dtype, margin: int, want_q: bool, want_t: bool, amax: torch.Tensor | None
+def _cast_fp8_triton(x: torch.Tensor, scale: torch.Tensor | None, slots: list[torch.Tensor], fp8_dtype: torch.dtype,
+                     margin: int, want_q: bool, want_t: bool, amax: torch.Tensor | None,
+                     scale_inv: torch.Tensor | None
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
     """`cast_fp8` through the one-pass Triton kernel; None when the kernel is off (the caller falls back).
 
-    With a scale (delayed scaling) the amax the history needs comes out of the cast itself (atomic max
-    straight into the slot): one read of x. Without one (current scaling) the amax pass comes first."""
+    With a scale (delayed scaling) the amax the histories need comes out of the cast itself (atomic max
+    straight into the slots): one read of x. Without one (current scaling) the amax pass comes first."""
     if scale is None:
         if amax is None:
             amax = _amax(x)
         scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
-        slot_in_kernel = None
+        scale_inv = None
+        in_kernel: list[torch.Tensor] = []
     else:
-        slot_in_kernel = amax_slot if amax is None else None
-    out = triton_cast.checked_cast_transpose(x, scale, fp8_dtype, want_q, want_t, slot_in_kernel)
+        in_kernel = slots if amax is None and len(slots) <= triton_cast.MAX_AMAX_OUTS else []
+    out = triton_cast.checked_cast_transpose(x, scale, fp8_dtype, want_q, want_t, in_kernel)
     if out is None:
         return None
-    if amax_slot is not None and slot_in_kernel is None:
-        amax_slot.copy_(torch.maximum(amax_slot, amax))
-    return out[0], out[1], scale.reciprocal(), amax
+    if slots and not in_kernel:
+        record_amax(slots, amax if amax is not None else _amax(x))
+    return out[0], out[1], scale_inv if scale_inv is not None else scale.reciprocal(), amax
 
 
 def _transpose(q: torch.Tensor) -> torch.Tensor:

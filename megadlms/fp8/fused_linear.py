@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from . import triton_cast
-from .fused import _amax, cast_fp8, cast_fp8_cat, transpose_fp8
+from .fused import _amax, cast_fp8, cast_fp8_cat, record_amax, transpose_fp8
 from .linear import GRAD, INPUT, WEIGHT, Float8Linear, _check_device_once, _Fp8Weight, compute_dtype
-from .quantize import FP8_MAX, amax_to_scale, pad_2d, quant_stats, round_up16, scaled_mm
+from .quantize import FP8_MAX, aligned_scalars, amax_to_scale, pad_2d, quant_stats, round_up16, scaled_mm
 from .recipe import DelayedScaling, Float8RowwiseScaling
 from .state import FP8GlobalStateManager
 
@@ -48,17 +48,15 @@ _SETTINGS = ("recipe", "fp8_wgrad", "cache_weight", "fprop_fast_accum", "backwar
 class _GroupWeight:
     """The concatenated FP8 weight of one group for one optimizer step."""
 
-    __slots__ = ("members", "q", "t", "scale_inv", "scales", "sizes")
+    __slots__ = ("members", "q", "t", "scale_inv", "scales", "scale_invs", "sizes")
 
     def __init__(self, members: tuple[_Fp8Weight, ...], q: torch.Tensor, t: torch.Tensor | None,
-                 scale_inv: torch.Tensor, scales: torch.Tensor | None, sizes: tuple[int, ...]):
-        self.members, self.q, self.t, self.scale_inv, self.scales, self.sizes = members, q, t, scale_inv, scales, sizes
-
-
-def _record(slots: list[torch.Tensor], amax: torch.Tensor) -> None:
-    """slot = max(slot, amax) for every slot (0-dim views into amax histories)."""
-    for slot in slots:
-        slot.copy_(torch.maximum(slot, amax))
+                 scale_inv: torch.Tensor, scales: torch.Tensor | None, scale_invs: torch.Tensor | None,
+                 sizes: tuple[int, ...]):
+        self.members, self.q, self.t, self.scale_inv, self.sizes = members, q, t, scale_inv, sizes
+        # delayed scaling: the group's [3] scales (input, weight, grad) and their inverses, computed once per step
+        # for the casts of every micro-batch; None before the first fp8_step and for current scaling
+        self.scales, self.scale_invs = scales, scale_invs
 
 
 class FusedFloat8Projection:
@@ -136,15 +134,15 @@ class FusedFloat8Projection:
         if ready:  # the weights' amaxes (for the histories) come out of the cast itself
             amax_outs = [m.fp8_amax_history[0, WEIGHT] for m in mods] if record else None
             q, t = cast_fp8_cat(ws, scales[WEIGHT], fwd, want_t, amax_outs)
-            scale = scales[WEIGHT]
+            scale = None
         else:
-            amaxes = [_amax(w) for w in ws]
+            amaxes = torch.stack([_amax(w) for w in ws])
             if record:
-                for m, a in zip(mods, amaxes):
-                    _record([m.fp8_amax_history[0, WEIGHT]], a)
-            scale = amax_to_scale(torch.stack(amaxes).max(), FP8_MAX[fwd], recipe.margin)
+                torch._foreach_maximum_([m.fp8_amax_history[0, WEIGHT] for m in mods], list(amaxes.unbind(0)))
+            scale = amax_to_scale(amaxes.max(), FP8_MAX[fwd], recipe.margin)
             q, t = cast_fp8_cat(ws, scale, fwd, want_t)
-        scale_inv = scale.reciprocal()
+        scale_invs = aligned_scalars(scales.reciprocal())[:, 0] if ready else None
+        scale_inv = scale_invs[WEIGHT] if ready else scale.reciprocal()
         member_caches, row = [], 0
         for m, w, key in zip(mods, ws, keys):
             n = w.shape[0]
@@ -154,34 +152,29 @@ class FusedFloat8Projection:
             if first.cache_weight:
                 m._wcache = mc
             member_caches.append(mc)
-        c = _GroupWeight(tuple(member_caches), q, t, scale_inv, scales, tuple(w.shape[0] for w in ws))
-        self._cache = c if first.cache_weight else None
-        return c
+        group = _GroupWeight(tuple(member_caches), q, t, scale_inv, scales, scale_invs, tuple(w.shape[0] for w in ws))
+        self._cache = group if first.cache_weight else None
+        return group
 
 
 def _cast_shared(mods: tuple[Float8Linear, ...], x: torch.Tensor, role: int, fp8_dtype: torch.dtype,
-                 scales: torch.Tensor | None, record: bool, want_q: bool, want_t: bool
+                 w: _GroupWeight, record: bool, want_q: bool, want_t: bool
                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Cast of an operand shared by the group (the input, or the concatenated gradient): one scale (the
     smallest member scale when delayed scales exist, else from x's amax); with `record`, x's amax goes into
-    every member's history slot of `role`. Returns (q, scale_inv, q^T)."""
-    slots = [m.fp8_amax_history[0, role] for m in mods] if record else []
+    every member's history slot of `role` (straight out of the cast with a known scale). Returns (q, scale_inv, q^T)."""
+    slots = [m.fp8_amax_history[0, role] for m in mods] if record else None
     margin = mods[0].recipe.margin
-    if scales is not None:  # the amax comes out of the cast (one pass over x)
-        tmp = torch.zeros((), dtype=torch.float32, device=x.device) if len(slots) > 1 else None
-        slot = tmp if tmp is not None else (slots[0] if slots else None)
-        q, t, scale_inv, _ = cast_fp8(x, scales[role], slot, fp8_dtype, margin, want_q, want_t)
-        if tmp is not None:
-            _record(slots, tmp)
+    if w.scales is not None:
+        q, t, scale_inv, _ = cast_fp8(x, w.scales[role], slots, fp8_dtype, margin, want_q, want_t,
+                                      scale_inv=w.scale_invs[role])
     else:
-        amax = _amax(x)
-        _record(slots, amax)
-        q, t, scale_inv, _ = cast_fp8(x, None, None, fp8_dtype, margin, want_q, want_t, amax=amax)
+        q, t, scale_inv, _ = cast_fp8(x, None, slots, fp8_dtype, margin, want_q, want_t)
     return q, scale_inv, t
 
 
 def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
-                     scales: torch.Tensor | None, record: bool, want_q: bool, want_t: bool, mp: int
+                     w: _GroupWeight, record: bool, want_q: bool, want_t: bool, mp: int
                      ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """The FP8 cast of the gradient [g_1, ..., g_n] ([M, N_i] each, contiguous) as one operand, padded to mp rows:
     (q [mp, sum N_i] or None, scale_inv, q^T [sum N_i, mp] or None). On CUDA each part is cast straight into
@@ -189,35 +182,36 @@ def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, 
     m = parts[0].shape[0]
     if all(triton_cast.available(p) for p in parts):
         slots = [mod.fp8_amax_history[0, GRAD] for mod in mods] if record else []
-        if scales is not None:
-            scale = scales[GRAD]
-            tmp = torch.zeros((), dtype=torch.float32, device=parts[0].device) if record else None
+        amax = None
+        if w.scales is not None:
+            scale, scale_inv = w.scales[GRAD], w.scale_invs[GRAD]
+            in_kernel = slots if len(slots) <= triton_cast.MAX_AMAX_OUTS else []
         else:
             amax = torch.stack([_amax(p) for p in parts]).amax()
             scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], mods[0].recipe.margin)
-            tmp = None
+            scale_inv, in_kernel = scale.reciprocal(), []
         ncat = sum(p.shape[1] for p in parts)
         alloc = torch.empty if mp == m else torch.zeros  # padding rows: zeros
         gq = alloc(mp, ncat, dtype=fp8_dtype, device=parts[0].device) if want_q else None
         gt = alloc(ncat, mp, dtype=fp8_dtype, device=parts[0].device) if want_t else None
-        col, ok = 0, True
+        col, done = 0, []
         for p in parts:
             n = p.shape[1]
-            out = triton_cast.checked_cast_transpose(p, scale, fp8_dtype, want_q, want_t, tmp,
+            out = triton_cast.checked_cast_transpose(p, scale, fp8_dtype, want_q, want_t, in_kernel,
                                                      gq[:m, col:col + n] if want_q else None,
                                                      gt[col:col + n, :m] if want_t else None)
             if out is None:
-                ok = False
                 break
+            done.append(p)
             col += n
-        if ok:
-            if scales is None:
-                _record(slots, amax)
-            elif tmp is not None:
-                _record(slots, tmp)
-            return gq, scale.reciprocal(), gt
+        if len(done) == len(parts):
+            if slots and not in_kernel:
+                record_amax(slots, amax if amax is not None else torch.stack([_amax(p) for p in parts]).amax())
+            return gq, scale_inv, gt
+        # the kernel is off for a part: the path below casts (and records) again; the parts cast so far raised
+        # the slots by max-updates, which are harmless to repeat
     g = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    return _cast_shared(mods, pad_2d(g, mp, g.shape[1]), GRAD, fp8_dtype, scales, record, want_q, want_t)
+    return _cast_shared(mods, pad_2d(g, mp, g.shape[1]), GRAD, fp8_dtype, w, record, want_q, want_t)
 
 
 def _record_group_stats(mods: tuple[Float8Linear, ...], w: _GroupWeight, ws: tuple[torch.Tensor, ...],
@@ -253,7 +247,7 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
         want_wt = grad_follows and any(w.requires_grad for w in ws)
         w = group._group_weight(list(mods), want_wt)
         want_xt = need_w and first.fp8_wgrad
-        xq, x_si, xt = _cast_shared(mods, xp, INPUT, fwd, w.scales, delayed and first.training, True, want_xt)
+        xq, x_si, xt = _cast_shared(mods, xp, INPUT, fwd, w, delayed and first.training, True, want_xt)
         if first.collect_fp8_stats:
             _record_group_stats(mods, w, ws, xp, xq, x_si, m * k)
         y = scaled_mm(xq, w.q.t(), x_si, w.scale_inv, out_dtype, first.fprop_fast_accum)
@@ -297,7 +291,7 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
         dx = None
         dws: list[torch.Tensor | None] = [None] * n_mod
         if need_dx or fp8_wgrad:
-            gq, g_si, gt = _cast_grad_parts(mods, gs, bwd, w.scales, delayed, need_dx, fp8_wgrad, mp)
+            gq, g_si, gt = _cast_grad_parts(mods, gs, bwd, w, delayed, need_dx, fp8_wgrad, mp)
             if first.collect_fp8_stats:  # each member: its gradient against its columns of the FP8 gradient
                 col, scale = 0, g_si.reciprocal()
                 for mod, g in zip(mods, gs):

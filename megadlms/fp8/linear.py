@@ -26,7 +26,7 @@ from torch import nn
 
 from .fused import cast_fp8, transpose_fp8
 from .hardware import check_fp8_support
-from .quantize import pad_2d, quant_stats, quantize_rowwise, round_up16, scaled_mm
+from .quantize import aligned_scalars, pad_2d, quant_stats, quantize_rowwise, round_up16, scaled_mm
 from .recipe import DelayedScaling, Float8RowwiseScaling, Recipe, check_recipe
 from .state import FP8GlobalStateManager
 
@@ -71,12 +71,17 @@ class _Fp8Weight:
     copy for dgrad is made on first use.
     """
 
-    __slots__ = ("key", "q", "scale_inv", "dgrad", "stats_epoch")
+    __slots__ = ("key", "q", "scale_inv", "dgrad", "stats_epoch", "scale_invs")
 
-    def __init__(self, key: tuple, q: torch.Tensor, scale_inv: torch.Tensor):
+    def __init__(self, key: tuple, q: torch.Tensor, scale_inv: torch.Tensor, scale_invs: torch.Tensor | None = None):
         self.key, self.q, self.scale_inv = key, q, scale_inv
         self.dgrad: tuple[torch.Tensor, torch.Tensor] | None = None
         self.stats_epoch = -1
+        # delayed scaling: 1 / fp8_scale [3] of this step, for the input and gradient casts of every micro-batch
+        self.scale_invs = scale_invs
+
+    def scale_inv_of(self, role: int) -> torch.Tensor | None:
+        return self.scale_invs[role] if self.scale_invs is not None else None
 
 
 class Float8Linear(nn.Linear):
@@ -185,7 +190,7 @@ class Float8Linear(nn.Linear):
         buf.copy_(torch.cat([torch.maximum(buf[:1], s[:1]), buf[1:] + s[1:]]))
 
     def _cast_qt(self, x: torch.Tensor, role: int, fp8_dtype: torch.dtype, record: bool, numel: int,
-                 want_q: bool = True, want_t: bool = False
+                 want_q: bool = True, want_t: bool = False, scale_inv: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """Per-tensor cast of x with this layer's recipe: q and/or the transposed FP8 copy, both made from x in
         one pass (`fused.cast_fp8`); with delayed scaling and `record`, x's amax goes into the history slot.
@@ -193,7 +198,8 @@ class Float8Linear(nn.Linear):
         delayed = isinstance(self.recipe, DelayedScaling)
         scale = self.fp8_scale[role] if delayed and self._is_ready() else None
         slot = self.fp8_amax_history[0, role] if delayed and record else None
-        q, t, scale_inv, _ = cast_fp8(x, scale, slot, fp8_dtype, self.recipe.margin, want_q, want_t)
+        q, t, scale_inv, _ = cast_fp8(x, scale, slot, fp8_dtype, self.recipe.margin, want_q, want_t,
+                                      scale_inv=scale_inv if scale is not None else None)
         if self.collect_fp8_stats:  # telemetry compares x with what the cast made (q, or q^T transposed back)
             self._record_stats(role, x, q if q is not None else t.t(), scale_inv.reciprocal(), numel)
         return q, scale_inv, t
@@ -226,11 +232,14 @@ class Float8Linear(nn.Linear):
                 q, scale_inv = self._cast_rowwise(wp, WEIGHT, fwd, dim=1, numel=w.numel(), stats=False)
                 scale_inv = scale_inv.reshape(1, -1)  # [Np, 1] -> [1, Np]: scale_b of x @ W^T
                 wt = None
+                scale_invs = None
             else:
                 want_t = getattr(self, "_grad_follows", torch.is_grad_enabled()) and w.requires_grad
+                delayed_ready = isinstance(self.recipe, DelayedScaling) and self._is_ready()
+                scale_invs = aligned_scalars(self.fp8_scale.reciprocal())[:, 0] if delayed_ready else None
                 q, scale_inv, wt = self._cast_qt(wp, WEIGHT, fwd, record=self.training, numel=w.numel(),
-                                                 want_t=want_t)
-            cache = _Fp8Weight(key, q, scale_inv)
+                                                 want_t=want_t, scale_inv=scale_invs[WEIGHT] if delayed_ready else None)
+            cache = _Fp8Weight(key, q, scale_inv, scale_invs)
             if wt is not None:  # the column-major operand of the input-gradient GEMM
                 cache.dgrad = (wt.t(), scale_inv)
             if self.collect_fp8_stats:
@@ -304,7 +313,8 @@ class _Float8LinearFn(torch.autograd.Function):
         else:
             # with an FP8 weight gradient ahead, the same cast also makes x^T (K-major over tokens) for it
             want_t = ctx.needs_input_grad[1] and layer.fp8_wgrad
-            xq, x_si, xt = layer._cast_qt(xp, INPUT, fwd, record=layer.training, numel=m * k, want_t=want_t)
+            xq, x_si, xt = layer._cast_qt(xp, INPUT, fwd, record=layer.training, numel=m * k, want_t=want_t,
+                                          scale_inv=w.scale_inv_of(INPUT))
         y = scaled_mm(xq, w.q.t(), x_si, w.scale_inv, out_dtype, layer.fprop_fast_accum)
         y = y[:m, :n]
         if bias is not None:
@@ -353,7 +363,8 @@ class _Float8LinearFn(torch.autograd.Function):
                                x_saved_si, ctx.w_dtype, layer.backward_fast_accum)
         elif need_dx or fp8_wgrad:
             # from g at once: gq for the input gradient, g^T (K-major over tokens) for the weight gradient
-            gq, g_si, gt = layer._cast_qt(gp, GRAD, bwd, record=True, numel=m * n, want_q=need_dx, want_t=fp8_wgrad)
+            gq, g_si, gt = layer._cast_qt(gp, GRAD, bwd, record=True, numel=m * n, want_q=need_dx, want_t=fp8_wgrad,
+                                          scale_inv=ctx.wcache.scale_inv_of(GRAD))
             if need_dx:
                 wq, w_si = layer._fp8_weight_dgrad(ctx.wcache)
                 dx = scaled_mm(gq, wq, g_si, w_si, ctx.x_dtype, layer.backward_fast_accum)

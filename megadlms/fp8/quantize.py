@@ -149,5 +149,17 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale
     scale_inv_b [1, N] (rowwise). Returns [M, N] in out_dtype.
     """
     _check_operands(a, b)
-    return torch._scaled_mm(a, b, scale_a=scale_inv_a, scale_b=scale_inv_b, out_dtype=out_dtype,
+    return torch._scaled_mm(a, b, scale_a=_aligned(scale_inv_a), scale_b=_aligned(scale_inv_b), out_dtype=out_dtype,
                             use_fast_accum=use_fast_accum)
+
+
+def _aligned(scale: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt rejects scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED), e.g. a 0-dim
+    view into the middle of a [3] scale buffer: such a view is copied (`aligned_scalars` avoids the copy)."""
+    return scale if scale.data_ptr() % 16 == 0 else scale.clone()
+
+
+def aligned_scalars(values: torch.Tensor) -> torch.Tensor:
+    """values [n] -> [n, 4] whose row i starts with values[i]: `out[i, 0]` is a 0-dim view at a 16-byte aligned
+    address, usable as a `_scaled_mm` scale without a copy (one small kernel for all n)."""
+    return values.reshape(-1, 1).expand(-1, 4).contiguous()

@@ -1,20 +1,23 @@
 """One-pass FP8 cast on CUDA (Triton): reads x [R, C] once and writes q [R, C], its transpose q^T [C, R]
-(the K-major operand of the backward GEMMs) and, optionally, max |x| into an fp32 scalar (atomic max: with
-delayed scaling the scale is known before the cast, so the amax of this step needs no pass of its own).
+(the K-major operand of the backward GEMMs) and, optionally, max |x| into up to three fp32 scalars (atomic max:
+with delayed scaling the scale is known before the cast, so the amax of this step needs no pass of its own, and
+the members of a fused projection get it in their history slots directly).
 
 Each element is cast(clamp(x * scale, -fp8_max, fp8_max)) in fp32 with round-to-nearest-even, i.e. what
 `quantize.quantize` computes. The rounding is done in fp32 arithmetic before the conversion
 (`quantize.round_to_fp8_grid`), so the result does not depend on how a GPU's conversion instruction
 rounds. `available()` is False without Triton, off CUDA, or with MEGADLMS_FP8_TRITON=0; the first call
-of each variant (input dtype, FP8 format, outputs) is checked bitwise against the ATen cast, and a
-variant that differs falls back to the compiled torch cast, with a warning that shows the first
-differing elements.
+of each variant (input dtype, FP8 format, outputs) is checked bitwise against the ATen cast (each
+formulation of the transposed store in turn, TRANSPOSE_MODES), and a variant that still differs falls back
+to the compiled torch cast, with a warning that shows the first differing elements.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,7 +25,8 @@ import torch
 from .quantize import FP8_GRID
 from .recipe import E4M3, E5M2, FP8_MAX
 
-_state: dict[str, Any] = {"ok": None, "checked": set(), "bad": set()}
+_state: dict[str, Any] = {"ok": None, "mode": {}, "bad": set()}
+logger = logging.getLogger(__name__)
 
 
 def available(x: torch.Tensor) -> bool:
@@ -45,9 +49,10 @@ def _build() -> bool:
         return False
 
     @triton.jit
-    def cast_transpose_kernel(x_ptr, q_ptr, t_ptr, scale_ptr, amax_ptr, R, C, ld_q, ld_t,
+    def cast_transpose_kernel(x_ptr, q_ptr, t_ptr, scale_ptr, amax_ptr, amax_ptr2, amax_ptr3, R, C, ld_q, ld_t,
                               FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, WANT_Q: tl.constexpr,
-                              WANT_T: tl.constexpr, WANT_AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                              WANT_T: tl.constexpr, N_AMAX: tl.constexpr, T_MODE: tl.constexpr, BR: tl.constexpr,
+                              BC: tl.constexpr):
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
         rows = pid_r * BR + tl.arange(0, BR)
@@ -68,43 +73,90 @@ def _build() -> bool:
         if WANT_Q:
             tl.store(q_ptr + rows[:, None].to(tl.int64) * ld_q + cols[None, :],
                      y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-        if WANT_T:
-            yt = tl.trans(y)
-            tl.store(t_ptr + cols[:, None].to(tl.int64) * ld_t + rows[None, :],
-                     yt.to(t_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=tl.trans(mask))
-        if WANT_AMAX:
-            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        if WANT_T:  # three formulations of the transposed store (see TRANSPOSE_MODES)
+            if T_MODE == 0:
+                yt = tl.trans(y).to(t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+                tl.store(t_ptr + cols[:, None].to(tl.int64) * ld_t + rows[None, :], yt, mask=tl.trans(mask))
+            elif T_MODE == 1:
+                yt = tl.trans(y.to(t_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
+                tl.store(t_ptr + cols[:, None].to(tl.int64) * ld_t + rows[None, :], yt, mask=tl.trans(mask))
+            else:
+                tl.store(t_ptr + cols[None, :].to(tl.int64) * ld_t + rows[:, None],
+                         y.to(t_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        if N_AMAX > 0:
+            tile_amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+            tl.atomic_max(amax_ptr, tile_amax)
+            if N_AMAX > 1:
+                tl.atomic_max(amax_ptr2, tile_amax)
+            if N_AMAX > 2:
+                tl.atomic_max(amax_ptr3, tile_amax)
 
     _state["kernel"] = cast_transpose_kernel
     return True
 
 
+# Formulations of the transposed store, in the order tried: 0 transposes the fp32 tile and converts, 1 converts
+# and transposes the FP8 tile, 2 stores through transposed addresses (the compiler picks the data movement), 3 writes
+# q and q^T in two launches, 4 writes q with the kernel and q^T as the transpose of q (a copy of bytes: exact by
+# construction). They compute the same bits; the first call of each variant checks them against ATen in this order
+# and keeps the first that agrees, so a code-generation problem with one of them costs neither correctness nor
+# the kernel (seen on an H200, Triton 3.6: with fp32 inputs a quarter of q^T wrong in formulations 0-2, q right).
+TRANSPOSE_MODES = (0, 1, 2, 3, 4)
+MAX_AMAX_OUTS = 3
+
+
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, want_q: bool, want_t: bool,
-                   amax_out: torch.Tensor | None = None, q_out: torch.Tensor | None = None,
-                   t_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                   amax_out: torch.Tensor | Sequence[torch.Tensor] | None = None, q_out: torch.Tensor | None = None,
+                   t_out: torch.Tensor | None = None, t_mode: int = 0
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """x [R, C] contiguous (any float dtype), scale fp32 scalar tensor -> (q [R, C] | None, q^T [C, R] | None).
 
-    amax_out: fp32 scalar tensor raised in place to max(amax_out, max |x|) (atomic), or None.
+    amax_out: fp32 scalar tensor, or up to MAX_AMAX_OUTS of them (the history slots of a fused group), each raised
+    in place to max(amax_out, max |x|) (atomic), or None.
     q_out / t_out: where to write (q_out [R, C] with unit column stride, t_out [C, R] with unit column stride,
     e.g. row/column blocks of a larger buffer); allocated when None.
+    t_mode: the formulation of the transposed store (TRANSPOSE_MODES).
     """
     r, c = x.shape
+    amaxes = _amax_list(amax_out)
+    if len(amaxes) > MAX_AMAX_OUTS:
+        raise ValueError(f"cast_transpose takes at most {MAX_AMAX_OUTS} amax outputs, got {len(amaxes)}")
     if want_q and q_out is None:
         q_out = torch.empty(r, c, dtype=fp8_dtype, device=x.device)
     if want_t and t_out is None:
         t_out = torch.empty(c, r, dtype=fp8_dtype, device=x.device)
-    q_arg = q_out if want_q else (t_out if want_t else x)
-    t_arg = t_out if want_t else q_arg
-    amax_arg = amax_out if amax_out is not None else scale
+    if want_t and t_mode >= 3:
+        q_full = q_out if want_q else torch.empty(r, c, dtype=fp8_dtype, device=x.device)
+        _launch(x, scale, fp8_dtype, q_full, None, amaxes, 0)
+        if t_mode == 3:
+            _launch(x, scale, fp8_dtype, None, t_out, [], 0)
+        else:
+            t_out.copy_(q_full.t())
+    else:
+        _launch(x, scale, fp8_dtype, q_out if want_q else None, t_out if want_t else None, amaxes, t_mode)
+    return (q_out if want_q else None), (t_out if want_t else None)
+
+
+def _launch(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, q_out: torch.Tensor | None,
+            t_out: torch.Tensor | None, amaxes: list[torch.Tensor], t_mode: int) -> None:
+    r, c = x.shape
+    q_arg = q_out if q_out is not None else (t_out if t_out is not None else x)
+    t_arg = t_out if t_out is not None else q_arg
+    amax_args = (amaxes + [scale] * MAX_AMAX_OUTS)[:MAX_AMAX_OUTS]  # unused pointers: any tensor
     br, bc = 64, 64
     grid = (triton_cdiv(r, br), triton_cdiv(c, bc))
     kwargs = {} if _interpret() else {"num_warps": 4}
-    _state["kernel"][grid](x, q_arg, t_arg, scale, amax_arg, r, c,
-                           q_out.stride(0) if want_q else c, t_out.stride(0) if want_t else r,
+    _state["kernel"][grid](x, q_arg, t_arg, scale, *amax_args, r, c,
+                           q_out.stride(0) if q_out is not None else c, t_out.stride(0) if t_out is not None else r,
                            FMAX=FP8_MAX[fp8_dtype], MBITS=FP8_GRID[fp8_dtype][0], EMIN=FP8_GRID[fp8_dtype][1],
-                           WANT_Q=want_q, WANT_T=want_t, WANT_AMAX=amax_out is not None,
+                           WANT_Q=q_out is not None, WANT_T=t_out is not None, N_AMAX=len(amaxes), T_MODE=t_mode,
                            BR=br, BC=bc, **kwargs)
-    return (q_out if want_q else None), (t_out if want_t else None)
+
+
+def _amax_list(amax_out: torch.Tensor | Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    if amax_out is None:
+        return []
+    return [amax_out] if isinstance(amax_out, torch.Tensor) else list(amax_out)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -112,48 +164,63 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def checked_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, want_q: bool,
-                           want_t: bool, amax_out: torch.Tensor | None = None, q_out: torch.Tensor | None = None,
-                           t_out: torch.Tensor | None = None
+                           want_t: bool, amax_out: torch.Tensor | Sequence[torch.Tensor] | None = None,
+                           q_out: torch.Tensor | None = None, t_out: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-    """`cast_transpose`, checked bitwise against the ATen cast on the first call of each variant.
-    Returns None when the kernel is (or has just been) switched off: the caller takes its own path."""
+    """`cast_transpose`, checked bitwise against the ATen cast on the first call of each variant (trying the
+    TRANSPOSE_MODES in turn for q^T). Returns None when the kernel is (or has just been) switched off for this
+    variant: the caller takes its own path, with the amax outputs as they were."""
     if not _state["ok"]:
         return None
-    key = (x.dtype, fp8_dtype, want_q, want_t, amax_out is not None, q_out is not None, t_out is not None)
+    amaxes = _amax_list(amax_out)
+    key = (x.dtype, fp8_dtype, want_q, want_t, len(amaxes), q_out is not None, t_out is not None)
     if key in _state["bad"]:
         return None
-    if key in _state["checked"]:
-        return cast_transpose(x, scale, fp8_dtype, want_q, want_t, amax_out, q_out, t_out)
-    amax_before = amax_out.clone() if amax_out is not None else None
-    try:
-        q, t = cast_transpose(x, scale, fp8_dtype, want_q, want_t, amax_out, q_out, t_out)
-    except Exception as e:  # e.g. a Triton build without these FP8 conversions
-        _state["ok"] = False
-        warnings.warn(f"megadlms.fp8: the Triton FP8 cast kernel failed ({type(e).__name__}: {str(e)[:200]}); "
-                      "using the compiled torch cast instead", RuntimeWarning, stacklevel=2)
-        if amax_out is not None:
-            amax_out.copy_(amax_before)
-        return None
+    mode = _state["mode"].get(key)
+    if mode is not None:
+        return cast_transpose(x, scale, fp8_dtype, want_q, want_t, amaxes, q_out, t_out, mode)
+    before = [a.clone() for a in amaxes]
     fmax = FP8_MAX[fp8_dtype]
     ref = (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    want_amax = [torch.maximum(b, x.abs().amax().float()) for b in before]
     problems = []
-    if q is not None and not torch.equal(q.view(torch.uint8), ref.view(torch.uint8)):
-        problems.append("q: " + _first_differences(x, scale, q, ref))
-    if t is not None and not torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8)):
-        problems.append("q^T: " + _first_differences(x.t(), scale, t, ref.t()))
-    want_amax = torch.maximum(amax_before, x.abs().amax().float()) if amax_out is not None else None
-    if amax_out is not None and not torch.equal(amax_out, want_amax):
-        problems.append(f"amax {amax_out.item()!r} instead of {want_amax.item()!r}")
-    if problems:
-        _state["bad"].add(key)
-        warnings.warn(f"megadlms.fp8: the Triton FP8 cast kernel disagreed with the ATen cast for {x.dtype} -> "
-                      f"{fp8_dtype} ({'; '.join(problems)}); this variant uses the compiled torch cast instead",
-                      RuntimeWarning, stacklevel=2)
-        if amax_out is not None:
-            amax_out.copy_(want_amax)
-        return None
-    _state["checked"].add(key)
-    return q, t
+    for mode in TRANSPOSE_MODES if want_t else TRANSPOSE_MODES[:1]:
+        for a, b in zip(amaxes, before):
+            a.copy_(b)
+        try:
+            q, t = cast_transpose(x, scale, fp8_dtype, want_q, want_t, amaxes, q_out, t_out, mode)
+        except Exception as e:  # e.g. a Triton build without these FP8 conversions
+            if mode != TRANSPOSE_MODES[0]:  # the kernel builds: only this formulation does not
+                problems.append(f"q^T (formulation {mode}): {type(e).__name__}: {str(e)[:200]}")
+                continue
+            _state["ok"] = False
+            warnings.warn(f"megadlms.fp8: the Triton FP8 cast kernel failed ({type(e).__name__}: {str(e)[:200]}); "
+                          "using the compiled torch cast instead", RuntimeWarning, stacklevel=2)
+            for a, b in zip(amaxes, before):
+                a.copy_(b)
+            return None
+        wrong = []  # q and the amax do not depend on the transposed store: no other formulation helps
+        if q is not None and not torch.equal(q.view(torch.uint8), ref.view(torch.uint8)):
+            wrong.append("q: " + _first_differences(x, scale, q, ref))
+        wrong += [f"amax {a.item()!r} instead of {w.item()!r}"
+                  for a, w in zip(amaxes, want_amax) if not torch.equal(a, w)]
+        if wrong:
+            problems += wrong
+            break
+        if t is None or torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8)):
+            if mode != TRANSPOSE_MODES[0]:
+                logger.info("megadlms.fp8: Triton FP8 cast %s -> %s uses transposed-store formulation %d (%s)",
+                            x.dtype, fp8_dtype, mode, "; ".join(problems))
+            _state["mode"][key] = mode
+            return q, t
+        problems.append(f"q^T (formulation {mode}): " + _first_differences(x.t(), scale, t, ref.t()))
+    _state["bad"].add(key)
+    warnings.warn(f"megadlms.fp8: the Triton FP8 cast kernel disagreed with the ATen cast for {x.dtype} -> "
+                  f"{fp8_dtype} ({'; '.join(problems)}); this variant uses the compiled torch cast instead",
+                  RuntimeWarning, stacklevel=2)
+    for a, b in zip(amaxes, before):
+        a.copy_(b)
+    return None
 
 
 def _first_differences(x: torch.Tensor, scale: torch.Tensor, got: torch.Tensor, ref: torch.Tensor, n: int = 3) -> str:
@@ -165,4 +232,4 @@ def _first_differences(x: torch.Tensor, scale: torch.Tensor, got: torch.Tensor, 
     return f"{int(diff.sum())} of {diff.numel()} elements differ, e.g. {examples}"
 
 
-__all__ = ["available", "cast_transpose", "checked_cast_transpose", "E4M3", "E5M2"]
+__all__ = ["available", "cast_transpose", "checked_cast_transpose", "TRANSPOSE_MODES", "E4M3", "E5M2"]

@@ -78,8 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def eager_if_compiled(compiled: bool) -> contextlib.AbstractContextManager:
-    """For the cached samplers: compiled layers serve the full-sequence forwards, and a cache's per-layer state
-    would recompile them, so these run eagerly. (set_stance switches on being called: make one per `with`.)"""
+    """For AR decoding under --compile: its key length grows by one every forward, a new shape for the compiled
+    layers each time, so it runs eagerly. (The diffusion samplers run compiled: the cache is called outside the
+    graphs, and their shapes are fixed per call.) set_stance switches on being called: make one per `with`."""
     return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
 
 
@@ -237,13 +238,12 @@ def _run(args: argparse.Namespace) -> int:
             finally:
                 counter.close()
         else:
-            with eager_if_compiled(args.compile):
-                out, nfe = fast_generate_tokens(model, ids, attn, mask_id=mask_id, gen_length=args.gen_length,
-                                                block_length=args.block_length, threshold=args.threshold,
-                                                cache=None if args.cache == "none" else args.cache,
-                                                temperature=args.temperature, remasking=args.remasking,
-                                                cfg_scale=args.cfg_scale, eos_id=eos, generator=generator,
-                                                progress=progress, cuda_graph=cuda_graph)
+            out, nfe = fast_generate_tokens(model, ids, attn, mask_id=mask_id, gen_length=args.gen_length,
+                                            block_length=args.block_length, threshold=args.threshold,
+                                            cache=None if args.cache == "none" else args.cache,
+                                            temperature=args.temperature, remasking=args.remasking,
+                                            cfg_scale=args.cfg_scale, eos_id=eos, generator=generator,
+                                            progress=progress, cuda_graph=cuda_graph)
             forwards += nfe
         new = out[:, p:]
         if sampler != "ar":  # positions decoded (an EOS stop leaves later blocks masked)

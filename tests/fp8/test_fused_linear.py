@@ -203,7 +203,7 @@ def test_group_outputs_and_weight_grads_bitwise_dx_to_summation_order(fp8_wgrad)
     assert torch.allclose(dxf, dxp, rtol=1e-5, atol=1e-6)
 
 
-def _emulated_kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None):
+def _emulated_kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0):
     """`triton_cast.cast_transpose`'s contract in plain torch (writes into the given blocks, atomic-max amax)."""
     fmax = triton_cast.FP8_MAX[fp8_dtype]
     ref = (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
@@ -211,8 +211,8 @@ def _emulated_kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=N
         q_out = ref if q_out is None else q_out.copy_(ref)
     if want_t:
         t_out = ref.t().contiguous() if t_out is None else t_out.copy_(ref.t())
-    if amax_out is not None:
-        amax_out.copy_(torch.maximum(amax_out, x.abs().amax().float()))
+    for a in triton_cast._amax_list(amax_out):
+        a.copy_(torch.maximum(a, x.abs().amax().float()))
     return (q_out if want_q else None), (t_out if want_t else None)
 
 
@@ -230,7 +230,7 @@ def test_one_pass_kernel_paths_equal_the_compiled_cast_paths(monkeypatch, recipe
     monkeypatch.setattr(triton_cast, "available", lambda x: x.dim() == 2 and x.is_contiguous())
     monkeypatch.setattr(triton_cast, "cast_transpose", _emulated_kernel)
     monkeypatch.setitem(triton_cast._state, "ok", True)
-    monkeypatch.setitem(triton_cast._state, "checked", set())
+    monkeypatch.setitem(triton_cast._state, "mode", {})
     got = [_step(fused, tokens) for _ in range(3)], [_step(unfused, tokens) for _ in range(3)]
     for runs_ref, runs_got in zip(ref, got):
         for (l1, g1), (l2, g2) in zip(runs_ref, runs_got):
@@ -239,7 +239,7 @@ def test_one_pass_kernel_paths_equal_the_compiled_cast_paths(monkeypatch, recipe
                 assert torch.equal(g1[n], g2[n]), n
     for (n, a), (_, b) in zip(fused.named_buffers(), other.named_buffers()):
         assert torch.equal(a, b), n
-    assert triton_cast._state["ok"] and len(triton_cast._state["checked"]) >= 4
+    assert triton_cast._state["ok"] and len(triton_cast._state["mode"]) >= 4
 
 
 def test_fp8_telemetry_is_recorded_on_the_fused_path():
@@ -270,3 +270,31 @@ def test_fp8_telemetry_is_recorded_on_the_fused_path():
 
 def _groups(model):
     return [g for layer in model.layers for g in (layer.self_attn.project_qkv, layer.mlp.project_gate_up)]
+
+
+def test_scaled_mm_scales_are_16_byte_aligned(monkeypatch):
+    """cuBLASLt rejects scale pointers that are not 16-byte aligned: the per-step scale inverses of delayed scaling
+    (views into one buffer) must each sit on a 16-byte boundary, fused and unfused, forward and backward."""
+    from megadlms.fp8 import quantize
+
+    seen, copies = [], []
+    real_mm, real_aligned = torch._scaled_mm, quantize._aligned
+
+    def recording_mm(a, b, scale_a, scale_b, **kw):
+        seen.extend([scale_a.data_ptr() % 16, scale_b.data_ptr() % 16])
+        return real_mm(a, b, scale_a=scale_a, scale_b=scale_b, **kw)
+
+    def counting_aligned(t):
+        out = real_aligned(t)
+        copies.append(out is not t)
+        return out
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording_mm)
+    monkeypatch.setattr(quantize, "_aligned", counting_aligned)
+    for fuse in (True, False):
+        model = convert_to_fp8(TransformerLM(_cfg()), DelayedScaling(amax_history_len=4), fuse_projections=fuse)
+        tokens = torch.randint(0, 128, (2, 16))
+        for _ in range(3):  # delayed scales exist from the second step on
+            _step(model, tokens)
+    assert seen and not any(seen) and not any(copies)
+    assert quantize._aligned(torch.zeros(3)[1]).data_ptr() % 16 == 0  # a misaligned view is copied

@@ -72,10 +72,16 @@ SCRIPT = textwrap.dedent("""
         for src in (torch.float32, torch.bfloat16):
             x = vals[:n].reshape(-1, 64).to(src)
             for scale in (torch.tensor(1.0), torch.tensor(0.7310585)):
-                q, t = triton_cast.cast_transpose(x, scale, fp8, True, True)
-                ref = (x.float() * scale).clamp(-fmax, fmax).to(fp8).view(torch.uint8)
-                assert torch.equal(q.view(torch.uint8), ref), (fp8, src, (q.view(torch.uint8) != ref).sum())
-                assert torch.equal(t.view(torch.uint8), ref.t()), (fp8, src)
+                for mode in triton_cast.TRANSPOSE_MODES:  # every formulation of the transposed store
+                    q, t = triton_cast.cast_transpose(x, scale, fp8, True, True, t_mode=mode)
+                    ref = (x.float() * scale).clamp(-fmax, fmax).to(fp8).view(torch.uint8)
+                    assert torch.equal(q.view(torch.uint8), ref), (fp8, src, (q.view(torch.uint8) != ref).sum())
+                    assert torch.equal(t.view(torch.uint8), ref.t()), (fp8, src, mode)
+    # several amax outputs (the history slots of a fused group's members)
+    x = torch.randn(70, 40)
+    slots = [torch.tensor(0.0), torch.tensor(1e6), torch.tensor(-1.0)]
+    triton_cast.cast_transpose(x, torch.tensor(1.0), torch.float8_e4m3fn, True, False, slots)
+    assert slots[0] == x.abs().amax() and slots[1] == 1e6 and slots[2] == x.abs().amax()
     print("OK")
 """)
 
@@ -86,3 +92,51 @@ def test_cast_transpose_amax_match_aten_in_interpreter():
     res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+
+
+def test_a_wrong_transposed_store_falls_through_to_the_next_formulation(monkeypatch):
+    """The first-call check tries the transposed-store formulations in turn and keeps the first that agrees with
+    ATen; amax outputs (several: a fused group's history slots) are raised exactly once; a variant whose q is
+    wrong is switched off with the amax outputs as they were."""
+    import torch
+
+    from megadlms.fp8 import triton_cast
+
+    calls = []
+
+    def kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0):
+        calls.append(t_mode)
+        ref = (x.float() * scale).clamp(-448, 448).to(fp8_dtype)
+        for a in triton_cast._amax_list(amax_out):
+            a.copy_(torch.maximum(a, x.abs().amax().float()))
+        t = ref.t().contiguous()
+        if t_mode == 0:  # a broken formulation: a quarter of q^T zero
+            t.view(torch.uint8)[: t.shape[0] // 4] = 0
+        return (ref if want_q else None), (t if want_t else None)
+
+    monkeypatch.setattr(triton_cast, "cast_transpose", kernel)
+    monkeypatch.setitem(triton_cast._state, "ok", True)
+    monkeypatch.setitem(triton_cast._state, "mode", {})
+    monkeypatch.setitem(triton_cast._state, "bad", set())
+    x = torch.randn(64, 48) + 0.5
+    slots = [torch.tensor(0.25), torch.tensor(100.0)]
+    q, t = triton_cast.checked_cast_transpose(x, torch.tensor(8.0), torch.float8_e4m3fn, True, True, slots)
+    ref = (x * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8))
+    assert calls == [0, 1] and list(triton_cast._state["mode"].values()) == [1]
+    assert slots[0] == x.abs().amax() and slots[1] == 100.0
+    triton_cast.checked_cast_transpose(x, torch.tensor(8.0), torch.float8_e4m3fn, True, True, slots)
+    assert calls == [0, 1, 1]  # checked once: later calls take the formulation found
+
+    def wrong_q(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0):
+        for a in triton_cast._amax_list(amax_out):
+            a.fill_(1e9)
+        z = torch.zeros(x.shape, dtype=fp8_dtype)
+        return z, z.t().contiguous()
+
+    monkeypatch.setattr(triton_cast, "cast_transpose", wrong_q)
+    amax = torch.tensor(0.5)
+    with pytest.warns(RuntimeWarning, match="disagreed"):
+        out = triton_cast.checked_cast_transpose(x.bfloat16(), torch.tensor(8.0), torch.float8_e4m3fn, True, True,
+                                                 amax)
+    assert out is None and amax == 0.5

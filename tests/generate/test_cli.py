@@ -1,6 +1,7 @@
 """`megadlms generate` end to end on tiny checkpoints (CPU)."""
 
 import argparse
+import copy
 import json
 import sys
 import types
@@ -122,9 +123,9 @@ def test_hf_and_fp8_loaders_are_used(tmp_path, capsys, tokenizer, monkeypatch):
     assert tokenizer == ["hfdir", "tokdir"]
 
 
-def test_compile_flag_compiles_the_layers_and_keeps_cached_samplers_eager(tmp_path, capsys, tokenizer, monkeypatch):
-    """--compile compiles each layer (megadlms.distributed.parallelize.apply_compile) for the reference sampler;
-    the cached fast sampler runs under the force_eager stance, which is off again afterwards."""
+def test_compile_flag_compiles_the_layers_for_the_diffusion_samplers(tmp_path, capsys, tokenizer, monkeypatch):
+    """--compile compiles each layer (megadlms.distributed.parallelize.apply_compile); the reference and the fast
+    sampler run the compiled layers (default stance), and the stance is unchanged afterwards."""
     from torch._dynamo import eval_frame
 
     from megadlms.distributed import parallelize
@@ -147,7 +148,36 @@ def test_compile_flag_compiles_the_layers_and_keeps_cached_samplers_eager(tmp_pa
     assert compiled == [2] and eval_frame._stance.stance == "default"
     code, out, err = run_cli(common + ["--sampler", "fast"], capsys)
     assert code == 0, err
-    assert stances == ["force_eager"] and eval_frame._stance.stance == "default"
+    assert stances == ["default"] and eval_frame._stance.stance == "default"
+
+
+def test_compiled_layers_serve_the_cached_samplers_without_recompiling_per_layer():
+    """The cache is called outside the compiled graphs (megadlms.model._cache_update), so one compilation of a
+    layer serves every layer, cache and mode: the fast sampler with the dual and the prefix cache on per-layer
+    compiled layers stays under torch.compile's recompile limit and picks the eager model's tokens."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from megadlms.diffusion.fast_sampler import fast_generate_tokens
+    from megadlms.distributed.parallelize import apply_compile
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=10, hidden_size=32, num_attention_heads=4, num_query_groups=2,  # > the limit
+                            ffn_hidden_size=64, vocab_size=260, seq_length=64, init_method_std=0.3, mask_token_id=MASK)
+    model = TransformerLM(cfg).eval()
+    compiled = copy.deepcopy(model)
+    apply_compile(compiled)
+    torch._dynamo.reset()
+    counters.clear()
+    prompt = torch.randint(0, MASK, (1, 6))
+    for cache in ("dual", "prefix"):
+        kw = dict(mask_id=MASK, gen_length=8, block_length=4, threshold=0.9, cache=cache)
+        got, _ = fast_generate_tokens(compiled, prompt, **kw)
+        want, _ = fast_generate_tokens(model, prompt, **kw)
+        assert torch.equal(got, want), cache
+    # guarding on the layer index would compile the layer once per layer (10 layers, past the limit of 8)
+    assert not any("recompile limit" in k for k in counters["unimplemented"]), list(counters["unimplemented"])
+    assert counters["stats"]["unique_graphs"] <= 12, dict(counters["stats"])
 
 
 def test_fuse_projections_flag_gives_the_same_text(tmp_path, capsys, tokenizer, monkeypatch):
