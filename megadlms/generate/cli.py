@@ -66,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="run q/k/v and gate/up as one GEMM each (default: on for GPU; megadlms.generate.fuse)")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile each transformer layer for the reference sampler (fused norms, RoPE and "
-                        "SwiGLU; the first batch pays the compilation); the cached samplers run eagerly")
+                   help="torch.compile each transformer layer (fused norms, RoPE and SwiGLU; the first batch pays "
+                        "the compilation) for the diffusion samplers; AR decoding runs eagerly")
     g.add_argument("--mask-token", type=int, default=None,
                    help="the [MASK] id (default: the model config's mask_token_id, else the tokenizer's)")
 
