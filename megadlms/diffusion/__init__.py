@@ -3,13 +3,13 @@
 from .fast_sampler import fast_generate, fast_generate_tokens
 from .kv_cache import AppendCache, DualCache, PrefixCache
 from .objective import (
-                        BatchNoise,
-                        MaskSampler,
-                        ObjectiveConfig,
-                        chunked_weighted_cross_entropy,
-                        mask_tokens,
-                        prepare_batch,
-                        weighted_cross_entropy,
+    BatchNoise,
+    MaskSampler,
+    ObjectiveConfig,
+    chunked_weighted_cross_entropy,
+    mask_tokens,
+    prepare_batch,
+    weighted_cross_entropy,
 )
 from .sampler import generate, generate_tokens, get_num_transfer_tokens
 

@@ -194,22 +194,21 @@ def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, 
         alloc = torch.empty if mp == m else torch.zeros  # padding rows: zeros
         gq = alloc(mp, ncat, dtype=fp8_dtype, device=parts[0].device) if want_q else None
         gt = alloc(ncat, mp, dtype=fp8_dtype, device=parts[0].device) if want_t else None
-        col, done = 0, []
+        col = 0
         for p in parts:
             n = p.shape[1]
             out = triton_cast.checked_cast_transpose(p, scale, fp8_dtype, want_q, want_t, in_kernel,
                                                      gq[:m, col:col + n] if want_q else None,
                                                      gt[col:col + n, :m] if want_t else None)
             if out is None:
+                # the kernel is off for this part: the path below casts (and records) again; the parts cast so
+                # far raised the slots by max-updates, which are harmless to repeat
                 break
-            done.append(p)
             col += n
-        if len(done) == len(parts):
+        else:
             if slots and not in_kernel:
                 record_amax(slots, amax if amax is not None else torch.stack([_amax(p) for p in parts]).amax())
             return gq, scale_inv, gt
-        # the kernel is off for a part: the path below casts (and records) again; the parts cast so far raised
-        # the slots by max-updates, which are harmless to repeat
     g = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     return _cast_shared(mods, pad_2d(g, mp, g.shape[1]), GRAD, fp8_dtype, w, record, want_q, want_t)
 
