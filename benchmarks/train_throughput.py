@@ -138,10 +138,14 @@ def worker(spec: dict) -> None:
            "ms_per_step": dt / spec["steps"] * 1e3,
            "tflops": tok_s * fpt / 1e12, "mfu": tok_s * fpt / 989e12, "loss": loss,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+           # what the process holds: with CUDA graphs the activations live in the graphs' pool, reserved but not
+           # "allocated" between replays, so the allocated peak alone would flatter them
+           "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan"),
            "setup_s": setup_s, "warmup_s": warmup_s,
            "params_m": sum(p.numel() for p in trainer.model.parameters()) / 1e6,
            "loss_chunk_tokens": trainer.loss_chunk_tokens, "compile": bool(args.compile),
-           "fp8": f"{trainer.cfg.fp8_format}/{trainer.cfg.fp8_recipe}" if trainer.cfg.fp8 else "off"}
+           "fp8": f"{trainer.cfg.fp8_format}/{trainer.cfg.fp8_recipe}" if trainer.cfg.fp8 else "off",
+           "cuda_graphs": trainer.layer_graphs is not None and trainer.layer_graphs.num_replays > 0}
     if spec.get("profile") and cuda:
         res["profile_ms"] = profile_steps(trainer, 2)
     if spec.get("trace") and spec.get("out"):
@@ -239,7 +243,11 @@ def main() -> None:
                      n_tokens=(a.warmup + a.steps + 2) * a.batch * (a.seq + 1) * 2)
         for name in [c for c in a.configs.split(",") if c]:
             batch = min(a.batch, MAX_BATCH.get(name.split("/")[0], a.batch))
-            spec = {"name": name, "flags": CONFIGS[name], "seq": a.seq, "batch": batch, "data": str(prefix),
+            base, _, variant = name.partition("+")  # "+nographs": the same configuration with --cuda-graphs off
+            if variant not in ("", "nographs"):
+                raise SystemExit(f"unknown variant +{variant} in {name!r}; the one variant is +nographs")
+            flags = CONFIGS[base] + (["--cuda-graphs", "off"] if variant else [])
+            spec = {"name": name, "flags": flags, "seq": a.seq, "batch": batch, "data": str(prefix),
                     "warmup": a.warmup, "steps": a.steps, "extra": a.extra.split() if a.extra else [],
                     "profile": a.profile, "trace": a.trace, "out": str(out) if out else None}
             if a.smoke:
@@ -251,6 +259,7 @@ def main() -> None:
             if m:
                 r = json.loads(m.group(1))
                 print(f"{name}: {r['tokens_per_s']:.0f} tok/s, MFU {r['mfu'] * 100:.1f}%, peak {r['peak_gib']:.1f} GiB "
+                      f"(reserved {r.get('reserved_gib', float('nan')):.1f}) "
                       f"(setup {r['setup_s']:.0f} s, warm-up {r['warmup_s']:.0f} s, wall {time.time() - t0:.0f} s)",
                       flush=True)
             else:
@@ -264,7 +273,7 @@ def main() -> None:
     by = {r["config"]: r for r in results if "error" not in r}
     print(f"\ntrain throughput | S={a.seq} | {a.steps} timed steps after {a.warmup} warm-up")
     print(f"{'config':24s} {'B':>2s} {'ms/step':>8s} {'tok/s':>8s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} "
-          f"{'vs bf16':>8s} {'vs hf':>6s}")
+          f"{'rsv GiB':>8s} {'vs bf16':>8s} {'vs hf':>6s} {'graphs':>6s}")
     for r in results:
         if "error" in r:
             print(f"{r['config']:24s} ERROR {r['error']}")
@@ -273,8 +282,10 @@ def main() -> None:
         vs_bf = r["tokens_per_s"] / bf["tokens_per_s"] if bf and "/fp8" in r["config"] else float("nan")
         same_arch = peer and r["config"].startswith("qwen3-1.7b")
         vs_hf = r["tokens_per_s"] / peer["tokens_per_s"] if same_arch else float("nan")
+        reserved = r.get("reserved_gib", float("nan"))
         print(f"{r['config']:24s} {r.get('batch', a.batch):2d} {r['ms_per_step']:8.0f} {r['tokens_per_s']:8.0f} "
-              f"{r['tflops']:8.0f} {r['mfu'] * 100:5.1f}% {r['peak_gib']:9.1f} {vs_bf:8.2f} {vs_hf:6.2f}")
+              f"{r['tflops']:8.0f} {r['mfu'] * 100:5.1f}% {r['peak_gib']:9.1f} {reserved:8.1f} "
+              f"{vs_bf:8.2f} {vs_hf:6.2f} {'yes' if r.get('cuda_graphs') else 'no':>6s}")
     profiled = [r for r in results if r.get("profile_ms")]
     if profiled:
         classes = list(dict.fromkeys(k for r in profiled for k in r["profile_ms"]))

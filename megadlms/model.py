@@ -213,10 +213,17 @@ class TransformerLM(nn.Module):
         attn_mask = self._attention_mask(attention_mask, s, kv_cache)
         x = self.embed_tokens(input_ids)
         with self.layer_context():
-            for layer in self.layers:
-                x = layer(x, rope, attn_mask, kv_cache)
+            x = self.run_layers(x, rope, attn_mask, kv_cache)
         x = self.norm(x)
         return x if output_hidden else self.logits(x)
+
+    def run_layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn_mask: torch.Tensor | None,
+                   kv_cache: KVCache | None) -> torch.Tensor:
+        """The transformer layers in order. A hook: CUDA-graph training (megadlms.training.cuda_graphs) replaces
+        it on the instance with replays of the captured layers."""
+        for layer in self.layers:
+            x = layer(x, rope, attn_mask, kv_cache)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (the LM head; stays in BF16/fp32, never FP8)."""

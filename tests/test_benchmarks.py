@@ -20,6 +20,7 @@ SMOKES = {
     "fp8_convergence": (["--smoke", "--iters", "3", "--variants", "bf16,fp8 delayed/hybrid", "--parallel", "2"],
                         "gap vs bf16"),
     "train_throughput": (["--smoke", "--steps", "1", "--warmup", "1"], "tiny/fp8"),
+    "cuda_graph_check": (["--smoke"], "fp8 tensorwise "),
 }
 
 

@@ -42,11 +42,21 @@ from .sampler import (
     position_ids_from_mask,
     prepare_prompts,
     propose,
+    reused_graphs,
     trim_at_eos,
 )
 
 CACHE_MODES = ("dual", "prefix", None)
 CacheMode = Literal["dual", "prefix"] | None
+
+
+class _CallState:
+    """A call's cache and, with CUDA graphs, its two graphs (the refresh forward, the block step)."""
+
+    def __init__(self, kv: DualCache | PrefixCache | None):
+        self.kv = kv
+        self.full: StaticGraph | None = None
+        self.block: StaticGraph | None = None
 
 
 def commit_step(window: torch.Tensor, logits: torch.Tensor, *, mask_id: int, threshold: float | None,
@@ -121,21 +131,43 @@ def fast_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_ma
         un_x[:, :p] = mask_id
         return torch.cat([x, un_x], dim=0)
 
-    kv = DualCache() if cache == "dual" else PrefixCache() if cache == "prefix" else None
-
-    def full_forward(ids: torch.Tensor) -> torch.Tensor:  # [rows, L] -> hidden [rows, L, H]
-        if isinstance(kv, DualCache):
-            kv.refresh()
-        return model(ids, attention_mask=mask_in, position_ids=pos_full, kv_cache=kv, output_hidden=True)
-
-    def block_forward(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # [rows, S] -> [rows, S, H]
-        if isinstance(kv, PrefixCache):
-            kv.extend()
-        return model(ids, attention_mask=mask_in, position_ids=pos, kv_cache=kv, output_hidden=True)
-
+    has_mask = mask_in is not None
+    full_extra = [t for t in (mask_in, pos_full) if t is not None]  # graph inputs beside the tokens
+    mask_extra = [mask_in] if has_mask else []
     use_graph = cuda_graph and cache != "prefix"
-    run_full = StaticGraph(full_forward, [full_input()]) if use_graph else full_forward
-    run_block = None
+
+    def new_state() -> _CallState:
+        return _CallState(DualCache() if cache == "dual" else PrefixCache() if cache == "prefix" else None)
+
+    # with CUDA graphs the cache and both graphs are kept for later calls of the same shapes (the cache's buffers
+    # are baked into the graphs); without, each call has its own cache
+    st = (reused_graphs(model, ("fast", cache, reps * b, total, block_length, has_mask), new_state) if use_graph
+          else new_state())
+    kv = st.kv
+
+    def full_forward(ids: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:  # [rows, L] -> hidden [rows, L, H]
+        mask, pos = (extra[0], extra[1]) if has_mask else (None, extra[0] if extra else None)
+        if isinstance(st.kv, DualCache):
+            st.kv.refresh()
+        return model(ids, attention_mask=mask, position_ids=pos, kv_cache=st.kv, output_hidden=True)
+
+    def block_forward(ids: torch.Tensor, pos: torch.Tensor, *mask: torch.Tensor) -> torch.Tensor:  # [rows, S]
+        if isinstance(st.kv, PrefixCache):
+            st.kv.extend()
+        return model(ids, attention_mask=mask[0] if mask else None, position_ids=pos, kv_cache=st.kv,
+                     output_hidden=True)
+
+    if use_graph and st.full is None:
+        st.full = StaticGraph(full_forward, [full_input(), *full_extra])
+
+    def run_full(ids: torch.Tensor) -> torch.Tensor:
+        return (st.full or full_forward)(ids, *full_extra)
+
+    def run_block(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if use_graph and st.block is None:
+            st.block = StaticGraph(block_forward, [ids, pos, *mask_extra])
+        return (st.block or block_forward)(ids, pos, *mask_extra)
+
     num_blocks = gen_length // block_length
     schedule = None
     if threshold is None:
@@ -162,9 +194,7 @@ def fast_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_ma
                     q_ids = x[:, start:q_end].repeat(reps, 1)
                     q_pos = (torch.arange(start, q_end, device=device) if pos_full is None
                              else pos_full[:, start:q_end])
-                    if run_block is None and use_graph:
-                        run_block = StaticGraph(block_forward, [q_ids, q_pos])
-                    hidden = (run_block or block_forward)(q_ids, q_pos)[:, :block_length]
+                    hidden = run_block(q_ids, q_pos)[:, :block_length]
                 logits = model.logits(hidden)
                 if reps == 2:
                     logits = guided_logits(logits, cfg_scale)

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -284,6 +286,35 @@ class StaticGraph:
         return self.output
 
 
+# Graphs kept between sampler calls, per model: a capture costs far more than a step (warm-up runs, a host
+# sync, a garbage collection), so repeated calls with the same shapes (batches of a prompt file, benchmarks)
+# replay the graphs of the first. Bounded: each graph holds its own memory pool.
+_GRAPHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+_GRAPHS_PER_MODEL = 8
+
+
+def reused_graphs(model: nn.Module, key: tuple, build: Callable[[], Any]) -> Any:
+    """What `build()` made for `model` and `key` on an earlier call, else a new one (kept for later calls).
+
+    The key is extended with the storage of the model's parameters and buffers and the autocast state, which
+    a graph has baked in: replaced weights or another precision never meet an old graph."""
+    dev = next(model.parameters()).device.type
+    storage = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+    full_key = (key, storage, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+    per_model = _GRAPHS.setdefault(model, {})
+    found = per_model.get(full_key)
+    if found is None:
+        if len(per_model) >= _GRAPHS_PER_MODEL:
+            per_model.pop(next(iter(per_model)))  # the oldest
+        found = per_model[full_key] = build()
+    return found
+
+
+def release_graphs(model: nn.Module) -> None:
+    """Drop the CUDA graphs kept for `model` (and the memory they hold)."""
+    _GRAPHS.pop(model, None)
+
+
 class ProgressBar:
     """progress=True: a tqdm bar; a callable: called with the increment; None/False: nothing."""
 
@@ -344,9 +375,11 @@ def generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     rows = 2 * b if cfg_scale > 0 else b
     mask_in = None if real is None else real.repeat(rows // b, 1)
     pos_in = None if mask_in is None else position_ids_from_mask(mask_in)
+    extra = [] if mask_in is None else [mask_in, pos_in]  # graph inputs beside the tokens
 
-    def forward(ids: torch.Tensor) -> torch.Tensor:  # [rows, L] -> hidden [rows, L, H]
-        return model(ids, attention_mask=mask_in, position_ids=pos_in, output_hidden=True)
+    def forward(ids: torch.Tensor, mask: torch.Tensor | None = None, pos: torch.Tensor | None = None
+                ) -> torch.Tensor:  # [rows, L] -> hidden [rows, L, H]
+        return model(ids, attention_mask=mask, position_ids=pos, output_hidden=True)
 
     def model_input() -> torch.Tensor:
         if cfg_scale <= 0:
@@ -355,7 +388,15 @@ def generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
         un_x[:, :p] = mask_id  # LLaDA: the prompt (x != mask at the start) replaced by mask
         return torch.cat([x, un_x], dim=0)
 
-    run = StaticGraph(forward, [model_input()]) if cuda_graph else forward
+    if cuda_graph:
+        graph = reused_graphs(model, ("reference", rows, total, mask_in is not None),
+                              lambda: StaticGraph(forward, [model_input(), *extra]))
+
+        def run(ids: torch.Tensor) -> torch.Tensor:
+            return graph(ids, *extra)
+    else:
+        def run(ids: torch.Tensor) -> torch.Tensor:
+            return forward(ids, *extra)
     num_blocks = gen_length // block_length
     steps_per_block = steps // num_blocks
     # every block is fully masked when it starts, so all rows share LLaDA's schedule

@@ -10,10 +10,16 @@ See recipe.py (recipes), linear.py (Float8Linear), convert.py (conversion, fp8_s
 swiglu.py (FP8 activation storage), monitor.py (telemetry), export.py (FP8 inference export).
 """
 
-from .convert import convert_to_fp8, fp8_modules, fp8_step, invalidate_fp8_weight_caches
+from .convert import (
+    convert_to_fp8,
+    fp8_graph_capture,
+    fp8_modules,
+    fp8_step,
+    invalidate_fp8_weight_caches,
+)
 from .hardware import FP8UnsupportedError, check_fp8_support, fp8_backend_note
 from .linear import Float8Linear
-from .monitor import enable_fp8_stats, fp8_stats
+from .monitor import enable_fp8_stats, fp8_stats, fp8_stats_enabled
 from .recipe import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Format, recipe_from_config
 from .state import FP8GlobalStateManager, fp8_autocast, fp8_checkpoint_context_fn
 from .swiglu import SwiGLUFP8InputStore
@@ -21,4 +27,6 @@ from .swiglu import SwiGLUFP8InputStore
 __all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "recipe_from_config",
            "fp8_autocast", "FP8GlobalStateManager", "fp8_checkpoint_context_fn", "Float8Linear",
            "SwiGLUFP8InputStore", "convert_to_fp8", "fp8_step", "fp8_modules", "invalidate_fp8_weight_caches",
-           "check_fp8_support", "fp8_backend_note", "FP8UnsupportedError", "fp8_stats", "enable_fp8_stats"]
+           "fp8_graph_capture",
+           "check_fp8_support", "fp8_backend_note", "FP8UnsupportedError", "fp8_stats", "enable_fp8_stats",
+           "fp8_stats_enabled"]

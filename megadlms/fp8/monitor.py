@@ -21,6 +21,11 @@ def enable_fp8_stats(model: nn.Module, enabled: bool = True) -> None:
         m.collect_fp8_stats = bool(enabled)
 
 
+def fp8_stats_enabled(model: nn.Module) -> bool:
+    """Whether any Float8Linear of `model` is collecting telemetry (`enable_fp8_stats`)."""
+    return any(m.collect_fp8_stats for m in fp8_modules(model))
+
+
 @torch.no_grad()
 def fp8_stats(model: nn.Module, reset: bool = True) -> dict[str, float]:
     """The statistics collected since the last reset, summarised over the model.

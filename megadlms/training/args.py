@@ -71,6 +71,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="torch.compile the model (default: on for CUDA)")
     g.add_argument("--recompute-granularity", choices=("full",), default=None,
                    help="activation checkpointing of every transformer layer")
+    g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                   help="replay the transformer layers' training forward and backward from CUDA graphs, so the "
+                        "host issues two graph launches per micro-batch instead of every kernel (auto: on for a "
+                        "single CUDA process without activation checkpointing; on: also under DDP)")
+    g.add_argument("--enable-cuda-graph", dest="cuda_graphs", action="store_const", const="on",
+                   help="same as --cuda-graphs on")
     g.add_argument("--loss-chunk-tokens", type=int, default=None,
                    help="fuse the LM head with the loss over chunks of this many tokens, computing logits only "
                         "where the loss has weight (0: plain logits; default: 8192 when the vocabulary has "

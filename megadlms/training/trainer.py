@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -38,6 +39,7 @@ from ..distributed.parallelize import compute_dtype, parallelize_model
 from ..model import build_model
 from ..presets import load_model_config
 from . import checkpoint as ckpt
+from .cuda_graphs import LayerGraphs
 from .metrics import MetricSinks, bf16_peak_tflops, format_log_line, memory_gib, throughput
 from .optim import LRSchedule, build_optimizer, set_lr
 
@@ -175,10 +177,35 @@ class Trainer:
         # large vocabularies: the fused, masked-rows-only LM head + loss (the [tokens, V] logits dominate memory)
         chunk = getattr(args, "loss_chunk_tokens", None)
         self.loss_chunk_tokens = (8192 if cfg.vocab_size >= 32768 else 0) if chunk is None else chunk
+        self.layer_graphs = self._layer_graphs()
         self._train_iter: Iterator[torch.Tensor] | None = None
         self._pending_save: ckpt.PendingCheckpoint | None = None  # --async-save: the write in flight
         self._async_group: dist.ProcessGroup | None = None
         self.data_wait_s = 0.0
+
+    def _layer_graphs(self) -> LayerGraphs | None:
+        """CUDA graphs of the layers (--cuda-graphs), or None where they are off or cannot apply."""
+        mode = getattr(self.args, "cuda_graphs", "off")
+        if mode == "off":
+            return None
+        # tests on CPU: the same replay logic with EmulatedGraph standing in for CUDA graphs
+        emulate = os.environ.get("MEGADLMS_EMULATE_CUDA_GRAPHS") == "1" and self.device.type != "cuda"
+        blockers = []
+        if self.device.type != "cuda" and not emulate:
+            blockers.append(f"the device is {self.device.type}, CUDA graphs need a GPU")
+        if self.ctx.tp_size > 1:
+            blockers.append("tensor parallelism (DTensor parameters)")
+        if self.ctx.dp_strategy not in ("none", "no_shard"):
+            blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
+        if getattr(self.args, "recompute_granularity", None):
+            blockers.append("activation checkpointing (--recompute-granularity) re-runs the forward in backward")
+        if mode == "on" and blockers:
+            raise SystemExit(f"--cuda-graphs on is not possible here: {'; '.join(blockers)}. "
+                             "Use --cuda-graphs auto or off.")
+        if blockers or (mode == "auto" and self.ctx.dp_size > 1):
+            return None
+        base = self.model.module if hasattr(self.model, "module") else self.model  # DDP: the model itself
+        return LayerGraphs(base, emulate=emulate)
 
     # ----------------------------------------------------------------- precision
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -250,6 +277,8 @@ class Trainer:
             from ..fp8 import fp8_step
 
             fp8_step(model, self._amax_group())
+        if self.layer_graphs is not None:
+            self.layer_graphs.arm()  # after one step: compiled code and FP8 delayed scales exist
         self.state.iteration += 1
         self.state.consumed_samples += self.global_batch
         self.state.consumed_tokens += tokens
@@ -480,12 +509,12 @@ def setup(args: argparse.Namespace) -> Trainer:
     trainer = Trainer(args, ctx, cfg, model, loaders, tokenizer)
     if ctx.is_main:
         n_params = sum(p.numel() for p in model.parameters())
-        log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention%s | device %s | "
+        log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention%s | device %s%s | "
                  "world %d (dp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
                  args.model_path, n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
                  cfg.attn_mask_type, f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
-                 ctx.device, ctx.world_size, ctx.dp_size, ctx.tp_size, trainer.global_batch, trainer.mbs,
-                 trainer.accum, ctx.dp_size)
+                 ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
+                 ctx.dp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
     if args.load:
         trainer.load(args.load, args.ckpt_step, finetune=args.finetune)
     return trainer

@@ -152,3 +152,35 @@ def test_bad_arguments():
         fast_generate(model, PROMPT, gen_length=10, block_length=4)
     with pytest.raises(ValueError, match=r"steps=6 cannot be spread evenly over .* 4 blocks"):
         fast_generate(model, PROMPT, gen_length=16, block_length=4, threshold=None, steps=6)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_graphs_and_cache_are_reused_across_calls(padded):
+    """With cuda_graph=True a second call of the same shapes reuses the first call's cache and graphs (on the CPU
+    the graph objects run eagerly on their buffers, the same data flow) and gives the tokens of a fresh call;
+    other prompts, or weights moved to new storage, never meet an old graph."""
+    from megadlms.diffusion import sampler as sampler_mod
+
+    model = tiny_model()
+    ids = PROMPT.clone()
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    if padded:
+        mask[1, :2] = False
+    kw = dict(mask_id=MASK, gen_length=8, block_length=4, threshold=0.5, cache="dual")
+    fresh, _ = fast_generate_tokens(model, ids, mask, **kw)
+    first, _ = fast_generate_tokens(model, ids, mask, cuda_graph=True, **kw)
+    kept = dict(sampler_mod._GRAPHS[model])
+    other = ids.flip(1)
+    fast_generate_tokens(model, other, mask, cuda_graph=True, **kw)  # same shapes, other tokens: same graphs
+    again, _ = fast_generate_tokens(model, ids, mask, cuda_graph=True, **kw)
+    assert torch.equal(first, fresh) and torch.equal(again, fresh)
+    assert sampler_mod._GRAPHS[model] == kept and len(kept) == 1
+    ref = generate_tokens(model, ids, mask, mask_id=MASK, gen_length=8, block_length=4, steps=8, cuda_graph=True)
+    assert torch.equal(ref, generate_tokens(model, ids, mask, mask_id=MASK, gen_length=8, block_length=4, steps=8))
+    assert len(sampler_mod._GRAPHS[model]) == 2  # the reference sampler's graph beside the fast sampler's
+    for prm in model.parameters():
+        prm.data = prm.data.clone()  # new storage: the old graphs would read the old weights
+    fast_generate_tokens(model, ids, mask, cuda_graph=True, **kw)
+    assert len(sampler_mod._GRAPHS[model]) == 3
+    sampler_mod.release_graphs(model)
+    assert model not in sampler_mod._GRAPHS

@@ -17,13 +17,15 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--no-generate-sample", "--lr", "3e-3", "--global-batch-size", "4"]
 
 
-def launch(nproc: int, argv: list[str], script: str = "pretrain_difflm.py", timeout: float = 600) -> str:
-    """Run `script argv` on `nproc` processes: torchrun for nproc > 1, plain python for 1. Returns the output."""
+def launch(nproc: int, argv: list[str], script: str = "pretrain_difflm.py", timeout: float = 600,
+           env: dict[str, str] | None = None) -> str:
+    """Run `script argv` on `nproc` processes: torchrun for nproc > 1, plain python for 1 (with `env` added to
+    the environment). Returns the output."""
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
     else:
         cmd = [sys.executable, script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.run(cmd + argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     if proc.returncode:

@@ -22,6 +22,8 @@ SPECS: dict[str, Spec] = {
     # one process, 2 micro-batches of 2 accumulated: the reference curve (and the plain, torchrun-less path)
     "single": lambda r: (1, ["--micro-batch-size", "2"]),
     "ddp": lambda r: (2, ["--micro-batch-size", "2", "--async-save", "--save-interval", "3"]),
+    # the layers replayed from (emulated) CUDA graphs under DDP, 2 micro-batches of 1 accumulated per rank
+    "ddp_graphs": lambda r: (2, ["--micro-batch-size", "1", "--cuda-graphs", "on"]),
     "zero1": lambda r: (2, ["--micro-batch-size", "1", "--use-distributed-optimizer"]),
     "zero2": lambda r: (2, ["--micro-batch-size", "1", "--data-parallel-sharding-strategy", "optim_grads",
                             "--loss-chunk-tokens", "16"]),
@@ -54,7 +56,9 @@ class Runs:
         if name not in self.outputs:
             nproc, argv = SPECS[name](self)
             try:
-                self.outputs[name] = launch(nproc, TINY + ["--train-iters", "6", "--save", str(save)] + argv)
+                env = {"MEGADLMS_EMULATE_CUDA_GRAPHS": "1"} if "--cuda-graphs" in argv else None
+                self.outputs[name] = launch(nproc, TINY + ["--train-iters", "6", "--save", str(save)] + argv,
+                                            env=env)
             except AssertionError as e:
                 self.failures[name] = e
                 raise
@@ -73,9 +77,14 @@ def reference(runs) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("name", ["ddp", "ddp_graphs", "zero1", "zero2", "zero3"])
 def test_data_parallel_matches_one_process(runs, reference, name):
     assert train_losses(runs(name)) == pytest.approx(reference, rel=RTOL)
+
+
+def test_ddp_replays_the_captured_layers(runs):
+    runs("ddp_graphs")
+    assert "CUDA graphs: captured the forward and backward of 2 layers" in runs.outputs["ddp_graphs"]
 
 
 @pytest.mark.parametrize("name", ["tp2", "fsdp_x_tp"])

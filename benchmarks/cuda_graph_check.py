@@ -1,0 +1,126 @@
+"""CUDA graphs of the layers (`--cuda-graphs`) against eager execution on the GPU: same losses, same gradients.
+
+For each precision, the real trainer (compiled layers, bundled corpus, gradient accumulation over 2
+micro-batches, cut micro-batches with --difflm-varilen-prob 0.2, FP8 telemetry every 4th step) trains the same
+model twice, `--cuda-graphs off` and `on`, and the losses are compared step by step. Then, on the graphed
+trainer after its steps, one micro-batch's loss and layer gradients from the replayed graphs are compared with
+the eager layers' at the same weights and FP8 state: a graph that kept a stale FP8 weight (a cast made before
+the optimizer steps) would differ there by a whole update, not by rounding.
+
+Both runs use the same kernels, so the differences are those of run-to-run nondeterminism (the attention
+backward's atomics); `eager vs eager` gives that floor.
+
+    python benchmarks/cuda_graph_check.py            # on a GPU
+    python benchmarks/cuda_graph_check.py --smoke    # the CPU check of the script (graphs emulated)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megadlms.training.args import parse_train_args  # noqa: E402
+from megadlms.training.trainer import setup  # noqa: E402
+
+VARIANTS = {"bf16": [], "fp8 delayed": ["--fp8-format", "hybrid"],
+            "fp8 tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]}
+
+
+def _trainer(flags: list[str], graphs: str, a: argparse.Namespace):
+    argv = ["--model-path", a.model, "--num-layers", str(a.layers), "--seq-length", str(a.seq),
+            "--micro-batch-size", str(a.mbs), "--global-batch-size", str(2 * a.mbs), "--train-iters", str(a.iters),
+            "--lr", "1e-3", "--lr-warmup-iters", "2", "--eval-iters", "0", "--eval-interval", "0",
+            "--log-interval", "4", "--difflm-varilen-prob", "0.2", "--no-progress", "--num-workers", "0",
+            "--cuda-graphs", graphs] + flags + (["--device", "cpu", "--no-compile"] if a.smoke else [])
+    t = setup(parse_train_args(argv))
+    t.model.train()
+    t._train_iter = iter(t.loaders.train)
+    return t
+
+
+def _losses(t, iters: int) -> list[float]:
+    out = []
+    for _ in range(iters):
+        out.append(float(t.train_step()["loss"]))
+    return out
+
+
+def _loss_and_grads(t, batch) -> tuple[float, list[torch.Tensor]]:
+    inputs, targets, weights = batch
+    t.optimizer.zero_grad(set_to_none=True)
+    loss = t._loss(inputs, targets, weights)
+    loss.backward()
+    grads = [p.grad.detach().float().clone() for layer in t.model.layers for p in layer.parameters()]
+    t.optimizer.zero_grad(set_to_none=True)
+    return float(loss), grads
+
+
+def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    num = sum(float((x - y).square().sum()) for x, y in zip(a, b))
+    den = sum(float(y.square().sum()) for y in b)
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--mbs", type=int, default=4)
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, graphs emulated (EmulatedGraph)")
+    a = p.parse_args()
+    if a.smoke:
+        a.model, a.layers, a.seq, a.mbs, a.iters = "tiny", 2, 64, 2, 5
+        os.environ["MEGADLMS_EMULATE_CUDA_GRAPHS"] = "1"
+    # nine trainers in one process (3 variants x off/off/on), plus cut lengths: more than the default 8 graphs
+    torch._dynamo.config.recompile_limit = 64
+    from megadlms.diffusion.objective import prepare_batch
+    from megadlms.fp8 import fp8_graph_capture
+
+    rows = []
+    for name in a.variants.split(","):
+        flags = VARIANTS[name]
+        t0 = time.perf_counter()
+        ref = _losses(_trainer(flags, "off", a), a.iters)
+        again = _losses(_trainer(flags, "off", a), a.iters)
+        g = _trainer(flags, "on", a)
+        got = _losses(g, a.iters)
+        graphs = g.layer_graphs
+        # one micro-batch at the trained weights: replayed graphs vs the eager layers, same FP8 state
+        noise = g.sampler.draw(g.global_batch, g.cfg.seq_length, g.accum, 0.0)
+        sample = next(g._train_iter).to(g.device)
+        batch = prepare_batch(sample, (noise.t[:g.mbs], noise.u[:g.mbs]), g.cfg.seq_length, g.objective)
+        with fp8_graph_capture(g.model):  # restores the FP8 buffers after the two passes; casts afresh
+            replays = graphs.num_replays
+            l_graph, gr_graph = _loss_and_grads(g, batch)
+            assert graphs.num_replays == replays + 1, "the check's pass did not replay"
+        with fp8_graph_capture(g.model):
+            graphs.armed = False  # eager layers
+            l_eager, gr_eager = _loss_and_grads(g, batch)
+            graphs.armed = True
+        step_diff = max(abs(x - y) / abs(y) for x, y in zip(got, ref))
+        floor = max(abs(x - y) / abs(y) for x, y in zip(again, ref))
+        rows.append((name, step_diff, floor, abs(l_graph - l_eager) / abs(l_eager), _rel(gr_graph, gr_eager),
+                     graphs.num_replays, graphs.num_eager, graphs.capture_seconds, time.perf_counter() - t0))
+        print(f"{name}: losses off {['%.4f' % x for x in ref]}\n{name}: losses on  {['%.4f' % x for x in got]}",
+              flush=True)
+    print(f"\nCUDA graphs vs eager | {a.model} {a.layers} layers, seq {a.seq}, micro-batch {a.mbs} x 2 | "
+          f"torch {torch.__version__} | {torch.cuda.get_device_name() if not a.smoke else 'cpu, graphs emulated'}")
+    print(f"{'variant':16s} {'loss diff/step':>15s} {'eager vs eager':>15s} {'check loss':>11s} {'check grads':>12s} "
+          f"{'replays':>8s} {'eager':>6s} {'capture s':>10s} {'wall s':>7s}")
+    for r in rows:
+        print(f"{r[0]:16s} {r[1]:15.2e} {r[2]:15.2e} {r[3]:11.2e} {r[4]:12.2e} {r[5]:8d} {r[6]:6d} {r[7]:10.1f} "
+              f"{r[8]:7.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""CUDA graphs of the transformer layers' training forward and backward.
+
+A small layer's work is cheaper for the GPU than for the host that issues it: per layer and micro-batch the
+host runs several compiled fragments, FP8 casts, GEMM calls and autograd nodes, and with FP8 GEMMs the GPU
+finishes them faster than the host can queue them. `LayerGraphs` captures the forward of all transformer
+layers as one CUDA graph and their backward as another, so a micro-batch's layers cost the host two graph
+launches. The embedding, final norm, LM head and loss stay eager (the masked-rows-only loss has a
+data-dependent shape); the optimizer and `fp8_step` too (they update parameters and FP8 scales in place, at
+the addresses the graphs read).
+
+`LayerGraphs(model)` replaces the model's `run_layers` hook on the instance; the model's code is unchanged.
+A call is replayed when it matches the captured one: training mode, gradients on, no attention mask or KV
+cache, the same shapes and dtypes, the same autocast and FP8 state, no FP8 telemetry being collected, and no
+earlier replay still waiting for its backward. Every other call runs the layers eagerly, so evaluation,
+generation, cut (varilen) micro-batches and telemetry steps keep working. Capture happens on the first
+matching call after `arm()`; the trainer arms after one optimizer step, when compiled code and FP8 delayed
+scales exist.
+
+What a replay relies on:
+- Parameters keep their storage (in-place optimizers). Loading a checkpoint with `load_state_dict` copies in
+  place; replacing a Parameter object needs a new `LayerGraphs`.
+- The graph's outputs and gradients live in static buffers that later replays overwrite (the forward graph's
+  temporaries share memory with the backward graph's outputs). Autograd may hand a parameter the graph's
+  gradient buffer itself as its `.grad`; the next forward replay first copies such a `.grad` out, so gradient
+  accumulation over micro-batches stays exact (at the cost of one copy of the layers' gradients per extra
+  micro-batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+log = logging.getLogger("megadlms")
+
+
+class _CudaGraph:
+    """One CUDA graph, captured on a side stream into a memory pool shared with its sibling graphs."""
+
+    def __init__(self, pool: Any, stream: torch.cuda.Stream):
+        self.graph, self.pool, self.stream = torch.cuda.CUDAGraph(), pool, stream
+        self.out: Any = None
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        # thread_local: the data loader's pinning thread may touch CUDA meanwhile; only this thread is captured
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            self.out = fn()
+        return self.out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def result(self) -> Any:
+        """What the captured call returned (its tensors are the graph's static outputs)."""
+        return self.out
+
+
+class EmulatedGraph:
+    """A stand-in for `_CudaGraph` on devices without CUDA graphs (tests): capture runs the call, a replay
+    runs it again and copies its tensors into the captured ones, as a CUDA graph replay writes its static
+    outputs. `result()` is the latest run's return value (a backward graph differentiates it). `clobbers`: the
+    tensors a replay may overwrite as scratch memory (in a shared pool, a sibling graph's outputs); a replay
+    fills them with NaN."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[[], Any] | None = None
+        self.out: Any = None
+        self.latest: Any = None
+        self.clobbers: list[torch.Tensor] = []
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        self.fn = fn
+        self.out = self.latest = fn()
+        return self.out
+
+    def replay(self) -> None:
+        for t in self.clobbers:
+            t.detach().fill_(float("nan"))
+        with torch.enable_grad():  # a forward replay runs inside an autograd Function's forward
+            new = self.fn()
+        for static, fresh in zip(_leaves(self.out), _leaves(new)):
+            if static is not None:
+                static.detach().copy_(fresh)
+        self.latest = new
+
+    def result(self) -> Any:
+        return self.latest
+
+
+def _leaves(out: Any) -> tuple[torch.Tensor | None, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+class _Captured:
+    """The static buffers and the two graphs of one capture."""
+
+    def __init__(self, key: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 inputs: list[torch.Tensor], fwd: Any, bwd: Any):
+        self.key, self.x, self.rope, self.inputs, self.fwd, self.bwd = key, x, rope, inputs, fwd, bwd
+        self.out: torch.Tensor | None = None
+        self.grad_out: torch.Tensor | None = None
+        self.grads: tuple[torch.Tensor | None, ...] = ()
+        self.pending: weakref.ref | None = None  # the output of a replay whose backward has not run
+
+
+class _Replay(torch.autograd.Function):
+    """(x, cos, sin, *params) -> the layers' output, by replaying the captured graphs."""
+
+    @staticmethod
+    def forward(ctx: Any, c: _Captured, params: tuple[torch.Tensor, ...], x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, *params_again: torch.Tensor) -> torch.Tensor:
+        # params_again: the parameters as tensor inputs, so that autograd hands them their gradients
+        # a .grad that is the graph's gradient buffer (autograd took it over on an earlier backward) must get its
+        # own storage first: the forward replay reuses that memory for its temporaries (one pool for both graphs)
+        for p, g in zip(params, c.grads[1:]):
+            if g is not None and p.grad is not None and p.grad.data_ptr() == g.data_ptr():
+                p.grad = p.grad.clone()
+        for static, new in ((c.x, x), (c.rope[0], cos), (c.rope[1], sin)):
+            if static.data_ptr() != new.data_ptr():
+                static.detach().copy_(new)
+        c.fwd.replay()
+        ctx.captured = c
+        return c.out.detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        c: _Captured = ctx.captured
+        c.pending = None
+        if grad.data_ptr() != c.grad_out.data_ptr():
+            c.grad_out.copy_(grad)
+        c.bwd.replay()
+        grads = tuple(g.detach() if g is not None else None for g in c.grads)
+        return (None, None, grads[0], None, None, *grads[1:])
+
+
+class LayerGraphs:
+    """Replays of `model.layers`' training forward and backward from CUDA graphs (see the module docstring).
+
+    model: the TransformerLM (not a DDP wrapper). emulate: use `EmulatedGraph` instead of CUDA graphs (tests on
+    CPU). warmup_iters: eager forward + backward runs on the capture stream before capturing (lazy
+    initialisation, e.g. per-stream library workspaces, must not happen inside a capture).
+    """
+
+    def __init__(self, model: nn.Module, *, emulate: bool = False, warmup_iters: int = 2):
+        self.model = model
+        self.eager = model.run_layers  # the model's own loop over its layers
+        self.params = tuple(p for layer in model.layers for p in layer.parameters() if p.requires_grad)
+        self.emulate, self.warmup_iters = emulate, warmup_iters
+        self.armed = False
+        self.captured: _Captured | None = None
+        self.num_replays = 0
+        self.num_eager = 0
+        self.capture_seconds: float | None = None
+        model.run_layers = self
+
+    def arm(self) -> None:
+        """Capture on the next call that can be replayed (see `_key`)."""
+        self.armed = True
+
+    def reset(self) -> None:
+        """Drop the captured graphs (and their memory); the next matching call after `arm()` captures again."""
+        self.captured = None
+
+    # ----------------------------------------------------------------- dispatch
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn_mask: torch.Tensor | None,
+                 kv_cache: Any) -> torch.Tensor:
+        key = self._key(x, rope, attn_mask, kv_cache)
+        c = self.captured
+        if key is None or (c is not None and (c.key != key or (c.pending is not None and c.pending() is not None))):
+            self.num_eager += 1
+            return self.eager(x, rope, attn_mask, kv_cache)
+        if c is None:
+            c = self.captured = self._capture(key, x, rope)
+        out = _Replay.apply(c, self.params, x, rope[0], rope[1], *self.params)
+        c.pending = weakref.ref(out)
+        self.num_replays += 1
+        return out
+
+    def _key(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn_mask: torch.Tensor | None,
+             kv_cache: Any) -> tuple | None:
+        """What a replay must match, or None when this call runs eagerly."""
+        if (not self.armed or not torch.is_grad_enabled() or not self.model.training or attn_mask is not None
+                or kv_cache is not None or (x.device.type != "cuda" and not self.emulate)):
+            return None
+        from ..fp8 import FP8GlobalStateManager, fp8_stats_enabled
+
+        if FP8GlobalStateManager.is_fp8_enabled() and fp8_stats_enabled(self.model):
+            return None  # telemetry steps run eagerly (the graphs hold no statistics kernels)
+        dev = x.device.type
+        autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        fp8 = (FP8GlobalStateManager.is_fp8_enabled(), FP8GlobalStateManager.get_fp8_recipe())
+        tensors = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in (x, *rope))
+        return tensors, autocast, fp8
+
+    # ----------------------------------------------------------------- capture
+    def _capture(self, key: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> _Captured:
+        from ..fp8 import fp8_graph_capture
+
+        t0 = time.perf_counter()
+        static_x = x.detach().clone().requires_grad_(x.requires_grad)
+        static_rope = (rope[0].detach().clone(), rope[1].detach().clone())
+        # the gradient inputs: x (when it needs one) and every trainable layer parameter; a slot for x always
+        inputs = [static_x] + list(self.params)
+        wanted = [t for t in inputs if t.requires_grad]
+
+        def forward() -> torch.Tensor:
+            return self.eager(static_x, static_rope, None, None)
+
+        dev = x.device.type
+        # autocast's weight-cast cache would hand the capture casts made outside it (stale after a step)
+        no_cast_cache = torch.autocast(dev, dtype=torch.get_autocast_dtype(dev),
+                                       enabled=torch.is_autocast_enabled(dev), cache_enabled=False)
+        with fp8_graph_capture(self.model), no_cast_cache:
+            if self.emulate:
+                fwd, bwd = EmulatedGraph(), EmulatedGraph()
+                c = self._record(key, static_x, static_rope, inputs, wanted, fwd, bwd, forward)
+            else:
+                stream = torch.cuda.Stream(device=x.device)
+                stream.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(self.warmup_iters):
+                        out = forward()
+                        torch.autograd.grad(out, wanted, torch.zeros_like(out), allow_unused=True)
+                        del out
+                torch.cuda.current_stream(x.device).wait_stream(stream)
+                torch.cuda.synchronize(x.device)
+                torch.cuda.empty_cache()  # the warm-up's blocks belong to the side stream: give them back
+                pool = torch.cuda.graph_pool_handle()
+                fwd, bwd = _CudaGraph(pool, stream), _CudaGraph(pool, stream)
+                c = self._record(key, static_x, static_rope, inputs, wanted, fwd, bwd, forward)
+                torch.cuda.current_stream(x.device).wait_stream(stream)
+        self.capture_seconds = time.perf_counter() - t0
+        log.info("CUDA graphs: captured the forward and backward of %d layers (input %s) in %.1f s",
+                 len(self.model.layers), tuple(x.shape), self.capture_seconds)
+        return c
+
+    def _record(self, key: tuple, static_x: torch.Tensor, static_rope: tuple[torch.Tensor, torch.Tensor],
+                inputs: list[torch.Tensor], wanted: list[torch.Tensor], fwd: Any, bwd: Any,
+                forward: Callable[[], torch.Tensor]) -> _Captured:
+        c = _Captured(key, static_x, static_rope, inputs, fwd, bwd)
+        c.out = fwd.capture(forward)
+        c.grad_out = torch.zeros_like(c.out)
+
+        def backward() -> tuple[torch.Tensor | None, ...]:
+            return torch.autograd.grad(fwd.result(), wanted, c.grad_out, allow_unused=True)
+
+        got = iter(bwd.capture(backward))
+        # one slot per input (x first, then the parameters); None where no gradient is wanted or none flows
+        c.grads = tuple(next(got) if t.requires_grad else None for t in inputs)
+        if isinstance(fwd, EmulatedGraph):  # as in one CUDA pool: forward temporaries reuse the gradients' memory
+            fwd.clobbers = [g for g in c.grads[1:] if g is not None]
+        else:
+            # the captured output's autograd graph would keep the parameters' AccumulateGrad nodes of the capture
+            # stream alive, and every later backward would accumulate on that stream
+            fwd.out = c.out = c.out.detach()
+        return c

@@ -1,0 +1,163 @@
+"""megadlms.training.cuda_graphs: replays of the layers' forward and backward, on CPU through EmulatedGraph
+(a replay re-runs the captured call and writes the static outputs, as a CUDA graph replay does)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megadlms.config import TransformerConfig
+from megadlms.fp8 import DelayedScaling, Float8CurrentScaling, convert_to_fp8, enable_fp8_stats, fp8_step
+from megadlms.fp8.state import fp8_autocast
+from megadlms.model import TransformerLM
+from megadlms.training.cuda_graphs import LayerGraphs
+
+
+def _model(fp8: str | None = None) -> TransformerLM:
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=96, vocab_size=128, seq_length=32, attn_mask_type="bidirectional")
+    model = TransformerLM(cfg)
+    if fp8 == "delayed":
+        convert_to_fp8(model, DelayedScaling())
+    elif fp8 == "current":
+        convert_to_fp8(model, Float8CurrentScaling())
+    return model
+
+
+def _step(model: TransformerLM, opt: torch.optim.Optimizer, batches: list[torch.Tensor], fp8: bool) -> list[float]:
+    """One optimizer step with gradient accumulation over `batches`; the losses of the micro-batches."""
+    losses = []
+    for ids in batches:
+        loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()) / len(batches)
+        loss.backward()
+        losses.append(loss.item())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if fp8:
+        fp8_step(model)
+    return losses
+
+
+@pytest.mark.parametrize("fp8", [None, "delayed", "current"])
+@pytest.mark.parametrize("accum", [1, 3])
+def test_replayed_training_matches_eager(fp8, accum):
+    eager = _model(fp8)
+    graphed = copy.deepcopy(eager)
+    graphs = LayerGraphs(graphed, emulate=True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, graphed)]
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        batches = [torch.randint(0, 128, (2, 32), generator=g) for _ in range(accum)]
+        ref = _step(eager, opts[0], batches, fp8 is not None)
+        got = _step(graphed, opts[1], batches, fp8 is not None)
+        assert got == pytest.approx(ref, rel=1e-5, abs=1e-6), step
+        graphs.arm()  # armed after the first step, as the trainer does
+    assert graphs.captured is not None
+    assert graphs.num_replays == 3 * accum
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    for b, c in zip(eager.buffers(), graphed.buffers()):
+        torch.testing.assert_close(c, b)
+
+
+def test_grad_buffer_taken_by_autograd_is_not_overwritten():
+    """Without zeroing to None between steps (set_to_none=False), .grad may be the graph's own buffer; the next
+    backward replay must not double it."""
+    eager = _model()
+    graphed = copy.deepcopy(eager)
+    graphs = LayerGraphs(graphed, emulate=True)
+    graphs.arm()
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
+    for model in (eager, graphed):
+        for _ in range(3):
+            model(ids).float().square().mean().backward()
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert graphs.num_replays == 3
+
+
+def test_calls_that_differ_from_the_capture_run_eagerly():
+    model = _model("delayed")
+    graphs = LayerGraphs(model, emulate=True)
+    ids = torch.randint(0, 128, (2, 32))
+    model(ids).sum().backward()  # not armed: eager
+    assert graphs.captured is None and graphs.num_eager == 1
+    fp8_step(model)
+    graphs.arm()
+    out = model(ids)  # captured and replayed
+    assert graphs.num_replays == 1
+    model(ids)  # the first replay still waits for its backward: eager
+    assert graphs.num_eager == 2
+    out.sum().backward()
+    model(ids[:, :16]).sum().backward()  # another length (a varilen micro-batch)
+    with torch.no_grad():
+        model(ids)
+    model.eval()
+    model(ids)
+    model.train()
+    model(ids, attention_mask=torch.ones(2, 32, dtype=torch.bool))
+    enable_fp8_stats(model, True)
+    model(ids)
+    enable_fp8_stats(model, False)
+    with fp8_autocast(enabled=False):  # the model's own context decides; replays still match
+        model(ids).sum().backward()
+    assert graphs.num_eager == 7
+    assert graphs.num_replays == 2
+
+
+def test_capture_leaves_fp8_state_as_it_was():
+    """The capture's warm-up records amaxes of its sample inputs; the FP8 buffers are restored afterwards, so
+    the capturing call leaves them as an eager call would."""
+    model = _model("delayed")
+    reference = copy.deepcopy(model)
+    graphs = LayerGraphs(model, emulate=True)
+    ids = torch.randint(0, 128, (2, 32))
+    for m in (model, reference):
+        m(ids).sum().backward()
+        fp8_step(m)
+    graphs.arm()
+    torch.testing.assert_close(model(ids), reference(ids))
+    assert graphs.num_replays == 1
+    for (k, v), w in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(v, w, msg=k)
+
+
+# ----------------------------------------------------------------- the trainer
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--ffn-hidden-size", "128", "--seq-length", "32", "--device", "cpu", "--no-compile", "--num-workers", "0",
+         "--eval-iters", "0", "--no-progress", "--lr", "3e-3", "--no-generate-sample"]
+
+
+def test_trainer_flags_on_cpu():
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.trainer import setup
+
+    assert setup(parse_train_args(SMALL + ["--train-iters", "1"])).layer_graphs is None  # auto: no GPU, off
+    with pytest.raises(SystemExit, match="CUDA graphs need a GPU"):
+        setup(parse_train_args(SMALL + ["--train-iters", "1", "--enable-cuda-graph"]))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_trainer_with_replayed_layers_matches_eager(monkeypatch, fp8):
+    """The trainer's use of the graphs (armed after the first step; cut micro-batches and FP8 telemetry steps
+    eager; gradient accumulation) gives the eager run's losses and weights."""
+    from megadlms.training import trainer as trainer_mod
+    from megadlms.training.args import parse_train_args
+
+    argv = SMALL + ["--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "4",
+                    "--difflm-varilen-prob", "0.3", "--log-interval", "3"] + (["--fp8-format", "hybrid"] if fp8 else [])
+    eager = trainer_mod.setup(parse_train_args(argv))
+    eager.run()
+    monkeypatch.setenv("MEGADLMS_EMULATE_CUDA_GRAPHS", "1")
+    graphed = trainer_mod.setup(parse_train_args(argv + ["--cuda-graphs", "on"]))
+    graphed.run()
+    graphs = graphed.layer_graphs
+    assert graphs.num_replays > 0 and graphs.num_eager > 0
+    ref = [m["loss"] for m in eager.state.history]
+    got = [m["loss"] for m in graphed.state.history]
+    assert got == pytest.approx(ref, rel=1e-5)
+    for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
