@@ -144,15 +144,18 @@ class LayerGraphs:
 
     model: the TransformerLM (not a DDP wrapper). emulate: use `EmulatedGraph` instead of CUDA graphs (tests on
     CPU). warmup_iters: eager forward + backward runs on the capture stream before capturing (lazy
-    initialisation, e.g. per-stream library workspaces, must not happen inside a capture).
+    initialisation, e.g. per-stream library workspaces, must not happen inside a capture). strict: a failed
+    capture (out of memory, an operation a graph cannot hold) raises; otherwise it is logged and the layers run
+    eagerly from then on.
     """
 
-    def __init__(self, model: nn.Module, *, emulate: bool = False, warmup_iters: int = 2):
+    def __init__(self, model: nn.Module, *, emulate: bool = False, warmup_iters: int = 2, strict: bool = False):
         self.model = model
         self.eager = model.run_layers  # the model's own loop over its layers
         self.params = tuple(p for layer in model.layers for p in layer.parameters() if p.requires_grad)
-        self.emulate, self.warmup_iters = emulate, warmup_iters
+        self.emulate, self.warmup_iters, self.strict = emulate, warmup_iters, strict
         self.armed = False
+        self.failed: str | None = None  # why the capture failed (then every call runs eagerly)
         self.captured: _Captured | None = None
         self.num_replays = 0
         self.num_eager = 0
@@ -160,8 +163,8 @@ class LayerGraphs:
         model.run_layers = self
 
     def arm(self) -> None:
-        """Capture on the next call that can be replayed (see `_key`)."""
-        self.armed = True
+        """Capture on the next call that can be replayed (see `_key`); a no-op after a failed capture."""
+        self.armed = self.failed is None
 
     def reset(self) -> None:
         """Drop the captured graphs (and their memory); the next matching call after `arm()` captures again."""
@@ -176,7 +179,20 @@ class LayerGraphs:
             self.num_eager += 1
             return self.eager(x, rope, attn_mask, kv_cache)
         if c is None:
-            c = self.captured = self._capture(key, x, rope)
+            try:
+                c = self.captured = self._capture(key, x, rope)
+            except RuntimeError as e:  # torch.OutOfMemoryError included
+                if self.strict:
+                    raise RuntimeError(f"CUDA graph capture of the layers failed: {e}. Run with --cuda-graphs auto "
+                                       "(falls back to eager layers) or off.") from e
+                self.failed = f"{type(e).__name__}: {e}"
+                self.armed = False
+                if x.is_cuda:
+                    torch.cuda.empty_cache()
+                log.warning("CUDA graph capture of the layers failed (%s); the layers run eagerly from now on "
+                            "(--cuda-graphs off skips the attempt)", self.failed.splitlines()[0][:300])
+                self.num_eager += 1
+                return self.eager(x, rope, attn_mask, kv_cache)
         out = _Replay.apply(c, self.params, x, rope[0], rope[1], *self.params)
         c.pending = weakref.ref(out)
         self.num_replays += 1

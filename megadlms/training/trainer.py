@@ -205,7 +205,7 @@ class Trainer:
         if blockers or (mode == "auto" and self.ctx.dp_size > 1):
             return None
         base = self.model.module if hasattr(self.model, "module") else self.model  # DDP: the model itself
-        return LayerGraphs(base, emulate=emulate)
+        return LayerGraphs(base, emulate=emulate, strict=mode == "on")
 
     # ----------------------------------------------------------------- precision
     def _autocast(self) -> contextlib.AbstractContextManager:

@@ -161,3 +161,29 @@ def test_trainer_with_replayed_layers_matches_eager(monkeypatch, fp8):
     assert got == pytest.approx(ref, rel=1e-5)
     for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_failed_capture_falls_back_to_eager_or_raises(monkeypatch, strict):
+    from megadlms.training import cuda_graphs
+
+    def fail(self, fn):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(cuda_graphs.EmulatedGraph, "capture", fail)
+    model = _model("delayed")
+    reference = copy.deepcopy(model)
+    graphs = LayerGraphs(model, emulate=True, strict=strict)
+    graphs.arm()
+    ids = torch.randint(0, 128, (2, 32))
+    if strict:
+        with pytest.raises(RuntimeError, match="CUDA graph capture of the layers failed: CUDA out of memory"):
+            model(ids)
+        return
+    for _ in range(2):
+        torch.testing.assert_close(model(ids), reference(ids))
+    assert graphs.failed.startswith("OutOfMemoryError") and graphs.captured is None
+    graphs.arm()
+    assert not graphs.armed and graphs.num_eager == 2 and graphs.num_replays == 0
+    for (k, v), w in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(v, w, msg=k)  # the FP8 state is as after two eager calls
