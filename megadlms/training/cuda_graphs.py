@@ -102,6 +102,8 @@ class _Captured:
     def __init__(self, key: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  inputs: list[torch.Tensor], fwd: Any, bwd: Any):
         self.key, self.x, self.rope, self.inputs, self.fwd, self.bwd = key, x, rope, inputs, fwd, bwd
+        self.params = tuple(inputs[1:])  # the trainable layer parameters, in the graphs' gradient order
+        self.storage: tuple = ()  # LayerGraphs._storage() at capture
         self.out: torch.Tensor | None = None
         self.grad_out: torch.Tensor | None = None
         self.grads: tuple[torch.Tensor | None, ...] = ()
@@ -152,7 +154,6 @@ class LayerGraphs:
     def __init__(self, model: nn.Module, *, emulate: bool = False, warmup_iters: int = 2, strict: bool = False):
         self.model = model
         self.eager = model.run_layers  # the model's own loop over its layers
-        self.params = tuple(p for layer in model.layers for p in layer.parameters() if p.requires_grad)
         self.emulate, self.warmup_iters, self.strict = emulate, warmup_iters, strict
         self.armed = False
         self.failed: str | None = None  # why the capture failed (then every call runs eagerly)
@@ -175,6 +176,11 @@ class LayerGraphs:
                  kv_cache: Any) -> torch.Tensor:
         key = self._key(x, rope, attn_mask, kv_cache)
         c = self.captured
+        if key is not None and c is not None and c.storage != self._storage():
+            # parameters or buffers replaced (not updated in place), or trainable ones changed: the graphs would
+            # read the old tensors, so capture again
+            log.info("CUDA graphs: the layers' parameters changed storage or trainability; capturing again")
+            c = self.captured = None
         if key is None or (c is not None and (c.key != key or (c.pending is not None and c.pending() is not None))):
             self.num_eager += 1
             return self.eager(x, rope, attn_mask, kv_cache)
@@ -193,10 +199,16 @@ class LayerGraphs:
                             "(--cuda-graphs off skips the attempt)", self.failed.splitlines()[0][:300])
                 self.num_eager += 1
                 return self.eager(x, rope, attn_mask, kv_cache)
-        out = _Replay.apply(c, self.params, x, rope[0], rope[1], *self.params)
+        out = _Replay.apply(c, c.params, x, rope[0], rope[1], *c.params)
         c.pending = weakref.ref(out)
         self.num_replays += 1
         return out
+
+    def _storage(self) -> tuple:
+        """Where the layers' parameters and buffers live, and which parameters train: what a graph has baked in."""
+        layers = self.model.layers
+        return (tuple((p.data_ptr(), p.requires_grad) for p in layers.parameters()),
+                tuple(b.data_ptr() for b in layers.buffers()))
 
     def _key(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn_mask: torch.Tensor | None,
              kv_cache: Any) -> tuple | None:
@@ -222,7 +234,8 @@ class LayerGraphs:
         static_x = x.detach().clone().requires_grad_(x.requires_grad)
         static_rope = (rope[0].detach().clone(), rope[1].detach().clone())
         # the gradient inputs: x (when it needs one) and every trainable layer parameter; a slot for x always
-        inputs = [static_x] + list(self.params)
+        params = tuple(p for p in self.model.layers.parameters() if p.requires_grad)
+        inputs = [static_x] + list(params)
         wanted = [t for t in inputs if t.requires_grad]
 
         def forward() -> torch.Tensor:
@@ -251,6 +264,7 @@ class LayerGraphs:
                 fwd, bwd = _CudaGraph(pool, stream), _CudaGraph(pool, stream)
                 c = self._record(key, static_x, static_rope, inputs, wanted, fwd, bwd, forward)
                 torch.cuda.current_stream(x.device).wait_stream(stream)
+        c.storage = self._storage()
         self.capture_seconds = time.perf_counter() - t0
         log.info("CUDA graphs: captured the forward and backward of %d layers (input %s) in %.1f s",
                  len(self.model.layers), tuple(x.shape), self.capture_seconds)

@@ -187,3 +187,29 @@ def test_a_failed_capture_falls_back_to_eager_or_raises(monkeypatch, strict):
     assert not graphs.armed and graphs.num_eager == 2 and graphs.num_replays == 0
     for (k, v), w in zip(model.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(v, w, msg=k)  # the FP8 state is as after two eager calls
+
+
+def test_replaced_or_frozen_parameters_are_captured_again():
+    """Graphs read parameters at fixed addresses: a parameter moved to new storage, or one whose requires_grad
+    changed, makes the next call capture again instead of replaying stale graphs."""
+    eager = _model()
+    graphed = copy.deepcopy(eager)
+    graphs = LayerGraphs(graphed, emulate=True)
+    graphs.arm()
+    ids = torch.randint(0, 128, (2, 32))
+    graphed(ids).sum().backward()
+    first = graphs.captured
+    for m in (eager, graphed):
+        with torch.no_grad():
+            m.layers[0].mlp.up_proj.weight.data = m.layers[0].mlp.up_proj.weight.data * 2  # new storage
+        m.layers[1].self_attn.q_proj.weight.requires_grad_(False)
+        m.zero_grad(set_to_none=True)
+    out, ref = graphed(ids), eager(ids)
+    assert graphs.captured is not first and graphs.num_replays == 2
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    assert graphed.layers[1].self_attn.q_proj.weight.grad is None
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
