@@ -116,9 +116,10 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, c: _Captured, params: tuple[torch.Tensor, ...], x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, *params_again: torch.Tensor) -> torch.Tensor:
-        # params_again: the parameters as tensor inputs, so that autograd hands them their gradients
-        # a .grad that is the graph's gradient buffer (autograd took it over on an earlier backward) must get its
-        # own storage first: the forward replay reuses that memory for its temporaries (one pool for both graphs)
+        # params_again: the parameters as tensor inputs, so that autograd hands them their gradients.
+
+        # A .grad that is the graph's gradient buffer (autograd took it over on an earlier backward) must get its
+        # own storage first: the forward replay reuses that memory for its temporaries (one pool for both graphs).
         for p, g in zip(params, c.grads[1:]):
             if g is not None and p.grad is not None and p.grad.data_ptr() == g.data_ptr():
                 p.grad = p.grad.clone()
