@@ -100,9 +100,9 @@ class _Captured:
     """The static buffers and the two graphs of one capture."""
 
     def __init__(self, key: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 inputs: list[torch.Tensor], fwd: Any, bwd: Any):
-        self.key, self.x, self.rope, self.inputs, self.fwd, self.bwd = key, x, rope, inputs, fwd, bwd
-        self.params = tuple(inputs[1:])  # the trainable layer parameters, in the graphs' gradient order
+                 params: tuple[torch.Tensor, ...], fwd: Any, bwd: Any):
+        self.key, self.x, self.rope, self.fwd, self.bwd = key, x, rope, fwd, bwd
+        self.params = params  # the trainable layer parameters, in the graphs' gradient order
         self.storage: tuple = ()  # LayerGraphs._storage() at capture
         self.out: torch.Tensor | None = None
         self.grad_out: torch.Tensor | None = None
@@ -168,10 +168,6 @@ class LayerGraphs:
         """Capture on the next call that can be replayed (see `_key`); a no-op after a failed capture."""
         self.armed = self.failed is None
 
-    def reset(self) -> None:
-        """Drop the captured graphs (and their memory); the next matching call after `arm()` captures again."""
-        self.captured = None
-
     # ----------------------------------------------------------------- dispatch
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn_mask: torch.Tensor | None,
                  kv_cache: Any) -> torch.Tensor:
@@ -234,10 +230,9 @@ class LayerGraphs:
         t0 = time.perf_counter()
         static_x = x.detach().clone().requires_grad_(x.requires_grad)
         static_rope = (rope[0].detach().clone(), rope[1].detach().clone())
-        # the gradient inputs: x (when it needs one) and every trainable layer parameter; a slot for x always
         params = tuple(p for p in self.model.layers.parameters() if p.requires_grad)
-        inputs = [static_x] + list(params)
-        wanted = [t for t in inputs if t.requires_grad]
+        # the gradient inputs: x (when it needs one) and every trainable layer parameter
+        wanted = [t for t in (static_x, *params) if t.requires_grad]
 
         def forward() -> torch.Tensor:
             return self.eager(static_x, static_rope, None, None)
@@ -249,7 +244,7 @@ class LayerGraphs:
         with fp8_graph_capture(self.model), no_cast_cache:
             if self.emulate:
                 fwd, bwd = EmulatedGraph(), EmulatedGraph()
-                c = self._record(key, static_x, static_rope, inputs, wanted, fwd, bwd, forward)
+                c = self._record(key, static_x, static_rope, params, wanted, fwd, bwd, forward)
             else:
                 stream = torch.cuda.Stream(device=x.device)
                 stream.wait_stream(torch.cuda.current_stream(x.device))
@@ -263,7 +258,7 @@ class LayerGraphs:
                 torch.cuda.empty_cache()  # the warm-up's blocks belong to the side stream: give them back
                 pool = torch.cuda.graph_pool_handle()
                 fwd, bwd = _CudaGraph(pool, stream), _CudaGraph(pool, stream)
-                c = self._record(key, static_x, static_rope, inputs, wanted, fwd, bwd, forward)
+                c = self._record(key, static_x, static_rope, params, wanted, fwd, bwd, forward)
                 torch.cuda.current_stream(x.device).wait_stream(stream)
         c.storage = self._storage()
         self.capture_seconds = time.perf_counter() - t0
@@ -272,9 +267,9 @@ class LayerGraphs:
         return c
 
     def _record(self, key: tuple, static_x: torch.Tensor, static_rope: tuple[torch.Tensor, torch.Tensor],
-                inputs: list[torch.Tensor], wanted: list[torch.Tensor], fwd: Any, bwd: Any,
+                params: tuple[torch.Tensor, ...], wanted: list[torch.Tensor], fwd: Any, bwd: Any,
                 forward: Callable[[], torch.Tensor]) -> _Captured:
-        c = _Captured(key, static_x, static_rope, inputs, fwd, bwd)
+        c = _Captured(key, static_x, static_rope, params, fwd, bwd)
         c.out = fwd.capture(forward)
         c.grad_out = torch.zeros_like(c.out)
 
@@ -283,7 +278,7 @@ class LayerGraphs:
 
         got = iter(bwd.capture(backward))
         # one slot per input (x first, then the parameters); None where no gradient is wanted or none flows
-        c.grads = tuple(next(got) if t.requires_grad else None for t in inputs)
+        c.grads = tuple(next(got) if t.requires_grad else None for t in (static_x, *params))
         if isinstance(fwd, EmulatedGraph):  # as in one CUDA pool: forward temporaries reuse the gradients' memory
             fwd.clobbers = [g for g in c.grads[1:] if g is not None]
         else:

@@ -183,6 +183,11 @@ class Trainer:
         self._async_group: dist.ProcessGroup | None = None
         self.data_wait_s = 0.0
 
+    @property
+    def base_model(self) -> nn.Module:
+        """The TransformerLM itself (under DDP, the wrapped module)."""
+        return self.model.module if hasattr(self.model, "module") else self.model
+
     def _layer_graphs(self) -> LayerGraphs | None:
         """CUDA graphs of the layers (--cuda-graphs), or None where they are off or cannot apply."""
         mode = getattr(self.args, "cuda_graphs", "off")
@@ -204,8 +209,7 @@ class Trainer:
                              "Use --cuda-graphs auto or off.")
         if blockers or (mode == "auto" and self.ctx.dp_size > 1):
             return None
-        base = self.model.module if hasattr(self.model, "module") else self.model  # DDP: the model itself
-        return LayerGraphs(base, emulate=emulate, strict=mode == "on")
+        return LayerGraphs(self.base_model, emulate=emulate, strict=mode == "on")
 
     # ----------------------------------------------------------------- precision
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -225,8 +229,7 @@ class Trainer:
             return weighted_cross_entropy(self.model(inputs), targets, weights)
 
     def _output_weight(self) -> torch.Tensor:
-        m = self.model.module if hasattr(self.model, "module") else self.model
-        w = m.output_weight
+        w = self.base_model.output_weight
         # tensor parallel: the weight is vocabulary-sharded; gather it (every TP rank computes the whole loss)
         return w.full_tensor() if isinstance(w, DTensor) else w
 
@@ -534,7 +537,7 @@ def print_sample(trainer: Trainer, prompt: str = "Once upon a time", gen_length:
     from ..diffusion.sampler import generate
 
     tok, cfg = trainer.tokenizer, trainer.cfg
-    model = trainer.model.module if hasattr(trainer.model, "module") else trainer.model  # DDP: the model itself
+    model = trainer.base_model
     model.eval()
     ids = tok.encode(prompt)
     # eager: the sampler's shapes differ from training's (a compiled model would recompile for them)
