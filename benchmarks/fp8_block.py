@@ -9,8 +9,10 @@ and the speed-up of each variant over our BF16 block.
 Variants (--variants, comma-separated):
   bf16           our block in BF16 (the model's default attention path)
   fp8-delayed    our FP8 engine, DelayedScaling, HYBRID (E4M3 forward, E5M2 gradients)
-  fp8-delayed-unfused  the same with q/k/v and gate/up as separate FP8 linears (convert_to_fp8's
-                 fuse_projections=False)
+  fp8-delayed-unfused  the same with q/k/v and gate/up as separate FP8 linears and the MLP's layers
+                 one by one (convert_to_fp8's fuse_projections=False, fuse_mlp=False)
+  fp8-delayed-nomlp    fused projections, the MLP's layers one by one (fuse_mlp=False): the A/B of
+                 the fused FP8 MLP
   fp8-tensorwise our FP8 engine, Float8CurrentScaling, HYBRID
   fp8-rowwise    our FP8 engine, Float8RowwiseScaling, HYBRID
   torchao        torchao.float8 tensorwise (when torchao is importable), same block otherwise
@@ -106,10 +108,11 @@ def build_variant(name: str, cfg: TransformerConfig, device: torch.device, compi
         )
 
         delayed = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=1, amax_compute_algo="most_recent")
-        recipe = {"fp8-delayed": delayed, "fp8-delayed-unfused": delayed,
+        recipe = {"fp8-delayed": delayed, "fp8-delayed-unfused": delayed, "fp8-delayed-nomlp": delayed,
                   "fp8-tensorwise": Float8CurrentScaling(fp8_format=Format.HYBRID),
                   "fp8-rowwise": Float8RowwiseScaling(fp8_format=Format.HYBRID)}[name]
-        holder = convert_to_fp8(_Holder(layer), recipe, fuse_projections=not name.endswith("-unfused"))
+        holder = convert_to_fp8(_Holder(layer), recipe, fuse_projections=not name.endswith("-unfused"),
+                                fuse_mlp=not name.endswith(("-unfused", "-nomlp")))
         ctx = holder.layer_context
 
         def step() -> None:  # what the trainer does after optimizer.step()
@@ -185,6 +188,7 @@ def run_variant(name: str, cfg: TransformerConfig, a: argparse.Namespace, device
 KERNEL_CLASSES = (  # first match wins
     ("attention", ("fmha", "flash", "attention", "cudnn", "sdpa", "mha")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas", "scaled_mm", "wgmma")),
+    ("fp8 swiglu + cast (fused)", ("swiglu_cast", "swiglu_bwd_cast")),
     ("fp8 cast", ("cast_transpose", "clamp", "clone_t", "absmax", "amax", "norm_kernel", "normops")),
     ("triton (norm/rope/swiglu/...)", ("triton",)),
     ("aten elementwise", ("elementwise", "vectorized", "reduce", "copy", "fill", "cat", "index")),

@@ -47,6 +47,10 @@ CONFIGS: dict[str, list[str]] = {
 }
 
 
+# "<config>+<variant>": the configuration with these flags added
+VARIANTS: dict[str, list[str]] = {"": [], "nographs": ["--cuda-graphs", "off"], "nomlpfuse": ["--no-fp8-fuse-mlp"]}
+
+
 # micro-batch per model where --batch would not fit one 141 GB GPU (BF16 and FP8 run the same batch)
 MAX_BATCH = {"llama3-8b-16L": 2}
 
@@ -66,6 +70,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for logs and the JSON results")
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, profile 2 steps and print GPU time per kernel class")
+    p.add_argument("--top-kernels", type=int, default=0,
+                   help="with --profile: also print the N longest kernels per step of each configuration")
     p.add_argument("--trace", action="store_true",
                    help="write a gzipped Chrome trace (host + GPU) of one step per configuration to --out")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -147,7 +153,7 @@ def worker(spec: dict) -> None:
            "fp8": f"{trainer.cfg.fp8_format}/{trainer.cfg.fp8_recipe}" if trainer.cfg.fp8 else "off",
            "cuda_graphs": trainer.layer_graphs is not None and trainer.layer_graphs.num_replays > 0}
     if spec.get("profile") and cuda:
-        res["profile_ms"] = profile_steps(trainer, 2)
+        res["profile_ms"], res["top_kernels"] = profile_steps(trainer, 2, spec.get("top_kernels", 0))
     if spec.get("trace") and spec.get("out"):
         res["trace"] = trace_step(trainer, Path(spec["out"]) / f"trace_{spec['name'].replace('/', '_')}.json.gz")
     print("RESULT " + json.dumps(res), flush=True)
@@ -175,9 +181,10 @@ def trace_step(trainer, path: Path) -> str:
     return str(path)
 
 
-def profile_steps(trainer, n: int) -> dict[str, float]:
+def profile_steps(trainer, n: int, top: int = 0) -> tuple[dict[str, float], list]:
     """GPU kernel time per step by kernel class over n train steps, plus the step's wall time and the
-    time the GPU ran no kernel ('idle': host-bound gaps, syncs)."""
+    time the GPU ran no kernel ('idle': host-bound gaps, syncs); and the `top` longest kernels as
+    (ms per step, calls per step, class, name) rows."""
     import torch
     from fp8_block import kernel_time_by_class  # the kernel classes of the block benchmark
     from torch.profiler import ProfilerActivity, profile
@@ -189,10 +196,12 @@ def profile_steps(trainer, n: int) -> dict[str, float]:
             trainer.train_step()
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3 / n
-    by, _ = kernel_time_by_class(prof, n)
+    by, rows = kernel_time_by_class(prof, n)
     busy = sum(by.values())
-    return {**{k: round(v, 2) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
-            "kernels total": round(busy, 2), "idle": round(max(0.0, wall - busy), 2), "wall (profiled)": round(wall, 2)}
+    return ({**{k: round(v, 2) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
+             "kernels total": round(busy, 2), "idle": round(max(0.0, wall - busy), 2),
+             "wall (profiled)": round(wall, 2)},
+            [[round(ms, 3), calls, cls, name] for ms, calls, cls, name in rows[:top]])
 
 
 def run_logged(cmd: list[str], log: Path | None, timeout: int) -> tuple[int, str]:
@@ -243,13 +252,14 @@ def main() -> None:
                      n_tokens=(a.warmup + a.steps + 2) * a.batch * (a.seq + 1) * 2)
         for name in [c for c in a.configs.split(",") if c]:
             batch = min(a.batch, MAX_BATCH.get(name.split("/")[0], a.batch))
-            base, _, variant = name.partition("+")  # "+nographs": the same configuration with --cuda-graphs off
-            if variant not in ("", "nographs"):
-                raise SystemExit(f"unknown variant +{variant} in {name!r}; the one variant is +nographs")
-            flags = CONFIGS[base] + (["--cuda-graphs", "off"] if variant else [])
+            base, _, variant = name.partition("+")  # the same configuration with one switch turned off
+            if variant not in VARIANTS:
+                raise SystemExit(f"unknown variant +{variant} in {name!r}; variants: {', '.join(VARIANTS)}")
+            flags = CONFIGS[base] + VARIANTS[variant]
             spec = {"name": name, "flags": flags, "seq": a.seq, "batch": batch, "data": str(prefix),
                     "warmup": a.warmup, "steps": a.steps, "extra": a.extra.split() if a.extra else [],
-                    "profile": a.profile, "trace": a.trace, "out": str(out) if out else None}
+                    "profile": a.profile, "top_kernels": a.top_kernels, "trace": a.trace,
+                    "out": str(out) if out else None}
             if a.smoke:
                 spec["device"] = "cpu"
             t0 = time.time()
@@ -293,6 +303,11 @@ def main() -> None:
         print(f"{'class':30s}" + "".join(f"{r['config']:>20s}" for r in profiled))
         for c in classes:
             print(f"{c:30s}" + "".join(f"{r['profile_ms'].get(c, 0.0):20.1f}" for r in profiled))
+    for r in profiled:
+        if r.get("top_kernels"):
+            print(f"\nlongest kernels per step, {r['config']} (ms, calls, class, name)")
+            for ms, calls, cls, name in r["top_kernels"]:
+                print(f"{ms:8.2f} {calls:5d}  {cls:28s} {name}")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ class TransformerConfig:
     fp8_wgrad: bool = True
     activation_func_fp8_input_store: bool = False
     fp8_fuse_projections: bool = True  # q/k/v and gate/up as one FP8 GEMM each (megadlms.fp8.fused_linear)
+    fp8_fuse_mlp: bool = True  # the MLP as one FP8 function, SwiGLU fused into its casts (megadlms.fp8.fused_mlp)
     fp8_fprop_fast_accum: bool = True  # Hopper fast accumulation in the forward GEMM (TE's and torchao's default)
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0

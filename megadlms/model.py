@@ -266,5 +266,5 @@ def build_model(cfg: TransformerConfig, device: torch.device | str | None = None
                                num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16,
                                activation_func_fp8_input_store=cfg.activation_func_fp8_input_store,
                                fp8_wgrad=cfg.fp8_wgrad, fuse_projections=cfg.fp8_fuse_projections,
-                               fprop_fast_accum=cfg.fp8_fprop_fast_accum)
+                               fuse_mlp=cfg.fp8_fuse_mlp, fprop_fast_accum=cfg.fp8_fprop_fast_accum)
     return model

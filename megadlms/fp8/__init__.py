@@ -6,8 +6,10 @@
     loss.backward(); optimizer.step()
     fp8_step(model)                                # amax reduction + scale update + weight recast
 
-See recipe.py (recipes), linear.py (Float8Linear), convert.py (conversion, fp8_step),
-swiglu.py (FP8 activation storage), monitor.py (telemetry), export.py (FP8 inference export).
+See recipe.py (recipes), linear.py (Float8Linear), fused_linear.py (q/k/v and gate/up as one GEMM),
+fused_mlp.py and triton_swiglu.py (the MLP as one function, SwiGLU fused into its casts), convert.py
+(conversion, fp8_step), swiglu.py (FP8 activation storage), monitor.py (telemetry), export.py (FP8 inference
+export).
 """
 
 from .convert import (

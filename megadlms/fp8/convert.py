@@ -14,6 +14,7 @@ from torch import nn
 
 from ..model import SwiGLU
 from .fused_linear import install_fused_projections
+from .fused_mlp import install_fused_mlps
 from .hardware import check_fp8_support
 from .linear import Float8Linear
 from .quantize import amax_to_scale
@@ -49,8 +50,8 @@ def _set_child(root: nn.Module, dotted: str, module: nn.Module) -> None:
 
 def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_bf16: int = 0,
                    num_layers_at_end_in_bf16: int = 0, activation_func_fp8_input_store: bool = False,
-                   fp8_wgrad: bool = True, fuse_projections: bool = True, fprop_fast_accum: bool = True
-                   ) -> nn.Module:
+                   fp8_wgrad: bool = True, fuse_projections: bool = True, fuse_mlp: bool = True,
+                   fprop_fast_accum: bool = True) -> nn.Module:
     """Convert `model` (a TransformerLM) to FP8 in place and return it.
 
     Every eligible nn.Linear inside `model.layers` (in/out features multiples of 16) becomes a
@@ -62,6 +63,8 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
     fuse_projections: q/k/v and gate/up of each FP8 layer run as one FP8 GEMM each, sharing one cast of
         their input (`fused_linear.FusedFloat8Projection`, installed as the instance's `project_qkv` /
         `project_gate_up`; parameters and state_dict keys are unchanged). Per-tensor recipes only.
+    fuse_mlp: each FP8 MLP runs as one function whose SwiGLU is fused into the FP8 casts around it
+        (`fused_mlp.FusedFloat8MLP`, installed as the instance's `forward`). Delayed scaling only.
     fprop_fast_accum: Hopper's fast (reduced-precision) accumulation in the forward GEMM; False makes it
         accumulate like the backward GEMMs (slower, for numerics checks).
     The model's `layer_context` becomes `fp8_autocast(enabled=True, fp8_recipe=recipe)`, which the
@@ -85,6 +88,8 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
                 _set_child(layer, name, SwiGLUFP8InputStore())
         if fuse_projections:
             install_fused_projections(layer)
+        if fuse_mlp:
+            install_fused_mlps(layer)
     model.layer_context = functools.partial(fp8_autocast, enabled=True, fp8_recipe=recipe)
     return model
 

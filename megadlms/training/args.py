@@ -96,6 +96,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="save the SwiGLU input for backward in FP8")
     g.add_argument("--fp8-fuse-projections", action=argparse.BooleanOptionalAction, default=True,
                    help="run q/k/v and gate/up as one FP8 GEMM each (same parameters and checkpoints)")
+    g.add_argument("--fp8-fuse-mlp", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the FP8 MLP as one function with the SwiGLU fused into its FP8 casts (delayed scaling)")
     g.add_argument("--fp8-fprop-fast-accum", action=argparse.BooleanOptionalAction, default=True,
                    help="fast accumulation in the forward FP8 GEMM (off: full-precision accumulation, slower)")
     g.add_argument("--first-last-layers-bf16", action="store_true",

@@ -77,7 +77,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
         fp8_margin=args.fp8_margin, fp8_amax_history_len=args.fp8_amax_history_len,
         fp8_amax_compute_algo=args.fp8_amax_compute_algo, fp8_wgrad=args.fp8_wgrad,
         activation_func_fp8_input_store=args.activation_func_fp8_input_store,
-        fp8_fuse_projections=args.fp8_fuse_projections, fp8_fprop_fast_accum=args.fp8_fprop_fast_accum,
+        fp8_fuse_projections=args.fp8_fuse_projections, fp8_fuse_mlp=args.fp8_fuse_mlp,
+        fp8_fprop_fast_accum=args.fp8_fprop_fast_accum,
         num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16 if args.first_last_layers_bf16 else 0,
         num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16 if args.first_last_layers_bf16 else 0)
     if base is None:

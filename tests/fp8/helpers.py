@@ -76,3 +76,19 @@ def amax_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                    os.path.join(out_dir, f"after_{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def sgd_step(model: torch.nn.Module, tokens: torch.Tensor, lr: float = 1e-2) -> tuple[torch.Tensor, dict]:
+    """One plain SGD step on the mean log-partition of the logits, then `fp8_step`: (logits, gradients by name)."""
+    from megadlms.fp8 import fp8_step
+
+    logits = model(tokens)
+    logits.float().logsumexp(-1).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+                p.grad = None
+    fp8_step(model)
+    return logits.detach(), grads

@@ -184,20 +184,25 @@ def test_build_model_fp8_e4m3_trains_with_falling_loss():
 
 
 def test_config_switches_fusion_and_forward_fast_accumulation():
-    """fp8_fuse_projections / fp8_fprop_fast_accum (--no-fp8-fuse-projections, --no-fp8-fprop-fast-accum) reach the
-    converted layers; the defaults fuse and use fast accumulation in the forward GEMM only."""
+    """fp8_fuse_projections / fp8_fuse_mlp / fp8_fprop_fast_accum (--no-fp8-fuse-projections, --no-fp8-fuse-mlp,
+    --no-fp8-fprop-fast-accum) reach the converted layers; the defaults fuse and use fast accumulation in the
+    forward GEMM only."""
     from megadlms.fp8.fused_linear import FusedFloat8Projection
+    from megadlms.fp8.fused_mlp import FusedFloat8MLP
     from megadlms.training.args import parse_train_args
     from megadlms.training.trainer import model_config_from_args
 
     base = dict(hidden_size=64, num_attention_heads=4, num_layers=2, vocab_size=128, seq_length=32, fp8=True)
     layer = build_model(TransformerConfig(**base)).layers[0]
     assert isinstance(layer.self_attn.__dict__.get("project_qkv"), FusedFloat8Projection)
+    assert isinstance(layer.mlp.__dict__.get("forward"), FusedFloat8MLP)
     assert layer.mlp.down_proj.fprop_fast_accum and not layer.mlp.down_proj.backward_fast_accum
-    layer = build_model(TransformerConfig(**base, fp8_fuse_projections=False, fp8_fprop_fast_accum=False)).layers[0]
+    layer = build_model(TransformerConfig(**base, fp8_fuse_projections=False, fp8_fuse_mlp=False,
+                                          fp8_fprop_fast_accum=False)).layers[0]
     assert "project_qkv" not in layer.self_attn.__dict__ and "project_gate_up" not in layer.mlp.__dict__
+    assert "forward" not in layer.mlp.__dict__
     assert not any(m.fprop_fast_accum for m in layer.modules() if isinstance(m, Float8Linear))
     args = parse_train_args(["--model-path", "tiny", "--fp8-format", "hybrid", "--no-fp8-fuse-projections",
-                             "--no-fp8-fprop-fast-accum"])
+                             "--no-fp8-fprop-fast-accum", "--no-fp8-fuse-mlp"])
     cfg = model_config_from_args(args, vocab_size=None, mask_id=5)
-    assert cfg.fp8 and not cfg.fp8_fuse_projections and not cfg.fp8_fprop_fast_accum
+    assert cfg.fp8 and not cfg.fp8_fuse_projections and not cfg.fp8_fprop_fast_accum and not cfg.fp8_fuse_mlp

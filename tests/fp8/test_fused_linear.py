@@ -20,6 +20,8 @@ from megadlms.fp8.fused import cast_fp8, cast_fp8_cat
 from megadlms.fp8.fused_linear import FusedFloat8Projection
 from megadlms.model import TransformerLM
 
+from .helpers import sgd_step
+
 
 def _cfg(**kw) -> TransformerConfig:
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
@@ -45,18 +47,7 @@ def _equalize_group_scales(model: torch.nn.Module) -> None:
                 m.fp8_scale.copy_(joint)
 
 
-def _step(model, tokens, lr=1e-2):
-    logits = model(tokens)
-    loss = logits.float().logsumexp(-1).mean()
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= lr * p.grad
-                p.grad = None
-    fp8_step(model)
-    return logits.detach(), grads
+_step = sgd_step
 
 
 def test_cast_cat_equals_separate_casts():

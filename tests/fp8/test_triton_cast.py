@@ -118,10 +118,10 @@ def test_a_wrong_transposed_store_falls_through_to_the_next_formulation(monkeypa
     monkeypatch.setitem(triton_cast._state, "ok", True)
     monkeypatch.setitem(triton_cast._state, "mode", {})
     monkeypatch.setitem(triton_cast._state, "bad", set())
-    x = torch.randn(64, 48) + 0.5
+    x = (torch.randn(64, 48) + 0.5).bfloat16()
     slots = [torch.tensor(0.25), torch.tensor(100.0)]
     q, t = triton_cast.checked_cast_transpose(x, torch.tensor(8.0), torch.float8_e4m3fn, True, True, slots)
-    ref = (x * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ref = (x.float() * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8))
     assert calls == [0, 1] and list(triton_cast._state["mode"].values()) == [1]
     assert slots[0] == x.abs().amax() and slots[1] == 100.0
@@ -140,3 +140,32 @@ def test_a_wrong_transposed_store_falls_through_to_the_next_formulation(monkeypa
         out = triton_cast.checked_cast_transpose(x.bfloat16(), torch.tensor(8.0), torch.float8_e4m3fn, True, True,
                                                  amax)
     assert out is None and amax == 0.5
+
+
+def test_elements_a_kernel_leaves_unwritten_fail_the_first_call_check(monkeypatch):
+    """The outputs are filled with a marker before each checked call, so a formulation that skips some stores
+    fails even when the buffer already holds the right bytes (a reused allocation from an earlier call)."""
+    import torch
+
+    from megadlms.fp8 import triton_cast
+
+    calls = []
+
+    def kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0):
+        calls.append(t_mode)
+        ref = (x.float() * scale).clamp(-448, 448).to(fp8_dtype)
+        q_out.copy_(ref)
+        rows = t_out.shape[0] if t_mode != 0 else t_out.shape[0] * 3 // 4  # formulation 0 skips a quarter
+        t_out[:rows].copy_(ref.t()[:rows])
+        return q_out, t_out
+
+    monkeypatch.setattr(triton_cast, "cast_transpose", kernel)
+    monkeypatch.setitem(triton_cast._state, "ok", True)
+    monkeypatch.setitem(triton_cast._state, "mode", {})
+    monkeypatch.setitem(triton_cast._state, "bad", set())
+    x = torch.randn(64, 48).bfloat16()
+    ref = (x.float() * 8).to(torch.float8_e4m3fn)
+    q_out = ref.clone()
+    t_out = ref.t().contiguous()  # already the right bytes
+    q, t = triton_cast.checked_cast_transpose(x, torch.tensor(8.0), torch.float8_e4m3fn, True, True, None, q_out, t_out)
+    assert calls == [0, 1] and torch.equal(t.view(torch.uint8), ref.view(torch.uint8).t())

@@ -1,0 +1,203 @@
+"""The one-pass FP8 cast kernel (`megadlms.fp8.triton_cast`) on the training shapes, by tile configuration.
+
+For each cast the trainer makes per layer (the inputs, gradients and fp32 master weights of qwen3-1.7b at
+B=4 S=4096 and of llama3-8b at B=2 S=4096), every (rows, columns, warps) tile and transposed-store formulation
+is timed (CUDA events, median of `--iters`) and its output checked bitwise against the ATen cast. Bandwidth is
+counted as the bytes the cast must move (read x once, write q and q^T) and compared with a device-to-device
+copy of the same bytes, the practical floor.
+
+    python3 benchmarks/fp8_cast_sweep.py            # on a GPU
+    TRITON_INTERPRET=1 python3 benchmarks/fp8_cast_sweep.py --smoke   # small shapes on the CPU (a check)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megadlms.fp8 import triton_cast, triton_swiglu  # noqa: E402
+
+TILES = [(64, 64, 4), (64, 64, 8), (64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (32, 128, 4),
+         (32, 64, 2)]
+
+# name, rows, cols, source dtype, FP8 dtype, amax outputs, column block of a wider q (the fused gradient)
+SHAPES = [
+    ("qwen qkv input", 16384, 2048, torch.bfloat16, torch.float8_e4m3fn, 3, None),
+    ("qwen down input", 16384, 6144, torch.bfloat16, torch.float8_e4m3fn, 1, None),
+    ("qwen gate/up grad part", 16384, 6144, torch.bfloat16, torch.float8_e5m2, 2, 12288),
+    ("qwen o/down grad", 16384, 2048, torch.bfloat16, torch.float8_e5m2, 1, None),
+    ("qwen gate weight fp32", 6144, 2048, torch.float32, torch.float8_e4m3fn, 1, None),
+    ("qwen down weight fp32", 2048, 6144, torch.float32, torch.float8_e4m3fn, 1, None),
+    ("llama down input", 8192, 14336, torch.bfloat16, torch.float8_e4m3fn, 1, None),
+    ("llama gate/up grad part", 8192, 14336, torch.bfloat16, torch.float8_e5m2, 2, 28672),
+    ("llama gate weight fp32", 14336, 4096, torch.float32, torch.float8_e4m3fn, 1, None),
+]
+
+
+def time_us(fn, iters: int) -> float:
+    cuda = torch.cuda.is_available()
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--modes", default="0,1,2,3", help="transposed-store formulations to try")
+    p.add_argument("--tiles", default="", help="tiles to try, e.g. 64x64x4,64x128x4 (rows x columns x warps); "
+                   "default: all of TILES")
+    p.add_argument("--smoke", action="store_true", help="shapes / 64, two tiles, CPU (with TRITON_INTERPRET=1)")
+    a = p.parse_args()
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    x0 = torch.empty(1, 1, device=dev)
+    assert triton_cast.available(x0), "the Triton cast is not available here"
+    modes = [int(m) for m in a.modes.split(",")]
+    tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles.split(",")] if a.tiles else TILES
+    tiles = tiles[:2] if a.smoke else tiles
+    shapes = [(n, r // 64, c // 64, dt, f8, k, w // 64 if w else None) for n, r, c, dt, f8, k, w in SHAPES] \
+        if a.smoke else SHAPES
+    name = "CPU (Triton interpreter)" if a.smoke else torch.cuda.get_device_name()
+    print(f"FP8 cast sweep | torch {torch.__version__} | {name}")
+    summary = []
+    for name, r, c, dt, f8, n_amax, wide in shapes:
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = (torch.randn(r, c, device=dev, generator=g) * 3).to(dt)
+        a.iters = 2 if a.smoke else a.iters
+        scale = torch.tensor(40.0, device=dev)
+        fmax = torch.finfo(f8).max
+        ref = (x.float() * scale).clamp(-fmax, fmax).to(f8)
+        ref_t = ref.t().contiguous()
+        amaxes = [torch.zeros((), device=dev) for _ in range(n_amax)]
+        qbuf = torch.empty(r, wide or c, dtype=f8, device=dev)
+        tbuf = torch.empty(wide or c, r, dtype=f8, device=dev)
+        q_out, t_out = qbuf[:, :c], tbuf[:c]
+        moved = r * c * (x.element_size() + 2)
+        src = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        copy_us = time_us(lambda: dst.copy_(src), a.iters)  # reads + writes `moved` bytes
+        cast_modes = [m for m in modes if m != 3 or dt == torch.float32]
+
+        def run(tile, mode, marker=False):
+            if marker:  # unwritten elements must show
+                triton_cast.fill_unwritten_marker(q_out, t_out)
+            triton_cast.cast_transpose(x, scale, f8, True, True, amaxes, q_out, t_out, mode, tile)
+            return q_out, t_out
+
+        def check(q, t):
+            return (torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+                    and torch.equal(t.view(torch.uint8), ref_t.view(torch.uint8))
+                    and all(float(m) == float(x.float().abs().max()) for m in amaxes))
+
+        rows = measure(name, tiles, cast_modes, run, check, moved, a.iters)
+        summary.append((name, moved, copy_us, chosen(rows, triton_cast.tile_config(dt, True), cast_modes),
+                        fastest(rows)))
+    summary += sweep_swiglu(dev, tiles, a)
+    print("\nbytes moved = read x + write q + write q^T; copy = a device copy of the same bytes")
+    print("now = the library's tile and the first formulation in its order that passed; best = the fastest that "
+          "passed")
+    print(f"{'cast':24s} {'MB':>6s} {'copy us':>8s} {'copy GB/s':>9s} {'now us':>8s} {'now GB/s':>8s} "
+          f"{'best us':>8s} {'best GB/s':>9s}  best tile, mode")
+    for name, moved, copy_us, now, best in summary:
+        now_us = now[0] if now else float("nan")
+        best_us = best[0] if best else float("nan")
+        print(f"{name:24s} {moved / 1e6:6.0f} {copy_us:8.1f} {moved / copy_us / 1e3:9.0f} {now_us:8.1f} "
+              f"{moved / now_us / 1e3:8.0f} {best_us:8.1f} {moved / best_us / 1e3:9.0f}  "
+              f"{best[1] if best else '-'}, {best[2] if best else '-'}")
+
+
+def measure(label: str, tiles, modes, run, check, moved: int, iters: int) -> list:
+    """(us, tile, mode, ok) for every tile and formulation: the output of a first call made with marker-filled
+    outputs checked by `check(q, t)`, then the median time of `iters` calls."""
+    rows = []
+    for tile in tiles:
+        for mode in modes:
+            try:
+                ok = check(*run(tile, mode, True))
+                us = time_us(lambda: run(tile, mode), iters)
+            except Exception as e:  # a tile this Triton cannot build
+                print(f"  {label} tile {tile} mode {mode}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            rows.append((us, tile, mode, ok))
+            print(f"  {label:24s} tile {str(tile):15s} mode {mode}  {us:8.1f} us  {moved / us / 1e3:7.0f} GB/s"
+                  f"  {'ok' if ok else 'WRONG'}", flush=True)
+    return rows
+
+
+def chosen(rows: list, tile: tuple, order) -> tuple | None:
+    """What the library runs: at its tile, the first formulation in its order of trial that passed the check."""
+    ok = {r[2]: r for r in rows if r[1] == tile and r[3]}
+    return next((ok[m] for m in order if m in ok), None)
+
+
+def fastest(rows: list) -> tuple | None:
+    good = sorted(r for r in rows if r[3])
+    return good[0] if good else None
+
+
+# name, tokens, ffn
+SWIGLU_SHAPES = [("qwen", 16384, 6144), ("llama", 8192, 14336)]
+
+
+def sweep_swiglu(dev, tiles, a) -> list:
+    """The fused SwiGLU + FP8 cast kernels (forward: y [M, 2F] -> h q, h^T; backward: dh, y -> [d_gate, d_up] q,
+    ^T) by tile and formulation of q^T (`triton_swiglu.FORMULATIONS`; 9: q transposed by the FP8 transpose
+    kernel), checked as their first call is."""
+    summary = []
+    for name, m, f in SWIGLU_SHAPES:
+        if a.smoke:
+            m, f = m // 64, f // 64
+        g = torch.Generator(device=dev).manual_seed(0)
+        y = (torch.randn(m, 2 * f, device=dev, generator=g) * 2).bfloat16()
+        dh = torch.randn(m, f, device=dev, generator=g).bfloat16()
+        scale = torch.tensor(8.0, device=dev)
+        h_ref = (triton_swiglu.swiglu_ref(y[:, :f], y[:, f:]) * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        d_ref = (torch.cat(triton_swiglu.swiglu_bwd_ref(dh, y[:, :f], y[:, f:]), 1) * scale).clamp(
+            -57344, 57344).to(torch.float8_e5m2)
+        amax = [torch.zeros((), device=dev) for _ in range(2)]
+        # bytes the fused kernel must move (read y (and dh), write q and q^T) -- the transpose kernel adds a pass
+        for kind, moved, ref in (("fwd", 6 * m * f, h_ref), ("bwd", 10 * m * f, d_ref)):
+            src = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src)
+            copy_us = time_us(lambda: dst.copy_(src), a.iters)
+
+            def run(tile, mode, marker=False, kind=kind):
+                if kind == "fwd":
+                    return triton_swiglu.swiglu_cast(y, scale, torch.float8_e4m3fn, True, amax[0], mode, tile, marker)
+                return triton_swiglu.swiglu_bwd_cast(dh, y[:, :f], y[:, f:], scale, torch.float8_e5m2, True, True,
+                                                     None, amax, mode, tile, marker)
+
+            def check(q, t, ref=ref):
+                return triton_swiglu._codes_close(q, ref) and torch.equal(t.view(torch.uint8), q.view(torch.uint8).t())
+
+            label = f"swiglu {kind} {name}"
+            rows = measure(label, tiles, triton_swiglu.FORMULATIONS, run, check, moved, a.iters)
+            summary.append((label, moved, copy_us, chosen(rows, triton_swiglu.TILES[kind], triton_swiglu.FORMULATIONS),
+                            fastest(rows)))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The FP8 MLP as one autograd function: gate/up GEMM -> SwiGLU -> down GEMM, with the SwiGLU fused into the
+FP8 casts on both sides of it (`triton_swiglu`).
+
+    forward:  x -> one cast (q, x^T) -> y = x @ [W_gate; W_up]^T (BF16) -> h = silu(gate) * up written straight
+              to FP8 (q, h^T) with the down projection's input scale -> out = h @ W_down^T
+    backward: d_out -> one cast (q, d_out^T) -> dh = d_out @ W_down (BF16) -> [d_gate, d_up] written straight to
+              FP8 (q, ^T) with the gate/up gradient scale -> dx, and the three weight gradients
+
+Against the unfused FP8 layers (`FusedFloat8Projection` for gate/up, the compiled SwiGLU, the down
+`Float8Linear`), neither h nor [d_gate, d_up] is written in BF16 and read back by a cast kernel: per layer
+12 * tokens * ffn bytes less memory traffic, and no BF16 rounding before the FP8 one. Everything else is the
+same code: the concatenated gate/up weight and its scales come from the group's `FusedFloat8Projection`, the
+down weight from its `Float8Linear`; amax histories, scales and state_dict keys stay on the member modules.
+
+`FusedFloat8MLP` is installed as the instance's `MLP.forward` by `convert_to_fp8(fuse_mlp=True)` (the default).
+It takes the fused path with delayed scaling once scales exist (from the first `fp8_step` on: the casts need
+their scales before the pass) and where the fused kernels run (CUDA with Triton, or Triton's interpreter);
+otherwise (the first step, current or rowwise scaling, FP8 telemetry on, hooks on a member, outside
+fp8_autocast) it runs the MLP's layers one by one, as without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..model import MLP, SwiGLU
+from . import triton_swiglu
+from .fused import transpose_fp8
+from .fused_linear import FusedFloat8Projection, _cast_grad_parts, _cast_shared
+from .linear import GRAD, INPUT, Float8Linear, compute_dtype
+from .quantize import pad_2d, round_up16, scaled_mm
+from .recipe import DelayedScaling
+from .state import FP8GlobalStateManager
+from .swiglu import SwiGLUFP8InputStore, _quantize_rows
+
+
+class FusedFloat8MLP:
+    """Callable x [..., H] -> MLP output [..., H] for one `MLP` whose three projections are Float8Linears
+    (see the module docstring). Holds no parameters or buffers."""
+
+    def __init__(self, mlp: nn.Module):
+        self.mlp = mlp
+        gate_up = mlp.project_gate_up
+        self.gate_up = gate_up if isinstance(gate_up, FusedFloat8Projection) else \
+            FusedFloat8Projection(mlp, ("gate_proj", "up_proj"))
+        self.num_fused_calls = 0  # forwards that took the fused path (tests, debugging)
+
+    def __repr__(self) -> str:
+        return "FusedFloat8MLP(gate_proj, up_proj, act_fn, down_proj)"
+
+    def _unfused(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp
+        return mlp.down_proj(mlp.act_fn(*mlp.project_gate_up(x)))
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        mlp = self.mlp
+        down = mlp.down_proj
+        gu = self.gate_up.members()
+        if type(down) is not Float8Linear or type(mlp.act_fn) not in (SwiGLU, SwiGLUFP8InputStore):
+            return False
+        if not self.gate_up._fusable(gu, x) or not isinstance(down.recipe, DelayedScaling):
+            return False
+        if down._forward_hooks or down._forward_pre_hooks or mlp.act_fn._forward_hooks:
+            return False
+        if down.bias is not None or any(m.bias is not None for m in gu) or not down.fp8_wgrad:
+            return False
+        if down.weight.shape[1] != gu[0].weight.shape[0] or down.weight.shape[0] % 16:
+            return False
+        if any(m.collect_fp8_stats for m in (*gu, down)) or down.recipe != gu[0].recipe:
+            return False
+        if not all(m._is_ready() for m in (*gu, down)):  # scales exist from the first fp8_step on
+            return False
+        return triton_swiglu.available(x.reshape(-1, x.shape[-1]))
+
+    @torch.compiler.disable
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0 or not self._fusable(x):
+            return self._unfused(x)
+        mlp = self.mlp
+        gu = tuple(self.gate_up.members())
+        down = mlp.down_proj
+        ws = (gu[0].weight, gu[1].weight, down.weight)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        grad_follows = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws))
+        self.num_fused_calls += 1
+        out = _FusedFloat8MLPFn.apply(x2, self, gu, down, compute_dtype(x), grad_follows,
+                                      isinstance(mlp.act_fn, SwiGLUFP8InputStore), *ws)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class _FusedFloat8MLPFn(torch.autograd.Function):
+    """x [M, H], W_gate, W_up [F, H], W_down [H, F] -> down(silu(x W_gate^T) * (x W_up^T)) [M, H]."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fused: FusedFloat8MLP, gu: tuple[Float8Linear, Float8Linear],
+                down: Float8Linear, out_dtype: torch.dtype, grad_follows: bool, store_fp8: bool,
+                w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        recipe = down.recipe
+        fwd = recipe.fp8_format.fwd_dtype
+        record = down.training
+        m, k = x.shape
+        mp = round_up16(m)
+        xp = pad_2d(x, mp, k)
+        need_wgu = any(ctx.needs_input_grad[7:9])
+        need_wdown = ctx.needs_input_grad[9]
+        # the gate/up projection: one cast of x (and x^T for its weight gradient), one GEMM
+        wgu = fused.gate_up._group_weight(list(gu), grad_follows and (w_gate.requires_grad or w_up.requires_grad))
+        xq, x_si, xt = _cast_shared(gu, xp, INPUT, fwd, wgu, record, True, need_wgu)
+        y = scaled_mm(xq, wgu.q.t(), x_si, wgu.scale_inv, out_dtype, gu[0].fprop_fast_accum)  # [mp, 2F]
+        # the SwiGLU straight into the down projection's FP8 input (h and h^T for its weight gradient)
+        down._grad_follows = grad_follows
+        wd = down._fp8_weight()
+        f = y.shape[1] // 2
+        h_slot = down.fp8_amax_history[0, INPUT] if record else None
+        h_si = wd.scale_inv_of(INPUT)
+        out = triton_swiglu.checked_swiglu_cast(y, down.fp8_scale[INPUT], fwd, need_wdown, h_slot)
+        if out is not None:
+            hq, ht = out
+        else:  # the kernel is off: BF16 SwiGLU, then the down projection's own cast
+            h = triton_swiglu.swiglu_ref(y[:, :f], y[:, f:]).to(out_dtype)
+            hq, h_si, ht = down._cast_qt(h, INPUT, fwd, record, m * f, want_t=need_wdown, scale_inv=h_si)
+        result = scaled_mm(hq, wd.q.t(), h_si, wd.scale_inv, out_dtype, down.fprop_fast_accum)[:m]
+        # what the backward needs: x^T and h^T (weight gradients), gate/up (the SwiGLU's derivative)
+        saved_y: tuple[torch.Tensor, ...] = ()
+        if grad_follows:
+            if store_fp8:  # activation_func_fp8_input_store: E4M3 with one scale per row, as SwiGLUFP8InputStore
+                gq, g_si = _quantize_rows(y[:, :f])
+                uq, u_si = _quantize_rows(y[:, f:])
+                saved_y = (gq, uq, g_si.reshape(-1), u_si.reshape(-1))
+            else:
+                saved_y = (y,)
+        ctx.save_for_backward(xt.t() if xt is not None else None, x_si, ht.t() if ht is not None else None, h_si,
+                              *saved_y)
+        ctx.fused, ctx.gu, ctx.down, ctx.wgu, ctx.wd = fused, gu, down, wgu, wd
+        ctx.dims = (m, k, f)
+        ctx.x_dtype, ctx.out_dtype = x.dtype, out_dtype
+        ctx.w_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
+        ctx.store_fp8 = store_fp8
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        gu, down, wgu, wd = ctx.gu, ctx.down, ctx.wgu, ctx.wd
+        bwd = down.recipe.fp8_format.bwd_dtype
+        x_saved, x_si, h_saved, h_si, *saved_y = ctx.saved_tensors
+        m, k, f = ctx.dims
+        mp = round_up16(m)
+        need_dx = ctx.needs_input_grad[0]
+        need_wg, need_wu, need_wd = ctx.needs_input_grad[7:10]
+        need_wgu = need_wg or need_wu
+        bwd_fast = down.backward_fast_accum
+        # the down projection: one cast of d_out (q and d_out^T), dgrad -> dh, wgrad
+        g = pad_2d(d_out.contiguous(), mp, d_out.shape[1])
+        gq, g_si, gt = down._cast_qt(g, GRAD, bwd, record=True, numel=m * d_out.shape[1], want_q=True,
+                                     want_t=need_wd, scale_inv=wd.scale_inv_of(GRAD))
+        wq, w_si = down._fp8_weight_dgrad(wd)
+        dh = scaled_mm(gq, wq, g_si, w_si, ctx.out_dtype, bwd_fast)  # [mp, F]
+        d_wdown = scaled_mm(gt, h_saved, g_si, h_si, ctx.w_dtypes[2], bwd_fast) if need_wd else None
+        # the SwiGLU's derivative straight into the gate/up gradient's FP8 operands
+        if ctx.store_fp8:
+            gate, up, g_rs, u_rs = saved_y
+            row_scales = (g_rs, u_rs)
+        else:
+            (y,) = saved_y
+            gate, up, row_scales = y[:, :f], y[:, f:], None
+        slots = [mod.fp8_amax_history[0, GRAD] for mod in gu]
+        out = triton_swiglu.checked_swiglu_bwd_cast(dh, gate, up, wgu.scales[GRAD], bwd, need_dx, need_wgu,
+                                                    row_scales, slots)
+        if out is not None:
+            dq, dt = out
+            d_si = wgu.scale_invs[GRAD]
+        else:  # the kernel is off: BF16 derivatives, then the group's own gradient cast
+            if row_scales is not None:
+                gate, up = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
+            d_gate, d_up = (d.to(ctx.out_dtype) for d in triton_swiglu.swiglu_bwd_ref(dh, gate, up))
+            dq, d_si, dt = _cast_grad_parts(gu, (d_gate, d_up), bwd, wgu, True, need_dx, need_wgu, mp)
+        dx = None
+        if need_dx:
+            if wgu.t is None:
+                wgu.t = transpose_fp8(wgu.q)
+            dx = scaled_mm(dq, wgu.t.t(), d_si, wgu.scale_inv, ctx.x_dtype, bwd_fast)[:m]
+        d_wg = d_wu = None
+        if need_wgu:
+            dw = scaled_mm(dt, x_saved, d_si, x_si, ctx.w_dtypes[0], bwd_fast)  # [2F, H]
+            d_wg = dw[:f].to(ctx.w_dtypes[0]) if need_wg else None
+            d_wu = dw[f:].to(ctx.w_dtypes[1]) if need_wu else None
+        return dx, None, None, None, None, None, None, d_wg, d_wu, d_wdown
+
+
+def install_fused_mlps(module: nn.Module) -> int:
+    """Install a `FusedFloat8MLP` as the `forward` of every MLP inside `module` whose three projections are
+    per-tensor Float8Linears. Returns how many were installed."""
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, MLP) and all(type(getattr(sub, n)) is Float8Linear
+                                        for n in ("gate_proj", "up_proj", "down_proj")):
+            if isinstance(sub.down_proj.recipe, DelayedScaling):
+                sub.forward = FusedFloat8MLP(sub)
+                count += 1
+    return count

@@ -1,0 +1,315 @@
+"""SwiGLU fused with the FP8 casts around it (Triton, CUDA): the pointwise work of the FP8 MLP in one pass each.
+
+forward   `swiglu_cast`:      y = [gate, up] [M, 2F] -> h = silu(gate) * up cast to FP8 as q [M, F] and q^T [F, M]
+                              (the down projection's fprop and wgrad operands), amax |h| into a history slot
+backward  `swiglu_bwd_cast`:  dh [M, F], gate, up -> [d_gate, d_up] cast to FP8 as q [M, 2F] and q^T [2F, M]
+                              (the gate/up projection's dgrad and wgrad operands), amax into the history slots
+
+Unfused, each of these is a BF16 pointwise kernel whose output a cast kernel reads back: h (M x F) and
+[d_gate, d_up] (M x 2F) make a round trip through memory in BF16. Here they stay in registers and go to FP8
+from fp32 (one rounding instead of two), with the scale known before the pass (delayed scaling).
+
+The rounding to the FP8 grid is done in fp32 arithmetic, as in `triton_cast` (`quantize.round_to_fp8_grid`).
+The first call of each variant is checked against the torch computation (`swiglu_ref`, `swiglu_bwd_ref`), with
+its outputs filled with a marker first (so that elements a kernel leaves unwritten show): every FP8 code of q and
+q^T within one step of the reference's (silu's exp may differ in the last fp32 bit), the amax within 1e-3. The
+formulations of q^T (FORMULATIONS: stored by the kernel two ways, or q transposed by the FP8 transpose kernel)
+are tried in turn; a variant that fails all is switched off with a warning (the caller then takes the unfused
+path).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import triton_cast
+from .fused import transpose_fp8
+from .quantize import FP8_GRID
+from .recipe import FP8_MAX
+
+try:  # the kernels exist where Triton does; `available` says whether they can run
+    import triton
+    import triton.language as tl
+except Exception:
+    triton = None
+
+_state: dict[str, Any] = {"mode": {}, "bad": set()}
+MAX_AMAX_OUTS = 2
+
+
+def available(y: torch.Tensor) -> bool:
+    """Whether the fused kernels can run on y's device (CUDA with Triton, or Triton's CPU interpreter); off with
+    MEGADLMS_FP8_TRITON=0, like the cast kernel."""
+    if triton is None or os.environ.get("MEGADLMS_FP8_TRITON", "1") == "0":
+        return False
+    return y.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+    @triton.jit
+    def fp8_round(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
+        # y fp32 within +-fp8_max -> the nearest FP8 value (ties to even), still fp32: see quantize.round_to_fp8_grid
+        bits = y.to(tl.int32, bitcast=True)
+        exp = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN) - MBITS
+        up = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+        down = ((127 + exp) << 23).to(tl.float32, bitcast=True)
+        r = ((tl.abs(y) * up + 12582912.0) - 12582912.0) * down
+        return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def store_q_qt(v, scale, rows, cols, M, F, q_ptr, t_ptr, ld_q, ld_t, FMAX: tl.constexpr, MBITS: tl.constexpr,
+                   EMIN: tl.constexpr, WANT_Q: tl.constexpr, WANT_T: tl.constexpr, T_MODE: tl.constexpr):
+        # T_MODE 0: transpose the fp32 tile, then convert; 1: convert, then transpose the FP8 tile. Both masks are
+        # built from the indices (a transposed boolean tile lost stores on an H200: see triton_cast)
+        y = fp8_round(tl.minimum(tl.maximum(v * scale, -FMAX), FMAX), MBITS, EMIN)
+        if WANT_Q:
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * ld_q + cols[None, :],
+                     y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                     mask=(rows[:, None] < M) & (cols[None, :] < F))
+        if WANT_T:
+            if T_MODE == 0:
+                yt = tl.trans(y).to(t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            else:
+                yt = tl.trans(y.to(t_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
+            tl.store(t_ptr + cols[:, None].to(tl.int64) * ld_t + rows[None, :], yt,
+                     mask=(cols[:, None] < F) & (rows[None, :] < M))
+
+    @triton.jit
+    def swiglu_cast_kernel(y_ptr, ld_y, M, F, q_ptr, t_ptr, ld_q, ld_t, scale_ptr, amax_ptr, FMAX: tl.constexpr,
+                           MBITS: tl.constexpr, EMIN: tl.constexpr, WANT_T: tl.constexpr, HAS_AMAX: tl.constexpr,
+                           T_MODE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        mask = (rows[:, None] < M) & (cols[None, :] < F)
+        offs = rows[:, None].to(tl.int64) * ld_y + cols[None, :]
+        gate = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(y_ptr + F + offs, mask=mask, other=0.0).to(tl.float32)
+        h = gate * tl.sigmoid(gate) * up
+        store_q_qt(h, tl.load(scale_ptr), rows, cols, M, F, q_ptr, t_ptr, ld_q, ld_t, FMAX, MBITS, EMIN, True,
+                   WANT_T, T_MODE)
+        if HAS_AMAX:
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(h), axis=1), axis=0))
+
+    @triton.jit
+    def swiglu_bwd_cast_kernel(dh_ptr, ld_dh, g_ptr, u_ptr, ld_gu, gs_ptr, us_ptr, M, F, q_ptr, q2_ptr, t_ptr, t2_ptr,
+                               ld_q, ld_t, scale_ptr, amax_ptr, amax_ptr2, FMAX: tl.constexpr, MBITS: tl.constexpr,
+                               EMIN: tl.constexpr, WANT_Q: tl.constexpr, WANT_T: tl.constexpr,
+                               ROW_SCALES: tl.constexpr, N_AMAX: tl.constexpr, T_MODE: tl.constexpr,
+                               BR: tl.constexpr, BC: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        mask = (rows[:, None] < M) & (cols[None, :] < F)
+        dh = tl.load(dh_ptr + rows[:, None].to(tl.int64) * ld_dh + cols[None, :], mask=mask, other=0.0)
+        offs = rows[:, None].to(tl.int64) * ld_gu + cols[None, :]
+        gate = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if ROW_SCALES:  # gate and up kept in FP8 with one scale per row (activation_func_fp8_input_store)
+            gate = gate * tl.load(gs_ptr + rows, mask=rows < M, other=0.0)[:, None]
+            up = up * tl.load(us_ptr + rows, mask=rows < M, other=0.0)[:, None]
+        dh = dh.to(tl.float32)
+        sig = tl.sigmoid(gate)
+        d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))  # d silu(x)/dx = s(x) (1 + x (1 - s(x)))
+        d_up = dh * gate * sig
+        scale = tl.load(scale_ptr)
+        store_q_qt(d_gate, scale, rows, cols, M, F, q_ptr, t_ptr, ld_q, ld_t, FMAX, MBITS, EMIN, WANT_Q, WANT_T,
+                   T_MODE)
+        store_q_qt(d_up, scale, rows, cols, M, F, q2_ptr, t2_ptr, ld_q, ld_t, FMAX, MBITS, EMIN, WANT_Q, WANT_T,
+                   T_MODE)
+        if N_AMAX > 0:
+            tile_amax = tl.maximum(tl.max(tl.max(tl.abs(d_gate), axis=1), axis=0),
+                                   tl.max(tl.max(tl.abs(d_up), axis=1), axis=0))
+            tl.atomic_max(amax_ptr, tile_amax)
+            if N_AMAX > 1:
+                tl.atomic_max(amax_ptr2, tile_amax)
+
+
+# How q^T is made, in the order the first-call check tries them: 1 and 0 store it from the kernel (two formulations
+# of the transposed store, as in triton_cast; 1 was as fast or faster in the sweep); HOST_TRANSPOSE writes q only
+# and transposes it with `fused.transpose_fp8` (one more pass over the FP8 bytes; exact by construction).
+HOST_TRANSPOSE = 9
+FORMULATIONS = (1, 0, HOST_TRANSPOSE)
+
+
+# (rows, columns, warps) of one program, from benchmarks/fp8_cast_sweep.py on an H200: the fastest tile whose
+# transposed store passed its check at the trainer's shapes (qwen3-1.7b, llama3-8b)
+TILES = {"fwd": (32, 128, 4), "bwd": (64, 64, 4)}
+
+
+def _kwargs(fp8_dtype: torch.dtype, t_mode: int, tile: tuple[int, int, int]) -> dict[str, Any]:
+    br, bc, warps = tile
+    kw = {"FMAX": FP8_MAX[fp8_dtype], "MBITS": FP8_GRID[fp8_dtype][0], "EMIN": FP8_GRID[fp8_dtype][1],
+          "T_MODE": 0 if t_mode == HOST_TRANSPOSE else t_mode, "BR": br, "BC": bc}
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        kw["num_warps"] = warps
+    return kw
+
+
+def _grid(m: int, f: int, kw: dict[str, Any]) -> tuple[int, int]:
+    return triton_cast.triton_cdiv(m, kw["BR"]), triton_cast.triton_cdiv(f, kw["BC"])
+
+
+# ---------------------------------------------------------------------------------------------------- references
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp32 (what the forward kernel computes before its cast)."""
+    return F.silu(gate.float()) * up.float()
+
+
+def swiglu_bwd_ref(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) in fp32 for dh = d(silu(gate) * up) (what the backward kernel computes before its cast)."""
+    gate, up, dh = gate.float(), up.float(), dh.float()
+    sig = torch.sigmoid(gate)
+    return dh * up * sig * (1.0 + gate * (1.0 - sig)), dh * gate * sig
+
+
+# ---------------------------------------------------------------------------------------------------- kernels
+def _empty(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, marker: bool) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if marker:  # a checked call: unwritten elements must show (triton_cast.fill_unwritten_marker)
+        triton_cast.fill_unwritten_marker(out)
+    return out
+
+
+def swiglu_cast(y: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, want_t: bool,
+                amax_out: torch.Tensor | None = None, t_mode: int = 0, tile: tuple[int, int, int] | None = None,
+                marker: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y [M, 2F] (gate in columns [0, F), up in [F, 2F), unit column stride) -> (q [M, F], q^T [F, M] or None)
+    of h = silu(gate) * up cast with `scale`; amax_out (fp32 scalar) raised in place to max(amax_out, max |h|).
+    t_mode: one of FORMULATIONS."""
+    m, f2 = y.shape
+    f = f2 // 2
+    in_kernel = want_t and t_mode != HOST_TRANSPOSE
+    q = _empty((m, f), fp8_dtype, y.device, marker)
+    t = _empty((f, m), fp8_dtype, y.device, marker) if in_kernel else None
+    kw = _kwargs(fp8_dtype, t_mode, tile or TILES["fwd"])
+    swiglu_cast_kernel[_grid(m, f, kw)](
+        y, y.stride(0), m, f, q, t if t is not None else q, f, m, scale,
+        amax_out if amax_out is not None else scale, WANT_T=in_kernel, HAS_AMAX=amax_out is not None, **kw)
+    if want_t and not in_kernel:
+        t = transpose_fp8(q)
+    return q, t
+
+
+def swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor,
+                    fp8_dtype: torch.dtype, want_q: bool, want_t: bool,
+                    row_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    amax_out: Sequence[torch.Tensor] = (), t_mode: int = 0, tile: tuple[int, int, int] | None = None,
+                    marker: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dh [M, F], gate and up [M, F] (unit column stride, same row stride; FP8 with `row_scales` = their
+    per-row scale_invs [M] each, else any float dtype) -> (q [M, 2F] or None, q^T [2F, M] or None) of
+    [d_gate, d_up] cast with `scale`; each of `amax_out` raised to the max |.| of both. t_mode: one of
+    FORMULATIONS."""
+    m, f = dh.shape
+    if len(amax_out) > MAX_AMAX_OUTS:
+        raise ValueError(f"swiglu_bwd_cast takes at most {MAX_AMAX_OUTS} amax outputs, got {len(amax_out)}")
+    in_kernel = want_t and t_mode != HOST_TRANSPOSE
+    write_q = want_q or (want_t and not in_kernel)
+    q = _empty((m, 2 * f), fp8_dtype, dh.device, marker) if write_q else None
+    t = _empty((2 * f, m), fp8_dtype, dh.device, marker) if in_kernel else None
+    any_out = q if q is not None else t
+    q1, q2 = (q[:, :f], q[:, f:]) if q is not None else (any_out, any_out)
+    t1, t2 = (t[:f], t[f:]) if t is not None else (any_out, any_out)
+    amaxes = (list(amax_out) + [scale] * MAX_AMAX_OUTS)[:MAX_AMAX_OUTS]
+    gs, us = row_scales if row_scales is not None else (scale, scale)
+    kw = _kwargs(fp8_dtype, t_mode, tile or TILES["bwd"])
+    swiglu_bwd_cast_kernel[_grid(m, f, kw)](
+        dh, dh.stride(0), gate, up, gate.stride(0), gs, us, m, f, q1, q2, t1, t2, 2 * f, m, scale, *amaxes,
+        WANT_Q=write_q, WANT_T=in_kernel, ROW_SCALES=row_scales is not None, N_AMAX=len(amax_out), **kw)
+    if want_t and not in_kernel:
+        t = transpose_fp8(q)
+    return (q if want_q else None), t
+
+
+# ---------------------------------------------------------------------------------------------------- checked calls
+def _codes_close(q: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Every FP8 code of q within one step of ref's (FP8 codes are monotone in magnitude within a sign)."""
+    a, b = q.view(torch.uint8).int(), ref.view(torch.uint8).int()
+    mag_a, mag_b = a & 0x7F, b & 0x7F
+    same_sign = ((a ^ b) & 0x80) == 0
+    return bool((((mag_a - mag_b).abs() <= 1) & (same_sign | (mag_a + mag_b <= 1))).all())
+
+
+def _first_call(key: tuple, run: Any, ref: torch.Tensor, amax_outs: Sequence[torch.Tensor],
+                amax_ref: torch.Tensor) -> tuple | None:
+    """Run `run(t_mode, marker=True)` for each of FORMULATIONS until its outputs pass the check against the torch
+    computation (the FP8 codes of q and q^T within one step of `ref`'s, the amax outputs within 1e-3); remembers
+    the formulation, or switches the variant off (None) with the amax outputs restored."""
+    before = [a.clone() for a in amax_outs]
+    problems = []
+    for mode in FORMULATIONS:
+        for a, b in zip(amax_outs, before):
+            a.copy_(b)
+        try:
+            q, t = run(mode, True)
+        except Exception as e:  # e.g. a Triton build without these FP8 conversions
+            problems.append(f"formulation {mode}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        wrong = []
+        if q is not None and not _codes_close(q, ref):
+            wrong.append(f"formulation {mode}: q differs from the torch computation by more than one FP8 step")
+        if t is not None and not _codes_close(t.t(), ref):
+            wrong.append(f"formulation {mode}: q^T differs from the torch computation by more than one FP8 step")
+        want = [torch.maximum(b, amax_ref) for b in before]
+        if any(not torch.allclose(a, w, rtol=1e-3, atol=0.0) for a, w in zip(amax_outs, want)):
+            wrong.append(f"formulation {mode}: amax differs from the torch computation")
+        if not wrong:
+            _state["mode"][key] = mode
+            return q, t
+        problems += wrong
+    _state["bad"].add(key)
+    warnings.warn(f"megadlms.fp8: the fused SwiGLU + FP8 cast kernel disagreed with torch for {key} "
+                  f"({'; '.join(problems)}); the FP8 MLP runs unfused for this variant", RuntimeWarning, stacklevel=3)
+    for a, b in zip(amax_outs, before):
+        a.copy_(b)
+    return None
+
+
+def checked_swiglu_cast(y: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, want_t: bool,
+                        amax_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`swiglu_cast`, checked on the first call of each variant; None when the variant is off."""
+    key = ("fwd", y.dtype, fp8_dtype, want_t, amax_out is not None)
+    if key in _state["bad"]:
+        return None
+    mode = _state["mode"].get(key)
+    if mode is not None:
+        return swiglu_cast(y, scale, fp8_dtype, want_t, amax_out, mode)
+    f = y.shape[1] // 2
+    h = swiglu_ref(y[:, :f], y[:, f:])
+    fmax = FP8_MAX[fp8_dtype]
+    ref = (h * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    outs = [amax_out] if amax_out is not None else []
+    return _first_call(key, lambda mode, marker: swiglu_cast(y, scale, fp8_dtype, want_t, amax_out, mode,
+                                                             marker=marker), ref, outs, h.abs().amax())
+
+
+def checked_swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor,
+                            fp8_dtype: torch.dtype, want_q: bool, want_t: bool,
+                            row_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            amax_out: Sequence[torch.Tensor] = ()
+                            ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """`swiglu_bwd_cast`, checked on the first call of each variant; None when the variant is off."""
+    key = ("bwd", dh.dtype, gate.dtype, fp8_dtype, want_q, want_t, row_scales is not None, len(amax_out))
+    if key in _state["bad"]:
+        return None
+    mode = _state["mode"].get(key)
+    if mode is not None:
+        return swiglu_bwd_cast(dh, gate, up, scale, fp8_dtype, want_q, want_t, row_scales, amax_out, mode)
+    if row_scales is not None:
+        g, u = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
+    else:
+        g, u = gate, up
+    d = torch.cat(swiglu_bwd_ref(dh, g, u), dim=1)
+    fmax = FP8_MAX[fp8_dtype]
+    ref = (d * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    return _first_call(key, lambda mode, marker: swiglu_bwd_cast(dh, gate, up, scale, fp8_dtype, want_q, want_t,
+                                                                 row_scales, amax_out, mode, marker=marker),
+                       ref, list(amax_out), d.abs().amax())
+
+
+__all__ = ["available", "swiglu_cast", "swiglu_bwd_cast", "checked_swiglu_cast", "checked_swiglu_bwd_cast",
+           "swiglu_ref", "swiglu_bwd_ref"]
