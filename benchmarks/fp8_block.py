@@ -4,7 +4,8 @@ Default shapes: an 8B-class Llama block (hidden 4096, ffn 14336, 32 heads / 8 KV
 128), B=2, S=4096, fp32 master weights under BF16 autocast, BF16 activations in and out. Times the
 forward and the backward separately (CUDA events, median of --iters after warm-up) and prints
 TFLOP/s (FLOPs: 6*N_linear + 12*S*H_attn per token for forward+backward, one third of it forward)
-and the speed-up of each variant over our BF16 block.
+and the speed-up of each variant over our BF16 block. "peak GiB" is the variant's own peak: the most it
+allocated on top of what was live before it was built (its parameters, FP8 copies and activations).
 
 Variants (--variants, comma-separated):
   bf16           our block in BF16 (the model's default attention path)
@@ -130,9 +131,12 @@ def build_variant(name: str, cfg: TransformerConfig, device: torch.device, compi
 
 def run_variant(name: str, cfg: TransformerConfig, a: argparse.Namespace, device: torch.device,
                 compile_: bool, x0: torch.Tensor, g0: torch.Tensor, rope) -> dict:
+    cuda = device.type == "cuda"
+    # the variant's own memory: what it allocates on top of what was live before it was built (the shared
+    # inputs, and earlier variants' layers kept for profiling)
+    before = torch.cuda.memory_allocated() if cuda else 0
     layer, ctx, step = build_variant(name, cfg, device, compile_)
     layer.train()
-    cuda = device.type == "cuda"
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     x = x0.detach().requires_grad_(True)
 
@@ -179,7 +183,7 @@ def run_variant(name: str, cfg: TransformerConfig, a: argparse.Namespace, device
         y = (layer(x0, rope) - x0).float()  # the block's update (the residual input would hide errors)
     res = {"variant": name, "fwd_ms": statistics.median(f_ms), "bwd_ms": statistics.median(b_ms),
            "fwd_ms_all": f_ms, "bwd_ms_all": b_ms, "warmup_s": warm_s,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")}
+           "peak_gib": (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else float("nan")}
     res["_out"] = y
     res["_layer"] = (layer, ctx, step, fwd)
     return res

@@ -67,14 +67,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--modes", default="0,1,2,3", help="transposed-store formulations to try")
+    p.add_argument("--roundings", default="hw,sw", help="roundings to try: hw (the conversion instruction's), "
+                   "sw (in fp32 arithmetic first); see triton_cast.ROUNDINGS")
     p.add_argument("--tiles", default="", help="tiles to try, e.g. 64x64x4,64x128x4 (rows x columns x warps); "
                    "default: all of TILES")
+    p.add_argument("--kinds", default="cast,swiglu", help="which kernels: cast (triton_cast), swiglu (triton_swiglu)")
     p.add_argument("--smoke", action="store_true", help="shapes / 64, two tiles, CPU (with TRITON_INTERPRET=1)")
     a = p.parse_args()
     dev = torch.device("cpu" if a.smoke else "cuda")
     x0 = torch.empty(1, 1, device=dev)
     assert triton_cast.available(x0), "the Triton cast is not available here"
     modes = [int(m) for m in a.modes.split(",")]
+    roundings = [{"hw": False, "sw": True}[r] for r in a.roundings.split(",")]
     tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles.split(",")] if a.tiles else TILES
     tiles = tiles[:2] if a.smoke else tiles
     shapes = [(n, r // 64, c // 64, dt, f8, k, w // 64 if w else None) for n, r, c, dt, f8, k, w in SHAPES] \
@@ -82,7 +86,8 @@ def main() -> None:
     name = "CPU (Triton interpreter)" if a.smoke else torch.cuda.get_device_name()
     print(f"FP8 cast sweep | torch {torch.__version__} | {name}")
     summary = []
-    for name, r, c, dt, f8, n_amax, wide in shapes:
+    kinds = a.kinds.split(",")
+    for name, r, c, dt, f8, n_amax, wide in shapes if "cast" in kinds else []:
         g = torch.Generator(device=dev).manual_seed(0)
         x = (torch.randn(r, c, device=dev, generator=g) * 3).to(dt)
         a.iters = 2 if a.smoke else a.iters
@@ -98,12 +103,12 @@ def main() -> None:
         src = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
         copy_us = time_us(lambda: dst.copy_(src), a.iters)  # reads + writes `moved` bytes
-        cast_modes = [m for m in modes if m != 3 or dt == torch.float32]
+        cast_variants = [(m, sw) for sw in roundings for m in modes if m != 3 or dt == torch.float32]
 
-        def run(tile, mode, marker=False):
+        def run(tile, variant, marker=False):
             if marker:  # unwritten elements must show
                 triton_cast.fill_unwritten_marker(q_out, t_out)
-            triton_cast.cast_transpose(x, scale, f8, True, True, amaxes, q_out, t_out, mode, tile)
+            triton_cast.cast_transpose(x, scale, f8, True, True, amaxes, q_out, t_out, variant[0], tile, variant[1])
             return q_out, t_out
 
         def check(q, t):
@@ -111,13 +116,14 @@ def main() -> None:
                     and torch.equal(t.view(torch.uint8), ref_t.view(torch.uint8))
                     and all(float(m) == float(x.float().abs().max()) for m in amaxes))
 
-        rows = measure(name, tiles, cast_modes, run, check, moved, a.iters)
-        summary.append((name, moved, copy_us, chosen(rows, triton_cast.tile_config(dt, True), cast_modes),
+        rows = measure(name, tiles, cast_variants, run, check, moved, a.iters)
+        summary.append((name, moved, copy_us, chosen(rows, triton_cast.tile_config(dt, True), cast_variants),
                         fastest(rows)))
-    summary += sweep_swiglu(dev, tiles, a)
+    if "swiglu" in kinds:
+        summary += sweep_swiglu(dev, tiles, roundings, a)
     print("\nbytes moved = read x + write q + write q^T; copy = a device copy of the same bytes")
-    print("now = the library's tile and the first formulation in its order that passed; best = the fastest that "
-          "passed")
+    print("now = the library's tile and the first (formulation, rounding) in its order that passed; best = the "
+          "fastest that passed; a formulation with 's': rounded in fp32 arithmetic")
     print(f"{'cast':24s} {'MB':>6s} {'copy us':>8s} {'copy GB/s':>9s} {'now us':>8s} {'now GB/s':>8s} "
           f"{'best us':>8s} {'best GB/s':>9s}  best tile, mode")
     for name, moved, copy_us, now, best in summary:
@@ -125,24 +131,29 @@ def main() -> None:
         best_us = best[0] if best else float("nan")
         print(f"{name:24s} {moved / 1e6:6.0f} {copy_us:8.1f} {moved / copy_us / 1e3:9.0f} {now_us:8.1f} "
               f"{moved / now_us / 1e3:8.0f} {best_us:8.1f} {moved / best_us / 1e3:9.0f}  "
-              f"{best[1] if best else '-'}, {best[2] if best else '-'}")
+              f"{best[1] if best else '-'}, {label(best[2]) if best else '-'}")
 
 
-def measure(label: str, tiles, modes, run, check, moved: int, iters: int) -> list:
-    """(us, tile, mode, ok) for every tile and formulation: the output of a first call made with marker-filled
-    outputs checked by `check(q, t)`, then the median time of `iters` calls."""
+def label(variant: tuple[int, bool]) -> str:
+    """(formulation, rounded in fp32) -> '1' or '1s'."""
+    return f"{variant[0]}{'s' if variant[1] else ''}"
+
+
+def measure(name: str, tiles, variants, run, check, moved: int, iters: int) -> list:
+    """(us, tile, variant, ok) for every tile and (formulation, rounding): the output of a first call made with
+    marker-filled outputs checked by `check(q, t)`, then the median time of `iters` calls."""
     rows = []
     for tile in tiles:
-        for mode in modes:
+        for variant in variants:
             try:
-                ok = check(*run(tile, mode, True))
-                us = time_us(lambda: run(tile, mode), iters)
+                ok = check(*run(tile, variant, True))
+                us = time_us(lambda: run(tile, variant), iters)
             except Exception as e:  # a tile this Triton cannot build
-                print(f"  {label} tile {tile} mode {mode}: {type(e).__name__}: {str(e)[:120]}")
+                print(f"  {name} tile {tile} mode {label(variant)}: {type(e).__name__}: {str(e)[:120]}")
                 continue
-            rows.append((us, tile, mode, ok))
-            print(f"  {label:24s} tile {str(tile):15s} mode {mode}  {us:8.1f} us  {moved / us / 1e3:7.0f} GB/s"
-                  f"  {'ok' if ok else 'WRONG'}", flush=True)
+            rows.append((us, tile, variant, ok))
+            print(f"  {name:24s} tile {str(tile):15s} mode {label(variant):3s} {us:8.1f} us  "
+                  f"{moved / us / 1e3:7.0f} GB/s  {'ok' if ok else 'WRONG'}", flush=True)
     return rows
 
 
@@ -161,7 +172,7 @@ def fastest(rows: list) -> tuple | None:
 SWIGLU_SHAPES = [("qwen", 16384, 6144), ("llama", 8192, 14336)]
 
 
-def sweep_swiglu(dev, tiles, a) -> list:
+def sweep_swiglu(dev, tiles, roundings, a) -> list:
     """The fused SwiGLU + FP8 cast kernels (forward: y [M, 2F] -> h q, h^T; backward: dh, y -> [d_gate, d_up] q,
     ^T) by tile and formulation of q^T (`triton_swiglu.FORMULATIONS`; 9: q transposed by the FP8 transpose
     kernel), checked as their first call is."""
@@ -183,19 +194,21 @@ def sweep_swiglu(dev, tiles, a) -> list:
             dst = torch.empty_like(src)
             copy_us = time_us(lambda: dst.copy_(src), a.iters)
 
-            def run(tile, mode, marker=False, kind=kind):
+            def run(tile, variant, marker=False, kind=kind):
+                mode, sw = variant
                 if kind == "fwd":
-                    return triton_swiglu.swiglu_cast(y, scale, torch.float8_e4m3fn, True, amax[0], mode, tile, marker)
+                    return triton_swiglu.swiglu_cast(y, scale, torch.float8_e4m3fn, True, amax[0], mode, tile, marker,
+                                                     sw)
                 return triton_swiglu.swiglu_bwd_cast(dh, y[:, :f], y[:, f:], scale, torch.float8_e5m2, True, True,
-                                                     None, amax, mode, tile, marker)
+                                                     None, amax, mode, tile, marker, sw)
 
             def check(q, t, ref=ref):
                 return triton_swiglu._codes_close(q, ref) and torch.equal(t.view(torch.uint8), q.view(torch.uint8).t())
 
-            label = f"swiglu {kind} {name}"
-            rows = measure(label, tiles, triton_swiglu.FORMULATIONS, run, check, moved, a.iters)
-            summary.append((label, moved, copy_us, chosen(rows, triton_swiglu.TILES[kind], triton_swiglu.FORMULATIONS),
-                            fastest(rows)))
+            variants = [(m, sw) for sw in roundings for m in triton_swiglu.FORMULATIONS[kind]]
+            what = f"swiglu {kind} {name}"
+            rows = measure(what, tiles, variants, run, check, moved, a.iters)
+            summary.append((what, moved, copy_us, chosen(rows, triton_swiglu.TILES[kind], variants), fastest(rows)))
     return summary
 
 

@@ -4,12 +4,15 @@ with delayed scaling the scale is known before the cast, so the amax of this ste
 the members of a fused projection get it in their history slots directly).
 
 Each element is cast(clamp(x * scale, -fp8_max, fp8_max)) in fp32 with round-to-nearest-even, i.e. what
-`quantize.quantize` computes. The rounding is done in fp32 arithmetic before the conversion
-(`quantize.round_to_fp8_grid`), so the result does not depend on how a GPU's conversion instruction
-rounds. `available()` is False without Triton, off CUDA, or with MEGADLMS_FP8_TRITON=0; the first call
-of each variant (input dtype, FP8 format, outputs) is checked bitwise against the ATen cast (each
-formulation of the transposed store in turn, TRANSPOSE_MODES), and a variant that still differs falls back
-to the compiled torch cast, with a warning that shows the first differing elements.
+`quantize.quantize` computes: by the conversion instruction, or (ROUNDINGS) rounded to the FP8 grid in fp32
+arithmetic first (`quantize.round_to_fp8_grid`), which does not depend on how the instruction rounds.
+`available()` is False without Triton, off CUDA, or with MEGADLMS_FP8_TRITON=0; the first call of each variant
+(input dtype, FP8 format, outputs) is checked bitwise against the ATen cast (each rounding and formulation of the
+transposed store in turn, ROUNDINGS x TRANSPOSE_MODES), and a variant that still differs falls back to the
+compiled torch cast, with a warning that shows the first differing elements.
+
+Per element the kernel does little besides the cast (32-bit offsets inside a tile, no masks when the tile
+divides the tensor): a memory-bound pass is only as fast as its instruction stream lets it be.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ import torch
 from .quantize import FP8_GRID
 from .recipe import E4M3, E5M2, FP8_MAX
 
+try:  # the kernel exists where Triton does; `available` says whether it can run
+    import triton
+    import triton.language as tl
+except Exception:  # no Triton: the compiled torch path is used
+    triton = None
+
 _state: dict[str, Any] = {"ok": None, "mode": {}, "bad": set()}
 logger = logging.getLogger(__name__)
 
@@ -33,7 +42,7 @@ def available(x: torch.Tensor) -> bool:
     if x.dim() != 2 or not x.is_contiguous() or (x.device.type != "cuda" and not _interpret()):
         return False
     if _state["ok"] is None:
-        _state["ok"] = os.environ.get("MEGADLMS_FP8_TRITON", "1") != "0" and _build()
+        _state["ok"] = os.environ.get("MEGADLMS_FP8_TRITON", "1") != "0" and triton is not None
     return bool(_state["ok"])
 
 
@@ -41,51 +50,84 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _build() -> bool:
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # no Triton: the compiled torch path is used
-        return False
-
+if triton is not None:
     @triton.jit
-    def cast_transpose_kernel(x_ptr, q_ptr, t_ptr, scale_ptr, amax_ptr, amax_ptr2, amax_ptr3, R, C, ld_q, ld_t,
-                              FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, WANT_Q: tl.constexpr,
-                              WANT_T: tl.constexpr, N_AMAX: tl.constexpr, T_MODE: tl.constexpr, BR: tl.constexpr,
-                              BC: tl.constexpr):
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        rows = pid_r * BR + tl.arange(0, BR)
-        cols = pid_c * BC + tl.arange(0, BC)
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale = tl.load(scale_ptr)
-        y = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
-        # round to the FP8 grid in fp32 (quantize.round_to_fp8_grid): |y| scaled so the FP8 spacing at its
-        # exponent is 1, rounded half-to-even by the 1.5 * 2**23 trick (|v| <= 16; fp32 adds round to nearest
-        # even), scaled back, sign bit restored; the conversions below are then exact
+    def fp8_round(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
+        # y fp32 within +-fp8_max -> the nearest FP8 value (ties to even), still fp32 (quantize.round_to_fp8_grid):
+        # |y| scaled so the FP8 spacing at its exponent is 1, rounded half-to-even by the 1.5 * 2**23 trick
+        # (|v| <= 16; fp32 adds round to nearest even), scaled back, sign bit restored
         bits = y.to(tl.int32, bitcast=True)
         exp = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN) - MBITS
         up = ((127 - exp) << 23).to(tl.float32, bitcast=True)
         down = ((127 + exp) << 23).to(tl.float32, bitcast=True)
         r = ((tl.abs(y) * up + 12582912.0) - 12582912.0) * down
-        y = (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+        return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def to_fp8(v, scale, out_ty: tl.constexpr, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+               SW_ROUND: tl.constexpr):
+        # cast(clamp(v * scale)) with round-to-nearest-even: by the conversion instruction (cvt.rn.satfinite on
+        # sm_89+), or with SW_ROUND rounded in fp32 arithmetic first (then any conversion is exact)
+        y = tl.minimum(tl.maximum(v * scale, -FMAX), FMAX)
+        if SW_ROUND:
+            y = fp8_round(y, MBITS, EMIN)
+        return y.to(out_ty, fp_downcast_rounding="rtne")
+
+    @triton.jit
+    def store_q_qt(v, scale, r0, c0, R, C, q_ptr, t_ptr, ld_q, ld_t, FMAX: tl.constexpr, MBITS: tl.constexpr,
+                   EMIN: tl.constexpr, WANT_Q: tl.constexpr, WANT_T: tl.constexpr, T_MODE: tl.constexpr,
+                   SW_ROUND: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        # v fp32 [BR, BC], the tile at (r0, c0) of an [R, C] tensor -> q[r0:, c0:] and q^T[c0:, r0:], cast with
+        # `scale`. 64-bit tile origins, 32-bit offsets inside the tile (less index arithmetic per element); with
+        # EVEN (R % BR == C % BC == 0) no masks. Masks are built from the indices: a transposed boolean tile lost
+        # a quarter of its stores on an H200 (Triton 3.6) with fp32 sources. T_MODE: TRANSPOSE_MODES 0-2
+        lr = tl.arange(0, BR)
+        lc = tl.arange(0, BC)
         if WANT_Q:
-            tl.store(q_ptr + rows[:, None].to(tl.int64) * ld_q + cols[None, :],
-                     y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-        if WANT_T:  # three formulations of the transposed store (see TRANSPOSE_MODES)
-            # the transposed tile's mask is built from the indices, not transposed: a transposed boolean tile
-            # lost about a quarter of its stores on an H200 (Triton 3.6) with fp32 sources
-            t_mask = (cols[:, None] < C) & (rows[None, :] < R)
-            if T_MODE == 0:
-                yt = tl.trans(y).to(t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-                tl.store(t_ptr + cols[:, None].to(tl.int64) * ld_t + rows[None, :], yt, mask=t_mask)
-            elif T_MODE == 1:
-                yt = tl.trans(y.to(t_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
-                tl.store(t_ptr + cols[:, None].to(tl.int64) * ld_t + rows[None, :], yt, mask=t_mask)
+            q = to_fp8(v, scale, q_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
+            q_tile = q_ptr + r0.to(tl.int64) * ld_q + c0
+            offs = lr[:, None] * ld_q + lc[None, :]
+            if EVEN:
+                tl.store(q_tile + offs, q)
             else:
-                tl.store(t_ptr + cols[None, :].to(tl.int64) * ld_t + rows[:, None],
-                         y.to(t_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+                tl.store(q_tile + offs, q, mask=(r0 + lr[:, None] < R) & (c0 + lc[None, :] < C))
+        if WANT_T:
+            t_tile = t_ptr + c0.to(tl.int64) * ld_t + r0
+            if T_MODE == 2:  # stores through transposed addresses (the compiler picks the data movement)
+                yt = to_fp8(v, scale, t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
+                offs_t = lc[None, :] * ld_t + lr[:, None]
+                t_mask = (c0 + lc[None, :] < C) & (r0 + lr[:, None] < R)
+            else:
+                if T_MODE == 0:  # transpose the fp32 tile, then convert
+                    yt = to_fp8(tl.trans(v), scale, t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
+                elif WANT_Q:  # convert, then transpose the FP8 tile
+                    yt = tl.trans(q)
+                else:
+                    yt = tl.trans(to_fp8(v, scale, t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND))
+                offs_t = lc[:, None] * ld_t + lr[None, :]
+                t_mask = (c0 + lc[:, None] < C) & (r0 + lr[None, :] < R)
+            if EVEN:
+                tl.store(t_tile + offs_t, yt)
+            else:
+                tl.store(t_tile + offs_t, yt, mask=t_mask)
+
+    @triton.jit
+    def cast_transpose_kernel(x_ptr, q_ptr, t_ptr, scale_ptr, amax_ptr, amax_ptr2, amax_ptr3, R, C, ld_q, ld_t,
+                              FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, WANT_Q: tl.constexpr,
+                              WANT_T: tl.constexpr, N_AMAX: tl.constexpr, T_MODE: tl.constexpr,
+                              SW_ROUND: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        r0 = tl.program_id(0) * BR
+        c0 = tl.program_id(1) * BC
+        lr = tl.arange(0, BR)
+        lc = tl.arange(0, BC)
+        x_tile = x_ptr + r0.to(tl.int64) * C + c0
+        offs = lr[:, None] * C + lc[None, :]
+        if EVEN:
+            x = tl.load(x_tile + offs).to(tl.float32)
+        else:
+            x = tl.load(x_tile + offs, mask=(r0 + lr[:, None] < R) & (c0 + lc[None, :] < C), other=0.0).to(tl.float32)
+        store_q_qt(x, tl.load(scale_ptr), r0, c0, R, C, q_ptr, t_ptr, ld_q, ld_t, FMAX, MBITS, EMIN, WANT_Q, WANT_T,
+                   T_MODE, SW_ROUND, EVEN, BR, BC)
         if N_AMAX > 0:
             tile_amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
             tl.atomic_max(amax_ptr, tile_amax)
@@ -93,9 +135,6 @@ def _build() -> bool:
                 tl.atomic_max(amax_ptr2, tile_amax)
             if N_AMAX > 2:
                 tl.atomic_max(amax_ptr3, tile_amax)
-
-    _state["kernel"] = cast_transpose_kernel
-    return True
 
 
 # Formulations of the transposed store, in the order tried: 0 transposes the fp32 tile and converts, 1 converts
@@ -105,14 +144,19 @@ def _build() -> bool:
 # and keeps the first that agrees, so a code-generation problem with one of them costs neither correctness nor
 # the kernel (seen on an H200, Triton 3.6: with fp32 inputs a quarter of q^T wrong in formulations 0-2, q right).
 TRANSPOSE_MODES = (0, 1, 2, 3, 4)
+# The rounding, in the order tried (the `sw_round` argument): the conversion instruction's round-to-nearest-even
+# (cvt.rn.satfinite; fewer instructions per element), then rounding in fp32 arithmetic before the conversion
+# (`quantize.round_to_fp8_grid`; exact whatever the instruction does). A q that differs from ATen's moves the check
+# on to the next rounding.
+ROUNDINGS = (False, True)
 MAX_AMAX_OUTS = 3
 
 
 
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, want_q: bool, want_t: bool,
                    amax_out: torch.Tensor | Sequence[torch.Tensor] | None = None, q_out: torch.Tensor | None = None,
-                   t_out: torch.Tensor | None = None, t_mode: int = 0, tile: tuple[int, int, int] | None = None
-                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                   t_out: torch.Tensor | None = None, t_mode: int = 0, tile: tuple[int, int, int] | None = None,
+                   sw_round: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """x [R, C] contiguous (any float dtype), scale fp32 scalar tensor -> (q [R, C] | None, q^T [C, R] | None).
 
     amax_out: fp32 scalar tensor, or up to MAX_AMAX_OUTS of them (the history slots of a fused group), each raised
@@ -121,6 +165,8 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
     e.g. row/column blocks of a larger buffer); allocated when None.
     t_mode: the formulation of the transposed store (TRANSPOSE_MODES).
     tile: (rows, columns, warps) of one program; `tile_config` when None.
+    sw_round: round to the FP8 grid in fp32 arithmetic before the conversion (ROUNDINGS) instead of relying on
+    the conversion instruction's round-to-nearest-even.
     """
     r, c = x.shape
     amaxes = _amax_list(amax_out)
@@ -132,24 +178,28 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
         t_out = torch.empty(c, r, dtype=fp8_dtype, device=x.device)
     if want_t and t_mode >= 3:
         q_full = q_out if want_q else torch.empty(r, c, dtype=fp8_dtype, device=x.device)
-        _launch(x, scale, fp8_dtype, q_full, None, amaxes, 0, tile)
+        _launch(x, scale, fp8_dtype, q_full, None, amaxes, 0, tile, sw_round)
         if t_mode == 3:
-            _launch(x, scale, fp8_dtype, None, t_out, [], 0, tile)
+            _launch(x, scale, fp8_dtype, None, t_out, [], 0, tile, sw_round)
         else:
             t_out.copy_(q_full.t())
     else:
-        _launch(x, scale, fp8_dtype, q_out if want_q else None, t_out if want_t else None, amaxes, t_mode, tile)
+        _launch(x, scale, fp8_dtype, q_out if want_q else None, t_out if want_t else None, amaxes, t_mode, tile,
+                sw_round)
     return (q_out if want_q else None), (t_out if want_t else None)
 
 
 def tile_config(x_dtype: torch.dtype, want_t: bool) -> tuple[int, int, int]:
-    """(rows, columns, warps) of one program of the cast kernel."""
-    return 64, 64, 4
+    """(rows, columns, warps) of one program of the cast kernel: from benchmarks/fp8_cast_sweep.py on an H200, the
+    tile fastest over the trainer's casts (qwen3-1.7b, llama3-8b) among those that passed their check."""
+    if x_dtype == torch.float32:  # the master weights; cast in two launches (formulation 3)
+        return 64, 128, 4
+    return 128, 64, 8
 
 
 def _launch(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, q_out: torch.Tensor | None,
             t_out: torch.Tensor | None, amaxes: list[torch.Tensor], t_mode: int,
-            tile: tuple[int, int, int] | None = None) -> None:
+            tile: tuple[int, int, int] | None = None, sw_round: bool = False) -> None:
     r, c = x.shape
     q_arg = q_out if q_out is not None else (t_out if t_out is not None else x)
     t_arg = t_out if t_out is not None else q_arg
@@ -157,11 +207,13 @@ def _launch(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, q_out:
     br, bc, warps = tile or tile_config(x.dtype, t_out is not None)
     grid = (triton_cdiv(r, br), triton_cdiv(c, bc))
     kwargs = {} if _interpret() else {"num_warps": warps}
-    _state["kernel"][grid](x, q_arg, t_arg, scale, *amax_args, r, c,
-                           q_out.stride(0) if q_out is not None else c, t_out.stride(0) if t_out is not None else r,
-                           FMAX=FP8_MAX[fp8_dtype], MBITS=FP8_GRID[fp8_dtype][0], EMIN=FP8_GRID[fp8_dtype][1],
-                           WANT_Q=q_out is not None, WANT_T=t_out is not None, N_AMAX=len(amaxes), T_MODE=t_mode,
-                           BR=br, BC=bc, **kwargs)
+    cast_transpose_kernel[grid](x, q_arg, t_arg, scale, *amax_args, r, c,
+                                q_out.stride(0) if q_out is not None else c,
+                                t_out.stride(0) if t_out is not None else r,
+                                FMAX=FP8_MAX[fp8_dtype], MBITS=FP8_GRID[fp8_dtype][0], EMIN=FP8_GRID[fp8_dtype][1],
+                                WANT_Q=q_out is not None, WANT_T=t_out is not None, N_AMAX=len(amaxes),
+                                T_MODE=t_mode, SW_ROUND=sw_round, EVEN=r % br == 0 and c % bc == 0, BR=br, BC=bc,
+                                **kwargs)
 
 
 def _amax_list(amax_out: torch.Tensor | Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -187,9 +239,9 @@ def checked_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torc
     key = (x.dtype, fp8_dtype, want_q, want_t, len(amaxes), q_out is not None, t_out is not None)
     if key in _state["bad"]:
         return None
-    mode = _state["mode"].get(key)
-    if mode is not None:
-        return cast_transpose(x, scale, fp8_dtype, want_q, want_t, amaxes, q_out, t_out, mode)
+    found = _state["mode"].get(key)
+    if found is not None:
+        return cast_transpose(x, scale, fp8_dtype, want_q, want_t, amaxes, q_out, t_out, *found)
     before = [a.clone() for a in amaxes]
     fmax = FP8_MAX[fp8_dtype]
     ref = (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
@@ -200,37 +252,42 @@ def checked_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torc
         t_out = torch.empty(c, r, dtype=fp8_dtype, device=x.device)
     want_amax = [torch.maximum(b, x.abs().amax().float()) for b in before]
     problems = []
-    for mode in TRANSPOSE_MODES if want_t else TRANSPOSE_MODES[:1]:
-        for a, b in zip(amaxes, before):
-            a.copy_(b)
-        fill_unwritten_marker(q_out, t_out)
-        try:
-            q, t = cast_transpose(x, scale, fp8_dtype, want_q, want_t, amaxes, q_out, t_out, mode)
-        except Exception as e:  # e.g. a Triton build without these FP8 conversions
-            if mode != TRANSPOSE_MODES[0]:  # the kernel builds: only this formulation does not
-                problems.append(f"q^T (formulation {mode}): {type(e).__name__}: {str(e)[:200]}")
-                continue
-            _state["ok"] = False
-            warnings.warn(f"megadlms.fp8: the Triton FP8 cast kernel failed ({type(e).__name__}: {str(e)[:200]}); "
-                          "using the compiled torch cast instead", RuntimeWarning, stacklevel=2)
+    for sw_round in ROUNDINGS:
+        rounding = "fp32 rounding" if sw_round else "conversion rounding"
+        for mode in TRANSPOSE_MODES if want_t else TRANSPOSE_MODES[:1]:
             for a, b in zip(amaxes, before):
                 a.copy_(b)
-            return None
-        wrong = []  # q and the amax do not depend on the transposed store: no other formulation helps
-        if q is not None and not torch.equal(q.view(torch.uint8), ref.view(torch.uint8)):
-            wrong.append("q: " + _first_differences(x, scale, q, ref))
-        wrong += [f"amax {a.item()!r} instead of {w.item()!r}"
-                  for a, w in zip(amaxes, want_amax) if not torch.equal(a, w)]
-        if wrong:
-            problems += wrong
-            break
-        if t is None or torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8)):
-            if mode != TRANSPOSE_MODES[0]:
-                logger.info("megadlms.fp8: Triton FP8 cast %s -> %s uses transposed-store formulation %d (%s)",
-                            x.dtype, fp8_dtype, mode, "; ".join(problems))
-            _state["mode"][key] = mode
-            return q, t
-        problems.append(f"q^T (formulation {mode}): " + _first_differences(x.t(), scale, t, ref.t()))
+            fill_unwritten_marker(q_out, t_out)
+            try:
+                q, t = cast_transpose(x, scale, fp8_dtype, want_q, want_t, amaxes, q_out, t_out, mode, None, sw_round)
+            except Exception as e:  # e.g. a Triton build without these FP8 conversions
+                if mode != TRANSPOSE_MODES[0]:  # the kernel builds: only this formulation does not
+                    problems.append(f"q^T (formulation {mode}, {rounding}): {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                if sw_round != ROUNDINGS[-1]:
+                    problems.append(f"{rounding}: {type(e).__name__}: {str(e)[:200]}")
+                    break
+                _state["ok"] = False
+                warnings.warn(f"megadlms.fp8: the Triton FP8 cast kernel failed ({type(e).__name__}: "
+                              f"{str(e)[:200]}); using the compiled torch cast instead", RuntimeWarning, stacklevel=2)
+                for a, b in zip(amaxes, before):
+                    a.copy_(b)
+                return None
+            wrong = []  # q and the amax do not depend on the transposed store: only another rounding may help
+            if q is not None and not torch.equal(q.view(torch.uint8), ref.view(torch.uint8)):
+                wrong.append(f"q ({rounding}): " + _first_differences(x, scale, q, ref))
+            wrong += [f"amax {a.item()!r} instead of {w.item()!r}"
+                      for a, w in zip(amaxes, want_amax) if not torch.equal(a, w)]
+            if wrong:
+                problems += wrong
+                break
+            if t is None or torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8)):
+                if problems:
+                    logger.info("megadlms.fp8: Triton FP8 cast %s -> %s uses transposed-store formulation %d with "
+                                "%s (%s)", x.dtype, fp8_dtype, mode, rounding, "; ".join(problems))
+                _state["mode"][key] = (mode, None, sw_round)
+                return q, t
+            problems.append(f"q^T (formulation {mode}, {rounding}): " + _first_differences(x.t(), scale, t, ref.t()))
     _state["bad"].add(key)
     warnings.warn(f"megadlms.fp8: the Triton FP8 cast kernel disagreed with the ATen cast for {x.dtype} -> "
                   f"{fp8_dtype} ({'; '.join(problems)}); this variant uses the compiled torch cast instead",

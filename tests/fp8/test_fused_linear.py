@@ -194,7 +194,8 @@ def test_group_outputs_and_weight_grads_bitwise_dx_to_summation_order(fp8_wgrad)
     assert torch.allclose(dxf, dxp, rtol=1e-5, atol=1e-6)
 
 
-def _emulated_kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0):
+def _emulated_kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0,
+                     tile=None, sw_round=False):
     """`triton_cast.cast_transpose`'s contract in plain torch (writes into the given blocks, atomic-max amax)."""
     fmax = triton_cast.FP8_MAX[fp8_dtype]
     ref = (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)

@@ -42,10 +42,11 @@ COMMON = textwrap.dedent("""
 
 KERNELS = COMMON + textwrap.dedent("""
     torch.manual_seed(0)
-    m, f = 40, 48  # partial tiles on both axes
-    y = (torch.randn(m, 2 * f) * 2).bfloat16()
-    assert ts.available(y)
-    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+    cases = (((40, 48), torch.float8_e4m3fn), ((40, 48), torch.float8_e5m2), ((64, 128), torch.float8_e4m3fn))
+    for (m, f), fp8 in cases:
+        # partial tiles on both axes, or whole tiles only (the kernels without masks)
+        y = (torch.randn(m, 2 * f) * 2).bfloat16()
+        assert ts.available(y)
         fmax = torch.finfo(fp8).max
         amax = torch.tensor(0.5)
         q, t = ts.checked_swiglu_cast(y, torch.tensor(8.0), fp8, True, amax)
@@ -67,7 +68,8 @@ KERNELS = COMMON + textwrap.dedent("""
         q2, t2 = ts.checked_swiglu_bwd_cast(dh, gq, uq, torch.tensor(4.0), fp8, False, True, (gs[:, 0], us[:, 0]))
         d2 = torch.cat(ts.swiglu_bwd_ref(dh, gq.float() * gs, uq.float() * us), 1)
         assert q2 is None and ts._codes_close(t2.t().contiguous(), (d2 * 4).clamp(-fmax, fmax).to(fp8))
-    for mode in ts.FORMULATIONS:  # every way of making q^T: the same bytes as q transposed
+    for mode in sorted(set(ts.FORMULATIONS["fwd"] + ts.FORMULATIONS["bwd"])):  # every way of making q^T
+        # the same bytes as q transposed
         q, t = ts.swiglu_cast(y, torch.tensor(8.0), torch.float8_e4m3fn, True, None, mode, marker=True)
         assert torch.equal(t.view(torch.uint8), q.view(torch.uint8).t()), mode
         q, t = ts.swiglu_bwd_cast(dh, y[:, :f], y[:, f:], torch.tensor(4.0), torch.float8_e5m2, True, True,
@@ -150,7 +152,7 @@ def _train_steps(model: torch.nn.Module, n: int) -> torch.Tensor:
 def _torch_kernels(monkeypatch, wrong_fwd: bool = False, wrong_bwd: bool = False) -> None:
     """The kernels' contract computed with torch, optionally wrong, standing in for Triton on the CPU."""
 
-    def fwd(y, scale, fp8_dtype, want_t, amax_out=None, t_mode=0, tile=None, marker=False):
+    def fwd(y, scale, fp8_dtype, want_t, amax_out=None, t_mode=0, tile=None, marker=False, sw_round=False):
         f = y.shape[1] // 2
         h = triton_swiglu.swiglu_ref(y[:, :f], y[:, f:])
         fmax = torch.finfo(fp8_dtype).max
@@ -160,7 +162,7 @@ def _torch_kernels(monkeypatch, wrong_fwd: bool = False, wrong_bwd: bool = False
         return q, q.t().contiguous() if want_t else None
 
     def bwd(dh, gate, up, scale, fp8_dtype, want_q, want_t, row_scales=None, amax_out=(), t_mode=0, tile=None,
-            marker=False):
+            marker=False, sw_round=False):
         if row_scales is not None:
             gate, up = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
         d = torch.cat(triton_swiglu.swiglu_bwd_ref(dh, gate, up), 1)

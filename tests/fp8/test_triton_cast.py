@@ -22,10 +22,11 @@ SCRIPT = textwrap.dedent("""
     from megadlms.fp8 import triton_cast
 
     torch.manual_seed(0)
-    for src in (torch.float32, torch.bfloat16):
+    for src, shape in ((torch.float32, (80, 144)), (torch.bfloat16, (80, 144)), (torch.bfloat16, (128, 192))):
         for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
             scale = torch.tensor(32.0)
-            x = ((torch.randn(80, 144) * 3).to(fp8).float() / 32.0).to(src)  # partial tiles on both axes
+            # partial tiles on both axes, or whole tiles only (the kernel without masks)
+            x = ((torch.randn(*shape) * 3).to(fp8).float() / 32.0).to(src)
             assert triton_cast.available(x)
             amax = torch.tensor(0.01)
             q, t = triton_cast.checked_cast_transpose(x, scale, fp8, True, True, amax)
@@ -33,6 +34,7 @@ SCRIPT = textwrap.dedent("""
             assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8)), (src, fp8)
             assert torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8)), (src, fp8)
             assert torch.equal(amax, x.abs().amax().float()), (src, fp8)
+            assert triton_cast._state["mode"], "a formulation and rounding were chosen"
             _, t_only = triton_cast.cast_transpose(x, scale, fp8, False, True)
             assert torch.equal(t_only.view(torch.uint8), t.view(torch.uint8))
 
@@ -73,7 +75,8 @@ SCRIPT = textwrap.dedent("""
             x = vals[:n].reshape(-1, 64).to(src)
             for scale in (torch.tensor(1.0), torch.tensor(0.7310585)):
                 for mode in triton_cast.TRANSPOSE_MODES:  # every formulation of the transposed store
-                    q, t = triton_cast.cast_transpose(x, scale, fp8, True, True, t_mode=mode)
+                    # rounded in fp32 arithmetic: exact whatever the interpreter's emulation of the conversion does
+                    q, t = triton_cast.cast_transpose(x, scale, fp8, True, True, t_mode=mode, sw_round=True)
                     ref = (x.float() * scale).clamp(-fmax, fmax).to(fp8).view(torch.uint8)
                     assert torch.equal(q.view(torch.uint8), ref), (fp8, src, (q.view(torch.uint8) != ref).sum())
                     assert torch.equal(t.view(torch.uint8), ref.t()), (fp8, src, mode)
@@ -104,7 +107,8 @@ def test_a_wrong_transposed_store_falls_through_to_the_next_formulation(monkeypa
 
     calls = []
 
-    def kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0):
+    def kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0,
+               tile=None, sw_round=False):
         calls.append(t_mode)
         ref = (x.float() * scale).clamp(-448, 448).to(fp8_dtype)
         for a in triton_cast._amax_list(amax_out):
@@ -123,12 +127,13 @@ def test_a_wrong_transposed_store_falls_through_to_the_next_formulation(monkeypa
     q, t = triton_cast.checked_cast_transpose(x, torch.tensor(8.0), torch.float8_e4m3fn, True, True, slots)
     ref = (x.float() * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8))
-    assert calls == [0, 1] and list(triton_cast._state["mode"].values()) == [1]
+    assert calls == [0, 1] and list(triton_cast._state["mode"].values()) == [(1, None, False)]
     assert slots[0] == x.abs().amax() and slots[1] == 100.0
     triton_cast.checked_cast_transpose(x, torch.tensor(8.0), torch.float8_e4m3fn, True, True, slots)
     assert calls == [0, 1, 1]  # checked once: later calls take the formulation found
 
-    def wrong_q(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0):
+    def wrong_q(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0,
+               tile=None, sw_round=False):
         for a in triton_cast._amax_list(amax_out):
             a.fill_(1e9)
         z = torch.zeros(x.shape, dtype=fp8_dtype)
@@ -151,7 +156,8 @@ def test_elements_a_kernel_leaves_unwritten_fail_the_first_call_check(monkeypatc
 
     calls = []
 
-    def kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0):
+    def kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0,
+               tile=None, sw_round=False):
         calls.append(t_mode)
         ref = (x.float() * scale).clamp(-448, 448).to(fp8_dtype)
         q_out.copy_(ref)
