@@ -17,6 +17,9 @@ Variants (--variants, comma-separated):
   fp8-tensorwise our FP8 engine, Float8CurrentScaling, HYBRID
   fp8-rowwise    our FP8 engine, Float8RowwiseScaling, HYBRID
   torchao        torchao.float8 tensorwise (when torchao is importable), same block otherwise
+  NAME+graphs    the variant with its forward and backward replayed from CUDA graphs, as the trainer runs its
+                 layers by default (`megadlms.training.cuda_graphs.LayerGraphs`, captured after one update);
+                 its speed-ups are against `bf16+graphs` when that runs too
 Before the blocks, an attention micro-benchmark compares SDPA backends at the block's shapes
 (GQA via enable_gqa vs K/V expanded to all heads; default choice vs cuDNN vs flash).
 --profile adds a per-kernel-class breakdown (GEMM, attention, Triton/elementwise, cast, other) of
@@ -44,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megadlms.config import TransformerConfig  # noqa: E402
 from megadlms.model import RotaryEmbedding, TransformerLayer  # noqa: E402
+from megadlms.training.cuda_graphs import LayerGraphs  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -81,15 +85,20 @@ def block_flops(cfg: TransformerConfig, tokens: int, seq: int) -> tuple[float, f
 
 
 class _Holder(torch.nn.Module):
-    """The minimum `convert_to_fp8` needs: a `layers` ModuleList."""
+    """The minimum `convert_to_fp8` and `LayerGraphs` need: a `layers` ModuleList and a `run_layers` hook."""
 
     def __init__(self, layer: torch.nn.Module):
         super().__init__()
         self.layers = torch.nn.ModuleList([layer])
 
+    def run_layers(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, rope, attn_mask, kv_cache)
+        return x
+
 
 def build_variant(name: str, cfg: TransformerConfig, device: torch.device, compile_: bool):
-    """-> (layer, context factory, per-step hook) for a variant."""
+    """-> (holder of the layer, context factory, per-step hook) for a variant (without its +graphs suffix)."""
     import contextlib
 
     torch.manual_seed(0)
@@ -97,6 +106,7 @@ def build_variant(name: str, cfg: TransformerConfig, device: torch.device, compi
     for p in layer.parameters():  # the model's init: normal(0.02), norms at 1
         if p.dim() > 1:
             torch.nn.init.normal_(p, 0.0, 0.02)
+    holder = _Holder(layer)
     ctx, step = contextlib.nullcontext, (lambda: None)
     if name.startswith("fp8-"):
         from megadlms.fp8 import (
@@ -112,7 +122,7 @@ def build_variant(name: str, cfg: TransformerConfig, device: torch.device, compi
         recipe = {"fp8-delayed": delayed, "fp8-delayed-unfused": delayed, "fp8-delayed-nomlp": delayed,
                   "fp8-tensorwise": Float8CurrentScaling(fp8_format=Format.HYBRID),
                   "fp8-rowwise": Float8RowwiseScaling(fp8_format=Format.HYBRID)}[name]
-        holder = convert_to_fp8(_Holder(layer), recipe, fuse_projections=not name.endswith("-unfused"),
+        holder = convert_to_fp8(holder, recipe, fuse_projections=not name.endswith("-unfused"),
                                 fuse_mlp=not name.endswith(("-unfused", "-nomlp")))
         ctx = holder.layer_context
 
@@ -126,7 +136,7 @@ def build_variant(name: str, cfg: TransformerConfig, device: torch.device, compi
         raise ValueError(f"unknown variant {name!r}")
     if compile_:
         layer.compile()
-    return layer, ctx, step
+    return holder, ctx, step
 
 
 def run_variant(name: str, cfg: TransformerConfig, a: argparse.Namespace, device: torch.device,
@@ -135,17 +145,21 @@ def run_variant(name: str, cfg: TransformerConfig, a: argparse.Namespace, device
     # the variant's own memory: what it allocates on top of what was live before it was built (the shared
     # inputs, and earlier variants' layers kept for profiling)
     before = torch.cuda.memory_allocated() if cuda else 0
-    layer, ctx, step = build_variant(name, cfg, device, compile_)
-    layer.train()
+    base_name, graphed = name.removesuffix("+graphs"), name.endswith("+graphs")
+    holder, ctx, step = build_variant(base_name, cfg, device, compile_)
+    holder.train()
+    graphs = LayerGraphs(holder, emulate=not cuda) if graphed else None
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     x = x0.detach().requires_grad_(True)
 
     def fwd():
         with amp, ctx():
-            return layer(x, rope)
+            return holder.run_layers(x, rope, None, None)
 
     t0 = time.perf_counter()
-    for _ in range(a.warmup):
+    for i in range(a.warmup + (1 if graphed else 0)):
+        if graphed and i == 1:
+            graphs.arm()  # as the trainer: capture after one update (compiled code and FP8 scales exist)
         out = fwd()
         out.backward(g0)
         step()
@@ -157,7 +171,7 @@ def run_variant(name: str, cfg: TransformerConfig, a: argparse.Namespace, device
     f_ms, b_ms, events = [], [], []
     for _ in range(a.iters):
         x.grad = None
-        for p in layer.parameters():
+        for p in holder.parameters():
             p.grad = None
         if cuda:  # no synchronisation between iterations: the host runs ahead, as in training
             e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -180,12 +194,18 @@ def run_variant(name: str, cfg: TransformerConfig, a: argparse.Namespace, device
         f_ms = [e[0].elapsed_time(e[1]) for e in events]
         b_ms = [e[1].elapsed_time(e[2]) for e in events]
     with torch.no_grad(), amp, ctx():
-        y = (layer(x0, rope) - x0).float()  # the block's update (the residual input would hide errors)
+        # the block's update (the residual input would hide errors)
+        y = (holder.run_layers(x0, rope, None, None) - x0).float()
     res = {"variant": name, "fwd_ms": statistics.median(f_ms), "bwd_ms": statistics.median(b_ms),
            "fwd_ms_all": f_ms, "bwd_ms_all": b_ms, "warmup_s": warm_s,
            "peak_gib": (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else float("nan")}
+    if graphs is not None:  # a failed capture runs eagerly: say so rather than time eager as graphs
+        res["graph_replays"], res["graph_failed"] = graphs.num_replays, graphs.failed
+        if graphs.num_replays < a.iters:
+            raise RuntimeError(f"{name}: {graphs.num_replays} of {a.iters} timed calls were replays "
+                               f"(capture: {graphs.failed or 'not taken'})")
     res["_out"] = y
-    res["_layer"] = (layer, ctx, step, fwd)
+    res["_layer"] = (holder, ctx, step, fwd)
     return res
 
 
@@ -229,11 +249,11 @@ def profile_variant(res: dict, g0: torch.Tensor, out_dir: Path | None) -> dict:
     """CUDA kernel time of one forward+backward (mean over 3), summed by kernel class."""
     from torch.profiler import ProfilerActivity, profile
 
-    layer, ctx, step, fwd = res["_layer"]
+    holder, ctx, step, fwd = res["_layer"]
     n = 3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
-            for p in layer.parameters():
+            for p in holder.parameters():
                 p.grad = None
             out = fwd()
             out.backward(g0)
@@ -406,7 +426,7 @@ def main() -> None:
     g0 = torch.randn_like(x0)
     rope = RotaryEmbedding(cfg.kv_channels, a.seq, cfg.rotary_base).to(device)(torch.arange(a.seq, device=device))
     fwd_fl, bwd_fl = block_flops(cfg, a.batch * a.seq, a.seq)
-    rows, ref_out, base = [], None, None
+    rows, ref_out, bases = [], None, {}
     profiles = {}
     for name in [v for v in a.variants.split(",") if v]:
         try:
@@ -421,8 +441,8 @@ def main() -> None:
             r["fwd_tflops"] = fwd_fl / r["fwd_ms"] / 1e9
             r["bwd_tflops"] = bwd_fl / r["bwd_ms"] / 1e9
             r["tot_tflops"] = (fwd_fl + bwd_fl) / (r["fwd_ms"] + r["bwd_ms"]) / 1e9
-            if name == "bf16":
-                base = r
+            if name in ("bf16", "bf16+graphs"):
+                bases[name] = r
             if device.type == "cuda" and name in a.profile.split(","):
                 try:
                     profiles[name] = profile_variant(r, g0, out_dir)
@@ -456,15 +476,17 @@ def main() -> None:
     env["fp8_triton_cast"] = triton_cast._state["ok"]
     print(f"\nblock {env['shape']} | torch {env['torch']} | {env['device']} | compile={compile_} | "
           f"one-pass Triton FP8 cast: {triton_cast._state['ok']}")
-    print(f"{'variant':16s} {'fwd ms':>8s} {'bwd ms':>8s} {'fwd TF/s':>9s} {'bwd TF/s':>9s} {'tot TF/s':>9s} "
+    print(f"{'variant':22s} {'fwd ms':>8s} {'bwd ms':>8s} {'fwd TF/s':>9s} {'bwd TF/s':>9s} {'tot TF/s':>9s} "
           f"{'fwd x':>6s} {'bwd x':>6s} {'peak GiB':>9s} {'rel err':>8s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:16s} ERROR {r['error']}")
+            print(f"{r['variant']:22s} ERROR {r['error']}")
             continue
+        # against BF16 launched the same way (graphs or not), else against plain bf16
+        base = bases.get("bf16+graphs" if r["variant"].endswith("+graphs") else "bf16") or bases.get("bf16")
         fx = base["fwd_ms"] / r["fwd_ms"] if base else float("nan")
         bx = base["bwd_ms"] / r["bwd_ms"] if base else float("nan")
-        print(f"{r['variant']:16s} {r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f} {r['fwd_tflops']:9.0f} {r['bwd_tflops']:9.0f} "
+        print(f"{r['variant']:22s} {r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f} {r['fwd_tflops']:9.0f} {r['bwd_tflops']:9.0f} "
               f"{r['tot_tflops']:9.0f} {fx:6.2f} {bx:6.2f} {r['peak_gib']:9.2f} {r['rel_err_vs_first']:8.1e}")
 
 

@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKES = {
-    "fp8_block": (["--smoke"], "fp8-delayed"),
+    "fp8_block": (["--smoke", "--variants", "bf16,fp8-delayed,fp8-tensorwise,torchao,bf16+graphs,fp8-delayed+graphs"],
+                  "fp8-delayed+graphs "),
     "fp8_numerics": (["--device", "cpu", "--small"], "budgets:"),
     "generate": (["--device", "cpu", "--preset", "tiny", "--gen-length", "16", "--block-length", "8", "--steps", "16",
                   "--prompt-length", "8", "--batch-sizes", "1", "2"], "fast dual"),

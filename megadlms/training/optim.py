@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -26,6 +27,28 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
         fused = all(p.is_cuda for p in decay + no_decay)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+def clip_grad_norm(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The gradients' total L2 norm (a device tensor), with the gradients clipped to `max_norm` for the next step.
+
+    With a fused Adam/AdamW the clipping factor is handed to the optimizer kernel as its gradient divisor (the
+    `grad_scale` that AMP's GradScaler uses), so the gradients are not rewritten by a separate pass over all of
+    them (one read and one write of every gradient per step). Otherwise, and for DTensor gradients (FSDP2,
+    tensor parallelism), `torch.nn.utils.clip_grad_norm_`. The same rule either way: factor
+    min(1, max_norm / (norm + 1e-6)); max_norm = inf only measures.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    fused = bool(optimizer.defaults.get("fused")) and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    if not fused or not grads or any(isinstance(g, DTensor) for g in grads):
+        optimizer.grad_scale = None
+        return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    norm = nn.utils.get_total_norm(grads, foreach=True)
+    if math.isinf(max_norm):
+        optimizer.grad_scale = None
+    else:  # the kernel divides each gradient by this: 1 / min(1, max_norm / (norm + 1e-6))
+        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).to(torch.float32)
+    return norm
 
 
 @dataclass

@@ -41,7 +41,7 @@ from ..presets import load_model_config
 from . import checkpoint as ckpt
 from .cuda_graphs import LayerGraphs
 from .metrics import MetricSinks, bf16_peak_tflops, format_log_line, memory_gib, throughput
-from .optim import LRSchedule, build_optimizer, set_lr
+from .optim import LRSchedule, build_optimizer, clip_grad_norm, set_lr
 
 log = logging.getLogger("megadlms")
 
@@ -275,7 +275,7 @@ class Trainer:
         if collect:
             enable_fp8_stats(model, False)
         grad_norm = self._clip_grads()
-        opt.step()
+        opt.step()  # applies the clipping (see optim.clip_grad_norm)
         opt.zero_grad(set_to_none=True)
         if self.fp8:
             from ..fp8 import fp8_step
@@ -302,7 +302,7 @@ class Trainer:
     def _clip_grads(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.args.clip_grad if self.args.clip_grad > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        norm = clip_grad_norm(self.optimizer, params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def _amax_group(self) -> dist.ProcessGroup | None:

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from megadlms.training.optim import LRSchedule, build_optimizer
+from megadlms.training.optim import LRSchedule, build_optimizer, clip_grad_norm
 
 
 def test_schedules():
@@ -26,3 +26,45 @@ def test_no_weight_decay_on_vectors():
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
     assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.0
     assert decayed == {id(m[0].weight)}
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e9, math.inf])
+def test_clipping_inside_the_fused_optimizer_equals_clip_grad_norm(max_norm):
+    """The fused AdamW kernel divides by the clipping factor: same norm and same updates as clip_grad_norm_ + step
+    (the fused kernel runs on the CPU too)."""
+    def run(fold: bool) -> tuple[list[torch.Tensor], list[float]]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        opt = build_optimizer(m, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+        norms = []
+        for step in range(4):
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+            m(x).square().sum().mul(10.0 ** (step - 1)).backward()  # norms below and above max_norm
+            params = [p for p in m.parameters() if p.grad is not None]
+            if fold:
+                norm = clip_grad_norm(opt, params, max_norm)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+            norms.append(float(norm))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in m.parameters()], norms
+
+    folded, n_folded = run(True)
+    plain, n_plain = run(False)
+    assert n_folded == pytest.approx(n_plain, rel=1e-6)
+    if max_norm == 0.05:
+        assert max(n_plain) > 0.05  # the clipping did act
+    for a, b in zip(folded, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_without_a_fused_optimizer_rewrites_the_gradients():
+    m = torch.nn.Linear(4, 4)
+    opt = build_optimizer(m, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), fused=False)
+    m(torch.ones(2, 4)).sum().mul(100).backward()
+    params = list(m.parameters())
+    norm = clip_grad_norm(opt, params, 1.0)
+    assert float(norm) > 1.0 and getattr(opt, "grad_scale", None) is None
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    assert float(total) == pytest.approx(1.0, rel=1e-4)
