@@ -32,6 +32,7 @@ one forward+backward for the variants named there.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -62,6 +63,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--variants", default="bf16,fp8-delayed,fp8-tensorwise,torchao")
     p.add_argument("--profile", default="bf16,fp8-delayed", help="variants to break down by kernel class ('' = none)")
+    p.add_argument("--trace", default="", help="variants whose 3 timed-loop iterations go to a Chrome trace in --out "
+                   "(CPU and GPU activity; read it with benchmarks/trace_gaps.py)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA")
     p.add_argument("--attention-bench", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--gemm-bench", action=argparse.BooleanOptionalAction, default=True)
@@ -162,6 +165,7 @@ def run_variant(name: str, cfg: TransformerConfig, a: argparse.Namespace, device
             graphs.arm()  # as the trainer: capture after one update (compiled code and FP8 scales exist)
         out = fwd()
         out.backward(g0)
+        del out  # a live autograd graph of an earlier call would invalidate the capture (see LayerGraphs)
         step()
     if cuda:
         torch.cuda.synchronize()
@@ -180,6 +184,7 @@ def run_variant(name: str, cfg: TransformerConfig, a: argparse.Namespace, device
             e[1].record()
             out.backward(g0)
             e[2].record()
+            del out
             step()
             events.append(e)
         else:
@@ -257,14 +262,58 @@ def profile_variant(res: dict, g0: torch.Tensor, out_dir: Path | None) -> dict:
                 p.grad = None
             out = fwd()
             out.backward(g0)
+            del out
             step()
         torch.cuda.synchronize()
     by_class, rows = kernel_time_by_class(prof, n)
+    # the forward alone: one profiler session per forward, its backward outside it
+    fwd_class: dict[str, float] = {}
+    fwd_rows: dict[str, list] = {}
+    for _ in range(n):
+        for p in holder.parameters():
+            p.grad = None
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = fwd()
+            torch.cuda.synchronize()
+        out.backward(g0)
+        del out
+        step()
+        c, r = kernel_time_by_class(prof, 1)
+        for k, v in c.items():
+            fwd_class[k] = fwd_class.get(k, 0.0) + v / n
+        for ms, cnt, cls, key in r:
+            row = fwd_rows.setdefault(key, [0.0, 0, cls, key])
+            row[0] += ms / n
+            row[1] = cnt
+    fwd_top = sorted((tuple(v) for v in fwd_rows.values()), reverse=True)
     if out_dir is not None:
-        with open(out_dir / f"profile_{res['variant']}.txt", "w") as f:
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in res["variant"])
+        with open(out_dir / f"profile_{safe}.txt", "w") as f:
+            f.write("forward + backward\n")
             for ms, cnt, cls, key in rows:
                 f.write(f"{ms:9.3f} ms  x{cnt:<4d} {cls:17s} {key}\n")
-    return {"by_class_ms": by_class, "top": rows[:12]}
+            f.write("\nforward\n")
+            for ms, cnt, cls, key in fwd_top:
+                f.write(f"{ms:9.3f} ms  x{cnt:<4d} {cls:17s} {key}\n")
+    return {"by_class_ms": by_class, "top": rows[:12], "fwd_by_class_ms": fwd_class, "fwd_top": fwd_top[:12]}
+
+
+def trace_variant(res: dict, g0: torch.Tensor, out_dir: Path) -> None:
+    """Three iterations of the timed loop (no synchronisation between them) as a Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    holder, ctx, step, fwd = res["_layer"]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            for p in holder.parameters():
+                p.grad = None
+            out = fwd()
+            out.backward(g0)
+            del out
+            step()
+        torch.cuda.synchronize()
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in res["variant"])
+    prof.export_chrome_trace(str(out_dir / f"trace_{safe}.json"))
 
 
 def attention_bench(cfg: TransformerConfig, a: argparse.Namespace, device: torch.device) -> list[dict]:
@@ -432,7 +481,8 @@ def main() -> None:
         try:
             if device.type == "cuda":
                 torch._dynamo.reset()
-                torch.cuda.empty_cache()
+                gc.collect()  # earlier variants' layers sit in reference cycles (LayerGraphs): free them now,
+                torch.cuda.empty_cache()  # not in the middle of this variant's peak accounting
             r = run_variant(name, cfg, a, device, compile_, x0, g0, rope)
             y = r.pop("_out")
             if ref_out is None:
@@ -448,6 +498,11 @@ def main() -> None:
                     profiles[name] = profile_variant(r, g0, out_dir)
                 except Exception as e:
                     profiles[name] = {"error": f"{type(e).__name__}: {e}"}
+            if device.type == "cuda" and name in a.trace.split(",") and out_dir is not None:
+                try:
+                    trace_variant(r, g0, out_dir)
+                except Exception as e:
+                    profiles[name] = {"error": f"{type(e).__name__}: {e}"}
             r.pop("_layer")
             rows.append(r)
             print(f"{name}: fwd {r['fwd_ms']:.3f} ms bwd {r['bwd_ms']:.3f} ms ({r['tot_tflops']:.0f} TFLOP/s), "
@@ -459,7 +514,8 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
     results["blocks"] = rows
-    results["profiles"] = {k: {kk: vv for kk, vv in v.items() if kk != "top"} for k, v in profiles.items()}
+    results["profiles"] = {k: {kk: vv for kk, vv in v.items() if kk not in ("top", "fwd_top")}
+                           for k, v in profiles.items()}
     if out_dir is not None:
         (out_dir / "fp8_block.json").write_text(json.dumps(results, indent=1, default=str))
 
@@ -469,7 +525,12 @@ def main() -> None:
             continue
         cls = " ".join(f"{k} {v:.2f}" for k, v in sorted(p["by_class_ms"].items(), key=lambda kv: -kv[1]))
         print(f"profile {name} (ms per fwd+bwd, by kernel class): {cls} | total {sum(p['by_class_ms'].values()):.2f}")
+        cls = " ".join(f"{k} {v:.2f}" for k, v in sorted(p["fwd_by_class_ms"].items(), key=lambda kv: -kv[1]))
+        print(f"  forward alone: {cls} | total {sum(p['fwd_by_class_ms'].values()):.2f}")
         for ms, cnt, c, key in p["top"][:6]:
+            print(f"    {ms:8.3f} ms x{cnt:<3d} {c:16s} {key[:90]}")
+        print("  forward alone, longest kernels:")
+        for ms, cnt, c, key in p["fwd_top"][:10]:
             print(f"    {ms:8.3f} ms x{cnt:<3d} {c:16s} {key[:90]}")
     from megadlms.fp8 import triton_cast
 

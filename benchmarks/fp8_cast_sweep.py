@@ -47,18 +47,23 @@ def time_us(fn, iters: int) -> float:
     if cuda:
         torch.cuda.synchronize()
     times = []
+    events = []
     for _ in range(iters):
         if not cuda:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
             continue
+        # no synchronisation between calls: the host queues ahead, so a call's time is the GPU's, not the host's
+        # launch latency (as in training, where CUDA graphs or a queue ahead hide it)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
         b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+        events.append((a, b))
+    if cuda:
+        torch.cuda.synchronize()
+        times = [a.elapsed_time(b) * 1e3 for a, b in events]
     times.sort()
     return times[len(times) // 2]
 

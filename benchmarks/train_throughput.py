@@ -59,6 +59,10 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="qwen3-1.7b/bf16,qwen3-1.7b/fp8,llama3-8b-8L/bf16,llama3-8b-8L/fp8")
     p.add_argument("--batch", type=int, default=4, help="micro-batch size (sequences)")
+    p.add_argument("--accum", type=int, default=1,
+                   help="micro-batches per optimizer step (gradient accumulation): the optimizer step and gradient "
+                        "clipping are paid once per this many micro-batches, as in pre-training at a real global "
+                        "batch size")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
@@ -108,6 +112,7 @@ def worker(spec: dict) -> None:
     from megadlms.training.trainer import setup
 
     argv = spec["flags"] + ["--seq-length", str(spec["seq"]), "--micro-batch-size", str(spec["batch"]),
+                            "--global-batch-size", str(spec["batch"] * spec.get("accum", 1)),
                             "--data-path", spec["data"], "--train-iters", "100000", "--lr", "1e-4",
                             "--lr-warmup-iters", "10", "--eval-iters", "0", "--eval-interval", "0",
                             "--log-interval", "100000", "--difflm-varilen-prob", "0", "--no-progress"]
@@ -140,7 +145,7 @@ def worker(spec: dict) -> None:
     loss = float(torch.stack(losses).float().mean())
     tok_s = tokens / dt
     fpt = trainer.cfg.flops_per_token(trainer.cfg.seq_length)
-    res = {"config": spec["name"], "batch": spec["batch"], "tokens_per_s": tok_s,
+    res = {"config": spec["name"], "batch": spec["batch"], "accum": trainer.accum, "tokens_per_s": tok_s,
            "ms_per_step": dt / spec["steps"] * 1e3,
            "tflops": tok_s * fpt / 1e12, "mfu": tok_s * fpt / 989e12, "loss": loss,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
@@ -223,6 +228,10 @@ def main() -> None:
     if a.worker:
         worker(json.loads(a.worker))
         return
+    if a.hf_peer and a.accum != 1:
+        raise SystemExit(f"--hf-peer with --accum {a.accum}: the peer script makes an optimizer step every "
+                         "micro-batch, so the comparison holds only at --accum 1; run the peer comparison in its own "
+                         "command")
     out = Path(a.out) if a.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -230,7 +239,8 @@ def main() -> None:
 
     print(json.dumps({"torch": torch.__version__,
                       "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not a.smoke else "cpu",
-                      "batch": a.batch, "seq": a.seq, "steps": a.steps, "warmup": a.warmup}), flush=True)
+                      "batch": a.batch, "accum": a.accum, "seq": a.seq, "steps": a.steps, "warmup": a.warmup}),
+          flush=True)
     results: list[dict] = []
     peer = None
     if a.hf_peer and not a.smoke:
@@ -249,14 +259,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         prefix = Path(tmp) / "synthetic_text_document"
         write_corpus(prefix, vocab=128000,
-                     n_tokens=(a.warmup + a.steps + 2) * a.batch * (a.seq + 1) * 2)
+                     n_tokens=(a.warmup + a.steps + 2) * a.accum * a.batch * (a.seq + 1) * 2)
         for name in [c for c in a.configs.split(",") if c]:
             batch = min(a.batch, MAX_BATCH.get(name.split("/")[0], a.batch))
             base, _, variant = name.partition("+")  # the same configuration with one switch turned off
             if variant not in VARIANTS:
                 raise SystemExit(f"unknown variant +{variant} in {name!r}; variants: {', '.join(VARIANTS)}")
             flags = CONFIGS[base] + VARIANTS[variant]
-            spec = {"name": name, "flags": flags, "seq": a.seq, "batch": batch, "data": str(prefix),
+            spec = {"name": name, "flags": flags, "seq": a.seq, "batch": batch, "accum": a.accum,
+                    "data": str(prefix),
                     "warmup": a.warmup, "steps": a.steps, "extra": a.extra.split() if a.extra else [],
                     "profile": a.profile, "top_kernels": a.top_kernels, "trace": a.trace,
                     "out": str(out) if out else None}
@@ -281,9 +292,10 @@ def main() -> None:
         (out / "train_throughput.json").write_text(json.dumps(results, indent=1))
 
     by = {r["config"]: r for r in results if "error" not in r}
-    print(f"\ntrain throughput | S={a.seq} | {a.steps} timed steps after {a.warmup} warm-up")
-    print(f"{'config':24s} {'B':>2s} {'ms/step':>8s} {'tok/s':>8s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} "
-          f"{'rsv GiB':>8s} {'vs bf16':>8s} {'vs hf':>6s} {'graphs':>6s}")
+    print(f"\ntrain throughput | S={a.seq} | {a.accum} micro-batch(es) per optimizer step "
+          f"| {a.steps} timed steps after {a.warmup} warm-up")
+    print(f"{'config':24s} {'B':>2s} {'acc':>3s} {'ms/step':>8s} {'tok/s':>8s} {'TFLOP/s':>8s} {'MFU':>6s} "
+          f"{'peak GiB':>9s} {'rsv GiB':>8s} {'vs bf16':>8s} {'vs hf':>6s} {'graphs':>6s}")
     for r in results:
         if "error" in r:
             print(f"{r['config']:24s} ERROR {r['error']}")
@@ -293,9 +305,9 @@ def main() -> None:
         same_arch = peer and r["config"].startswith("qwen3-1.7b")
         vs_hf = r["tokens_per_s"] / peer["tokens_per_s"] if same_arch else float("nan")
         reserved = r.get("reserved_gib", float("nan"))
-        print(f"{r['config']:24s} {r.get('batch', a.batch):2d} {r['ms_per_step']:8.0f} {r['tokens_per_s']:8.0f} "
-              f"{r['tflops']:8.0f} {r['mfu'] * 100:5.1f}% {r['peak_gib']:9.1f} {reserved:8.1f} "
-              f"{vs_bf:8.2f} {vs_hf:6.2f} {'yes' if r.get('cuda_graphs') else 'no':>6s}")
+        print(f"{r['config']:24s} {r.get('batch', a.batch):2d} {r.get('accum', 1):3d} {r['ms_per_step']:8.0f} "
+              f"{r['tokens_per_s']:8.0f} {r['tflops']:8.0f} {r['mfu'] * 100:5.1f}% {r['peak_gib']:9.1f} "
+              f"{reserved:8.1f} {vs_bf:8.2f} {vs_hf:6.2f} {'yes' if r.get('cuda_graphs') else 'no':>6s}")
     profiled = [r for r in results if r.get("profile_ms")]
     if profiled:
         classes = list(dict.fromkeys(k for r in profiled for k in r["profile_ms"]))

@@ -21,7 +21,7 @@ SMOKES = {
                   "--prompt-length", "8", "--batch-sizes", "1", "2"], "fast dual"),
     "fp8_convergence": (["--smoke", "--iters", "3", "--variants", "bf16,fp8 delayed/hybrid", "--parallel", "2"],
                         "gap vs bf16"),
-    "train_throughput": (["--smoke", "--steps", "1", "--warmup", "1"], "tiny/fp8"),
+    "train_throughput": (["--smoke", "--steps", "1", "--warmup", "1", "--accum", "2"], "tiny/fp8"),
     "cuda_graph_check": (["--smoke"], "fp8 tensorwise "),
 }
 

@@ -17,6 +17,9 @@ matching call after `arm()`; the trainer arms after one optimizer step, when com
 scales exist.
 
 What a replay relies on:
+- No autograd graph of an earlier call is alive at capture (drop the loss, or an output, after its backward):
+  its parameters' AccumulateGrad nodes belong to the default stream, and a backward captured on the side stream
+  that reaches them waits on the default stream, which invalidates the capture.
 - Parameters keep their storage (in-place optimizers). Loading a checkpoint with `load_state_dict` copies in
   place; replacing a Parameter object needs a new `LayerGraphs`.
 - The graph's outputs and gradients live in static buffers that later replays overwrite (the forward graph's
@@ -94,6 +97,19 @@ class EmulatedGraph:
 
 def _leaves(out: Any) -> tuple[torch.Tensor | None, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _end_rng_capture(device: torch.device) -> None:
+    """Take the device's RNG out of capture mode after a failed capture.
+
+    PyTorch ends the generator's capture only when cudaStreamEndCapture succeeds; after a failed one every later
+    random op on the device (the diffusion mask noise, parameter init) raises "Offset increment outside graph
+    capture encountered unexpectedly". A small successful capture ends it.
+    """
+    stream = torch.cuda.Stream(device=device)
+    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+        torch.rand(1, device=device)
+    torch.cuda.synchronize(device)
 
 
 class _Captured:
@@ -191,6 +207,7 @@ class LayerGraphs:
                 self.failed = f"{type(e).__name__}: {e}"
                 self.armed = False
                 if x.is_cuda:
+                    _end_rng_capture(x.device)
                     torch.cuda.empty_cache()
                 log.warning("CUDA graph capture of the layers failed (%s); the layers run eagerly from now on "
                             "(--cuda-graphs off skips the attempt)", self.failed.splitlines()[0][:300])
