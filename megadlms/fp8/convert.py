@@ -107,29 +107,33 @@ def invalidate_fp8_weight_caches(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def fp8_graph_capture(model: nn.Module) -> Iterator[None]:
+def fp8_graph_capture(model: nn.Module, weights_in_graph: bool = True) -> Iterator[None]:
     """Around the warm-up and capture of `model`'s FP8 layers in a CUDA graph.
 
-    Inside, every forward casts its FP8 weights afresh: the graph must contain the weight cast, because its
-    replays after an optimizer step have to read the new weights (a cached FP8 weight would be a constant of
-    the graph). On exit the FP8 buffers (amax histories, scales) get back their values from the entry, since
-    the warm-up runs recorded the amaxes of sample inputs, and the weight caches are dropped.
+    weights_in_graph: every forward inside casts its FP8 weights afresh: the graph must contain the weight cast,
+    because its replays after an optimizer step have to read the new weights (a cached FP8 weight would be a
+    constant of the graph); the weight caches are dropped on exit. Without it the caches are left alone (the
+    graph reads them and `graph_weights.StepFP8Weights` recasts into them once per step).
+    On exit the FP8 buffers (amax histories, scales) get back their values from the entry, since the warm-up
+    runs recorded the amaxes of sample inputs.
     """
     modules = list(fp8_modules(model))
     buffers = [b for m in modules for b in (m.fp8_amax_history, m.fp8_scale, m.fp8_initialized) if b is not None]
     saved = [b.clone() for b in buffers]
     cache_flags = [m.cache_weight for m in modules]
-    for m in modules:
-        m.cache_weight = False
-        m.invalidate_fp8_weight_cache()
+    if weights_in_graph:
+        for m in modules:
+            m.cache_weight = False
+            m.invalidate_fp8_weight_cache()
     try:
         yield
     finally:
         for b, s in zip(buffers, saved):
             b.copy_(s)
-        for m, flag in zip(modules, cache_flags):
-            m.cache_weight = flag
-            m.invalidate_fp8_weight_cache()
+        if weights_in_graph:
+            for m, flag in zip(modules, cache_flags):
+                m.cache_weight = flag
+                m.invalidate_fp8_weight_cache()
 
 
 def _default_group(group: Any) -> Any:

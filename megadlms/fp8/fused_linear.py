@@ -117,8 +117,10 @@ class FusedFloat8Projection:
     def _group_weight(self, mods: list[Float8Linear], want_t: bool) -> _GroupWeight:
         """The concatenated FP8 weight for this step: cast on the first micro-batch after any member's weight
         changed (same detection as `Float8Linear._fp8_weight`; `fp8_step` drops the members' caches)."""
-        keys = [(m.weight._version, m.weight.data_ptr(), m.weight.dtype, m.weight.device) for m in mods]
         c = self._cache
+        if mods[0]._weights_frozen and c is not None and (c.t is not None or not want_t):
+            return c  # recast outside the graph, into this cache's tensors (fp8.graph_weights)
+        keys = [(m.weight._version, m.weight.data_ptr(), m.weight.dtype, m.weight.device) for m in mods]
         if c is not None and all(m._wcache is mc and mc.key == key for m, mc, key in zip(mods, c.members, keys)):
             if want_t and c.t is None:
                 c.t = transpose_fp8(c.q)

@@ -142,6 +142,8 @@ class Float8Linear(nn.Linear):
         self._stats_epoch = 0
         self._ready: bool | None = False  # host mirror of fp8_initialized; None = read it on next use
         self._wcache: _Fp8Weight | None = None
+        # set while a CUDA graph is captured (or emulated) reading the cache as it is (fp8.graph_weights)
+        self._weights_frozen = False
         self.num_weight_casts = 0  # how many times the FP8 weight was made (tests, debugging)
 
     # ------------------------------------------------------------------ state
@@ -219,6 +221,8 @@ class Float8Linear(nn.Linear):
         in-place update bumps the version); `fp8_step` also drops the cache explicitly, which covers
         updates that leave the counter alone (fused optimizers, writes through `.data`).
         """
+        if self._weights_frozen and self._wcache is not None:
+            return self._wcache  # recast outside the graph, into this cache's tensors (fp8.graph_weights)
         w = self._local_params()[0]
         # torch.compile cannot trace data-pointer comparisons: compiled code relies on the explicit
         # invalidation alone (fp8_step, load_state_dict)

@@ -6,7 +6,9 @@ finishes them faster than the host can queue them. `LayerGraphs` captures the fo
 layers as one CUDA graph and their backward as another, so a micro-batch's layers cost the host two graph
 launches. The embedding, final norm, LM head and loss stay eager (the masked-rows-only loss has a
 data-dependent shape); the optimizer and `fp8_step` too (they update parameters and FP8 scales in place, at
-the addresses the graphs read).
+the addresses the graphs read). The FP8 weight casts are in the forward graph, or, with `fp8_weights_per_step`
+(the trainer's choice when it accumulates gradients), outside it: cast once per optimizer step into the cached
+FP8 weights the graph reads (`fp8.graph_weights`).
 
 `LayerGraphs(model)` replaces the model's `run_layers` hook on the instance; the model's code is unchanged.
 A call is replayed when it matches the captured one: training mode, gradients on, no attention mask or KV
@@ -31,6 +33,7 @@ What a replay relies on:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -120,6 +123,7 @@ class _Captured:
         self.key, self.x, self.rope, self.fwd, self.bwd = key, x, rope, fwd, bwd
         self.params = params  # the trainable layer parameters, in the graphs' gradient order
         self.storage: tuple = ()  # LayerGraphs._storage() at capture
+        self.weights: Any = None  # fp8.graph_weights.StepFP8Weights when the FP8 weights are cast outside the graphs
         self.out: torch.Tensor | None = None
         self.grad_out: torch.Tensor | None = None
         self.grads: tuple[torch.Tensor | None, ...] = ()
@@ -142,7 +146,8 @@ class _Replay(torch.autograd.Function):
         for static, new in ((c.x, x), (c.rope[0], cos), (c.rope[1], sin)):
             if static.data_ptr() != new.data_ptr():
                 static.detach().copy_(new)
-        c.fwd.replay()
+        with _frozen(c):
+            c.fwd.replay()
         ctx.captured = c
         return c.out.detach()
 
@@ -153,9 +158,15 @@ class _Replay(torch.autograd.Function):
         c.pending = None
         if grad.data_ptr() != c.grad_out.data_ptr():
             c.grad_out.copy_(grad)
-        c.bwd.replay()
+        with _frozen(c):
+            c.bwd.replay()
         grads = tuple(g.detach() if g is not None else None for g in c.grads)
         return (None, None, grads[0], None, None, *grads[1:])
+
+
+def _frozen(c: _Captured) -> contextlib.AbstractContextManager:
+    """The FP8 layers read their cached weights as they are (what a CUDA replay does; an emulated one re-runs them)."""
+    return c.weights.frozen() if c.weights is not None else contextlib.nullcontext()
 
 
 class LayerGraphs:
@@ -165,11 +176,14 @@ class LayerGraphs:
     CPU). warmup_iters: eager forward + backward runs on the capture stream before capturing (lazy
     initialisation, e.g. per-stream library workspaces, must not happen inside a capture). strict: a failed
     capture (out of memory, an operation a graph cannot hold) raises; otherwise it is logged and the layers run
-    eagerly from then on.
+    eagerly from then on. fp8_weights_per_step: cast the FP8 weights outside the graphs, once per optimizer step
+    (`fp8.graph_weights`; pays with gradient accumulation), instead of inside the forward graph on every replay.
     """
 
-    def __init__(self, model: nn.Module, *, emulate: bool = False, warmup_iters: int = 2, strict: bool = False):
+    def __init__(self, model: nn.Module, *, emulate: bool = False, warmup_iters: int = 2, strict: bool = False,
+                 fp8_weights_per_step: bool = False):
         self.model = model
+        self.fp8_weights_per_step = fp8_weights_per_step
         self.eager = model.run_layers  # the model's own loop over its layers
         self.emulate, self.warmup_iters, self.strict = emulate, warmup_iters, strict
         self.armed = False
@@ -213,6 +227,8 @@ class LayerGraphs:
                             "(--cuda-graphs off skips the attempt)", self.failed.splitlines()[0][:300])
                 self.num_eager += 1
                 return self.eager(x, rope, attn_mask, kv_cache)
+        if c.weights is not None and c.weights.stale():
+            c.weights.refresh()  # the first replay after an optimizer step: this step's FP8 weights
         out = _Replay.apply(c, c.params, x, rope[0], rope[1], *c.params)
         c.pending = weakref.ref(out)
         self.num_replays += 1
@@ -242,9 +258,15 @@ class LayerGraphs:
 
     # ----------------------------------------------------------------- capture
     def _capture(self, key: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> _Captured:
-        from ..fp8 import fp8_graph_capture
+        from ..fp8 import FP8GlobalStateManager, fp8_graph_capture
+        from ..fp8.graph_weights import StepFP8Weights
 
         t0 = time.perf_counter()
+        weights = None
+        if (self.fp8_weights_per_step and FP8GlobalStateManager.is_fp8_enabled()
+                and StepFP8Weights.supported(self.model.layers)):
+            weights = StepFP8Weights(self.model.layers)
+            weights.precast()  # outside fp8_graph_capture: the weights' amaxes of this step stay recorded
         static_x = x.detach().clone().requires_grad_(x.requires_grad)
         static_rope = (rope[0].detach().clone(), rope[1].detach().clone())
         params = tuple(p for p in self.model.layers.parameters() if p.requires_grad)
@@ -258,7 +280,8 @@ class LayerGraphs:
         # autocast's weight-cast cache would hand the capture casts made outside it (stale after a step)
         no_cast_cache = torch.autocast(dev, dtype=torch.get_autocast_dtype(dev),
                                        enabled=torch.is_autocast_enabled(dev), cache_enabled=False)
-        with fp8_graph_capture(self.model), no_cast_cache:
+        frozen = weights.frozen() if weights is not None else contextlib.nullcontext()
+        with fp8_graph_capture(self.model, weights_in_graph=weights is None), no_cast_cache, frozen:
             if self.emulate:
                 fwd, bwd = EmulatedGraph(), EmulatedGraph()
                 c = self._record(key, static_x, static_rope, params, wanted, fwd, bwd, forward)
@@ -278,9 +301,11 @@ class LayerGraphs:
                 c = self._record(key, static_x, static_rope, params, wanted, fwd, bwd, forward)
                 torch.cuda.current_stream(x.device).wait_stream(stream)
         c.storage = self._storage()
+        c.weights = weights
         self.capture_seconds = time.perf_counter() - t0
-        log.info("CUDA graphs: captured the forward and backward of %d layers (input %s) in %.1f s",
-                 len(self.model.layers), tuple(x.shape), self.capture_seconds)
+        log.info("CUDA graphs: captured the forward and backward of %d layers (input %s) in %.1f s%s",
+                 len(self.model.layers), tuple(x.shape), self.capture_seconds,
+                 "; FP8 weights cast once per optimizer step, outside the graphs" if weights is not None else "")
         return c
 
     def _record(self, key: tuple, static_x: torch.Tensor, static_rope: tuple[torch.Tensor, torch.Tensor],

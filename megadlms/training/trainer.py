@@ -210,7 +210,8 @@ class Trainer:
                              "Use --cuda-graphs auto or off.")
         if blockers or (mode == "auto" and self.ctx.dp_size > 1):
             return None
-        return LayerGraphs(self.base_model, emulate=emulate, strict=mode == "on")
+        # with accumulation the FP8 weights are cast once per step outside the graphs, not on every replay
+        return LayerGraphs(self.base_model, emulate=emulate, strict=mode == "on", fp8_weights_per_step=self.accum > 1)
 
     # ----------------------------------------------------------------- precision
     def _autocast(self) -> contextlib.AbstractContextManager:

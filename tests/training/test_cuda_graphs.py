@@ -4,6 +4,11 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,12 +46,15 @@ def _step(model: TransformerLM, opt: torch.optim.Optimizer, batches: list[torch.
     return losses
 
 
-@pytest.mark.parametrize("fp8", [None, "delayed", "current"])
+@pytest.mark.parametrize("fp8,per_step", [(None, False), ("delayed", False), ("current", False), ("delayed", True),
+                                          ("current", True)])
 @pytest.mark.parametrize("accum", [1, 3])
-def test_replayed_training_matches_eager(fp8, accum):
+def test_replayed_training_matches_eager(fp8, per_step, accum):
+    """per_step: the FP8 weights cast outside the graphs once per step (fp8.graph_weights), the graphs reading the
+    caches; a weight the refresh missed would be a step stale and the losses would part."""
     eager = _model(fp8)
     graphed = copy.deepcopy(eager)
-    graphs = LayerGraphs(graphed, emulate=True)
+    graphs = LayerGraphs(graphed, emulate=True, fp8_weights_per_step=per_step)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, graphed)]
     g = torch.Generator().manual_seed(1)
     for step in range(4):
@@ -57,6 +65,9 @@ def test_replayed_training_matches_eager(fp8, accum):
         graphs.arm()  # armed after the first step, as the trainer does
     assert graphs.captured is not None
     assert graphs.num_replays == 3 * accum
+    if per_step:  # captured after the first step, recast after each of the two steps that followed
+        assert graphs.captured.weights is not None and graphs.captured.weights.num_refreshes == 2
+        assert all(m.num_weight_casts == 3 + 1 for m in graphs.captured.weights.modules)  # eager, capture, 2 refreshes
     for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
     for b, c in zip(eager.buffers(), graphed.buffers()):
@@ -213,3 +224,35 @@ def test_replaced_or_frozen_parameters_are_captured_again():
     for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+_FUSED_MLP_SCRIPT = """
+import copy, torch
+from tests.training.test_cuda_graphs import _model, _step
+from megadlms.fp8.fused_mlp import FusedFloat8MLP
+from megadlms.training.cuda_graphs import LayerGraphs
+eager = _model("delayed")
+graphed = copy.deepcopy(eager)
+graphs = LayerGraphs(graphed, emulate=True, fp8_weights_per_step=True)
+opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, graphed)]
+g = torch.Generator().manual_seed(1)
+for step in range(4):
+    batches = [torch.randint(0, 128, (2, 32), generator=g) for _ in range(3)]
+    assert _step(graphed, opts[1], batches, True) == _step(eager, opts[0], batches, True), step
+    graphs.arm()
+fused = [v.num_fused_calls for m in graphed.modules() for v in vars(m).values() if isinstance(v, FusedFloat8MLP)]
+assert graphs.num_replays == 9 and graphs.captured.weights.num_refreshes == 2, graphs.num_replays
+assert min(fused) > 0, fused
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_step_fp8_weights_with_the_fused_mlp():
+    """The FP8 weights cast once per step under replays, through the fused FP8 MLP (its Triton kernels in Triton's
+    interpreter, hence a process of its own): the same losses as eager, bit for bit."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    res = subprocess.run([sys.executable, "-c", _FUSED_MLP_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
