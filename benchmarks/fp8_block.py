@@ -250,6 +250,21 @@ def kernel_time_by_class(prof, n: int) -> tuple[dict[str, float], list[tuple[flo
     return by_class, rows
 
 
+def _iteration(res: dict, g0: torch.Tensor) -> None:
+    """One forward + backward + FP8 step of a built variant, as the timed loop runs it (no synchronisation)."""
+    holder, ctx, step, fwd = res["_layer"]
+    for p in holder.parameters():
+        p.grad = None
+    out = fwd()
+    out.backward(g0)
+    del out  # a live autograd graph of an earlier call would invalidate a capture (see LayerGraphs)
+    step()
+
+
+def _file_stem(variant: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in variant)
+
+
 def profile_variant(res: dict, g0: torch.Tensor, out_dir: Path | None) -> dict:
     """CUDA kernel time of one forward+backward (mean over 3), summed by kernel class."""
     from torch.profiler import ProfilerActivity, profile
@@ -258,12 +273,7 @@ def profile_variant(res: dict, g0: torch.Tensor, out_dir: Path | None) -> dict:
     n = 3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
-            for p in holder.parameters():
-                p.grad = None
-            out = fwd()
-            out.backward(g0)
-            del out
-            step()
+            _iteration(res, g0)
         torch.cuda.synchronize()
     by_class, rows = kernel_time_by_class(prof, n)
     # the forward alone: one profiler session per forward, its backward outside it
@@ -287,8 +297,7 @@ def profile_variant(res: dict, g0: torch.Tensor, out_dir: Path | None) -> dict:
             row[1] = cnt
     fwd_top = sorted((tuple(v) for v in fwd_rows.values()), reverse=True)
     if out_dir is not None:
-        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in res["variant"])
-        with open(out_dir / f"profile_{safe}.txt", "w") as f:
+        with open(out_dir / f"profile_{_file_stem(res['variant'])}.txt", "w") as f:
             f.write("forward + backward\n")
             for ms, cnt, cls, key in rows:
                 f.write(f"{ms:9.3f} ms  x{cnt:<4d} {cls:17s} {key}\n")
@@ -302,18 +311,11 @@ def trace_variant(res: dict, g0: torch.Tensor, out_dir: Path) -> None:
     """Three iterations of the timed loop (no synchronisation between them) as a Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
-    holder, ctx, step, fwd = res["_layer"]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            for p in holder.parameters():
-                p.grad = None
-            out = fwd()
-            out.backward(g0)
-            del out
-            step()
+            _iteration(res, g0)
         torch.cuda.synchronize()
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in res["variant"])
-    prof.export_chrome_trace(str(out_dir / f"trace_{safe}.json"))
+    prof.export_chrome_trace(str(out_dir / f"trace_{_file_stem(res['variant'])}.json"))
 
 
 def attention_bench(cfg: TransformerConfig, a: argparse.Namespace, device: torch.device) -> list[dict]:
@@ -502,7 +504,7 @@ def main() -> None:
                 try:
                     trace_variant(r, g0, out_dir)
                 except Exception as e:
-                    profiles[name] = {"error": f"{type(e).__name__}: {e}"}
+                    print(f"trace {name} failed: {type(e).__name__}: {e}")
             r.pop("_layer")
             rows.append(r)
             print(f"{name}: fwd {r['fwd_ms']:.3f} ms bwd {r['bwd_ms']:.3f} ms ({r['tot_tflops']:.0f} TFLOP/s), "

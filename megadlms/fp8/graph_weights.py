@@ -116,8 +116,7 @@ class StepFP8Weights:
             for m, old, new in zip(self.single, self.captured_single, single):
                 for name in ("q", "scale_inv", "scale_invs"):
                     _copy_into(getattr(old, name), getattr(new, name))
-                _copy_into(old.dgrad[0], new.dgrad[0])
-                _copy_into(old.dgrad[1], new.dgrad[1])
+                _copy_into(old.dgrad[0], new.dgrad[0])  # its scale_inv is the cache's own, copied above
                 old.key = new.key
                 m._wcache = old
         self.num_refreshes += 1
@@ -125,7 +124,7 @@ class StepFP8Weights:
     # ----------------------------------------------------------------- use
     @contextlib.contextmanager
     def frozen(self) -> Iterator[None]:
-        """Inside, the layers use their cached FP8 weights as they are (the capture, and emulated replays)."""
+        """Inside, the layers use their cached FP8 weights as they are (the captured forward)."""
         for m in self.modules:
             m._weights_frozen = True
         try:

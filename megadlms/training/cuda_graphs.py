@@ -146,8 +146,7 @@ class _Replay(torch.autograd.Function):
         for static, new in ((c.x, x), (c.rope[0], cos), (c.rope[1], sin)):
             if static.data_ptr() != new.data_ptr():
                 static.detach().copy_(new)
-        with _frozen(c):
-            c.fwd.replay()
+        c.fwd.replay()
         ctx.captured = c
         return c.out.detach()
 
@@ -158,15 +157,9 @@ class _Replay(torch.autograd.Function):
         c.pending = None
         if grad.data_ptr() != c.grad_out.data_ptr():
             c.grad_out.copy_(grad)
-        with _frozen(c):
-            c.bwd.replay()
+        c.bwd.replay()
         grads = tuple(g.detach() if g is not None else None for g in c.grads)
         return (None, None, grads[0], None, None, *grads[1:])
-
-
-def _frozen(c: _Captured) -> contextlib.AbstractContextManager:
-    """The FP8 layers read their cached weights as they are (what a CUDA replay does; an emulated one re-runs them)."""
-    return c.weights.frozen() if c.weights is not None else contextlib.nullcontext()
 
 
 class LayerGraphs:
@@ -274,14 +267,16 @@ class LayerGraphs:
         wanted = [t for t in (static_x, *params) if t.requires_grad]
 
         def forward() -> torch.Tensor:
-            return self.eager(static_x, static_rope, None, None)
+            # with the FP8 weights cast outside the graphs the layers read their caches as they are (in the capture,
+            # and in an emulated replay, which runs this again)
+            with weights.frozen() if weights is not None else contextlib.nullcontext():
+                return self.eager(static_x, static_rope, None, None)
 
         dev = x.device.type
         # autocast's weight-cast cache would hand the capture casts made outside it (stale after a step)
         no_cast_cache = torch.autocast(dev, dtype=torch.get_autocast_dtype(dev),
                                        enabled=torch.is_autocast_enabled(dev), cache_enabled=False)
-        frozen = weights.frozen() if weights is not None else contextlib.nullcontext()
-        with fp8_graph_capture(self.model, weights_in_graph=weights is None), no_cast_cache, frozen:
+        with fp8_graph_capture(self.model, weights_in_graph=weights is None), no_cast_cache:
             if self.emulate:
                 fwd, bwd = EmulatedGraph(), EmulatedGraph()
                 c = self._record(key, static_x, static_rope, params, wanted, fwd, bwd, forward)
