@@ -37,7 +37,7 @@ from torch import nn
 
 from . import triton_cast
 from .fused import _amax, cast_fp8, cast_fp8_cat, record_amax, transpose_fp8
-from .linear import GRAD, INPUT, WEIGHT, Float8Linear, _check_device_once, _Fp8Weight, compute_dtype
+from .linear import GRAD, INPUT, WEIGHT, Float8Linear, _check_device_once, _Fp8Weight, compute_dtype, take_fp8_weights
 from .quantize import FP8_MAX, aligned_scalars, amax_to_scale, pad_2d, quant_stats, round_up16, scaled_mm
 from .recipe import DelayedScaling, Float8RowwiseScaling
 from .state import FP8GlobalStateManager
@@ -263,7 +263,7 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
             else:
                 x_saved, x_si_saved = xt.t(), x_si
         ctx.save_for_backward(x_saved, x_si_saved)
-        ctx.mods, ctx.wcache = mods, w
+        ctx.mods, ctx.wcache, ctx.keep_weights = mods, w, first.cache_weight
         ctx.dims = (m, k)
         ctx.x_dtype, ctx.out_dtype = x.dtype, out_dtype
         ctx.w_dtypes = tuple(wi.dtype for wi in ws)
@@ -281,7 +281,8 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
         bwd = recipe.fp8_format.bwd_dtype
         delayed = isinstance(recipe, DelayedScaling)
         x_saved, x_si = ctx.saved_tensors
-        w: _GroupWeight = ctx.wcache
+        w: _GroupWeight
+        (w,) = take_fp8_weights(ctx, "wcache")
         m, k = ctx.dims
         mp = round_up16(m)
         need_dx = ctx.needs_input_grad[0]

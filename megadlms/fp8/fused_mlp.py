@@ -30,7 +30,7 @@ from ..model import MLP, SwiGLU
 from . import triton_swiglu
 from .fused import transpose_fp8
 from .fused_linear import FusedFloat8Projection, _cast_grad_parts, _cast_shared
-from .linear import GRAD, INPUT, Float8Linear, compute_dtype
+from .linear import GRAD, INPUT, Float8Linear, compute_dtype, take_fp8_weights
 from .quantize import pad_2d, round_up16, scaled_mm
 from .recipe import DelayedScaling
 from .state import FP8GlobalStateManager
@@ -135,6 +135,7 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         ctx.save_for_backward(xt.t() if xt is not None else None, x_si, ht.t() if ht is not None else None, h_si,
                               *saved_y)
         ctx.fused, ctx.gu, ctx.down, ctx.wgu, ctx.wd = fused, gu, down, wgu, wd
+        ctx.keep_weights = down.cache_weight
         ctx.dims = (m, k, f)
         ctx.x_dtype, ctx.out_dtype = x.dtype, out_dtype
         ctx.w_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
@@ -143,7 +144,8 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        gu, down, wgu, wd = ctx.gu, ctx.down, ctx.wgu, ctx.wd
+        gu, down = ctx.gu, ctx.down
+        wgu, wd = take_fp8_weights(ctx, "wgu", "wd")
         bwd = down.recipe.fp8_format.bwd_dtype
         x_saved, x_si, h_saved, h_si, *saved_y = ctx.saved_tensors
         m, k, f = ctx.dims

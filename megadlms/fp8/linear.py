@@ -10,7 +10,8 @@ the layer and the results sliced, so any batch shape works. The gradient is alwa
 operand, which keeps E5M2 x E4M3 within what the CUDA kernels accept.
 
 What is saved for backward: the FP8 copy of the input (1 byte/element) and the FP8 weight, which
-is shared with the per-step weight cache. With fp8_wgrad=False the input is saved in the compute
+is shared with the per-step weight cache (without that cache, `cache_weight=False`, the FP8 weight is
+freed when the layer's backward returns). With fp8_wgrad=False the input is saved in the compute
 dtype instead (2 bytes/element in BF16): that is the price of a weight gradient that is exactly
 the BF16 GEMM of the unquantized tensors.
 """
@@ -62,6 +63,26 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return x.dtype
+
+
+def take_fp8_weights(ctx: Any, *names: str) -> tuple[Any, ...]:
+    """The FP8 weights a backward reads from `ctx` (attributes `names`, set by its forward).
+
+    Where the layers do not cache their FP8 weights (`cache_weight=False`: one micro-batch per step, CUDA-graph
+    capture, FSDP), `ctx` lets go of them here, so each one is freed when its layer's backward returns, as the
+    saved activations are, instead of when the whole autograd graph is; in a CUDA graph's pool that memory then
+    serves the rest of the backward. A second backward through the same graph (retain_graph) then has nothing
+    to read and says so.
+    """
+    weights = tuple(getattr(ctx, n) for n in names)
+    if any(w is None for w in weights):
+        raise RuntimeError("this FP8 layer's weights were released after its first backward (layers with "
+                           "cache_weight=False keep them for one backward only); to backward twice through one "
+                           "graph (retain_graph=True), set cache_weight=True on the Float8Linears")
+    if not ctx.keep_weights:
+        for n in names:
+            setattr(ctx, n, None)
+    return weights
 
 
 class _Fp8Weight:
@@ -335,6 +356,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 x_saved, x_saved_si = xt.t(), x_si
         ctx.save_for_backward(x_saved, x_saved_si)
         ctx.layer, ctx.wcache, ctx.fp8_wgrad = layer, w, layer.fp8_wgrad
+        ctx.keep_weights = layer.cache_weight
         ctx.dims = (m, k, n)
         ctx.x_dtype, ctx.w_dtype, ctx.out_dtype = x.dtype, weight.dtype, out_dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -347,6 +369,7 @@ class _Float8LinearFn(torch.autograd.Function):
         bwd = recipe.fp8_format.bwd_dtype
         rowwise = isinstance(recipe, Float8RowwiseScaling)
         x_saved, x_saved_si = ctx.saved_tensors
+        (wcache,) = take_fp8_weights(ctx, "wcache")
         m, k, n = ctx.dims
         mp, np_ = round_up16(m), round_up16(n)
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
@@ -358,7 +381,7 @@ class _Float8LinearFn(torch.autograd.Function):
         if rowwise:
             if need_dx:
                 gq, g_si = layer._cast_rowwise(gp, GRAD, bwd, dim=1, numel=m * n)
-                wq, w_si = layer._fp8_weight_dgrad(ctx.wcache)
+                wq, w_si = layer._fp8_weight_dgrad(wcache)
                 dx = scaled_mm(gq, wq, g_si, w_si, ctx.x_dtype, layer.backward_fast_accum)
             if fp8_wgrad:
                 # one scale per output feature (column of g), taken from g itself
@@ -368,9 +391,9 @@ class _Float8LinearFn(torch.autograd.Function):
         elif need_dx or fp8_wgrad:
             # from g at once: gq for the input gradient, g^T (K-major over tokens) for the weight gradient
             gq, g_si, gt = layer._cast_qt(gp, GRAD, bwd, record=True, numel=m * n, want_q=need_dx, want_t=fp8_wgrad,
-                                          scale_inv=ctx.wcache.scale_inv_of(GRAD))
+                                          scale_inv=wcache.scale_inv_of(GRAD))
             if need_dx:
-                wq, w_si = layer._fp8_weight_dgrad(ctx.wcache)
+                wq, w_si = layer._fp8_weight_dgrad(wcache)
                 dx = scaled_mm(gq, wq, g_si, w_si, ctx.x_dtype, layer.backward_fast_accum)
             if fp8_wgrad:
                 dw = scaled_mm(gt, x_saved, g_si, x_saved_si, ctx.w_dtype,

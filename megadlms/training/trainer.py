@@ -175,6 +175,13 @@ class Trainer:
         self.peak = bf16_peak_tflops(self.device)
         self.sinks = MetricSinks(args.tensorboard_dir, args.save or args.tensorboard_dir, enabled=ctx.is_main)
         self.fp8 = bool(cfg.fp8)
+        if self.fp8 and self.accum == 1:
+            # no later micro-batch of the step reads a cached FP8 weight: each layer's is freed after its backward
+            # (2 bytes per weight less at the peak), not kept through the optimizer step until the next forward
+            from ..fp8 import fp8_modules
+
+            for m in fp8_modules(model):
+                m.cache_weight = False
         # large vocabularies: the fused, masked-rows-only LM head + loss (the [tokens, V] logits dominate memory)
         chunk = getattr(args, "loss_chunk_tokens", None)
         self.loss_chunk_tokens = (8192 if cfg.vocab_size >= 32768 else 0) if chunk is None else chunk

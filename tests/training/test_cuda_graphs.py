@@ -151,16 +151,20 @@ def test_trainer_flags_on_cpu():
         setup(parse_train_args(SMALL + ["--train-iters", "1", "--enable-cuda-graph"]))
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_trainer_with_replayed_layers_matches_eager(monkeypatch, fp8):
+@pytest.mark.parametrize("fp8,accum", [(False, 2), (True, 2), (True, 1)], ids=["bf16", "fp8-accum2", "fp8-accum1"])
+def test_trainer_with_replayed_layers_matches_eager(monkeypatch, fp8, accum):
     """The trainer's use of the graphs (armed after the first step; cut micro-batches and FP8 telemetry steps
-    eager; gradient accumulation) gives the eager run's losses and weights."""
+    eager; gradient accumulation) gives the eager run's losses and weights. FP8 weights: cached across the
+    micro-batches of a step and cast outside the graphs with accumulation; without it, cast in the graph and
+    not cached (freed after each layer's backward)."""
+    from megadlms.fp8 import fp8_modules
     from megadlms.training import trainer as trainer_mod
     from megadlms.training.args import parse_train_args
 
-    argv = SMALL + ["--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "4",
+    argv = SMALL + ["--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", str(2 * accum),
                     "--difflm-varilen-prob", "0.3", "--log-interval", "3"] + (["--fp8-format", "hybrid"] if fp8 else [])
     eager = trainer_mod.setup(parse_train_args(argv))
+    assert all(m.cache_weight == (accum > 1) for m in fp8_modules(eager.model))
     eager.run()
     monkeypatch.setenv("MEGADLMS_EMULATE_CUDA_GRAPHS", "1")
     graphed = trainer_mod.setup(parse_train_args(argv + ["--cuda-graphs", "on"]))
