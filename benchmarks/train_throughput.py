@@ -157,11 +157,34 @@ def worker(spec: dict) -> None:
            "loss_chunk_tokens": trainer.loss_chunk_tokens, "compile": bool(args.compile),
            "fp8": f"{trainer.cfg.fp8_format}/{trainer.cfg.fp8_recipe}" if trainer.cfg.fp8 else "off",
            "cuda_graphs": trainer.layer_graphs is not None and trainer.layer_graphs.num_replays > 0}
+    if cuda:
+        res["memory"] = memory_breakdown()
     if spec.get("profile") and cuda:
         res["profile_ms"], res["top_kernels"] = profile_steps(trainer, 2, spec.get("top_kernels", 0))
     if spec.get("trace") and spec.get("out"):
         res["trace"] = trace_step(trainer, Path(spec["out"]) / f"trace_{spec['name'].replace('/', '_')}.json.gz")
     print("RESULT " + json.dumps(res), flush=True)
+
+
+def memory_breakdown() -> dict[str, float]:
+    """Where the reserved memory lies after the timed steps (GiB): the default pool and the CUDA graphs' private
+    pools (reserved, and allocated to live tensors), with the allocator's peaks of requested and of active bytes
+    (live tensors, rounded to blocks) and of inactive split blocks (cached pieces of segments: fragmentation)."""
+    import torch
+
+    pools: dict[str, list[float]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        kind = "default" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else "graphs"
+        total, used = pools.setdefault(kind, [0.0, 0.0])
+        pools[kind] = [total + seg["total_size"] / 2**30, used + seg["allocated_size"] / 2**30]
+    stats = torch.cuda.memory_stats()
+    out = {f"{kind} {what}": round(v, 2) for kind, (t, u) in pools.items() for what, v in (("reserved", t),
+                                                                                         ("allocated", u))}
+    for key, name in (("requested_bytes.all.peak", "requested peak"), ("active_bytes.all.peak", "active peak"),
+                      ("inactive_split_bytes.all.peak", "inactive split peak")):
+        out[name] = round(stats.get(key, 0) / 2**30, 2)
+    out["alloc retries"] = stats.get("num_alloc_retries", 0)
+    return out
 
 
 def trace_step(trainer, path: Path) -> str:
@@ -308,6 +331,13 @@ def main() -> None:
         print(f"{r['config']:24s} {r.get('batch', a.batch):2d} {r.get('accum', 1):3d} {r['ms_per_step']:8.0f} "
               f"{r['tokens_per_s']:8.0f} {r['tflops']:8.0f} {r['mfu'] * 100:5.1f}% {r['peak_gib']:9.1f} "
               f"{reserved:8.1f} {vs_bf:8.2f} {vs_hf:6.2f} {'yes' if r.get('cuda_graphs') else 'no':>6s}")
+    measured = [r for r in results if r.get("memory")]
+    if measured:
+        keys = list(dict.fromkeys(k for r in measured for k in r["memory"]))
+        print("\nmemory after the timed steps (GiB; peaks over the timed steps)")
+        print(f"{'':30s}" + "".join(f"{r['config']:>20s}" for r in measured))
+        for k in keys:
+            print(f"{k:30s}" + "".join(f"{r['memory'].get(k, float('nan')):20.2f}" for r in measured))
     profiled = [r for r in results if r.get("profile_ms")]
     if profiled:
         classes = list(dict.fromkeys(k for r in profiled for k in r["profile_ms"]))
