@@ -78,6 +78,9 @@ def parse_args() -> argparse.Namespace:
                    help="with --profile: also print the N longest kernels per step of each configuration")
     p.add_argument("--trace", action="store_true",
                    help="write a gzipped Chrome trace (host + GPU) of one step per configuration to --out")
+    p.add_argument("--memory-sites", type=int, default=0,
+                   help="record allocations during the warm-up (it captures the CUDA graphs) and print the N source "
+                        "lines holding most of the graph pool at its peak")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.smoke:
@@ -127,11 +130,17 @@ def worker(spec: dict) -> None:
     cuda = trainer.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     setup_s = time.perf_counter() - t0
+    if cuda and spec.get("memory_sites"):
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
     t0 = time.perf_counter()
     for _ in range(spec["warmup"]):
         trainer.train_step()
     sync()
     warmup_s = time.perf_counter() - t0
+    sites = None
+    if cuda and spec.get("memory_sites"):
+        sites = graph_pool_peak_sites(torch.cuda.memory._snapshot(), spec["memory_sites"])
+        torch.cuda.memory._record_memory_history(enabled=None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     tokens, losses = 0, []
@@ -159,6 +168,8 @@ def worker(spec: dict) -> None:
            "cuda_graphs": trainer.layer_graphs is not None and trainer.layer_graphs.num_replays > 0}
     if cuda:
         res["memory"] = memory_breakdown()
+    if sites is not None:
+        res["graph_pool_peak_sites"] = sites
     if spec.get("profile") and cuda:
         res["profile_ms"], res["top_kernels"] = profile_steps(trainer, 2, spec.get("top_kernels", 0))
     if spec.get("trace") and spec.get("out"):
@@ -185,6 +196,56 @@ def memory_breakdown() -> dict[str, float]:
         out[name] = round(stats.get(key, 0) / 2**30, 2)
     out["alloc retries"] = stats.get("num_alloc_retries", 0)
     return out
+
+
+def graph_pool_peak_sites(snapshot: dict, top: int) -> dict:
+    """From a memory snapshot with allocation history (warm-up steps, which include the CUDA-graph capture): the
+    largest sum of live allocations in the graphs' private pools, and what was live then, by the innermost
+    MegaDLMs / benchmark source line that allocated it (GiB, allocations). Where a graph pool's size comes from."""
+    final = {(s["address"], s["total_size"]) for s in snapshot["segments"]
+             if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)}
+    events = snapshot["device_traces"][0] if snapshot["device_traces"] else []
+
+    def site(frames: list) -> str:
+        """The innermost MegaDLMs line, else the innermost Python line (compiled backward code, autograd)."""
+        ours = [f for f in frames if "megadlms" in f.get("filename", "") or "benchmarks" in f.get("filename", "")]
+        py = [f for f in frames if f.get("filename", "").endswith(".py")]
+        for f in ours or py:
+            where = f["filename"].split("megadlms/")[-1] if ours else f["filename"].split("/")[-1]
+            return f"{where}:{f.get('line')} {f.get('name')}"
+        return "(no Python frame)"
+
+    def replay(stop: int | None) -> tuple[int, int, dict[int, dict]]:
+        """Live graph-pool allocations over the events (up to index `stop`): (peak bytes, its index, live then)."""
+        import bisect
+
+        segs: list[tuple[int, int]] = []  # graph-pool segments mapped so far: (start, end), sorted
+        live: dict[int, dict] = {}
+        total = peak = peak_at = 0
+        for i, ev in enumerate(events[:stop]):
+            action, addr = ev["action"], ev["addr"]
+            if action == "segment_alloc" and (addr, ev["size"]) in final:
+                bisect.insort(segs, (addr, addr + ev["size"]))
+            elif action == "alloc":
+                j = bisect.bisect_right(segs, (addr, float("inf"))) - 1
+                if j >= 0 and addr < segs[j][1]:
+                    live[addr] = ev
+                    total += ev["size"]
+                    if total > peak:
+                        peak, peak_at = total, i + 1
+            elif action in ("free_requested", "free_completed") and addr in live:
+                total -= live.pop(addr)["size"]
+        return peak, peak_at, live
+
+    peak, peak_at, _ = replay(None)
+    _, _, at_peak = replay(peak_at)
+    by_site: dict[str, list[float]] = {}
+    for ev in at_peak.values():
+        acc = by_site.setdefault(site(ev.get("frames", [])), [0.0, 0])
+        acc[0] += ev["size"] / 2**30
+        acc[1] += 1
+    rows = sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"peak_gib": round(peak / 2**30, 2), "sites": [[round(g, 3), int(n), w] for w, (g, n) in rows]}
 
 
 def trace_step(trainer, path: Path) -> str:
@@ -293,6 +354,7 @@ def main() -> None:
                     "data": str(prefix),
                     "warmup": a.warmup, "steps": a.steps, "extra": a.extra.split() if a.extra else [],
                     "profile": a.profile, "top_kernels": a.top_kernels, "trace": a.trace,
+                    "memory_sites": a.memory_sites,
                     "out": str(out) if out else None}
             if a.smoke:
                 spec["device"] = "cpu"
@@ -338,6 +400,13 @@ def main() -> None:
         print(f"{'':30s}" + "".join(f"{r['config']:>20s}" for r in measured))
         for k in keys:
             print(f"{k:30s}" + "".join(f"{r['memory'].get(k, float('nan')):20.2f}" for r in measured))
+    for r in results:
+        if r.get("graph_pool_peak_sites"):
+            g = r["graph_pool_peak_sites"]
+            print(f"\ngraph pool at its peak in the capture, {r['config']}: {g['peak_gib']:.2f} GiB live "
+                  "(GiB, allocations, source line)")
+            for gib, n, where in g["sites"]:
+                print(f"{gib:8.3f} {n:5d}  {where}")
     profiled = [r for r in results if r.get("profile_ms")]
     if profiled:
         classes = list(dict.fromkeys(k for r in profiled for k in r["profile_ms"]))

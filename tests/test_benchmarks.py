@@ -48,3 +48,28 @@ def test_fp8_cast_sweep_smoke(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "WRONG" not in res.stdout and "swiglu bwd llama" in res.stdout.splitlines()[-1], res.stdout[-3000:]
+
+
+def test_graph_pool_peak_sites_replays_a_snapshot():
+    """The graph pool's peak from a snapshot's allocation history: only allocations inside graph-pool segments
+    (mapped before them), grouped by the innermost MegaDLMs line."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from train_throughput import graph_pool_peak_sites
+
+    ours = [{"filename": "/x/megadlms/fp8/linear.py", "line": 10, "name": "forward"}]
+    inductor = [{"filename": "/tmp/torchinductor/ab.py", "line": 3, "name": "call"}]
+    ev = [{"action": "alloc", "addr": 1100, "size": 999, "frames": ours},  # before the pool's segment: not counted
+          {"action": "free_requested", "addr": 1100, "size": 999},
+          {"action": "segment_alloc", "addr": 1000, "size": 1000},
+          {"action": "alloc", "addr": 1100, "size": 300, "frames": ours},
+          {"action": "alloc", "addr": 5000, "size": 700, "frames": ours},  # the default pool
+          {"action": "alloc", "addr": 1500, "size": 200, "frames": inductor},
+          {"action": "free_requested", "addr": 1100, "size": 300},
+          {"action": "alloc", "addr": 1100, "size": 100, "frames": ours}]
+    snap = {"segments": [{"address": 1000, "total_size": 1000, "segment_pool_id": (1, 1)},
+                         {"address": 5000, "total_size": 1000, "segment_pool_id": (0, 0)}],
+            "device_traces": [ev]}
+    got = graph_pool_peak_sites(snap, 5)
+    assert got["peak_gib"] == round(500 / 2**30, 2)
+    assert [(n, w) for _, n, w in got["sites"]] == [(1, "fp8/linear.py:10 forward"), (1, "ab.py:3 call")]
+    assert [g for g, _, _ in got["sites"]] == [round(300 / 2**30, 3), round(200 / 2**30, 3)]
