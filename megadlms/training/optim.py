@@ -29,6 +29,36 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=fused)
 
 
+def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state now (AdamW: exp_avg, exp_avg_sq, step), as its first step would.
+
+    Made lazily, the state (two fp32 copies of the model) is allocated after the first forward and backward, into
+    the holes their freed activations leave; made before them it lies in segments of its own, and the caching
+    allocator keeps less memory that no request fits. The state is created by a step with zero gradients and a
+    zero learning rate (parameters unchanged, moments zero), then the step counter is put back to zero: training
+    computes exactly what it computes without this call. A no-op when the state exists or gradients are present.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if optimizer.state or not params or any(p.grad is not None for p in params):
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in optimizer.param_groups:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
+
+
 def clip_grad_norm(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """The gradients' total L2 norm (a device tensor), with the gradients clipped to `max_norm` for the next step.
 

@@ -41,7 +41,7 @@ from ..presets import load_model_config
 from . import checkpoint as ckpt
 from .cuda_graphs import LayerGraphs
 from .metrics import MetricSinks, bf16_peak_tflops, format_log_line, memory_gib, throughput
-from .optim import LRSchedule, build_optimizer, clip_grad_norm, set_lr
+from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_grad_norm, set_lr
 
 log = logging.getLogger("megadlms")
 
@@ -164,6 +164,7 @@ class Trainer:
         self.sampler = MaskSampler(args.seed + 1, device=self.device)
         self.optimizer = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
                                          betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        allocate_optimizer_state(self.optimizer)  # before any activation: the state gets segments of its own
         self.schedule = LRSchedule(lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
                                    decay_iters=args.lr_decay_iters or args.train_iters, decay_style=args.lr_decay_style,
                                    wsd_decay_iters=args.lr_wsd_decay_iters or max(1, (args.lr_decay_iters

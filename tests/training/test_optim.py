@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from megadlms.training.optim import LRSchedule, build_optimizer, clip_grad_norm
+from megadlms.training.optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_grad_norm
 
 
 def test_schedules():
@@ -68,3 +68,36 @@ def test_clipping_without_a_fused_optimizer_rewrites_the_gradients():
     assert float(norm) > 1.0 and getattr(opt, "grad_scale", None) is None
     total = torch.nn.utils.get_total_norm([p.grad for p in params])
     assert float(total) == pytest.approx(1.0, rel=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_optimizer_state_made_before_the_first_step_changes_nothing(fused):
+    """The state made up front (zero moments, step 0) trains bit for bit like the state made by the first step,
+    leaves the parameters and the learning rate alone, and is not remade once it exists."""
+    def run(early: bool) -> tuple[list[torch.Tensor], dict]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        opt = build_optimizer(m, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), fused=fused)
+        before = [p.detach().clone() for p in m.parameters()]
+        if early:
+            allocate_optimizer_state(opt)
+            assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+            assert all(p.grad is None for p in m.parameters()) and opt.param_groups[0]["lr"] == 1e-2
+            state = opt.state[m[0].weight]
+            assert float(state["step"]) == 0 and state["exp_avg"].abs().sum() == 0
+            exp_avg = state["exp_avg"]
+            allocate_optimizer_state(opt)  # exists: a no-op
+            assert opt.state[m[0].weight]["exp_avg"] is exp_avg
+        for step in range(3):
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+            m(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in m.parameters()], opt.state_dict()
+
+    (p_early, sd_early), (p_lazy, sd_lazy) = run(True), run(False)
+    for a, b in zip(p_early, p_lazy):
+        assert torch.equal(a, b)
+    for k, st in sd_lazy["state"].items():
+        for name, v in st.items():
+            assert torch.equal(torch.as_tensor(sd_early["state"][k][name]), torch.as_tensor(v)), name
