@@ -246,7 +246,7 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
         xp = pad_2d(x, mp, k)
         need_w = any(ctx.needs_input_grad[5:5 + n_mod])
         want_wt = grad_follows and any(w.requires_grad for w in ws)
-        w = group._group_weight(list(mods), want_wt)
+        w = group._group_weight(list(mods), want_wt and first.cache_weight)  # uncached: W^T made in the backward
         want_xt = need_w and first.fp8_wgrad
         xq, x_si, xt = _cast_shared(mods, xp, INPUT, fwd, w, delayed and first.training, True, want_xt)
         if first.collect_fp8_stats:

@@ -107,7 +107,9 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         need_wgu = any(ctx.needs_input_grad[7:9])
         need_wdown = ctx.needs_input_grad[9]
         # the gate/up projection: one cast of x (and x^T for its weight gradient), one GEMM
-        wgu = fused.gate_up._group_weight(list(gu), grad_follows and (w_gate.requires_grad or w_up.requires_grad))
+        # uncached weights: W^T for the input gradient is made in the backward (as in the layers' own paths)
+        wgu = fused.gate_up._group_weight(list(gu), grad_follows and (w_gate.requires_grad or w_up.requires_grad)
+                                          and down.cache_weight)
         xq, x_si, xt = _cast_shared(gu, xp, INPUT, fwd, wgu, record, True, need_wgu)
         y = scaled_mm(xq, wgu.q.t(), x_si, wgu.scale_inv, out_dtype, gu[0].fprop_fast_accum)  # [mp, 2F]
         # the SwiGLU straight into the down projection's FP8 input (h and h^T for its weight gradient)

@@ -10,8 +10,9 @@ the layer and the results sliced, so any batch shape works. The gradient is alwa
 operand, which keeps E5M2 x E4M3 within what the CUDA kernels accept.
 
 What is saved for backward: the FP8 copy of the input (1 byte/element) and the FP8 weight, which
-is shared with the per-step weight cache (without that cache, `cache_weight=False`, the FP8 weight is
-freed when the layer's backward returns). With fp8_wgrad=False the input is saved in the compute
+is shared with the per-step weight cache. Without that cache (`cache_weight=False`) the FP8 weight is
+freed when the layer's backward returns, and its transpose for the input gradient is made in the
+backward rather than kept from the forward. With fp8_wgrad=False the input is saved in the compute
 dtype instead (2 bytes/element in BF16): that is the price of a weight gradient that is exactly
 the BF16 GEMM of the unquantized tensors.
 """
@@ -259,7 +260,11 @@ class Float8Linear(nn.Linear):
                 wt = None
                 scale_invs = None
             else:
-                want_t = getattr(self, "_grad_follows", torch.is_grad_enabled()) and w.requires_grad
+                # the transposed copy for the input gradient: made with q in one pass when the cache keeps it for
+                # later micro-batches; without the cache, transposed from q in the backward (not held from the
+                # forward to the backward: 1 byte per weight less at the end of the forward)
+                want_t = (getattr(self, "_grad_follows", torch.is_grad_enabled()) and w.requires_grad
+                          and self.cache_weight)
                 delayed_ready = isinstance(self.recipe, DelayedScaling) and self._is_ready()
                 scale_invs = aligned_scalars(self.fp8_scale.reciprocal())[:, 0] if delayed_ready else None
                 q, scale_inv, wt = self._cast_qt(wp, WEIGHT, fwd, record=self.training, numel=w.numel(),

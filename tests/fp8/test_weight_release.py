@@ -124,3 +124,28 @@ def test_a_second_backward_through_released_weights_is_a_clear_error():
         else:
             with pytest.raises(RuntimeError, match="released after its first backward.*cache_weight=True"):
                 y.sum().backward()
+
+
+def test_without_cache_the_transposed_weight_is_made_in_the_backward(monkeypatch):
+    """Uncached, the forward holds only q: W^T for the input gradient is transposed from it in the backward (with the
+    cache it is made in the forward's cast, for every micro-batch of the step). Same gradients either way."""
+    _torch_kernels(monkeypatch)
+    torch.manual_seed(0)
+    base = convert_to_fp8(TransformerLM(_cfg()), DelayedScaling())
+    ids = torch.randint(0, 128, (2, 16))
+    grads = []
+    for cache in (True, False):
+        model = copy.deepcopy(base)
+        for m in fp8_modules(model):
+            m.cache_weight = cache
+        for _ in range(2):
+            out = model(ids)
+            held = [getattr(n, a) for n in _fp8_nodes(out) for a in WEIGHT_ATTRS if getattr(n, a, None) is not None]
+            transposes = [w.t if hasattr(w, "t") else w.dgrad for w in held]
+            assert held and all((t is not None) == cache for t in transposes), cache
+            out.float().logsumexp(-1).mean().backward()
+            fp8_step(model)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
