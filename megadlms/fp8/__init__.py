@@ -17,6 +17,7 @@ from .convert import (
     fp8_graph_capture,
     fp8_modules,
     fp8_step,
+    fp8_weight_caching,
     invalidate_fp8_weight_caches,
 )
 from .hardware import FP8UnsupportedError, check_fp8_support, fp8_backend_note
@@ -29,5 +30,5 @@ from .swiglu import SwiGLUFP8InputStore
 __all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "recipe_from_config",
            "fp8_autocast", "FP8GlobalStateManager", "fp8_checkpoint_context_fn", "Float8Linear",
            "SwiGLUFP8InputStore", "convert_to_fp8", "fp8_step", "fp8_modules", "invalidate_fp8_weight_caches",
-           "fp8_graph_capture", "check_fp8_support", "fp8_backend_note", "FP8UnsupportedError", "fp8_stats",
-           "enable_fp8_stats", "fp8_stats_enabled"]
+           "fp8_graph_capture", "fp8_weight_caching", "check_fp8_support", "fp8_backend_note", "FP8UnsupportedError",
+           "fp8_stats", "enable_fp8_stats", "fp8_stats_enabled"]

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..model import SwiGLU
 from .fused_linear import install_fused_projections
-from .fused_mlp import install_fused_mlps
+from .fused_mlp import fused_projections, install_fused_mlps
 from .hardware import check_fp8_support
 from .linear import Float8Linear
 from .quantize import amax_to_scale
@@ -101,9 +101,28 @@ def fp8_modules(model: nn.Module) -> Iterator[Float8Linear]:
 
 def invalidate_fp8_weight_caches(model: nn.Module) -> None:
     """Make every Float8Linear recast its weight on the next forward (after weights changed outside
-    an optimizer step followed by `fp8_step`, e.g. a manual load into `.data`)."""
+    an optimizer step followed by `fp8_step`, e.g. a manual load into `.data`), and let go of the cached
+    FP8 weights now (the layers' and their fused groups')."""
     for m in fp8_modules(model):
         m.invalidate_fp8_weight_cache()
+    for group in fused_projections(model):
+        group._cache = None
+
+
+@contextlib.contextmanager
+def fp8_weight_caching(model: nn.Module, modules: list[Float8Linear]) -> Iterator[None]:
+    """Inside, `modules` (Float8Linears of `model`) keep their FP8 weights between forwards (`cache_weight=True`),
+    e.g. over the batches of an evaluation, which all see the same weights. On exit their setting is back to off
+    and the caches made inside are dropped: training without a cache must not hold them through its steps."""
+    for m in modules:
+        m.cache_weight = True
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.cache_weight = False
+        if modules:
+            invalidate_fp8_weight_caches(model)
 
 
 @contextlib.contextmanager

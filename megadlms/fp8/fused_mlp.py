@@ -205,3 +205,16 @@ def install_fused_mlps(module: nn.Module) -> int:
                 sub.forward = FusedFloat8MLP(sub)
                 count += 1
     return count
+
+
+def fused_projections(module: nn.Module) -> list[FusedFloat8Projection]:
+    """The fused projections installed on `module`'s submodules (instance attributes; a fused MLP's gate/up
+    group included), each once."""
+    found: dict[int, FusedFloat8Projection] = {}
+    for mod in module.modules():
+        for v in vars(mod).values():
+            if isinstance(v, FusedFloat8MLP):
+                v = v.gate_up
+            if isinstance(v, FusedFloat8Projection):
+                found.setdefault(id(v), v)
+    return list(found.values())

@@ -23,22 +23,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .fused_linear import FusedFloat8Projection, _GroupWeight
-from .fused_mlp import FusedFloat8MLP
+from .fused_linear import _GroupWeight
+from .fused_mlp import fused_projections
 from .linear import Float8Linear, _Fp8Weight
 from .recipe import Float8RowwiseScaling
-
-
-def _groups(layers: nn.Module) -> list[FusedFloat8Projection]:
-    """The fused projections installed on `layers`' modules (instance attributes), each once."""
-    found: dict[int, FusedFloat8Projection] = {}
-    for mod in layers.modules():
-        for v in vars(mod).values():
-            if isinstance(v, FusedFloat8MLP):
-                v = v.gate_up
-            if isinstance(v, FusedFloat8Projection):
-                found.setdefault(id(v), v)
-    return list(found.values())
 
 
 def _copy_into(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
@@ -55,7 +43,7 @@ class StepFP8Weights:
     and recast once per optimizer step (see the module docstring)."""
 
     def __init__(self, layers: nn.Module):
-        self.groups = _groups(layers)
+        self.groups = fused_projections(layers)
         grouped = {id(m) for g in self.groups for m in g.members()}
         self.modules = [m for m in layers.modules() if isinstance(m, Float8Linear)]
         self.single = [m for m in self.modules if id(m) not in grouped]

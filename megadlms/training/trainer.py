@@ -176,12 +176,15 @@ class Trainer:
         self.peak = bf16_peak_tflops(self.device)
         self.sinks = MetricSinks(args.tensorboard_dir, args.save or args.tensorboard_dir, enabled=ctx.is_main)
         self.fp8 = bool(cfg.fp8)
+        # the Float8Linears whose weight cache is off for training and back on for evaluation (same weights)
+        self._fp8_uncached: list[nn.Module] = []
         if self.fp8 and self.accum == 1:
             # no later micro-batch of the step reads a cached FP8 weight: each layer's is freed after its backward
             # (2 bytes per weight less at the peak), not kept through the optimizer step until the next forward
             from ..fp8 import fp8_modules
 
-            for m in fp8_modules(model):
+            self._fp8_uncached = [m for m in fp8_modules(model) if m.cache_weight]  # not FSDP's (off for good)
+            for m in self._fp8_uncached:
                 m.cache_weight = False
         # large vocabularies: the fused, masked-rows-only LM head + loss (the [tokens, V] logits dominate memory)
         chunk = getattr(args, "loss_chunk_tokens", None)
@@ -333,16 +336,24 @@ class Trainer:
         sampler = MaskSampler(self.args.seed + 2, device=self.device)  # the same masks every evaluation
         total = torch.zeros((), device=self.device)
         n = 0
-        for _ in range(self.args.eval_iters):
-            noise = sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, 0.0)
-            for (inputs, targets, weights), _, rows in self._micro_batches(it, noise, self.accum):
-                total += self._loss(inputs, targets, weights, rows)
-                n += 1
+        with self._fp8_eval_weights():  # every batch sees the same weights: cast them once
+            for _ in range(self.args.eval_iters):
+                noise = sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, 0.0)
+                for (inputs, targets, weights), _, rows in self._micro_batches(it, noise, self.accum):
+                    total += self._loss(inputs, targets, weights, rows)
+                    n += 1
         if self.ctx.distributed:
             dist.all_reduce(total, group=self.ctx.dp_group)
             n *= self.ctx.dp_size
         self.model.train()
         return (total / max(n, 1)).item()
+
+    def _fp8_eval_weights(self) -> contextlib.AbstractContextManager:
+        if not self._fp8_uncached:
+            return contextlib.nullcontext()
+        from ..fp8 import fp8_weight_caching
+
+        return fp8_weight_caching(self.model, self._fp8_uncached)
 
     # ----------------------------------------------------------------- checkpoints
     def _dcp_state(self) -> dict[str, Any]:

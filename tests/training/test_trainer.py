@@ -114,3 +114,25 @@ def test_cli_help_and_train_smoke(tmp_path):
     assert run_.returncode == 0, run_.stderr[-2000:]
     assert "iter      2/2" in run_.stdout and "MFU n/a" in run_.stdout
     assert "sample> Once upon a time" in run_.stdout  # the demo's closing sample
+
+
+def test_fp8_weights_uncached_in_training_and_cast_once_per_evaluation():
+    """At one micro-batch per step the FP8 weight cache is off (nothing reuses it; each layer's FP8 weight is freed
+    after its backward); an evaluation turns it on for its batches (same weights: one cast per layer) and drops
+    what it cached on the way out."""
+    from megadlms.fp8 import fp8_modules
+    from megadlms.fp8.fused_mlp import fused_projections
+
+    trainer = setup(parse_train_args(SMALL + ["--train-iters", "2", "--fp8-format", "hybrid", "--eval-iters", "3",
+                                              "--difflm-varilen-prob", "0"]))
+    mods = list(fp8_modules(trainer.model))
+    assert mods and not any(m.cache_weight for m in mods)
+    trainer._train_iter = iter(trainer.loaders.train)
+    trainer.train_step()
+    before = [m.num_weight_casts for m in mods]
+    assert trainer.evaluate() is not None
+    assert [m.num_weight_casts - b for m, b in zip(mods, before)] == [1] * len(mods)  # 3 batches, one cast
+    assert not any(m.cache_weight or m._wcache is not None for m in mods)
+    assert all(g._cache is None for g in fused_projections(trainer.model))
+    trainer.train_step()
+    assert [m.num_weight_casts - b for m, b in zip(mods, before)] == [2] * len(mods)  # training casts afresh
