@@ -295,10 +295,6 @@ class LayerGraphs:
                 fwd, bwd = _CudaGraph(pool, stream), _CudaGraph(pool, stream)
                 c = self._record(key, static_x, static_rope, params, wanted, fwd, bwd, forward)
                 torch.cuda.current_stream(x.device).wait_stream(stream)
-                # the capture replaced the FP8 weight caches that the warm-up made on the side stream: their blocks
-                # (2 bytes per weight) are free but cached for a stream that no longer allocates; give them back
-                torch.cuda.synchronize(x.device)
-                torch.cuda.empty_cache()
         c.storage = self._storage()
         c.weights = weights
         self.capture_seconds = time.perf_counter() - t0

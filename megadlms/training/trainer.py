@@ -179,8 +179,8 @@ class Trainer:
         # the Float8Linears whose weight cache is off for training and back on for evaluation (same weights)
         self._fp8_uncached: list[nn.Module] = []
         if self.fp8 and self.accum == 1:
-            # no later micro-batch of the step reads a cached FP8 weight: each layer's is freed after its backward
-            # (2 bytes per weight less at the peak), not kept through the optimizer step until the next forward
+            # no later micro-batch of the step reads a cached FP8 weight: each layer's lives from its forward to its
+            # backward (which also makes its transpose), not through the optimizer step until the next forward
             from ..fp8 import fp8_modules
 
             self._fp8_uncached = [m for m in fp8_modules(model) if m.cache_weight]  # not FSDP's (off for good)
