@@ -393,13 +393,8 @@ def main() -> None:
         print(f"{r['config']:24s} {r.get('batch', a.batch):2d} {r.get('accum', 1):3d} {r['ms_per_step']:8.0f} "
               f"{r['tokens_per_s']:8.0f} {r['tflops']:8.0f} {r['mfu'] * 100:5.1f}% {r['peak_gib']:9.1f} "
               f"{reserved:8.1f} {vs_bf:8.2f} {vs_hf:6.2f} {'yes' if r.get('cuda_graphs') else 'no':>6s}")
-    measured = [r for r in results if r.get("memory")]
-    if measured:
-        keys = list(dict.fromkeys(k for r in measured for k in r["memory"]))
-        print("\nmemory after the timed steps (GiB; peaks over the timed steps)")
-        print(f"{'':30s}" + "".join(f"{r['config']:>20s}" for r in measured))
-        for k in keys:
-            print(f"{k:30s}" + "".join(f"{r['memory'].get(k, float('nan')):20.2f}" for r in measured))
+    print_by_config(results, "memory", "memory after the timed steps (GiB; peaks over the timed steps)", "", 2,
+                    float("nan"))
     for r in results:
         if r.get("graph_pool_peak_sites"):
             g = r["graph_pool_peak_sites"]
@@ -407,18 +402,25 @@ def main() -> None:
                   "(GiB, allocations, source line)")
             for gib, n, where in g["sites"]:
                 print(f"{gib:8.3f} {n:5d}  {where}")
-    profiled = [r for r in results if r.get("profile_ms")]
-    if profiled:
-        classes = list(dict.fromkeys(k for r in profiled for k in r["profile_ms"]))
-        print("\nGPU ms per step by kernel class (torch.profiler, 2 steps)")
-        print(f"{'class':30s}" + "".join(f"{r['config']:>20s}" for r in profiled))
-        for c in classes:
-            print(f"{c:30s}" + "".join(f"{r['profile_ms'].get(c, 0.0):20.1f}" for r in profiled))
-    for r in profiled:
+    print_by_config(results, "profile_ms", "GPU ms per step by kernel class (torch.profiler, 2 steps)", "class", 1,
+                    0.0)
+    for r in results:
         if r.get("top_kernels"):
             print(f"\nlongest kernels per step, {r['config']} (ms, calls, class, name)")
             for ms, calls, cls, name in r["top_kernels"]:
                 print(f"{ms:8.2f} {calls:5d}  {cls:28s} {name}")
+
+
+def print_by_config(results: list[dict], field: str, title: str, corner: str, digits: int, missing: float) -> None:
+    """A table of the dicts `r[field]` of the results that have one: a row per key, a column per configuration."""
+    rows = [r for r in results if r.get(field)]
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r[field]))
+    print(f"\n{title}")
+    print(f"{corner:30s}" + "".join(f"{r['config']:>20s}" for r in rows))
+    for k in keys:
+        print(f"{k:30s}" + "".join(f"{r[field].get(k, missing):20.{digits}f}" for r in rows))
 
 
 if __name__ == "__main__":

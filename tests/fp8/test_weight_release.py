@@ -84,18 +84,28 @@ def _cfg() -> TransformerConfig:
                              untie_embeddings_and_output_weights=True)
 
 
+def _fp8_lm(monkeypatch) -> tuple[TransformerLM, torch.Tensor]:
+    """A small FP8 model with the fused q/k/v, gate/up and MLP paths (torch standing in for the Triton kernels),
+    and token ids for it."""
+    _torch_kernels(monkeypatch)
+    torch.manual_seed(0)
+    return convert_to_fp8(TransformerLM(_cfg()), DelayedScaling()), torch.randint(0, 128, (2, 16))
+
+
+def _with_cache(base: TransformerLM, cache: bool) -> TransformerLM:
+    model = copy.deepcopy(base)
+    for m in fp8_modules(model):
+        m.cache_weight = cache
+    return model
+
+
 def test_fused_projections_and_fused_mlp_free_their_fp8_weights_layer_by_layer(monkeypatch):
     """The fused q/k/v and gate/up GEMMs and the fused MLP (torch standing in for its Triton kernels): every FP8
     weight of the graph is gone after the backward, and the step computes what the cached model computes."""
-    _torch_kernels(monkeypatch)
-    torch.manual_seed(0)
-    base = convert_to_fp8(TransformerLM(_cfg()), DelayedScaling())
-    ids = torch.randint(0, 128, (2, 16))
+    base, ids = _fp8_lm(monkeypatch)
     results = []
     for cache in (True, False):
-        model = copy.deepcopy(base)
-        for m in fp8_modules(model):
-            m.cache_weight = cache
+        model = _with_cache(base, cache)
         for step in range(2):  # the second step runs the fused MLP (it needs the scales of a first fp8_step)
             out = model(ids)
             nodes = _fp8_nodes(out)
@@ -129,15 +139,10 @@ def test_a_second_backward_through_released_weights_is_a_clear_error():
 def test_without_cache_the_transposed_weight_is_made_in_the_backward(monkeypatch):
     """Uncached, the forward holds only q: W^T for the input gradient is transposed from it in the backward (with the
     cache it is made in the forward's cast, for every micro-batch of the step). Same gradients either way."""
-    _torch_kernels(monkeypatch)
-    torch.manual_seed(0)
-    base = convert_to_fp8(TransformerLM(_cfg()), DelayedScaling())
-    ids = torch.randint(0, 128, (2, 16))
+    base, ids = _fp8_lm(monkeypatch)
     grads = []
     for cache in (True, False):
-        model = copy.deepcopy(base)
-        for m in fp8_modules(model):
-            m.cache_weight = cache
+        model = _with_cache(base, cache)
         for _ in range(2):
             out = model(ids)
             held = [getattr(n, a) for n in _fp8_nodes(out) for a in WEIGHT_ATTRS if getattr(n, a, None) is not None]
