@@ -107,6 +107,8 @@ class Attention(nn.Module):
         """x [B, S, H] -> [B, S, H]. attn_mask: None or bool [B, 1, S, T] (True = attend)."""
         b, s, _ = x.shape
         q, k, v = self.project_qkv(x)
+        if v.requires_grad:  # attention saves v for its backward; as a column view of a fused q/k/v GEMM's output
+            v = v.contiguous()  # it would keep q's and k's columns alive too (a no-op for a separate v_proj)
         # -1 instead of the head count: under tensor parallelism the local head count is smaller
         q, k, v = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim), v.view(b, s, -1, self.head_dim)
         if self.q_norm is not None:

@@ -154,3 +154,25 @@ def test_without_cache_the_transposed_weight_is_made_in_the_backward(monkeypatch
         model.zero_grad()
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_saved_activations_hold_no_memory_that_no_backward_reads(monkeypatch):
+    """Every storage the autograd graph keeps is read back whole: a saved view (v as a column block of the fused
+    q/k/v GEMM's output) must not keep the rest of its storage (q's and k's columns) alive until the backward."""
+    model, ids = _fp8_lm(monkeypatch)
+    for step in range(2):  # the second step runs the fused MLP
+        saved: dict[int, list[torch.Tensor]] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.numel() > 1:
+                saved.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(ids)
+        for views in saved.values():
+            storage_bytes = views[0].untyped_storage().nbytes()
+            read = {(v.storage_offset(), v.shape, v.stride()): v.numel() * v.element_size() for v in views}
+            assert sum(read.values()) >= storage_bytes, [tuple(v.shape) for v in views]
+        out.float().logsumexp(-1).mean().backward()
+        fp8_step(model)
