@@ -153,8 +153,23 @@ def _transpose(q: torch.Tensor) -> torch.Tensor:
     return q.t().contiguous()
 
 
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
 def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
-    """q [R, C] -> q^T [C, R] contiguous (a tiled transpose kernel on CUDA)."""
+    """q [R, C] -> q^T [C, R] contiguous.
+
+    On CUDA the Triton cast-transpose kernel writes only q^T, with scale 1: an FP8 value cast to its own format
+    is itself, so the result is the bytes of q transposed, at the kernel's near-copy speed (checked bitwise on the
+    first call like every variant of it). inductor's transpose of the 1-byte elements, the fallback, moved ~0.2 TB/s
+    on an H200 (14 ms a qwen3-1.7b step for the weights' transposes; benchmarks/RESULTS.md)."""
+    if triton_cast.available(q):
+        one = _UNIT_SCALES.get(q.device)
+        if one is None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            one = _UNIT_SCALES[q.device] = torch.ones((), dtype=torch.float32, device=q.device)
+        out = triton_cast.checked_cast_transpose(q, one, q.dtype, False, True) if one is not None else None
+        if out is not None:
+            return out[1]
     if q.device.type != "cuda":
         return _transpose(q)
     return _get("transpose", _transpose)(q)

@@ -85,6 +85,15 @@ SCRIPT = textwrap.dedent("""
     slots = [torch.tensor(0.0), torch.tensor(1e6), torch.tensor(-1.0)]
     triton_cast.cast_transpose(x, torch.tensor(1.0), torch.float8_e4m3fn, True, False, slots)
     assert slots[0] == x.abs().amax() and slots[1] == 1e6 and slots[2] == x.abs().amax()
+
+    # fused.transpose_fp8 through the kernel (scale 1): every finite FP8 byte, -0.0 and subnormals included
+    from megadlms.fp8.fused import transpose_fp8
+    e5m2_nonfinite = set(range(0x7C, 0x80)) | set(range(0xFC, 0x100))
+    for fp8, bad in ((torch.float8_e4m3fn, {0x7F, 0xFF}), (torch.float8_e5m2, e5m2_nonfinite)):
+        finite = torch.tensor([b for b in range(256) if b not in bad], dtype=torch.uint8)
+        q = finite[torch.randint(0, len(finite), (80, 144))].view(fp8)
+        assert torch.equal(transpose_fp8(q).view(torch.uint8), q.t().contiguous().view(torch.uint8)), fp8
+        assert (fp8, fp8, False, True, 0, False, False) in triton_cast._state["mode"], "the kernel made it"
     print("OK")
 """)
 
