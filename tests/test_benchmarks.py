@@ -50,6 +50,19 @@ def test_fp8_cast_sweep_smoke(tmp_path):
     assert "WRONG" not in res.stdout and "swiglu bwd llama" in res.stdout.splitlines()[-1], res.stdout[-3000:]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_adamw_speed_smoke(tmp_path):
+    """The optimizer benchmark with the AdamW kernel in Triton's interpreter: it runs, and StreamingAdamW agrees with
+    torch's fused AdamW."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "adamw_speed.py"), "--smoke"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    err = float(res.stdout.strip().rsplit(" ", 1)[-1])
+    assert "StreamingAdamW " in res.stdout and err < 1e-3, res.stdout[-3000:]
+
+
 def test_graph_pool_peak_sites_replays_a_snapshot():
     """The graph pool's peak from a snapshot's allocation history: only allocations inside graph-pool segments
     (mapped before them), grouped by the innermost MegaDLMs line."""

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from . import triton_adamw
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
@@ -17,7 +19,9 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
                     eps: float = 1e-8, fused: bool | None = None) -> torch.optim.AdamW:
     """AdamW; no weight decay on biases, norm weights and other 1-D parameters (Megatron's rule).
 
-    fused=None picks the fused CUDA kernel when the parameters live on a GPU.
+    fused=None picks the fused update when the parameters live on a GPU: `StreamingAdamW` (torch's AdamW with
+    its large fp32 parameters updated by one Triton pass each) where Triton is installed, else torch's fused
+    AdamW. fused=True on other devices is torch's fused AdamW.
     """
     decay, no_decay = [], []
     for _, p in model.named_parameters():
@@ -26,6 +30,9 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     if fused is None:
         fused = all(p.is_cuda for p in decay + no_decay)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    params = decay + no_decay
+    if fused and params and all(triton_adamw.available(p.device) for p in params):
+        return triton_adamw.StreamingAdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=fused)
 
 

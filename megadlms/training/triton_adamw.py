@@ -1,0 +1,140 @@
+"""AdamW whose update of each large fp32 parameter is one Triton pass at the memory's speed.
+
+torch's fused AdamW updates all parameters through `multi_tensor_apply` in chunks of 64K elements: on an H200 it
+moves an 8B-class model's 4.5B fp32 parameters at 3.0 TB/s (43 ms a step), where a device copy of the same bytes
+runs at 4.3 TB/s (benchmarks/adamw_speed.py, benchmarks/RESULTS.md). The update reads p, g, m, v and writes p, m, v
+(28 bytes per parameter), so its time is its traffic: `StreamingAdamW` runs one kernel per large parameter tensor
+with wide loads, within 3% of the copy's time. It is torch's AdamW in everything else: options, parameter groups,
+state (`step`, `exp_avg`, `exp_avg_sq`), checkpoints, and the fused kernel's `grad_scale` divisor (the clipping
+factor of `optim.clip_grad_norm`). Parameters the kernel does not take (small ones, DTensor shards, non-fp32 or
+non-contiguous ones, a group with a tensor learning rate) go through torch's fused kernel in the same step.
+The arithmetic is torch's, so the two agree to fp32 rounding; unlike torch's kernel this one leaves the gradients
+as they are (torch writes the unscaled gradient back).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # no Triton: StreamingAdamW is not used (optim.build_optimizer)
+    triton = None
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel can run for tensors on `device` (a GPU, or the CPU under Triton's interpreter);
+    MEGADLMS_TRITON_ADAMW=0 turns it off (torch's fused AdamW everywhere)."""
+    return (triton is not None and os.environ.get("MEGADLMS_TRITON_ADAMW", "1") != "0"
+            and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+if triton is not None:
+    @triton.jit
+    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, n, lr, beta1, beta2, log2_beta1,
+                      log2_beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        step = tl.load(step_ptr)  # the fp32 device step count, advanced for this update
+        bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
+        bias_correction2_sqrt = tl.sqrt_rn(1.0 - tl.exp2(step * log2_beta2))
+        p = tl.load(p_ptr + offs, mask=mask)
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+        if HAS_SCALE:
+            g = g / tl.load(scale_ptr)
+        m = tl.load(m_ptr + offs, mask=mask)
+        v = tl.load(v_ptr + offs, mask=mask)
+        p = p * (1.0 - lr * weight_decay)
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
+        p = p - (lr / bias_correction1) * (m / denom)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+
+
+def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  step: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                  grad_scale: torch.Tensor | None = None, block: int = 1024, num_warps: int = 4) -> None:
+    """One AdamW update of a contiguous fp32 `param` and its moments, in place. `step`: the fp32 device step count
+    including this update; `grad_scale`: an fp32 scalar tensor the gradient is divided by. The default tile is the
+    fastest of those measured on the H200 (benchmarks/adamw_speed.py)."""
+    n = param.numel()
+    _adamw_kernel[(triton.cdiv(n, block),)](
+        param, grad, exp_avg, exp_avg_sq, step, grad_scale if grad_scale is not None else step, n, lr, beta1, beta2,
+        math.log2(beta1), math.log2(beta2), eps, weight_decay, HAS_SCALE=grad_scale is not None, BLOCK=block,
+        num_warps=num_warps)
+
+
+class StreamingAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW (fused) whose large plain fp32 parameters are updated by `adamw_update_`."""
+
+    min_numel = 1 << 16  # smaller tensors share torch's multi-tensor launches instead of one launch each
+
+    def __init__(self, params: Iterable[Any], **kwargs: Any):
+        for option in ("amsgrad", "maximize", "foreach", "capturable", "differentiable"):
+            if kwargs.get(option):
+                raise ValueError(f"StreamingAdamW does not take {option}=True; use torch.optim.AdamW for it")
+        if kwargs.get("fused") is False:
+            raise ValueError("StreamingAdamW is a fused optimizer; fused=False asks for torch.optim.AdamW")
+        super().__init__(params, **{**kwargs, "fused": True})
+
+    def _streamed(self, p: torch.Tensor, lr: Any) -> bool:
+        g = p.grad
+        return (g is not None and not isinstance(p, DTensor) and not isinstance(g, DTensor) and not g.is_sparse
+                and p.dtype == torch.float32 and p.numel() >= self.min_numel and p.is_contiguous()
+                and g.is_contiguous() and g.shape == p.shape and g.device == p.device
+                and not isinstance(lr, torch.Tensor) and available(p.device))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if closure is not None or getattr(self, "found_inf", None) is not None:
+            return _torch_adamw_step(self, closure)
+        grad_scale = getattr(self, "grad_scale", None)
+        work = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self._streamed(p, group["lr"]):
+                    continue
+                state = self.state[p]
+                if not state:  # what torch's fused AdamW makes: an fp32 step count on the parameter's device
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                work.append((p, p.grad, state, group))
+        # the rest through torch's fused kernel: it skips parameters without a gradient
+        for p, _, _, _ in work:
+            p.grad = None
+        try:
+            _torch_adamw_step(self)
+        finally:
+            for p, g, _, _ in work:
+                p.grad = g
+        if not work:
+            return None
+        torch._foreach_add_([s["step"] for _, _, s, _ in work], 1.0)
+        scales: dict[torch.device, torch.Tensor] = {}
+        for p, g, state, group in work:
+            beta1, beta2 = group["betas"]
+            scale = None if grad_scale is None else scales.setdefault(p.device, grad_scale.to(p.device, torch.float32))
+            adamw_update_(p, g, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=float(group["lr"]),
+                          beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                          weight_decay=float(group["weight_decay"]), grad_scale=scale)
+        return None
+
+
+def _torch_adamw_step(optimizer: torch.optim.AdamW, closure: Any = None) -> Any:
+    """torch's AdamW step without the step hooks around it (the hooks run once, around StreamingAdamW.step)."""
+    step = torch.optim.AdamW.step
+    while getattr(step, "hooked", False):  # Optimizer._patch_step_function's wrapper
+        step = step.__wrapped__
+    return step(optimizer, closure)
