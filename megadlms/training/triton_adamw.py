@@ -110,6 +110,9 @@ class StreamingAdamW(torch.optim.AdamW):
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device == p.device
+                           and t.is_contiguous() for t in (state["step"], state["exp_avg"], state["exp_avg_sq"])):
+                    continue  # state in another form (e.g. set by hand): torch's kernel takes it as it is
                 work.append((p, p.grad, state, group))
         # the rest through torch's fused kernel: it skips parameters without a gradient
         for p, _, _, _ in work:
