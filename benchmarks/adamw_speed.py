@@ -14,21 +14,16 @@ import time
 
 import torch
 
+from megadlms.model import TransformerLM
 from megadlms.presets import preset_config
 from megadlms.training.triton_adamw import StreamingAdamW, adamw_update_, available
 
 
-def parameter_shapes(preset: str, layers: int) -> list[tuple[int, ...]]:
-    c = preset_config(preset, num_layers=layers)
-    h, f = c.hidden_size, c.ffn_hidden_size
-    q, kv = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
-    per_layer = [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f), (h,), (h,)]
-    if c.qk_layernorm:
-        per_layer += [(c.kv_channels,), (c.kv_channels,)]
-    out = [(c.vocab_size, h), (h,)] + per_layer * layers
-    if c.untie_embeddings_and_output_weights:
-        out.append((c.vocab_size, h))
-    return out
+def parameter_shapes(preset: str, layers: int) -> list[torch.Size]:
+    """The shapes of the model's parameters, from the model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = TransformerLM(preset_config(preset, num_layers=layers))
+    return [p.shape for p in model.parameters()]
 
 
 def timed(fn, iters: int) -> float:

@@ -88,12 +88,15 @@ class StreamingAdamW(torch.optim.AdamW):
             raise ValueError("StreamingAdamW is a fused optimizer; fused=False asks for torch.optim.AdamW")
         super().__init__(params, **{**kwargs, "fused": True})
 
-    def _streamed(self, p: torch.Tensor, lr: Any) -> bool:
+    def _streamed(self, p: torch.Tensor, lr: Any, kernel_on: dict[torch.device, bool]) -> bool:
         g = p.grad
-        return (g is not None and not isinstance(p, DTensor) and not isinstance(g, DTensor) and not g.is_sparse
-                and p.dtype == torch.float32 and p.numel() >= self.min_numel and p.is_contiguous()
-                and g.is_contiguous() and g.shape == p.shape and g.device == p.device
-                and not isinstance(lr, torch.Tensor) and available(p.device))
+        if (g is None or isinstance(p, DTensor) or isinstance(g, DTensor) or g.is_sparse or p.dtype != torch.float32
+                or p.numel() < self.min_numel or not p.is_contiguous() or not g.is_contiguous() or g.shape != p.shape
+                or g.device != p.device or isinstance(lr, torch.Tensor)):
+            return False
+        if p.device not in kernel_on:
+            kernel_on[p.device] = available(p.device)
+        return kernel_on[p.device]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -101,9 +104,10 @@ class StreamingAdamW(torch.optim.AdamW):
             return _torch_adamw_step(self, closure)
         grad_scale = getattr(self, "grad_scale", None)
         work = []
+        kernel_on: dict[torch.device, bool] = {}  # available(), asked once per device and step
         for group in self.param_groups:
             for p in group["params"]:
-                if not self._streamed(p, group["lr"]):
+                if not self._streamed(p, group["lr"], kernel_on):
                     continue
                 state = self.state[p]
                 if not state:  # what torch's fused AdamW makes: an fp32 step count on the parameter's device
