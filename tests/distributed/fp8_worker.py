@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import megadlms.fp8 as fp8
 import megadlms.fp8.convert as fp8_convert
+from megadlms.distributed.init import destroy_parallel
 from megadlms.training.args import parse_train_args
 from megadlms.training.trainer import setup
 
@@ -80,7 +81,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    destroy_parallel()  # barrier first: no rank tears gloo down while a peer still talks to it
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from megadlms.config import TransformerConfig
+from megadlms.distributed.init import destroy_parallel
 from megadlms.distributed.tensor_parallel import apply_tensor_parallel
 from megadlms.model import TransformerLM, build_model
 
@@ -92,7 +93,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    destroy_parallel()  # barrier first: no rank tears gloo down while a peer still talks to it
 
 
 if __name__ == "__main__":

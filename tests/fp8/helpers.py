@@ -74,6 +74,7 @@ def amax_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.save({"history1": torch.cat([m.fp8_amax_history[1] for m in model]),
                     "scale": torch.cat([m.fp8_scale for m in model]), "collectives": len(calls)},
                    os.path.join(out_dir, f"after_{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 
