@@ -10,7 +10,9 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
+
+from .errors import MegaDLMsError
 
 COMMANDS = {
     "preprocess": ("megadlms.data.preprocess", "tokenize jsonl into Megatron .bin/.idx files"),
@@ -25,13 +27,25 @@ def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
 
 
+def report_errors(prog: str, run: Callable[[], int | None]) -> int:
+    """`run()`'s exit status; an error in what the user asked for (`MegaDLMsError`) is printed as argparse prints
+    a bad flag, `PROG: error: MESSAGE`, with status 2 and no traceback. Other exceptions keep theirs."""
+    try:
+        return int(run() or 0)
+    except MegaDLMsError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
 def train_main(argv: Sequence[str] | None, prog: str = "megadlms train") -> int:
     from .training.args import parse_train_args
     from .training.trainer import train
 
+    def run() -> None:
+        train(parse_train_args(argv, prog=prog))
+
     setup_logging()
-    train(parse_train_args(argv, prog=prog))
-    return 0
+    return report_errors(prog, run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"megadlms {command}", description=COMMANDS[command][1])
     module.add_arguments(parser)
     setup_logging()
-    return int(module.run(parser.parse_args(rest)) or 0)
+    return report_errors(parser.prog, lambda: module.run(parser.parse_args(rest)))
 
 
 if __name__ == "__main__":

@@ -9,13 +9,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import MegaDLMsError
+
 ATTN_MASK_TYPES = ("bidirectional", "causal")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "rowwise")
 FP8_AMAX_ALGOS = ("max", "most_recent")
 
 
-class ConfigError(ValueError):
+class ConfigError(MegaDLMsError, ValueError):
     """A configuration value is invalid; the message says which, why, and what to use instead."""
 
 

@@ -28,12 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import MegaDLMsError
 from .indexed import IndexedDataset
 
 INDEX_VERSION = "megadlms-gpt-index-v1"
 
 
-class DataError(ValueError):
+class DataError(MegaDLMsError, ValueError):
     """Invalid data settings or files; the message names the value and the fix."""
 
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import MegaDLMsError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
@@ -46,7 +48,7 @@ def _blockwise_all(check, n: int) -> bool:
     return all(check(lo, min(n, lo + _BLOCK + 1)) for lo in range(0, max(n - 1, 1), _BLOCK))
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(MegaDLMsError, ValueError):
     """An indexed dataset file is missing, corrupt, or inconsistent; the message says which file and why."""
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import MegaDLMsError
 from .indexed import IndexedDatasetBuilder, IndexedDatasetError, dataset_exists, optimal_dtype
 from .tokenizer import ASSETS_DIR, SUPPORTED_TOKENIZER_TYPES, Tokenizer, TokenizerError, load_tokenizer
 
@@ -35,7 +36,7 @@ BUNDLED_CORPUS = ASSETS_DIR / "demo_corpus.jsonl.gz"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 
 
-class PreprocessError(ValueError):
+class PreprocessError(MegaDLMsError, ValueError):
     """Bad preprocessing input; the message names the file (and line) and the fix."""
 
 

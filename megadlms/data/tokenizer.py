@@ -17,6 +17,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as _Backend
 
+from ..errors import MegaDLMsError
+
 EOD_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
 PAD_TOKEN = "<|pad|>"
@@ -30,7 +32,7 @@ SUPPORTED_TOKENIZER_TYPES = ("HuggingFaceTokenizer",)
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MegaDLMsError, ValueError):
     """A tokenizer file or setting is invalid; the message says which and how to fix it."""
 
 

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..config import ConfigError
+
 RUNNING_MODES = ("difflm-noshift", "vanilla")
 PMASK_MODES = ("sampled", "actual")
 
@@ -36,11 +38,11 @@ class ObjectiveConfig:
         if self.mode not in RUNNING_MODES:
             raise ValueError(f"--model-running-mode {self.mode!r} is not one of {list(RUNNING_MODES)}")
         if self.pmask not in PMASK_MODES:
-            raise ValueError(f"--difflm-pmask {self.pmask!r} is not one of {list(PMASK_MODES)}")
+            raise ConfigError(f"--difflm-pmask {self.pmask!r} is not one of {list(PMASK_MODES)}")
         if not 0.0 < self.eps < 1.0:
-            raise ValueError(f"--difflm-eps {self.eps} must be in (0, 1), e.g. 1e-3")
+            raise ConfigError(f"--difflm-eps {self.eps} must be in (0, 1), e.g. 1e-3")
         if not 0.0 <= self.varilen_prob <= 1.0:
-            raise ValueError(f"--difflm-varilen-prob {self.varilen_prob} must be in [0, 1], e.g. 0.01")
+            raise ConfigError(f"--difflm-varilen-prob {self.varilen_prob} must be in [0, 1], e.g. 0.01")
 
     @property
     def diffusion(self) -> bool:

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..config import ConfigError
+
 
 @dataclass
 class ParallelContext:
@@ -62,13 +64,13 @@ class ParallelContext:
 def pick_device(requested: str | None, local_rank: int = 0) -> torch.device:
     if requested in (None, "cuda") and torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+            raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
                                "launch at most that many processes per node (torchrun --nproc_per_node)")
         return torch.device("cuda", local_rank)
     if requested == "cuda":
-        raise RuntimeError("--device cuda was requested but no CUDA GPU is visible")
+        raise ConfigError("--device cuda was requested but no CUDA GPU is visible")
     if requested not in (None, "cpu") and not str(requested).startswith("cuda"):
-        raise ValueError(f"--device {requested!r} is not supported; use cuda or cpu")
+        raise ConfigError(f"--device {requested!r} is not supported; use cuda or cpu")
     return torch.device(requested or "cpu")
 
 
@@ -77,7 +79,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer (it is set by torchrun)") from None
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer (it is set by torchrun)") from None
 
 
 def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | None = None,
@@ -90,24 +92,24 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
     world = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     if tp_size < 1:
-        raise ValueError(f"--tensor-model-parallel-size {tp_size} must be >= 1")
+        raise ConfigError(f"--tensor-model-parallel-size {tp_size} must be >= 1")
     dev = pick_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world == 1 and not dist.is_initialized():
         if tp_size != 1:
-            raise ValueError(f"--tensor-model-parallel-size {tp_size} needs at least {tp_size} processes; launch "
+            raise ConfigError(f"--tensor-model-parallel-size {tp_size} needs at least {tp_size} processes; launch "
                              f"with torchrun --nproc_per_node={tp_size} (or a multiple of it)")
         return ParallelContext(device=dev)
     if not dist.is_initialized():
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         if backend == "nccl" and dev.type != "cuda":
-            raise ValueError("--distributed-backend nccl needs GPUs; use gloo with --device cpu")
+            raise ConfigError("--distributed-backend nccl needs GPUs; use gloo with --device cpu")
         kwargs = {"device_id": dev} if backend == "nccl" else {}  # eager NCCL init, bound to this GPU
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
     world = dist.get_world_size()
     if world % tp_size:
-        raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp_size}; "
+        raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp_size}; "
                          f"launch a multiple of {tp_size} processes")
     mesh = init_device_mesh(dev.type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
     return ParallelContext(rank=dist.get_rank(), world_size=world, local_rank=local_rank, device=dev,

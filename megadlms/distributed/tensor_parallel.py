@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ..config import TransformerConfig
+from ..config import ConfigError, TransformerConfig
 
 
 def check_tensor_parallel(cfg: TransformerConfig, tp: int) -> None:
@@ -44,7 +44,7 @@ def check_tensor_parallel(cfg: TransformerConfig, tp: int) -> None:
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         value = getattr(cfg, name)
         if value % tp:
-            raise ValueError(f"{name}={value} is not divisible by --tensor-model-parallel-size {tp}; every TP rank "
+            raise ConfigError(f"{name}={value} is not divisible by --tensor-model-parallel-size {tp}; every TP rank "
                              f"needs the same share: choose a tensor-parallel size that divides {value}")
 
 

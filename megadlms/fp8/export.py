@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import TransformerConfig
+from ..errors import MegaDLMsError
 from ..model import RotaryEmbedding, TransformerLM
 from .convert import fp8_eligible, fp8_layer_range
 from .hardware import check_fp8_support
@@ -37,6 +38,10 @@ from .quantize import E4M3, FP8_MAX, amax_to_scale, quantize, round_up16, scaled
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 SCALINGS = ("tensor", "row")
+
+
+class ExportFolderError(MegaDLMsError, FileNotFoundError):
+    """A folder given as an export is not one; the message says what it lacks and how to write one."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,7 +190,7 @@ def load_fp8_export(path: str | Path, device: torch.device | str = "cpu",
 
     path = Path(path)
     if not (path / WEIGHTS).is_file() or not (path / CONFIG).is_file():
-        raise FileNotFoundError(f"{path} is not an export folder: it needs {WEIGHTS} and {CONFIG} "
+        raise ExportFolderError(f"{path} is not an export folder: it needs {WEIGHTS} and {CONFIG} "
                                 "(write one with `megadlms export --load CKPT --save DIR [--fp8]`)")
     device = torch.device(device)
     cfg = TransformerConfig.from_dict(json.loads((path / CONFIG).read_text()))

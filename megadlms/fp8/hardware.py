@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import MegaDLMsError
+
 SUPPORTED_FAMILIES = "Ada Lovelace (8.9), Hopper (9.0), Blackwell (10.x / 12.x)"
 
 
-class FP8UnsupportedError(RuntimeError):
+class FP8UnsupportedError(MegaDLMsError, RuntimeError):
     """The device cannot run the FP8 GEMMs; the message names the device and what to do."""
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import ConfigError
 from ..diffusion.fast_sampler import fast_generate_tokens
 from ..diffusion.sampler import REMASKING, generate_tokens, prepare_prompts
 from .ar import ar_generate_tokens
@@ -95,7 +96,7 @@ def _device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available here; use --device cpu")
+        raise ConfigError(f"--device {name}: CUDA is not available here; use --device cpu")
     return dev
 
 
@@ -130,25 +131,25 @@ def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.prompt_file:
         path = Path(args.prompt_file)
         if not path.is_file():
-            raise ValueError(f"--prompt-file {path} does not exist")
+            raise ConfigError(f"--prompt-file {path} does not exist")
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n} is not valid JSON ({e})") from e
+                raise ConfigError(f"{path}:{n} is not valid JSON ({e})") from e
             if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                raise ValueError(f'{path}:{n} needs a "prompt" string, got {line[:80]!r}')
+                raise ConfigError(f'{path}:{n} needs a "prompt" string, got {line[:80]!r}')
             records.append(rec)
     if not records:
-        raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompt-file FILE.jsonl")
+        raise ConfigError("no prompts: pass --prompt TEXT (repeatable) or --prompt-file FILE.jsonl")
     return records
 
 
 def _check_args(args: argparse.Namespace) -> None:
     if args.batch_size <= 0:
-        raise ValueError(f"--batch-size {args.batch_size} must be > 0")
+        raise ConfigError(f"--batch-size {args.batch_size} must be > 0")
 
 
 class _StepCounter:
@@ -204,7 +205,7 @@ def _run(args: argparse.Namespace) -> int:
     if not causal and mask_id is None:
         mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(tokenizer, "mask_id", None)
         if mask_id is None:
-            raise ValueError("no mask token id: the model config has no mask_token_id and the tokenizer no mask "
+            raise ConfigError("no mask token id: the model config has no mask_token_id and the tokenizer no mask "
                              "token; pass --mask-token ID (the id the model was trained with)")
     sampler = "ar" if causal else args.sampler or ("fast" if device.type == "cuda" else "reference")
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph

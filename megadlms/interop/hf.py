@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ConfigError, TransformerConfig
+from ..errors import MegaDLMsError
 from ..model import RotaryEmbedding, TransformerLM
 from ..presets import config_from_hf
 
@@ -52,7 +53,7 @@ _DERIVED_KEYS = ("rotary_emb.inv_freq",)  # buffers older checkpoints stored; re
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class InteropError(ValueError):
+class InteropError(MegaDLMsError, ValueError):
     """A Hugging Face checkpoint and the architecture disagree; the message names the tensor/field and the fix."""
 
 

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import yaml
 
-from ..config import FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES
+from ..config import FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, ConfigError
 from ..diffusion.objective import PMASK_MODES, RUNNING_MODES
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
 
@@ -142,15 +142,39 @@ def apply_yaml_defaults(p: argparse.ArgumentParser, path: str) -> None:
     with open(path) as f:
         values = yaml.safe_load(f) or {}
     if not isinstance(values, dict):
-        raise SystemExit(f"--config {path}: expected a mapping of flag names to values, got {type(values).__name__}")
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values, got {type(values).__name__}")
     known = {a.dest for a in p._actions}
     defaults = {}
     for key, value in values.items():
         dest = str(key).lstrip("-").replace("-", "_")
         if dest not in known:
-            raise SystemExit(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. train-iters)")
+            raise ConfigError(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. train-iters)")
         defaults[dest] = value
     p.set_defaults(**defaults)
+
+
+# the smallest value each numeric flag takes (0 for an interval or count means "never" / "none")
+AT_LEAST = {"train_iters": 1, "micro_batch_size": 1, "global_batch_size": 1, "log_interval": 1, "lr_decay_iters": 1,
+            "lr_warmup_iters": 0, "lr_wsd_decay_iters": 0, "eval_interval": 0, "eval_iters": 0, "save_interval": 0,
+            "exit_interval": 0, "ckpt_step": 0, "loss_chunk_tokens": 0, "num_workers": 0, "seed": 0, "mask_token": 0,
+            "fp8_margin": 0, "fp8_amax_history_len": 1, "num_layers_at_start_in_bf16": 0,
+            "num_layers_at_end_in_bf16": 0, "lr": 0.0, "min_lr": 0.0, "weight_decay": 0.0, "clip_grad": 0.0}
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    """Reject numeric flag values outside their range before anything is built (ConfigError names the flag)."""
+    for dest, low in AT_LEAST.items():
+        value = getattr(args, dest, None)
+        if value is not None and not value >= low:  # `not >=` also catches nan
+            raise ConfigError(f"--{dest.replace('_', '-')} {value} must be >= {low}")
+    if args.seed >= 2**32:
+        raise ConfigError(f"--seed {args.seed} must be below 2**32 (numpy's seed range)")
+    for dest in ("adam_beta1", "adam_beta2"):
+        value = getattr(args, dest)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"--{dest.replace('_', '-')} {value} must be in [0, 1), e.g. 0.9 / 0.95")
+    if not args.adam_eps > 0.0:
+        raise ConfigError(f"--adam-eps {args.adam_eps} must be > 0, e.g. 1e-8")
 
 
 def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train") -> argparse.Namespace:
@@ -171,4 +195,5 @@ def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train") -
         if args.fp8_format not in (None, "hybrid"):
             p.error(f"--fp8-hybrid conflicts with --fp8-format {args.fp8_format}; pass one of them")
         args.fp8_format = "hybrid"
+    check_ranges(args)
     return args

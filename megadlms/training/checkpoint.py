@@ -29,14 +29,15 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..config import TransformerConfig
+from ..errors import MegaDLMsError
 
 FORMAT = "megadlms-dcp-1"
 LATEST = "latest_checkpointed_iteration.txt"
 META = "meta.json"
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(MegaDLMsError, RuntimeError):
+    """A checkpoint is missing, incomplete or does not fit the run; the message names it and the fix."""
 
 
 def iteration_dir(save_dir: str | Path, iteration: int) -> Path:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..config import ConfigError
 from . import triton_adamw
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
@@ -106,13 +107,13 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         if self.decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"--lr-decay-style {self.decay_style!r} is not one of {list(LR_DECAY_STYLES)}")
+            raise ConfigError(f"--lr-decay-style {self.decay_style!r} is not one of {list(LR_DECAY_STYLES)}")
         if self.wsd_decay_style not in WSD_DECAY_STYLES:
-            raise ValueError(f"--lr-wsd-decay-style {self.wsd_decay_style!r} is not one of {list(WSD_DECAY_STYLES)}")
+            raise ConfigError(f"--lr-wsd-decay-style {self.wsd_decay_style!r} is not one of {list(WSD_DECAY_STYLES)}")
         if self.min_lr > self.lr:
-            raise ValueError(f"--min-lr {self.min_lr} is larger than --lr {self.lr}")
+            raise ConfigError(f"--min-lr {self.min_lr} is larger than --lr {self.lr}")
         if self.warmup_iters > self.decay_iters:
-            raise ValueError(f"--lr-warmup-iters {self.warmup_iters} exceeds --lr-decay-iters {self.decay_iters}")
+            raise ConfigError(f"--lr-warmup-iters {self.warmup_iters} exceeds --lr-decay-iters {self.decay_iters}")
 
     def __call__(self, iteration: int) -> float:
         if self.warmup_iters > 0 and iteration < self.warmup_iters:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..config import TransformerConfig
+from ..config import ConfigError, TransformerConfig
 from ..diffusion.objective import (
     MaskSampler,
     ObjectiveConfig,
@@ -58,7 +58,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
     """The TransformerConfig for `args`: preset / HF config, flag overrides, objective and FP8 settings."""
     if args.use_checkpoint_args:
         if not args.load:
-            raise SystemExit("--use-checkpoint-args needs --load DIR")
+            raise ConfigError("--use-checkpoint-args needs --load DIR")
         base = TransformerConfig.from_dict(ckpt.read_meta(ckpt.find_checkpoint(args.load, args.ckpt_step))["config"])
         overrides: dict[str, Any] = {}
     else:
@@ -91,11 +91,11 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
     mask = args.mask_token if args.mask_token is not None else (mask_id if mask_id is not None
                                                                 else cfg_dict.get("mask_token_id"))
     if args.model_running_mode == "difflm-noshift" and mask is None:
-        raise SystemExit("no mask token: pass --mask-token ID (the tokenizer has no <|mask|> and the preset none)")
+        raise ConfigError("no mask token: pass --mask-token ID (the tokenizer has no <|mask|> and the preset none)")
     cfg_dict["mask_token_id"] = mask
     cfg = TransformerConfig.from_dict(cfg_dict)
     if vocab_size is not None and vocab_size > cfg.vocab_size:
-        raise SystemExit(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
+        raise ConfigError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
                          "use a tokenizer that fits the model or a model with a larger vocabulary")
     return cfg
 
@@ -155,7 +155,7 @@ class Trainer:
         self.mbs = args.micro_batch_size
         self.global_batch = args.global_batch_size or self.mbs * ctx.dp_size
         if self.global_batch % (self.mbs * ctx.dp_size):
-            raise SystemExit(f"--global-batch-size {self.global_batch} is not divisible by --micro-batch-size "
+            raise ConfigError(f"--global-batch-size {self.global_batch} is not divisible by --micro-batch-size "
                              f"{self.mbs} x data-parallel size {ctx.dp_size}")
         self.accum = self.global_batch // (self.mbs * ctx.dp_size)
         self.objective = ObjectiveConfig(mode=args.model_running_mode, mask_token_id=cfg.mask_token_id or 0,
@@ -217,7 +217,7 @@ class Trainer:
         if getattr(self.args, "recompute_granularity", None):
             blockers.append("activation checkpointing (--recompute-granularity) re-runs the forward in backward")
         if mode == "on" and blockers:
-            raise SystemExit(f"--cuda-graphs on is not possible here: {'; '.join(blockers)}. "
+            raise ConfigError(f"--cuda-graphs on is not possible here: {'; '.join(blockers)}. "
                              "Use --cuda-graphs auto or off.")
         if blockers or (mode == "auto" and self.ctx.dp_size > 1):
             return None

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megadlms.config import TransformerConfig
+from megadlms.config import ConfigError, TransformerConfig
 from megadlms.fp8 import DelayedScaling, Float8CurrentScaling, convert_to_fp8, enable_fp8_stats, fp8_step
 from megadlms.fp8.state import fp8_autocast
 from megadlms.model import TransformerLM
@@ -147,7 +147,7 @@ def test_trainer_flags_on_cpu():
     from megadlms.training.trainer import setup
 
     assert setup(parse_train_args(SMALL + ["--train-iters", "1"])).layer_graphs is None  # auto: no GPU, off
-    with pytest.raises(SystemExit, match="CUDA graphs need a GPU"):
+    with pytest.raises(ConfigError, match="CUDA graphs need a GPU"):
         setup(parse_train_args(SMALL + ["--train-iters", "1", "--enable-cuda-graph"]))
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megadlms.config import ConfigError
 from megadlms.training import checkpoint as ckpt
 from megadlms.training.args import parse_train_args
 from megadlms.training.trainer import setup, train
@@ -92,7 +93,7 @@ def test_yaml_config_and_unknown_key(tmp_path):
     assert args.train_iters == 9 and args.micro_batch_size == 3
     bad = tmp_path / "bad.yaml"
     bad.write_text("train-itres: 7\n")
-    with pytest.raises(SystemExit, match="train-itres"):
+    with pytest.raises(ConfigError, match="train-itres"):
         parse_train_args(["--config", str(bad)])
 
 

@@ -1,0 +1,95 @@
+"""Errors in what the user asked for: a flag out of range, a missing file, a wrong folder. The command line
+prints one line naming the value and the fix (exit status 2, no traceback); a bug keeps its traceback."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megadlms import cli
+from megadlms.config import ConfigError
+from megadlms.errors import MegaDLMsError
+from megadlms.training.args import parse_train_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--log-interval", "0"], "--log-interval 0 must be >= 1"),
+    (["--train-iters", "0"], "--train-iters 0 must be >= 1"),
+    (["--micro-batch-size", "0"], "--micro-batch-size 0 must be >= 1"),
+    (["--global-batch-size", "0"], "--global-batch-size 0 must be >= 1"),
+    (["--lr", "-1"], "--lr -1.0 must be >= 0.0"),
+    (["--lr", "nan"], "--lr nan must be >= 0.0"),
+    (["--weight-decay", "-0.1"], "--weight-decay -0.1 must be >= 0.0"),
+    (["--clip-grad", "-1"], "--clip-grad -1.0 must be >= 0.0"),
+    (["--lr-warmup-iters", "-5"], "--lr-warmup-iters -5 must be >= 0"),
+    (["--eval-iters", "-1"], "--eval-iters -1 must be >= 0"),
+    (["--fp8-margin", "-1"], "--fp8-margin -1 must be >= 0"),
+    (["--fp8-amax-history-len", "0"], "--fp8-amax-history-len 0 must be >= 1"),
+    (["--seed", "-1"], "--seed -1 must be >= 0"),
+    (["--seed", str(2**32)], "must be below 2\\*\\*32"),
+    (["--adam-beta2", "1"], "--adam-beta2 1.0 must be in \\[0, 1\\)"),
+    (["--adam-eps", "0"], "--adam-eps 0.0 must be > 0"),
+])
+def test_out_of_range_flags_are_named(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_train_args(flags)
+
+
+def test_zero_means_never_for_intervals_and_counts():
+    args = parse_train_args(["--eval-interval", "0", "--save-interval", "0", "--exit-interval", "0", "--eval-iters",
+                             "0", "--loss-chunk-tokens", "0", "--weight-decay", "0", "--clip-grad", "0", "--seed", "0"])
+    assert args.eval_interval == args.save_interval == args.exit_interval == args.loss_chunk_tokens == 0
+
+
+def test_every_error_class_keeps_its_builtin_base():
+    from megadlms.data.dataset import DataError
+    from megadlms.data.indexed import IndexedDatasetError
+    from megadlms.data.preprocess import PreprocessError
+    from megadlms.data.tokenizer import TokenizerError
+    from megadlms.fp8.export import ExportFolderError
+    from megadlms.fp8.hardware import FP8UnsupportedError
+    from megadlms.interop.hf import InteropError
+    from megadlms.training.checkpoint import CheckpointError
+
+    builtin = {ConfigError: ValueError, DataError: ValueError, IndexedDatasetError: ValueError,
+               PreprocessError: ValueError, TokenizerError: ValueError, InteropError: ValueError,
+               CheckpointError: RuntimeError, FP8UnsupportedError: RuntimeError, ExportFolderError: FileNotFoundError}
+    for cls, base in builtin.items():
+        assert issubclass(cls, MegaDLMsError) and issubclass(cls, base), cls
+
+
+def test_cli_prints_the_error_alone(tmp_path, capsys):
+    assert cli.main(["train", "--no-progress", "--adam-beta1", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "megadlms train: error: --adam-beta1 1.5 must be in [0, 1), e.g. 0.9 / 0.95"
+    # an error found while the run is set up: the data path
+    missing = tmp_path / "nothing_text_document"
+    assert cli.main(["train", "--no-progress", "--device", "cpu", "--data-path", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"megadlms train: error: indexed dataset '{missing}' not found" in err and "Traceback" not in err
+    # a subcommand: export of a folder that holds no checkpoint
+    assert cli.main(["export", "--load", str(tmp_path), "--save", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megadlms export: error: ") and "Traceback" not in err
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    import megadlms.training.trainer as trainer
+
+    def broken(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(trainer, "train", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["train", "--no-progress"])
+
+
+def test_pretrain_script_exit_status():
+    proc = subprocess.run([sys.executable, "pretrain_difflm.py", "--micro-batch-size", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "pretrain_difflm.py: error: --micro-batch-size 0 must be >= 1"
+    assert "Traceback" not in proc.stderr
