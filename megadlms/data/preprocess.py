@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MegaDLMsError
-from .indexed import IndexedDatasetBuilder, IndexedDatasetError, dataset_exists, optimal_dtype
-from .tokenizer import ASSETS_DIR, SUPPORTED_TOKENIZER_TYPES, Tokenizer, TokenizerError, load_tokenizer
+from .indexed import IndexedDatasetBuilder, dataset_exists, optimal_dtype
+from .tokenizer import ASSETS_DIR, SUPPORTED_TOKENIZER_TYPES, Tokenizer, load_tokenizer
 
 CHUNK_BYTES = 1 << 18  # ~256 KB of input per task: small enough to balance workers, big enough to amortize IPC
 CHUNK_LINES = 2048
@@ -318,15 +318,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run preprocessing for parsed `args`; prints a summary. Returns the exit status (0 ok, 1 bad input)."""
-    try:
-        tokenizer = load_tokenizer(args.tokenizer_model, tokenizer_type=args.tokenizer_type)
-        stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
-                           append_eod=args.append_eod, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
-                           progress=not args.no_progress)
-    except (PreprocessError, IndexedDatasetError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    """Run preprocessing for parsed `args`; prints a summary. Returns 0; bad input raises (a MegaDLMsError)."""
+    tokenizer = load_tokenizer(args.tokenizer_model, tokenizer_type=args.tokenizer_type)
+    stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
+                             append_eod=args.append_eod, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
+                             progress=not args.no_progress)
     print(f"{stats.documents:,} documents, {stats.input_bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
           f"({stats.mb_per_s:.1f} MB/s, {stats.documents / max(stats.seconds, 1e-9):,.0f} docs/s, "
           f"{args.workers} worker{'s' if args.workers > 1 else ''})")
@@ -344,7 +340,9 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megadlms preprocess", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from ..cli import report_errors
+
+    return report_errors(parser.prog, lambda: run(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -159,12 +159,11 @@ def test_cli_run(tmp_path, capsys, texts):
     out = capsys.readouterr().out
     assert "30 documents" in out and "o_text_document.bin" in out
     assert IndexedDataset(tmp_path / "o_text_document").num_documents == 30
-    bad = parser.parse_args(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "p")])
-    assert pp.run(bad) == 1
-    assert "error: --input" in capsys.readouterr().err
-    wrong_type = parser.parse_args(["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "q"),
-                                    "--tokenizer-type", "SentencePieceTokenizer"])
-    assert pp.run(wrong_type) == 1
+    # bad input: one line on stderr, exit status 2
+    assert pp.main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "p")]) == 2
+    assert capsys.readouterr().err.startswith("megadlms preprocess: error: --input")
+    assert pp.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "q"),
+                    "--tokenizer-type", "SentencePieceTokenizer"]) == 2
     assert "use HuggingFaceTokenizer" in capsys.readouterr().err
 
 
