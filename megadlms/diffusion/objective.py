@@ -36,7 +36,7 @@ class ObjectiveConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in RUNNING_MODES:
-            raise ValueError(f"--model-running-mode {self.mode!r} is not one of {list(RUNNING_MODES)}")
+            raise ConfigError(f"--model-running-mode {self.mode!r} is not one of {list(RUNNING_MODES)}")
         if self.pmask not in PMASK_MODES:
             raise ConfigError(f"--difflm-pmask {self.pmask!r} is not one of {list(PMASK_MODES)}")
         if not 0.0 < self.eps < 1.0:
