@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ..config import ConfigError
 from .kv_cache import DualCache, PrefixCache
 from .sampler import (
     Progress,
@@ -104,9 +105,9 @@ def fast_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_ma
     cache=None (the prefix cache changes shape every block).
     """
     if cache not in CACHE_MODES:
-        raise ValueError(f"cache={cache!r} is not one of {list(CACHE_MODES)}")
+        raise ConfigError(f"cache={cache!r} is not one of {list(CACHE_MODES)}")
     if threshold is not None and not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold={threshold} must be in [0, 1] (e.g. 0.9), or None for the fixed step schedule")
+        raise ConfigError(f"threshold={threshold} must be in [0, 1] (e.g. 0.9), or None for the fixed step schedule")
     if threshold is None:
         steps = gen_length if steps is None else steps
     check_sampling_args(gen_length=gen_length, block_length=block_length, steps=steps if threshold is None else None,
@@ -229,7 +230,7 @@ def fast_generate(model: nn.Module, prompts: Prompts, *, mask_id: int | None = N
     if mask_id is None:
         mask_id = getattr(getattr(model, "config", None), "mask_token_id", None)
         if mask_id is None:
-            raise ValueError("mask_id is not given and model.config.mask_token_id is None; pass mask_id= (the "
+            raise ConfigError("mask_id is not given and model.config.mask_token_id is None; pass mask_id= (the "
                              "[MASK] token id the model was trained with)")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     ids, attn = prepare_prompts(prompts, pad_id=mask_id if pad_id is None else pad_id, device=model_device(model),

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ConfigError
+
 REMASKING = ("low_confidence", "random")
 
 Prompts = Sequence[Sequence[int]] | torch.Tensor
@@ -49,32 +51,32 @@ def check_sampling_args(*, gen_length: int, block_length: int, steps: int | None
                         remasking: str, cfg_scale: float) -> None:
     """Raise ValueError naming the bad value and the fix; `steps=None` skips the step checks."""
     if not isinstance(gen_length, int) or gen_length <= 0:
-        raise ValueError(f"gen_length={gen_length!r} must be a positive integer (the number of tokens to generate)")
+        raise ConfigError(f"gen_length={gen_length!r} must be a positive integer (the number of tokens to generate)")
     if not isinstance(block_length, int) or block_length <= 0:
-        raise ValueError(f"block_length={block_length!r} must be a positive integer (e.g. 32, or gen_length)")
+        raise ConfigError(f"block_length={block_length!r} must be a positive integer (e.g. 32, or gen_length)")
     if gen_length % block_length:
         divisors = [d for d in range(1, gen_length + 1) if gen_length % d == 0 and d <= block_length][-2:]
         multiple = math.ceil(gen_length / block_length) * block_length
-        raise ValueError(f"gen_length={gen_length} is not divisible by block_length={block_length}; use a "
+        raise ConfigError(f"gen_length={gen_length} is not divisible by block_length={block_length}; use a "
                          f"block_length that divides it (e.g. {' or '.join(map(str, divisors))}) or a gen_length "
                          f"that is a multiple of {block_length} (e.g. {multiple})")
     num_blocks = gen_length // block_length
     if steps is not None:
         if not isinstance(steps, int) or steps <= 0:
-            raise ValueError(f"steps={steps!r} must be a positive integer (e.g. gen_length={gen_length})")
+            raise ConfigError(f"steps={steps!r} must be a positive integer (e.g. gen_length={gen_length})")
         if steps % num_blocks:
             lo = max(num_blocks, steps // num_blocks * num_blocks)
-            raise ValueError(f"steps={steps} cannot be spread evenly over gen_length/block_length = {num_blocks} "
+            raise ConfigError(f"steps={steps} cannot be spread evenly over gen_length/block_length = {num_blocks} "
                              f"blocks; use a multiple of {num_blocks} (e.g. {lo} or {lo + num_blocks})")
         if steps > gen_length:
-            raise ValueError(f"steps={steps} exceeds gen_length={gen_length}: a step commits at least one token, "
+            raise ConfigError(f"steps={steps} exceeds gen_length={gen_length}: a step commits at least one token, "
                              f"so the extra steps would only repeat forwards; use steps <= {gen_length}")
     if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy argmax)")
+        raise ConfigError(f"temperature={temperature} must be >= 0 (0 = greedy argmax)")
     if remasking not in REMASKING:
-        raise ValueError(f"remasking={remasking!r} is not one of {list(REMASKING)}")
+        raise ConfigError(f"remasking={remasking!r} is not one of {list(REMASKING)}")
     if not math.isfinite(cfg_scale) or cfg_scale < 0:
-        raise ValueError(f"cfg_scale={cfg_scale} must be >= 0 (0 disables classifier-free guidance)")
+        raise ConfigError(f"cfg_scale={cfg_scale} must be >= 0 (0 disables classifier-free guidance)")
 
 
 def check_model_fit(model: nn.Module, *, mask_id: int, total_length: int, prompt_length: int,
@@ -83,13 +85,13 @@ def check_model_fit(model: nn.Module, *, mask_id: int, total_length: int, prompt
     cfg = getattr(model, "config", None)
     vocab = getattr(cfg, "vocab_size", None)
     if not isinstance(mask_id, int) or isinstance(mask_id, bool):
-        raise ValueError(f"mask_id={mask_id!r} must be an int token id")
+        raise ConfigError(f"mask_id={mask_id!r} must be an int token id")
     if vocab is not None and not 0 <= mask_id < vocab:
-        raise ValueError(f"mask_id={mask_id} is outside the vocabulary [0, {vocab}); pass the mask token id "
+        raise ConfigError(f"mask_id={mask_id} is outside the vocabulary [0, {vocab}); pass the mask token id "
                          "the model was trained with (--mask-token; the checkpoint config's mask_token_id)")
     max_pos = getattr(cfg, "max_position_embeddings", None)
     if max_pos is not None and total_length > max_pos:
-        raise ValueError(f"prompt length {prompt_length} + generation length {gen_length} = {total_length} exceeds "
+        raise ConfigError(f"prompt length {prompt_length} + generation length {gen_length} = {total_length} exceeds "
                          f"the model's max_position_embeddings={max_pos}; shorten the prompt to at most "
                          f"{max(max_pos - gen_length, 0)} tokens or lower the generation length")
 
@@ -112,12 +114,12 @@ def prepare_prompts(prompts: Prompts, *, pad_id: int, device: torch.device | str
     if isinstance(prompts, torch.Tensor):
         ids = prompts[None] if prompts.dim() == 1 else prompts
         if ids.dim() != 2:
-            raise ValueError(f"prompts tensor must be [B, P] or [P], got shape {tuple(prompts.shape)}")
+            raise ConfigError(f"prompts tensor must be [B, P] or [P], got shape {tuple(prompts.shape)}")
         ids, mask = ids.to(device=device, dtype=torch.long), None
     else:
         rows = [list(map(int, r)) for r in prompts]
         if not rows:
-            raise ValueError("prompts is empty; pass at least one prompt (a list of token ids)")
+            raise ConfigError("prompts is empty; pass at least one prompt (a list of token ids)")
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -132,7 +134,7 @@ def prepare_prompts(prompts: Prompts, *, pad_id: int, device: torch.device | str
         real = ids if mask is None else ids[mask]
         if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab_size):
             bad = real[(real < 0) | (real >= vocab_size)][:5].tolist()
-            raise ValueError(f"prompt token ids {bad} are outside the model's vocabulary [0, {vocab_size}); "
+            raise ConfigError(f"prompt token ids {bad} are outside the model's vocabulary [0, {vocab_size}); "
                              "encode the prompts with the model's tokenizer")
     return ids, mask
 
@@ -456,7 +458,7 @@ def generate(model: nn.Module, prompts: Prompts, *, mask_id: int | None = None, 
     if mask_id is None:
         mask_id = getattr(getattr(model, "config", None), "mask_token_id", None)
         if mask_id is None:
-            raise ValueError("mask_id is not given and model.config.mask_token_id is None; pass mask_id= (the "
+            raise ConfigError("mask_id is not given and model.config.mask_token_id is None; pass mask_id= (the "
                              "[MASK] token id the model was trained with)")
     device = model_device(model)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from ..config import ConfigError
 from ..diffusion.kv_cache import AppendCache
 from ..diffusion.sampler import Progress, ProgressBar, Prompts, model_device, position_ids_from_mask, prepare_prompts
 
@@ -33,11 +34,11 @@ def sample_next_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: 
 
 def _check_args(temperature: float, top_p: float, max_new_tokens: int) -> None:
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+        raise ConfigError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
     if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+        raise ConfigError(f"temperature={temperature} must be >= 0 (0 = greedy)")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p} must be in (0, 1] (1 disables nucleus sampling)")
+        raise ConfigError(f"top_p={top_p} must be in (0, 1] (1 disables nucleus sampling)")
 
 
 @torch.no_grad()
@@ -54,19 +55,19 @@ def ar_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask
     _check_args(temperature, top_p, max_new_tokens)
     cfg = getattr(model, "config", None)
     if cfg is not None and not cfg.causal:
-        raise ValueError("autoregressive decoding needs a causal model (attn_mask_type='causal'); this model is "
+        raise ConfigError("autoregressive decoding needs a causal model (attn_mask_type='causal'); this model is "
                          f"{cfg.attn_mask_type!r}: use the diffusion samplers (megadlms.diffusion)")
     b, p = input_ids.shape
     device = input_ids.device
     real = (torch.ones(b, p, dtype=torch.bool, device=device) if attention_mask is None
             else attention_mask.to(device=device, dtype=torch.bool))
     if not bool(real[:, -1].all()):
-        raise ValueError("every prompt needs at least one token and padding must be on the left; start empty "
+        raise ConfigError("every prompt needs at least one token and padding must be on the left; start empty "
                          "prompts with a BOS / EOD token")
     max_pos = getattr(cfg, "max_position_embeddings", None)
     longest = int(real.sum(1).max())
     if max_pos is not None and longest + max_new_tokens > max_pos:
-        raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
+        raise ConfigError(f"prompt length {longest} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
                          f"exceeds the model's max_position_embeddings={max_pos}; shorten the prompt or lower "
                          "max_new_tokens")
     padded = not bool(real.all())

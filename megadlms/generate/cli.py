@@ -156,17 +156,18 @@ class _StepCounter:
     """A progress callback that counts steps (and shows a tqdm bar when asked)."""
 
     def __init__(self, show: bool):
-        self.n, self.show, self.bar = 0, show, None
+        self.n, self.show, self.bar, self.total = 0, show, None, None
 
     def start(self, total: int) -> _StepCounter:
-        if self.show:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
+        self.total = total  # the bar opens at the first step: an argument error is not preceded by an empty bar
         return self
 
     def __call__(self, k: int) -> None:
         self.n += k
+        if self.show and self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, unit="step", dynamic_ncols=True, leave=False)
         if self.bar is not None:
             self.bar.update(k)
 
@@ -177,12 +178,10 @@ class _StepCounter:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `megadlms generate`; returns the process exit code (2 on bad input)."""
-    try:
-        return _run(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"megadlms generate: error: {e}", file=sys.stderr)
-        return 2
+    """Run `megadlms generate`; returns the process exit code (2 on bad input, printed as one line)."""
+    from ..cli import report_errors
+
+    return report_errors("megadlms generate", lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:
