@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ATTN_MASK_TYPES, ConfigError
+from ..config import ATTN_MASK_TYPES
 from .hf import (
     DEFAULT_MAX_SHARD_SIZE,
     DTYPES,
@@ -95,20 +95,16 @@ def _add_verify(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand in `args`; returns the exit status (0 ok, 1 verification failed, 2 bad input)."""
-    from ..training.checkpoint import CheckpointError
+    from ..cli import report_errors
 
-    try:
-        if args.convert_command == "hf-to-megadlms":
-            return _hf_to_megadlms(args)
-        if args.convert_command == "megadlms-to-hf":
-            return _megadlms_to_hf(args)
-        if args.convert_command == "verify":
-            return _verify_pair(args)
-        raise InteropError(f"unknown convert command {args.convert_command!r}; use hf-to-megadlms, megadlms-to-hf "
-                           "or verify")
-    except (InteropError, ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    commands = {"hf-to-megadlms": _hf_to_megadlms, "megadlms-to-hf": _megadlms_to_hf, "verify": _verify_pair}
+
+    def convert() -> int:
+        if args.convert_command not in commands:
+            raise InteropError(f"unknown convert command {args.convert_command!r}; use {', '.join(commands)}")
+        return commands[args.convert_command](args)
+
+    return report_errors(f"megadlms convert {args.convert_command}", convert)
 
 
 def _report(result: VerifyResult) -> int:
