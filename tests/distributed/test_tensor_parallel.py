@@ -21,7 +21,7 @@ FP8_TOLERANCE = {"logits": 1e-3, "grads": 1e-2}
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "results.json"
-    launch(2, [str(out)], script="tests/distributed/tp_worker.py")
+    launch(2, [str(out)], script="tests/distributed/tp_worker.py", rerun_after_native_crash=True)
     return json.loads(out.read_text())
 
 
