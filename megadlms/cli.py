@@ -10,9 +10,9 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
-from .errors import MegaDLMsError
+from .errors import report_errors
 
 COMMANDS = {
     "preprocess": ("megadlms.data.preprocess", "tokenize jsonl into Megatron .bin/.idx files"),
@@ -25,16 +25,6 @@ COMMANDS = {
 
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
-
-
-def report_errors(prog: str, run: Callable[[], int | None]) -> int:
-    """`run()`'s exit status; an error in what the user asked for (`MegaDLMsError`) is printed as argparse prints
-    a bad flag, `PROG: error: MESSAGE`, with status 2 and no traceback. Other exceptions keep theirs."""
-    try:
-        return int(run() or 0)
-    except MegaDLMsError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
 
 
 def train_main(argv: Sequence[str] | None, prog: str = "megadlms train") -> int:

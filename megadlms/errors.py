@@ -1,4 +1,4 @@
-"""The base of MegaDLMs' errors about what the user asked for.
+"""Errors in what the user asked for (`MegaDLMsError`), and how the command line reports them (`report_errors`).
 
 Every error that a flag, a file or the hardware can cause derives from `MegaDLMsError` as well as from the
 builtin it has always been (ValueError, RuntimeError), so library callers keep catching what they caught. Its
@@ -8,6 +8,19 @@ alone (`megadlms train: error: ...`, exit status 2), while any other exception, 
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 
 class MegaDLMsError(Exception):
     """Something the user asked for cannot be done; the message says what and how to fix it."""
+
+
+def report_errors(prog: str, run: Callable[[], int | None]) -> int:
+    """`run()`'s exit status; a `MegaDLMsError` is printed as argparse prints a bad flag, `PROG: error: MESSAGE`,
+    with status 2 and no traceback. Other exceptions keep theirs."""
+    try:
+        return int(run() or 0)
+    except MegaDLMsError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2

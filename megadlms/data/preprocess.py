@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import MegaDLMsError
+from ..errors import MegaDLMsError, report_errors
 from .indexed import IndexedDatasetBuilder, dataset_exists, optimal_dtype
 from .tokenizer import ASSETS_DIR, SUPPORTED_TOKENIZER_TYPES, Tokenizer, load_tokenizer
 
@@ -340,8 +340,6 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megadlms preprocess", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    from ..cli import report_errors
-
     return report_errors(parser.prog, lambda: run(parser.parse_args(argv)))
 
 

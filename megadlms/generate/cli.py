@@ -23,6 +23,7 @@ from torch import nn
 from ..config import ConfigError
 from ..diffusion.fast_sampler import fast_generate_tokens
 from ..diffusion.sampler import REMASKING, generate_tokens, prepare_prompts
+from ..errors import report_errors
 from .ar import ar_generate_tokens
 
 
@@ -179,8 +180,6 @@ class _StepCounter:
 
 def run(args: argparse.Namespace) -> int:
     """Run `megadlms generate`; returns the process exit code (2 on bad input, printed as one line)."""
-    from ..cli import report_errors
-
     return report_errors("megadlms generate", lambda: _run(args))
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import ATTN_MASK_TYPES
+from ..errors import report_errors
 from .hf import (
     DEFAULT_MAX_SHARD_SIZE,
     DTYPES,
@@ -95,8 +96,6 @@ def _add_verify(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand in `args`; returns the exit status (0 ok, 1 verification failed, 2 bad input)."""
-    from ..cli import report_errors
-
     commands = {"hf-to-megadlms": _hf_to_megadlms, "megadlms-to-hf": _megadlms_to_hf, "verify": _verify_pair}
 
     def convert() -> int:
