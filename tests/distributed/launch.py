@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,13 +25,14 @@ NATIVE_CRASHES = ("Signal 6 (SIGABRT)", "Signal 11 (SIGSEGV)")
 
 
 def launch(nproc: int, argv: list[str], script: str = "pretrain_difflm.py", timeout: float = 600,
-           env: dict[str, str] | None = None, rerun_after_native_crash: bool = False) -> str:
+           env: dict[str, str] | None = None, rerun_after_native_crash: bool = False,
+           clean_before_rerun: Sequence[Path] = ()) -> str:
     """Run `script argv` on `nproc` processes: torchrun for nproc > 1, plain python for 1 (with `env` added to
     the environment). Returns the output.
 
-    rerun_after_native_crash: for scripts whose only output is written at their end (the workers comparing
-    models), run once more, with a warning, when a rank died in native code rather than by a Python error;
-    a second failure fails. Never for training runs: a retry would resume from the first attempt's files.
+    rerun_after_native_crash: run once more, with a warning, when a rank died in native code rather than by a
+    Python error; a second failure fails. The folders in `clean_before_rerun` are removed first, so that a rerun
+    starts from what the first attempt started from (a training run would otherwise find its own checkpoints).
     """
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
@@ -43,6 +46,8 @@ def launch(nproc: int, argv: list[str], script: str = "pretrain_difflm.py", time
             return out
         if attempt == 1 and rerun_after_native_crash and any(s in out for s in NATIVE_CRASHES):
             warnings.warn(f"{script}: a rank died in native code; running it once more. Its output:\n{out[-3000:]}")
+            for path in clean_before_rerun:
+                shutil.rmtree(path, ignore_errors=True)
             continue
         raise AssertionError(f"{' '.join(cmd[-2:] + argv)} exited with {proc.returncode}:\n{out[-6000:]}")
     raise AssertionError("unreachable")

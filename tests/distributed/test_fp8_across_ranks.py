@@ -27,7 +27,8 @@ def fp8_runs(tmp_path_factory):
     argv = [str(root / "checks.json")]
     for name, flags in runs.items():
         argv += ["--", name, *FP8, *flags, "--save", str(root / name)]
-    launch(4, argv, script="tests/distributed/fp8_worker.py")
+    launch(4, argv, script="tests/distributed/fp8_worker.py", rerun_after_native_crash=True,
+           clean_before_rerun=[root / name for name in runs])
     return root, json.loads((root / "checks.json").read_text())
 
 
