@@ -30,9 +30,10 @@ def launch(nproc: int, argv: list[str], script: str = "pretrain_difflm.py", time
     """Run `script argv` on `nproc` processes: torchrun for nproc > 1, plain python for 1 (with `env` added to
     the environment). Returns the output.
 
-    rerun_after_native_crash: run once more, with a warning, when a rank died in native code rather than by a
-    Python error; a second failure fails. The folders in `clean_before_rerun` are removed first, so that a rerun
-    starts from what the first attempt started from (a training run would otherwise find its own checkpoints).
+    rerun_after_native_crash: run once more, with a warning, when torchrun reports a rank killed in native code
+    (gloo's threads can abort a process at teardown) rather than a Python error; a second failure fails. The
+    folders in `clean_before_rerun` are removed first, so that a rerun starts from what the first attempt
+    started from (a training run would otherwise find its own checkpoints and metrics).
     """
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]

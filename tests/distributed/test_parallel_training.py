@@ -58,7 +58,7 @@ class Runs:
             try:
                 env = {"MEGADLMS_EMULATE_CUDA_GRAPHS": "1"} if "--cuda-graphs" in argv else None
                 self.outputs[name] = launch(nproc, TINY + ["--train-iters", "6", "--save", str(save)] + argv,
-                                            env=env)
+                                            env=env, rerun_after_native_crash=True, clean_before_rerun=[save])
             except AssertionError as e:
                 self.failures[name] = e
                 raise
