@@ -40,18 +40,20 @@ def launch(nproc: int, argv: list[str], script: str = "pretrain_difflm.py", time
     else:
         cmd = [sys.executable, script]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
-    for attempt in (1, 2):
+
+    def run() -> tuple[int, str]:
         proc = subprocess.run(cmd + argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        out = proc.stdout + proc.stderr
-        if not proc.returncode:
-            return out
-        if attempt == 1 and rerun_after_native_crash and any(s in out for s in NATIVE_CRASHES):
-            warnings.warn(f"{script}: a rank died in native code; running it once more. Its output:\n{out[-3000:]}")
-            for path in clean_before_rerun:
-                shutil.rmtree(path, ignore_errors=True)
-            continue
-        raise AssertionError(f"{' '.join(cmd[-2:] + argv)} exited with {proc.returncode}:\n{out[-6000:]}")
-    raise AssertionError("unreachable")
+        return proc.returncode, proc.stdout + proc.stderr
+
+    code, out = run()
+    if code and rerun_after_native_crash and any(s in out for s in NATIVE_CRASHES):
+        warnings.warn(f"{script}: a rank died in native code; running it once more. Its output:\n{out[-3000:]}")
+        for path in clean_before_rerun:
+            shutil.rmtree(path, ignore_errors=True)
+        code, out = run()
+    if code:
+        raise AssertionError(f"{' '.join(cmd[-2:] + argv)} exited with {code}:\n{out[-6000:]}")
+    return out
 
 
 def train_losses(save_dir: str | Path) -> list[float]:
