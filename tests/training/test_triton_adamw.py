@@ -37,12 +37,14 @@ SCRIPT = textwrap.dedent("""
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.LayerNorm(96), torch.nn.Linear(96, 40))
 
+    def groups_of(m):  # build_optimizer's groups: weight decay on the matrices only
+        return [{"params": [p for p in m.parameters() if p.ndim == 2], "weight_decay": 0.1},
+                {"params": [p for p in m.parameters() if p.ndim == 1], "weight_decay": 0.0}]
+
     ours, ref = model(), model()
     opt = build_optimizer(ours, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
     assert type(opt) is triton_adamw.StreamingAdamW
-    groups = [{"params": [p for p in ref.parameters() if p.ndim == 2], "weight_decay": 0.1},
-              {"params": [p for p in ref.parameters() if p.ndim == 1], "weight_decay": 0.0}]
-    ref_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), fused=True)
+    ref_opt = torch.optim.AdamW(groups_of(ref), lr=1e-2, betas=(0.9, 0.95), fused=True)
     for step in range(4):
         x = torch.randn(32, 48, generator=torch.Generator().manual_seed(step))
         for m, o in ((ours, opt), (ref, ref_opt)):
@@ -60,10 +62,6 @@ SCRIPT = textwrap.dedent("""
             torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-6 * float(sb[k].abs().max()), msg=f"{name} {k}")
 
     # checkpoints: either optimizer's state dict continues in the other
-    def groups_of(m):
-        return [{"params": [p for p in m.parameters() if p.ndim == 2], "weight_decay": 0.1},
-                {"params": [p for p in m.parameters() if p.ndim == 1], "weight_decay": 0.0}]
-
     x = torch.randn(8, 48)
     after = []
     for src_model, src in ((ours, opt), (ref, ref_opt)):
