@@ -37,8 +37,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 (as HF does), scale in the input dtype
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return y * self.weight.to(x.dtype)
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        out_dtype = _autocast_output_dtype(x)
+        if out_dtype != x.dtype:
+            # an fp32 input (the residual stream) under autocast: the output in the autocast dtype, rounded once
+            # from the fp32 product. Every consumer (a linear, attention) would make this same cast; an FP8
+            # linear's input cast then reads half the bytes.
+            return (y * self.weight.float()).to(out_dtype)
+        return y.to(x.dtype) * self.weight.to(x.dtype)
+
+
+def _autocast_output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype for an fp32 x under autocast (in and out of torch.compile), else x's dtype."""
+    dev = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
 
 
 class RotaryEmbedding(nn.Module):

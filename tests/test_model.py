@@ -59,3 +59,28 @@ def test_untied_head_and_init_scale():
     std_q = model.layers[0].self_attn.q_proj.weight.std().item()
     std_o = model.layers[0].self_attn.o_proj.weight.std().item()
     assert abs(std_q - 0.02) < 0.003 and abs(std_o - 0.02 / 4) < 0.001  # out layers scaled by 1/sqrt(2L)
+
+
+def test_rms_norm_of_the_fp32_residual_under_autocast_is_the_autocast_cast_of_its_fp32_output():
+    """Under autocast an fp32 input gives the autocast dtype, rounded once from the fp32 result (what a following
+    linear would have cast it to); bf16 inputs and autocast-free calls keep their dtype and values."""
+    from megadlms.model import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(64))
+    x = torch.randn(5, 64) * 3
+    full = norm(x)
+    assert full.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = norm(x)
+        same = norm(x.bfloat16())
+    assert half.dtype == torch.bfloat16
+    assert torch.equal(half, full.bfloat16())
+    assert torch.equal(same, norm(x.bfloat16()))
+    # gradients still reach the input and the weight in fp32
+    x.requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        norm(x).float().pow(2).sum().backward()
+    assert x.grad.dtype == torch.float32 and norm.weight.grad.dtype == torch.float32
