@@ -20,6 +20,7 @@ so that every timed step has the same shape.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -144,13 +145,35 @@ def worker(spec: dict) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     tokens, losses = 0, []
+    # where a step's time goes beyond its kernels: the GPU time between step boundaries (events, no sync), the
+    # host time of each train_step call, and Python's garbage collector
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(spec["steps"] + 1)] if cuda else []
+    host_ms, gc_ms = [], [0.0]
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_ms[0] += (time.perf_counter() - gc_start[0]) * 1e3
+
+    gc.callbacks.append(on_gc)
+    trainer.data_wait_s = 0.0
     t0 = time.perf_counter()
-    for _ in range(spec["steps"]):
+    for i in range(spec["steps"]):
+        if events:
+            events[i].record()
+        h0 = time.perf_counter()
         step = trainer.train_step()
+        host_ms.append((time.perf_counter() - h0) * 1e3)
         tokens += step["tokens"]
         losses.append(step["loss"])
+    if events:
+        events[-1].record()
     sync()
     dt = time.perf_counter() - t0
+    gc.callbacks.remove(on_gc)
+    gpu_step_ms = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
     loss = float(torch.stack(losses).float().mean())
     tok_s = tokens / dt
     fpt = trainer.cfg.flops_per_token(trainer.cfg.seq_length)
@@ -161,7 +184,8 @@ def worker(spec: dict) -> None:
            # what the process holds: with CUDA graphs the activations live in the graphs' pool, reserved but not
            # "allocated" between replays, so the allocated peak alone would flatter them
            "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan"),
-           "setup_s": setup_s, "warmup_s": warmup_s,
+           "setup_s": setup_s, "warmup_s": warmup_s, "gpu_step_ms": gpu_step_ms, "host_step_ms": host_ms,
+           "gc_ms": gc_ms[0], "data_wait_ms": trainer.data_wait_s * 1e3,
            "params_m": sum(p.numel() for p in trainer.model.parameters()) / 1e6,
            "loss_chunk_tokens": trainer.loss_chunk_tokens, "compile": bool(args.compile),
            "fp8": f"{trainer.cfg.fp8_format}/{trainer.cfg.fp8_recipe}" if trainer.cfg.fp8 else "off",
@@ -393,6 +417,10 @@ def main() -> None:
         print(f"{r['config']:24s} {r.get('batch', a.batch):2d} {r.get('accum', 1):3d} {r['ms_per_step']:8.0f} "
               f"{r['tokens_per_s']:8.0f} {r['tflops']:8.0f} {r['mfu'] * 100:5.1f}% {r['peak_gib']:9.1f} "
               f"{reserved:8.1f} {vs_bf:8.2f} {vs_hf:6.2f} {'yes' if r.get('cuda_graphs') else 'no':>6s}")
+    for r in results:
+        if "error" not in r:
+            r["step_time"] = step_time_breakdown(r)
+    print_by_config(results, "step_time", "where the timed steps' time goes (ms per step)", "", 1, float("nan"))
     print_by_config(results, "memory", "memory after the timed steps (GiB; peaks over the timed steps)", "", 2,
                     float("nan"))
     for r in results:
@@ -409,6 +437,22 @@ def main() -> None:
             print(f"\nlongest kernels per step, {r['config']} (ms, calls, class, name)")
             for ms, calls, cls, name in r["top_kernels"]:
                 print(f"{ms:8.2f} {calls:5d}  {cls:28s} {name}")
+
+
+def step_time_breakdown(r: dict) -> dict[str, float]:
+    """The timed steps' wall time against the GPU time between step starts (CUDA events, no sync: a step's
+    kernels plus the GPU's idle time up to the next step) and the host time of each train_step call; with the
+    garbage collector's and the data loader's share."""
+    gpu, host, n = r.get("gpu_step_ms") or [], r.get("host_step_ms") or [], max(len(r.get("host_step_ms") or []), 1)
+    out = {"wall per step": r["ms_per_step"], "host per train_step (mean)": sum(host) / n if host else float("nan"),
+           "host per train_step (max)": max(host, default=float("nan")),
+           "gc over the timed steps / step": r.get("gc_ms", float("nan")) / n,
+           "data loader wait / step": r.get("data_wait_ms", float("nan")) / n}
+    if gpu:
+        out.update({"GPU between step starts (min)": min(gpu),
+                    "GPU between step starts (median)": sorted(gpu)[len(gpu) // 2],
+                    "GPU between step starts (max)": max(gpu)})
+    return out
 
 
 def print_by_config(results: list[dict], field: str, title: str, corner: str, digits: int, missing: float) -> None:

@@ -86,3 +86,20 @@ def test_graph_pool_peak_sites_replays_a_snapshot():
     assert got["peak_gib"] == round(500 / 2**30, 2)
     assert [(n, w) for _, n, w in got["sites"]] == [(1, "fp8/linear.py:10 forward"), (1, "ab.py:3 call")]
     assert [g for g, _, _ in got["sites"]] == [round(300 / 2**30, 3), round(200 / 2**30, 3)]
+
+
+def test_step_time_breakdown_of_a_result():
+    """The timed steps' time per step: wall, host per train_step (mean, max), the collector's and loader's share per
+    step, and the GPU time between step starts (min, median, max)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from train_throughput import step_time_breakdown
+
+    r = {"ms_per_step": 300.0, "host_step_ms": [100.0, 290.0, 310.0, 300.0], "gc_ms": 8.0, "data_wait_ms": 2.0,
+         "gpu_step_ms": [305.0, 295.0, 330.0, 300.0]}
+    got = step_time_breakdown(r)
+    assert got["host per train_step (mean)"] == 250.0 and got["host per train_step (max)"] == 310.0
+    assert got["gc over the timed steps / step"] == 2.0 and got["data loader wait / step"] == 0.5
+    assert (got["GPU between step starts (min)"], got["GPU between step starts (median)"],
+            got["GPU between step starts (max)"]) == (295.0, 305.0, 330.0)
+    # a CPU run has no CUDA events: no GPU rows
+    assert "GPU between step starts (min)" not in step_time_breakdown({**r, "gpu_step_ms": []})
