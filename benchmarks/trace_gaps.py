@@ -76,7 +76,7 @@ def analyse(events: list[dict], min_us: float) -> dict:
     inner: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     outer: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     gaps = []
-    for (_, prev_end, _), (start, _, first) in zip(runs, runs[1:]):
+    for (_, prev_end, last), (start, _, first) in zip(runs, runs[1:]):
         gap = start - prev_end
         if gap < min_us:
             continue
@@ -87,14 +87,16 @@ def analyse(events: list[dict], min_us: float) -> dict:
         for table, key in ((inner, key_in), (outer, key_out)):
             table[key][0] += gap
             table[key][1] += 1
-        gaps.append((gap, first["name"][:80], key_in))
+        # what the launching thread was doing when the queue ran dry: the host work the GPU waited for
+        busy_with = host.enclosing(launch.get("tid"), prev_end) if launch else []
+        gaps.append((gap, first["name"][:80], key_in, (prev_end - runs[0][0]) / 1e3, " > ".join(busy_with[-3:])))
     syncs: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in runtime:
         if e["name"] in SYNC_CALLS:
             syncs[e["name"]][0] += float(e["dur"])
             syncs[e["name"]][1] += 1
-    return {"span_us": span, "busy_us": busy, "gap_us": sum(g for g, _, _ in gaps), "n_gaps": len(gaps),
-            "inner": inner, "outer": outer, "syncs": syncs, "largest": sorted(gaps, reverse=True)[:10]}
+    return {"span_us": span, "busy_us": busy, "gap_us": sum(g[0] for g in gaps), "n_gaps": len(gaps),
+            "inner": inner, "outer": outer, "syncs": syncs, "largest": sorted(gaps, reverse=True)[:16]}
 
 
 def report(r: dict, top: int) -> None:
@@ -109,9 +111,10 @@ def report(r: dict, top: int) -> None:
     print(f"\nblocking runtime calls\n{'ms':>9} {'calls':>6}  call")
     for name, (us, n) in sorted(r["syncs"].items(), key=lambda kv: -kv[1][0]):
         print(f"{us / 1e3:9.2f} {n:6d}  {name}")
-    print("\nlargest gaps (us, kernel after the gap, host op)")
-    for gap, kernel, op in r["largest"]:
-        print(f"{gap:9.1f}  {kernel}  <- {op[:60]}")
+    print("\nlargest gaps (us; ms into the timeline; kernel after the gap <- host op launching it; host ops running "
+          "when the GPU went idle)")
+    for gap, kernel, op, at_ms, busy_with in r["largest"]:
+        print(f"{gap:9.1f} {at_ms:8.1f}  {kernel}  <- {op[:60]}\n{'':19}idle while: {busy_with[:160] or '?'}")
 
 
 def main() -> None:

@@ -38,6 +38,9 @@ def test_gaps_are_charged_to_the_launching_host_op_and_syncs_are_listed(tmp_path
     assert dict(r["inner"]) == {"cast_transpose_kernel": [340.0, 1]}
     assert dict(r["outer"]) == {"Float8LinearFn": [340.0, 1]}
     assert dict(r["syncs"]) == {"cudaStreamSynchronize": [80.0, 1]}
+    # the gap opens 0.04 ms into the timeline, while the launching thread is still inside the compiled region
+    assert r["largest"] == [(340.0, "cast_kernel", "cast_transpose_kernel", 0.04, "CompiledFunction")]
     TOOL["report"](r, top=5)
     out = capsys.readouterr().out
     assert "busy 0.1 ms, idle 0.3 ms" in out and "0.34      1  cast_transpose_kernel" in out
+    assert "idle while: CompiledFunction" in out
