@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 (as HF does), scale in the input dtype
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        out_dtype = _autocast_output_dtype(x)
+        out_dtype = compute_dtype(x) if x.dtype == torch.float32 else x.dtype
         if out_dtype != x.dtype:
             # an fp32 input (the residual stream) under autocast: the output in the autocast dtype, rounded once
             # from the fp32 product. Every consumer (a linear, attention) would make this same cast; an FP8
@@ -47,10 +47,11 @@ class RMSNorm(nn.Module):
         return y.to(x.dtype) * self.weight.to(x.dtype)
 
 
-def _autocast_output_dtype(x: torch.Tensor) -> torch.dtype:
-    """The autocast dtype for an fp32 x under autocast (in and out of torch.compile), else x's dtype."""
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer outputs for x: the autocast dtype when autocast is on (in and out of
+    torch.compile), else x's dtype."""
     dev = x.device.type
-    if x.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+    if torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return x.dtype
 

@@ -29,10 +29,10 @@ from torch import nn
 
 from ..config import TransformerConfig
 from ..errors import MegaDLMsError
-from ..model import RotaryEmbedding, TransformerLM
+from ..model import RotaryEmbedding, TransformerLM, compute_dtype
 from .convert import fp8_eligible, fp8_layer_range
 from .hardware import check_fp8_support
-from .linear import Float8Linear, apply_keeping_dtypes, compute_dtype
+from .linear import Float8Linear, apply_keeping_dtypes
 from .quantize import E4M3, FP8_MAX, amax_to_scale, quantize, round_up16, scaled_mm
 
 WEIGHTS = "model.safetensors"

@@ -35,9 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..model import compute_dtype
 from . import triton_cast
 from .fused import _amax, cast_fp8, cast_fp8_cat, record_amax, transpose_fp8
-from .linear import GRAD, INPUT, WEIGHT, Float8Linear, _check_device_once, _Fp8Weight, compute_dtype, take_fp8_weights
+from .linear import GRAD, INPUT, WEIGHT, Float8Linear, _check_device_once, _Fp8Weight, take_fp8_weights
 from .quantize import FP8_MAX, aligned_scalars, amax_to_scale, pad_2d, quant_stats, round_up16, scaled_mm
 from .recipe import DelayedScaling, Float8RowwiseScaling
 from .state import FP8GlobalStateManager

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model import MLP, SwiGLU
+from ..model import MLP, SwiGLU, compute_dtype
 from . import triton_swiglu
 from .fused import transpose_fp8
 from .fused_linear import FusedFloat8Projection, _cast_grad_parts, _cast_shared
-from .linear import GRAD, INPUT, Float8Linear, compute_dtype, take_fp8_weights
+from .linear import GRAD, INPUT, Float8Linear, take_fp8_weights
 from .quantize import pad_2d, round_up16, scaled_mm
 from .recipe import DelayedScaling
 from .state import FP8GlobalStateManager

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model import compute_dtype
 from .fused import cast_fp8, transpose_fp8
 from .hardware import check_fp8_support
 from .quantize import aligned_scalars, pad_2d, quant_stats, quantize_rowwise, round_up16, scaled_mm
@@ -56,14 +57,6 @@ def apply_keeping_dtypes(module: nn.Module, fn: Any, names: tuple[str, ...], rec
             device = fn(torch.empty(0, device=t.device)).device  # where fn sends tensors
             module._buffers[n] = t.to(device)
     return module
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a linear layer outputs for x: the autocast dtype when autocast is on, else x's dtype."""
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return x.dtype
 
 
 def take_fp8_weights(ctx: Any, *names: str) -> tuple[Any, ...]:
