@@ -76,7 +76,7 @@ def analyse(events: list[dict], min_us: float) -> dict:
     inner: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     outer: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     gaps = []
-    for (_, prev_end, last), (start, _, first) in zip(runs, runs[1:]):
+    for (_, prev_end, _), (start, _, first) in zip(runs, runs[1:]):
         gap = start - prev_end
         if gap < min_us:
             continue
