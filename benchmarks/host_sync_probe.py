@@ -44,20 +44,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def build_trainer(a: argparse.Namespace, data: Path):
-    from megadlms.training.args import parse_train_args
-    from megadlms.training.trainer import setup
+    from benchmarks.train_throughput import build_trainer as throughput_trainer
 
-    argv = ["--model-path", a.model_path, "--seq-length", str(a.seq), "--micro-batch-size", str(a.batch),
-            "--global-batch-size", str(a.batch), "--data-path", str(data), "--train-iters", "100000", "--lr", "1e-4",
-            "--lr-warmup-iters", "10", "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "100000",
-            "--difflm-varilen-prob", "0", "--no-progress"]
-    argv += ["--fp8-format", "hybrid"] if a.fp8 else []
+    flags = ["--model-path", a.model_path] + (["--fp8-format", "hybrid"] if a.fp8 else [])
     # the smoke run's tiny vocabulary would not turn on the fused LM head, whose count this probes
-    argv += ["--device", "cpu", "--loss-chunk-tokens", "64"] if a.smoke else []
-    trainer = setup(parse_train_args(argv))
-    trainer.model.train()
-    trainer._train_iter = iter(trainer.loaders.train)
-    return trainer
+    extra = ["--loss-chunk-tokens", "64"] if a.smoke else []
+    return throughput_trainer(flags, a.seq, a.batch, 1, data, "cpu" if a.smoke else None, extra)
 
 
 def sync_calls(trainer, steps: int) -> dict[str, int]:

@@ -108,26 +108,32 @@ def write_corpus(prefix: Path, vocab: int, n_tokens: int, seed: int = 0) -> None
             done += n + 1
 
 
+def build_trainer(flags: list[str], seq: int, batch: int, accum: int, data: str | Path, device: str | None = None,
+                  extra: list[str] | None = None):
+    """The trainer `megadlms train` builds from `flags` (model, precision) on the corpus `data`, with the schedule,
+    evaluation and logging out of the way of timing, ready for `train_step()`."""
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.trainer import setup
+
+    argv = flags + ["--seq-length", str(seq), "--micro-batch-size", str(batch), "--global-batch-size",
+                    str(batch * accum), "--data-path", str(data), "--train-iters", "100000", "--lr", "1e-4",
+                    "--lr-warmup-iters", "10", "--eval-iters", "0", "--eval-interval", "0",
+                    "--log-interval", "100000", "--difflm-varilen-prob", "0", "--no-progress"]
+    if device:
+        argv += ["--device", device]
+    trainer = setup(parse_train_args(argv + (extra or [])))
+    trainer.model.train()
+    trainer._train_iter = iter(trainer.loaders.train)
+    return trainer
+
+
 def worker(spec: dict) -> None:
     """One configuration: setup() from flags, warm-up, timed steps; prints one RESULT line."""
     import torch
 
-    from megadlms.training.args import parse_train_args
-    from megadlms.training.trainer import setup
-
-    argv = spec["flags"] + ["--seq-length", str(spec["seq"]), "--micro-batch-size", str(spec["batch"]),
-                            "--global-batch-size", str(spec["batch"] * spec.get("accum", 1)),
-                            "--data-path", spec["data"], "--train-iters", "100000", "--lr", "1e-4",
-                            "--lr-warmup-iters", "10", "--eval-iters", "0", "--eval-interval", "0",
-                            "--log-interval", "100000", "--difflm-varilen-prob", "0", "--no-progress"]
-    if spec.get("device"):
-        argv += ["--device", spec["device"]]
-    argv += spec.get("extra", [])
-    args = parse_train_args(argv)
     t0 = time.perf_counter()
-    trainer = setup(args)
-    trainer.model.train()
-    trainer._train_iter = iter(trainer.loaders.train)
+    trainer = build_trainer(spec["flags"], spec["seq"], spec["batch"], spec.get("accum", 1), spec["data"],
+                            spec.get("device"), spec.get("extra", []))
     cuda = trainer.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     setup_s = time.perf_counter() - t0
@@ -187,7 +193,7 @@ def worker(spec: dict) -> None:
            "setup_s": setup_s, "warmup_s": warmup_s, "gpu_step_ms": gpu_step_ms, "host_step_ms": host_ms,
            "gc_ms": gc_ms[0], "data_wait_ms": trainer.data_wait_s * 1e3,
            "params_m": sum(p.numel() for p in trainer.model.parameters()) / 1e6,
-           "loss_chunk_tokens": trainer.loss_chunk_tokens, "compile": bool(args.compile),
+           "loss_chunk_tokens": trainer.loss_chunk_tokens, "compile": bool(trainer.args.compile),
            "fp8": f"{trainer.cfg.fp8_format}/{trainer.cfg.fp8_recipe}" if trainer.cfg.fp8 else "off",
            "cuda_graphs": trainer.layer_graphs is not None and trainer.layer_graphs.num_replays > 0}
     if cuda:
