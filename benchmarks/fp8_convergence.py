@@ -7,7 +7,8 @@ same run with the LM head + loss summed in other chunks: equal in exact arithmet
 last bits) and `bf16 seed2` (another initialisation, mask and data order) measure the run-to-run
 spread a gap must be judged against;
 the FP8 ablations (e4m3, BF16 weight gradient, unfused projections, precise forward accumulation,
-BF16 first/last layers) locate where a gap comes from.
+BF16 first/last layers) locate where a gap comes from; the `fp8-attention` variants add FP8 attention
+(`--fp8-dot-product-attention`: needs `nvidia-cudnn-frontend` on a GPU).
 
 Variants run as separate processes, `--parallel` at a time (several small runs share one GPU well:
 each alone leaves it idle between eager kernels; qwen3-0.6b at micro-batch 16 x 512 needs ~29 GiB each).
@@ -51,6 +52,9 @@ VARIANTS = {
     "fp8 delayed unfused": DELAYED + ["--no-fp8-fuse-projections"],
     "fp8 delayed precise-fprop": DELAYED + ["--no-fp8-fprop-fast-accum"],
     "fp8 delayed bf16-first-last": DELAYED + ["--first-last-layers-bf16"],
+    "fp8 delayed fp8-attention": DELAYED + ["--fp8-dot-product-attention"],
+    "fp8 delayed/e4m3 fp8-attention": ["--fp8-format", "e4m3", "--fp8-recipe", "delayed", "--fp8-amax-history-len",
+                                       "16", "--fp8-amax-compute-algo", "max", "--fp8-dot-product-attention"],
 }
 DEFAULT_VARIANTS = "bf16,fp8 delayed/hybrid,fp8 tensorwise/hybrid"
 

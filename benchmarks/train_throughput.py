@@ -49,7 +49,8 @@ CONFIGS: dict[str, list[str]] = {
 
 
 # "<config>+<variant>": the configuration with these flags added
-VARIANTS: dict[str, list[str]] = {"": [], "nographs": ["--cuda-graphs", "off"], "nomlpfuse": ["--no-fp8-fuse-mlp"]}
+VARIANTS: dict[str, list[str]] = {"": [], "nographs": ["--cuda-graphs", "off"], "nomlpfuse": ["--no-fp8-fuse-mlp"],
+                                  "fp8attn": ["--fp8-dot-product-attention"]}
 
 
 # micro-batch per model where --batch would not fit one 141 GB GPU (BF16 and FP8 run the same batch)

@@ -54,6 +54,8 @@ class TransformerConfig:
     fp8_fuse_projections: bool = True  # q/k/v and gate/up as one FP8 GEMM each (megadlms.fp8.fused_linear)
     fp8_fuse_mlp: bool = True  # the MLP as one FP8 function, SwiGLU fused into its casts (megadlms.fp8.fused_mlp)
     fp8_fprop_fast_accum: bool = True  # Hopper fast accumulation in the forward GEMM (TE's and torchao's default)
+    # the FP8 layers' attention in FP8 too (cuDNN; Megatron's --fp8-dot-product-attention); inert without fp8
+    fp8_dot_product_attention: bool = False
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0
 
@@ -110,6 +112,9 @@ class TransformerConfig:
         if self.fp8_margin < 0:
             raise ConfigError(f"fp8_margin={self.fp8_margin} must be >= 0 (0 is the usual value)")
         _positive("fp8_amax_history_len", self.fp8_amax_history_len)
+        if self.fp8 and self.fp8_dot_product_attention and self.fp8_recipe != "delayed":
+            raise ConfigError(f"fp8_dot_product_attention=True takes the delayed recipe, got fp8_recipe="
+                              f"{self.fp8_recipe!r}; use --fp8-recipe delayed or drop --fp8-dot-product-attention")
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")

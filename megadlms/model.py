@@ -89,6 +89,19 @@ class SwiGLU(nn.Module):
         return F.silu(gate) * up
 
 
+class DotProductAttention(nn.Module):
+    """softmax(q k^T / sqrt(D)) v over grouped K/V. A module so that FP8 conversion can swap in an FP8 version
+    (`megadlms.fp8.attention`)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                is_causal: bool) -> torch.Tensor:
+        """q [B, N, S, D], k and v [B, G, T, D] -> [B, N, S, D]. attn_mask: None or bool [B, 1, S, T]."""
+        # grouped K/V as they are: on torch 2.11 + H200 SDPA picks cuDNN attention for this call
+        # (measured: expanding K/V to every head was 0.2 ms slower per 8B-class layer, benchmarks/RESULTS.md)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+
 # Outside torch.compile's graphs: a cache is per-layer Python state (buffers by layer index, a mode), which compiled
 # code would guard on, recompiling per layer and per mode; as an opaque call, one compilation of a layer serves
 # every layer and cache (the layer index is read here, not in the graph).
@@ -110,6 +123,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q, h, bias=False)
         self.q_norm = RMSNorm(cfg.kv_channels, cfg.norm_epsilon) if cfg.qk_layernorm else None
         self.k_norm = RMSNorm(cfg.kv_channels, cfg.norm_epsilon) if cfg.qk_layernorm else None
+        self.core_attention = DotProductAttention()
         self.causal = cfg.causal
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,10 +148,7 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = _cache_update(kv_cache, self, k, v)
         is_causal = self.causal and attn_mask is None and kv_cache is None
-        # grouped K/V as they are: on torch 2.11 + H200 SDPA picks cuDNN attention for this call
-        # (measured: expanding K/V to every head was 0.2 ms slower per 8B-class layer, benchmarks/RESULTS.md)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1])
+        out = self.core_attention(q, k, v, attn_mask, is_causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -283,5 +294,6 @@ def build_model(cfg: TransformerConfig, device: torch.device | str | None = None
                                num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16,
                                activation_func_fp8_input_store=cfg.activation_func_fp8_input_store,
                                fp8_wgrad=cfg.fp8_wgrad, fuse_projections=cfg.fp8_fuse_projections,
-                               fuse_mlp=cfg.fp8_fuse_mlp, fprop_fast_accum=cfg.fp8_fprop_fast_accum)
+                               fuse_mlp=cfg.fp8_fuse_mlp, fprop_fast_accum=cfg.fp8_fprop_fast_accum,
+                               dot_product_attention=cfg.fp8_dot_product_attention)
     return model

@@ -25,6 +25,7 @@ SMOKES = {
     "cuda_graph_check": (["--smoke"], "fp8 tensorwise "),
     # the count's wait is timed: on the CPU the count is ready at once
     "host_sync_probe": (["--smoke", "--fp8"], "host ms waiting for the count:   0.0"),
+    "fp8_attention": (["--smoke"], "tiny | "),
 }
 
 

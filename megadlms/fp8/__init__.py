@@ -8,10 +8,11 @@
 
 See recipe.py (recipes), linear.py (Float8Linear), fused_linear.py (q/k/v and gate/up as one GEMM),
 fused_mlp.py and triton_swiglu.py (the MLP as one function, SwiGLU fused into its casts), convert.py
-(conversion, fp8_step), swiglu.py (FP8 activation storage), monitor.py (telemetry), export.py (FP8 inference
-export).
+(conversion, fp8_step), attention.py (FP8 attention through cuDNN, opt-in), swiglu.py (FP8 activation storage),
+monitor.py (telemetry), export.py (FP8 inference export).
 """
 
+from .attention import Float8DotProductAttention
 from .convert import (
     convert_to_fp8,
     fp8_graph_capture,
@@ -29,6 +30,7 @@ from .swiglu import SwiGLUFP8InputStore
 
 __all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "recipe_from_config",
            "fp8_autocast", "FP8GlobalStateManager", "fp8_checkpoint_context_fn", "Float8Linear",
+           "Float8DotProductAttention",
            "SwiGLUFP8InputStore", "convert_to_fp8", "fp8_step", "fp8_modules", "invalidate_fp8_weight_caches",
            "fp8_graph_capture", "fp8_weight_caching", "check_fp8_support", "fp8_backend_note", "FP8UnsupportedError",
            "fp8_stats", "enable_fp8_stats", "fp8_stats_enabled"]

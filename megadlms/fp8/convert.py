@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model import SwiGLU
+from .attention import Float8DotProductAttention, check_fp8_attention_support, install_fp8_attention
 from .fused_linear import install_fused_projections
 from .fused_mlp import fused_projections, install_fused_mlps
 from .hardware import check_fp8_support
@@ -51,7 +52,7 @@ def _set_child(root: nn.Module, dotted: str, module: nn.Module) -> None:
 def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_bf16: int = 0,
                    num_layers_at_end_in_bf16: int = 0, activation_func_fp8_input_store: bool = False,
                    fp8_wgrad: bool = True, fuse_projections: bool = True, fuse_mlp: bool = True,
-                   fprop_fast_accum: bool = True) -> nn.Module:
+                   fprop_fast_accum: bool = True, dot_product_attention: bool = False) -> nn.Module:
     """Convert `model` (a TransformerLM) to FP8 in place and return it.
 
     Every eligible nn.Linear inside `model.layers` (in/out features multiples of 16) becomes a
@@ -67,6 +68,8 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
         (`fused_mlp.FusedFloat8MLP`, installed as the instance's `forward`). Delayed scaling only.
     fprop_fast_accum: Hopper's fast (reduced-precision) accumulation in the forward GEMM; False makes it
         accumulate like the backward GEMMs (slower, for numerics checks).
+    dot_product_attention: the attention of each FP8 layer runs in FP8 too (`attention.Float8DotProductAttention`:
+        cuDNN's FP8 flash attention on CUDA). Delayed scaling only.
     The model's `layer_context` becomes `fp8_autocast(enabled=True, fp8_recipe=recipe)`, which the
     model enters around its transformer layers.
     """
@@ -78,6 +81,12 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
     param = next(model.parameters(), None)
     if param is not None:
         check_fp8_support(param.device)
+    if dot_product_attention:
+        if not isinstance(recipe, DelayedScaling):
+            raise ValueError(f"FP8 attention (--fp8-dot-product-attention) takes delayed scaling, got {recipe}; "
+                             "use --fp8-recipe delayed or drop --fp8-dot-product-attention")
+        if param is not None:
+            check_fp8_attention_support(param.device)
     for i in fp8_layer_range(len(layers), num_layers_at_start_in_bf16, num_layers_at_end_in_bf16):
         layer = layers[i]
         for name, child in list(layer.named_modules()):
@@ -90,6 +99,8 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
             install_fused_projections(layer)
         if fuse_mlp:
             install_fused_mlps(layer)
+        if dot_product_attention:
+            install_fp8_attention(layer, recipe)
     model.layer_context = functools.partial(fp8_autocast, enabled=True, fp8_recipe=recipe)
     return model
 
@@ -97,6 +108,11 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
 def fp8_modules(model: nn.Module) -> Iterator[Float8Linear]:
     """The Float8Linear modules of `model` (works through DDP/FSDP wrappers)."""
     return (m for m in model.modules() if isinstance(m, Float8Linear))
+
+
+def fp8_scaling_modules(model: nn.Module) -> Iterator[nn.Module]:
+    """Every module with FP8 amax histories and scales (Float8Linears, FP8 attention): what `fp8_step` updates."""
+    return (m for m in model.modules() if isinstance(m, (Float8Linear, Float8DotProductAttention)))
 
 
 def invalidate_fp8_weight_caches(model: nn.Module) -> None:
@@ -137,7 +153,8 @@ def fp8_graph_capture(model: nn.Module, weights_in_graph: bool = True) -> Iterat
     runs recorded the amaxes of sample inputs.
     """
     modules = list(fp8_modules(model))
-    buffers = [b for m in modules for b in (m.fp8_amax_history, m.fp8_scale, m.fp8_initialized) if b is not None]
+    buffers = [b for m in fp8_scaling_modules(model) for b in (m.fp8_amax_history, m.fp8_scale, m.fp8_initialized)
+               if b is not None]
     saved = [b.clone() for b in buffers]
     cache_flags = [m.cache_weight for m in modules]
     if weights_in_graph:
@@ -168,8 +185,8 @@ def _default_group(group: Any) -> Any:
 def reduce_amaxes(modules: list[Float8Linear], group: Any = None) -> None:
     """MAX-reduce the current-step amax slot of every module across `group` in one all_reduce.
 
-    The slots [3] of all modules are concatenated into one fp32 tensor (which gloo and NCCL both
-    send), reduced, and copied back.
+    The slots (one amax per role) of all modules are concatenated into one fp32 tensor (which gloo and NCCL
+    both send), reduced, and copied back.
     """
     group = _default_group(group)
     if group is None or not modules:
@@ -177,22 +194,24 @@ def reduce_amaxes(modules: list[Float8Linear], group: Any = None) -> None:
     slots = [m.fp8_amax_history[0] for m in modules]
     flat = torch.cat(slots)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-    torch._foreach_copy_(slots, list(flat.view(-1, 3).unbind(0)))
+    torch._foreach_copy_(slots, list(flat.split([s.numel() for s in slots])))
 
 
-def _update_scales(recipe: DelayedScaling, modules: list[Float8Linear]) -> None:
-    """New scales from the histories, then roll each history (slot 0 = the new step, zeroed).
+def _update_scales(recipe: DelayedScaling, modules: list[nn.Module]) -> None:
+    """New scales from the histories, then roll each history (slot 0 = the new step, zeroed). The modules share
+    one type (the same roles): each role's scale uses the forward or the backward format's maximum.
 
     Tensor ops on stacked buffers: a fixed number of kernels whatever the layer count, no sync.
     """
     hists = [m.fp8_amax_history for m in modules]
     scales = [m.fp8_scale for m in modules]
-    h = torch.stack(hists)  # [n, L, 3]
-    amax = h[:, 0] if recipe.amax_compute_algo == "most_recent" else h.amax(dim=1)  # [n, 3]
-    old = torch.stack(scales)  # [n, 3]
+    h = torch.stack(hists)  # [n, L, roles]
+    amax = h[:, 0] if recipe.amax_compute_algo == "most_recent" else h.amax(dim=1)  # [n, roles]
+    old = torch.stack(scales)  # [n, roles]
     fmt = recipe.fp8_format
-    new = torch.cat([amax_to_scale(amax[:, :2], fmt.max_fwd, recipe.margin, old[:, :2]),
-                     amax_to_scale(amax[:, 2:], fmt.max_bwd, recipe.margin, old[:, 2:])], dim=1)
+    fmax = torch.full((h.shape[2],), fmt.max_fwd, device=h.device)
+    fmax[list(modules[0].fp8_bwd_roles)] = fmt.max_bwd
+    new = amax_to_scale(amax, fmax, recipe.margin, old)
     rolled = torch.roll(h, 1, dims=1)
     rolled[:, 0] = 0
     torch._foreach_copy_(hists, list(rolled.unbind(0)))
@@ -213,13 +232,13 @@ def fp8_step(model: nn.Module, group: Any = None) -> None:
     2. compute the new scales and roll the amax histories (tensor ops only, no host sync);
     3. drop the cached FP8 weights, so the next forward casts the updated weights.
     """
-    modules = list(fp8_modules(model))
+    modules = list(fp8_scaling_modules(model))
     delayed = [m for m in modules if isinstance(m.recipe, DelayedScaling)]
     reduce_amaxes([m for m in delayed if m.recipe.reduce_amax], group)
-    groups: dict[tuple, list[Float8Linear]] = defaultdict(list)
+    groups: dict[tuple, list[nn.Module]] = defaultdict(list)
     for m in delayed:
-        groups[(m.recipe, m.fp8_amax_history.device)].append(m)
-    for (recipe, _), members in groups.items():
+        groups[(m.recipe, m.fp8_amax_history.device, type(m))].append(m)
+    for (recipe, _, _), members in groups.items():
         _update_scales(recipe, members)
     for m in modules:
         m.invalidate_fp8_weight_cache()

@@ -75,7 +75,8 @@ _compiled: dict[str, Any] = {}
 _RECOMPILE_LIMIT = 64
 
 
-def _get(name: str, fn: Any) -> Any:
+def compiled(name: str, fn: Any) -> Any:
+    """`fn` compiled with dynamic shapes, once per name, with the raised recompilation limit (CUDA callers)."""
     c = _compiled.get(name)
     if c is None:
         compiled = torch.compile(fn, dynamic=True)
@@ -115,10 +116,10 @@ def cast_fp8(x: torch.Tensor, scale: torch.Tensor | None,
         amax = _amax(x)
     record_amax(slots, amax)
     if scale is None:
-        fn = _get("current", _cast_current) if cuda else _cast_current
+        fn = compiled("current", _cast_current) if cuda else _cast_current
         q, t, scale_inv = fn(x, amax, fp8_dtype, margin, want_q, want_t)
     else:
-        fn = _get("scaled", _cast_scaled) if cuda else _cast_scaled
+        fn = compiled("scaled", _cast_scaled) if cuda else _cast_scaled
         q, t = fn(x, scale, fp8_dtype, want_q, want_t)
         if scale_inv is None:
             scale_inv = scale.reciprocal()
@@ -172,7 +173,7 @@ def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
             return out[1]
     if q.device.type != "cuda":
         return _transpose(q)
-    return _get("transpose", _transpose)(q)
+    return compiled("transpose", _transpose)(q)
 
 
 def _cast_cat(ws: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: torch.dtype, want_t: bool
@@ -199,7 +200,7 @@ def cast_fp8_cat(ws: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: torch.d
     if amax_outs is not None:
         for a, w in zip(amax_outs, ws):
             a.copy_(torch.maximum(a, _amax(w)))
-    fn = _get("cat", _cast_cat) if ws[0].device.type == "cuda" else _cast_cat
+    fn = compiled("cat", _cast_cat) if ws[0].device.type == "cuda" else _cast_cat
     return fn(ws, scale, fp8_dtype, want_t)
 
 

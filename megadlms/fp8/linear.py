@@ -119,6 +119,8 @@ class Float8Linear(nn.Linear):
     scales once per optimizer step.
     """
 
+    fp8_bwd_roles = (GRAD,)  # the roles in the recipe's backward format (fp8_step's scale update)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
                  dtype: torch.dtype | None = None, *, recipe: Recipe | None = None, fp8_wgrad: bool = True,
                  cache_weight: bool = True, fprop_fast_accum: bool = True, backward_fast_accum: bool = False):

@@ -34,16 +34,19 @@ def pad_2d(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return F.pad(x, (0, cols - c, 0, rows - r))
 
 
-def amax_to_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0,
+def amax_to_scale(amax: torch.Tensor, fp8_max: float | torch.Tensor, margin: int = 0,
                   fallback: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """scale = (fp8_max / amax) / 2**margin, in fp32, elementwise over any shape of `amax`.
+    """scale = (fp8_max / amax) / 2**margin, in fp32, elementwise over any shape of `amax` (fp8_max: a number, or
+    a tensor broadcast to amax's shape, e.g. one maximum per role).
 
     Where amax is zero or not finite, or the scale would overflow fp32, the result is `fallback`
     (the previous scale under delayed scaling; 1.0 for a fresh tensor, whose values are all zero).
     """
     amax = amax.float()
     # a true division (`number / tensor` in torch is reciprocal-then-multiply, rounded twice)
-    scale = torch.full_like(amax, fp8_max).div_(amax) / (2.0 ** margin)
+    num = fp8_max.float().expand_as(amax).clone() if isinstance(fp8_max, torch.Tensor) else \
+        torch.full_like(amax, fp8_max)
+    scale = num.div_(amax) / (2.0 ** margin)
     ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
     return torch.where(ok, scale, fallback)
 

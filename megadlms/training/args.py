@@ -100,6 +100,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="run the FP8 MLP as one function with the SwiGLU fused into its FP8 casts (delayed scaling)")
     g.add_argument("--fp8-fprop-fast-accum", action=argparse.BooleanOptionalAction, default=True,
                    help="fast accumulation in the forward FP8 GEMM (off: full-precision accumulation, slower)")
+    g.add_argument("--fp8-dot-product-attention", action="store_true",
+                   help="attention in FP8 too: cuDNN's FP8 flash attention (Hopper or newer; needs the "
+                        "nvidia-cudnn-frontend package), delayed scaling; a little faster, but it lowers model "
+                        "quality (README, FP8 training)")
     g.add_argument("--first-last-layers-bf16", action="store_true",
                    help="keep the first/last transformer layers in BF16 (counts below)")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
@@ -195,5 +199,8 @@ def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train") -
         if args.fp8_format not in (None, "hybrid"):
             p.error(f"--fp8-hybrid conflicts with --fp8-format {args.fp8_format}; pass one of them")
         args.fp8_format = "hybrid"
+    if args.fp8_dot_product_attention and args.fp8_format is None:
+        p.error("--fp8-dot-product-attention runs attention in FP8 inside the FP8 layers; add --fp8-format "
+                "hybrid (or e4m3), or drop it")
     check_ranges(args)
     return args

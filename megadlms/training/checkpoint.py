@@ -203,6 +203,25 @@ def load_app_state(path: str | Path, app_state: dict[str, Any], *, partial: bool
         dcp.load(app_state, checkpoint_id=str(path), planner=planner)
 
 
+FP8_STATE_SUFFIXES = (".fp8_amax_history", ".fp8_scale", ".fp8_initialized")
+
+
+def load_model_state(path: str | Path, app_state: dict[str, Any]) -> list[str]:
+    """`load_app_state` for a state whose "model" entry may hold FP8 state (amax histories, scales) the checkpoint
+    lacks: a checkpoint saved without FP8, or without FP8 attention, loaded into a run with it. Those tensors keep
+    their fresh values (the first step scales from amaxes, as in a new FP8 run); returns their names. Any other
+    tensor the checkpoint lacks is an error."""
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    absent = [k for k in app_state["model"] if f"model.{k}" not in saved]
+    other = [k for k in absent if not k.endswith(FP8_STATE_SUFFIXES)]
+    if other:
+        raise CheckpointError(f"checkpoint {path} has no {other[:3]}{' ...' if len(other) > 3 else ''} "
+                              f"({len(other)} tensors of this model missing): it was saved from another "
+                              "architecture; load it with the model flags it was trained with")
+    load_app_state(path, app_state, partial=bool(absent))
+    return absent
+
+
 def load_rank_state(path: str | Path, rank: int | None = None) -> dict[str, Any] | None:
     """This rank's per-rank state; rank 0's when the checkpoint had fewer ranks (resharded resume)."""
     rank = _rank() if rank is None else rank
@@ -234,7 +253,7 @@ def load_model_from_checkpoint(load_dir: str | Path, *, device: torch.device | s
     cfg = TransformerConfig.from_dict(meta["config"])
     model = build_model(cfg, device=device)
     state = {"model": model.state_dict()}
-    load_app_state(path, state, partial=True)
+    load_model_state(path, state)
     model.load_state_dict(state["model"])
     tok = path / "tokenizer"
     meta["tokenizer_dir"] = str(tok) if tok.is_dir() else None

@@ -78,7 +78,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
         fp8_amax_compute_algo=args.fp8_amax_compute_algo, fp8_wgrad=args.fp8_wgrad,
         activation_func_fp8_input_store=args.activation_func_fp8_input_store,
         fp8_fuse_projections=args.fp8_fuse_projections, fp8_fuse_mlp=args.fp8_fuse_mlp,
-        fp8_fprop_fast_accum=args.fp8_fprop_fast_accum,
+        fp8_fprop_fast_accum=args.fp8_fprop_fast_accum, fp8_dot_product_attention=args.fp8_dot_product_attention,
         num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16 if args.first_last_layers_bf16 else 0,
         num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16 if args.first_last_layers_bf16 else 0)
     if base is None:
@@ -389,6 +389,12 @@ class Trainer:
             pending, self._pending_save = self._pending_save, None
             log.info("saved checkpoint %s", pending.wait())
 
+    @staticmethod
+    def _log_fresh_fp8_state(path: Path, fresh: list[str]) -> None:
+        if fresh:
+            log.warning("checkpoint %s has no FP8 state for %d tensors (saved without these FP8 flags): their amax "
+                        "histories and scales start fresh, as in a new FP8 run", path, len(fresh))
+
     def load(self, load_dir: str, iteration: int | None = None, finetune: bool = False) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_state_dict
 
@@ -396,12 +402,12 @@ class Trainer:
         meta = ckpt.read_meta(path)
         if finetune or meta.get("weights_only"):
             state = {"model": get_model_state_dict(self.model)}
-            ckpt.load_app_state(path, state)
+            self._log_fresh_fp8_state(path, ckpt.load_model_state(path, state))
             set_model_state_dict(self.model, state["model"])
             log.info("loaded model weights from %s (fresh optimizer, iteration 0)", path)
             return
         state = self._dcp_state()
-        ckpt.load_app_state(path, state)
+        self._log_fresh_fp8_state(path, ckpt.load_model_state(path, state))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         train = state["train"]

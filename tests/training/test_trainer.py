@@ -86,6 +86,22 @@ def test_finetune_loads_weights_only(tmp_path):
     assert state.iteration == 2  # counted from zero
 
 
+def test_fp8_runs_load_checkpoints_saved_without_fp8_state(tmp_path, caplog):
+    """Finetuning or resuming with FP8 (and FP8 attention) from a BF16 checkpoint: the FP8 amax histories and scales
+    start fresh with a warning; a tensor of the model itself missing from the checkpoint is still an error."""
+    run(SMALL + ["--micro-batch-size", "4", "--train-iters", "2", "--save", str(tmp_path / "bf16")])
+    fp8 = ["--fp8-format", "hybrid", "--fp8-dot-product-attention"]
+    with caplog.at_level("WARNING", logger="megadlms"):
+        state = run(SMALL + fp8 + ["--micro-batch-size", "4", "--train-iters", "2", "--load", str(tmp_path / "bf16"),
+                                   "--finetune"])
+    assert state.iteration == 2 and "no FP8 state" in caplog.text
+    state = run(SMALL + fp8 + ["--micro-batch-size", "4", "--train-iters", "3", "--load", str(tmp_path / "bf16")])
+    assert state.iteration == 3  # resumed at 2
+    with pytest.raises(ckpt.CheckpointError, match="another architecture"):
+        run(SMALL + fp8 + ["--untie-embeddings-and-output-weights", "--micro-batch-size", "4", "--train-iters", "2",
+                           "--load", str(tmp_path / "bf16"), "--finetune"])
+
+
 def test_yaml_config_and_unknown_key(tmp_path):
     good = tmp_path / "run.yaml"
     good.write_text("train-iters: 7\nmicro_batch_size: 3\n")
