@@ -2,7 +2,8 @@
 
 Prints the device, whether FP8 is supported, the relative error (against a float64 GEMM) of an
 E4M3 x E4M3 `torch._scaled_mm` and of the high-precision GEMM (BF16 on CUDA, fp32 on CPU), and on
-CUDA the TFLOP/s of both. Exit status 0 when FP8 runs and its error is within the E4M3 budget.
+CUDA the TFLOP/s of both; and whether FP8 attention (`--fp8-dot-product-attention`) can run. Exit status 0
+when FP8 runs and its error is within the E4M3 budget (FP8 attention is optional and does not count).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 
 import torch
 
+from .attention import FP8AttentionUnsupportedError, check_fp8_attention_support
 from .hardware import FP8UnsupportedError, check_fp8_support, default_device, fp8_backend_note
 from .quantize import E4M3, quantize_tensorwise, scaled_mm
 
@@ -51,6 +53,20 @@ def _tflops(fn, flops: float, iters: int) -> float:
     return flops * iters / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
+def describe_fp8_attention(device: torch.device) -> str:
+    """One line: whether `--fp8-dot-product-attention` can run on `device`, and through what."""
+    try:
+        check_fp8_attention_support(device)
+    except FP8AttentionUnsupportedError as e:
+        return f"FP8 attention (--fp8-dot-product-attention): no\n  {e}"
+    if device.type != "cuda":
+        return "FP8 attention (--fp8-dot-product-attention): emulated on the CPU (for tests)"
+    import cudnn
+
+    return (f"FP8 attention (--fp8-dot-product-attention): yes (cuDNN {cudnn.backend_version_string()}, frontend "
+            f"{getattr(cudnn, '__version__', '?')})")
+
+
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device) if args.device else default_device()
     print(f"device: {describe_device(device)}")
@@ -61,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     note = fp8_backend_note(device)
     print("FP8 supported: yes" + (f" ({note})" if note else ""))
+    print(describe_fp8_attention(device))
 
     cuda = device.type == "cuda"
     m, n, k = args.size or ((8192, 8192, 8192) if cuda else (256, 256, 512))

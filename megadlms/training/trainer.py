@@ -522,6 +522,10 @@ def setup(args: argparse.Namespace) -> Trainer:
         note = fp8_backend_note(ctx.device)
         if note and ctx.is_main:
             log.warning(note)
+        if cfg.fp8_dot_product_attention and ctx.is_main:
+            how = "cuDNN's FP8 flash attention" if ctx.device.type == "cuda" else "emulated on the CPU (for tests)"
+            log.warning("FP8 attention (--fp8-dot-product-attention): %s; it lowers model quality against FP8 "
+                        "linears alone (README, FP8 training)", how)
     if args.compile is None:
         args.compile = ctx.device.type == "cuda"
     model = build_model(cfg, device=ctx.device)

@@ -19,6 +19,7 @@ def test_cpu_check_reports_error_and_passes(capsys):
     assert check.run(_args("--device", "cpu", "--size", "64", "48", "128")) == 0
     out = capsys.readouterr().out
     assert "device: cpu" in out and "FP8 supported: yes" in out and "OK" in out
+    assert "FP8 attention (--fp8-dot-product-attention): emulated on the CPU" in out
     err = float(out.split("torch.float32 out): ")[1].split()[0])
     assert 0.01 < err < check.MAX_REL_ERROR  # a real E4M3 error: neither zero nor broken
 
@@ -30,3 +31,27 @@ def test_unsupported_gpu_exits_1(monkeypatch, capsys):
     assert check.run(_args("--device", "cuda:0")) == 1
     out = capsys.readouterr().out
     assert "FP8 supported: no" in out and "Tesla V100" in out and "7.0" in out
+
+
+def test_fp8_attention_line_on_gpus(monkeypatch):
+    """Hopper without the cuDNN frontend: FP8 attention is reported unavailable with the install command; an Ada GPU
+    (FP8 GEMMs, no cuDNN FP8 attention) is told its capability is too low."""
+    import builtins
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    real_import = builtins.__import__
+
+    def no_cudnn(name, *a, **k):
+        if name == "cudnn":
+            raise ImportError("No module named 'cudnn'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_cudnn)
+    line = check.describe_fp8_attention(torch.device("cuda", 0))
+    assert line.startswith("FP8 attention (--fp8-dot-product-attention): no") and "nvidia-cudnn-frontend" in line
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA L40S")
+    line = check.describe_fp8_attention(torch.device("cuda", 0))
+    assert "compute capability >= 9.0" in line and "L40S" in line and "8.9" in line
