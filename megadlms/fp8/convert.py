@@ -197,6 +197,20 @@ def reduce_amaxes(modules: list[Float8Linear], group: Any = None) -> None:
     torch._foreach_copy_(slots, list(flat.split([s.numel() for s in slots])))
 
 
+_ROLE_MAXIMA: dict[tuple, torch.Tensor] = {}
+
+
+def _role_maxima(fmt: Any, roles: int, bwd_roles: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[roles] fp32: each role's FP8 maximum (the backward format's for `bwd_roles`). Made once per kind of module
+    and device: a tensor made from host data is a host-to-device copy, which on CUDA waits for the stream."""
+    key = (fmt, roles, tuple(bwd_roles), device)
+    t = _ROLE_MAXIMA.get(key)
+    if t is None:
+        t = _ROLE_MAXIMA[key] = torch.tensor([fmt.max_bwd if r in bwd_roles else fmt.max_fwd for r in range(roles)],
+                                             dtype=torch.float32, device=device)
+    return t
+
+
 def _update_scales(recipe: DelayedScaling, modules: list[nn.Module]) -> None:
     """New scales from the histories, then roll each history (slot 0 = the new step, zeroed). The modules share
     one type (the same roles): each role's scale uses the forward or the backward format's maximum.
@@ -208,9 +222,7 @@ def _update_scales(recipe: DelayedScaling, modules: list[nn.Module]) -> None:
     h = torch.stack(hists)  # [n, L, roles]
     amax = h[:, 0] if recipe.amax_compute_algo == "most_recent" else h.amax(dim=1)  # [n, roles]
     old = torch.stack(scales)  # [n, roles]
-    fmt = recipe.fp8_format
-    fmax = torch.full((h.shape[2],), fmt.max_fwd, device=h.device)
-    fmax[list(modules[0].fp8_bwd_roles)] = fmt.max_bwd
+    fmax = _role_maxima(recipe.fp8_format, h.shape[2], modules[0].fp8_bwd_roles, h.device)
     new = amax_to_scale(amax, fmax, recipe.margin, old)
     rolled = torch.roll(h, 1, dims=1)
     rolled[:, 0] = 0
