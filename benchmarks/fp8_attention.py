@@ -14,13 +14,18 @@ Needs the `nvidia-cudnn-frontend` package on the GPU machine (carry its wheel, `
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import megadlms.fp8.attention as attention
-from megadlms.fp8 import fp8_autocast, fp8_step
-from megadlms.fp8.recipe import DelayedScaling, Format
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import megadlms.fp8.attention as attention  # noqa: E402
+from benchmarks.adamw_speed import timed  # noqa: E402
+from megadlms.fp8 import fp8_autocast, fp8_step  # noqa: E402
+from megadlms.fp8.recipe import DelayedScaling, Format  # noqa: E402
 
 SHAPES = {  # name: (batch, query heads, kv heads, seq, head dim), as train_throughput.py runs them
     "qwen": (4, 16, 8, 4096, 128),
@@ -41,21 +46,6 @@ def _inputs(shape: tuple[int, ...], device: str, seed: int = 0) -> tuple[torch.T
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.float() - ref.float()).norm() / ref.float().norm())
-
-
-def _time(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    if not torch.cuda.is_available():
-        return float("nan")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def _attend(fn, q, k, v, do):
@@ -111,8 +101,8 @@ def probe(name: str, device: str, recipe: DelayedScaling, iters: int) -> dict:
     for label, fn in (("bf16", bf16), ("fp8", fp8)):
         row[f"{label} err"] = "/".join(f"{_rel(x, r):.1e}" for x, r in zip(_attend(fn, q, k, v, do), ref))
         qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-        t_fwd = _time(lambda: fn(qg, kg, vg), iters)
-        t_all = _time(lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do), iters)
+        t_fwd = timed(lambda: fn(qg, kg, vg), iters)
+        t_all = timed(lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do), iters)
         row[f"{label} fwd"], row[f"{label} bwd"] = t_fwd, t_all - t_fwd
     row["fwd x"] = row["bf16 fwd"] / row["fp8 fwd"]
     row["bwd x"] = row["bf16 bwd"] / row["fp8 bwd"]

@@ -24,12 +24,11 @@ import threading
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..errors import MegaDLMsError
 from ..model import DotProductAttention, compute_dtype
 from .fused import cast_fp8, compiled
-from .linear import apply_keeping_dtypes
+from .linear import DelayedScalingState, apply_keeping_dtypes
 from .quantize import FP8_MAX, aligned_scalars, amax_to_scale, quantize
 from .recipe import DelayedScaling, check_recipe
 from .state import FP8GlobalStateManager
@@ -74,7 +73,7 @@ def _import_cudnn() -> Any:
     return cudnn
 
 
-class Float8DotProductAttention(DotProductAttention):
+class Float8DotProductAttention(DelayedScalingState, DotProductAttention):
     """`DotProductAttention` with FP8 GEMMs under `fp8_autocast(enabled=True)` (see the module docstring).
 
     Buffers (persistent, fp32): `fp8_amax_history` [history_len, 8], `fp8_scale` [8], `fp8_initialized` (bool), as a
@@ -87,10 +86,7 @@ class Float8DotProductAttention(DotProductAttention):
         self.recipe = check_recipe(recipe)
         if not isinstance(recipe, DelayedScaling):
             raise ValueError(f"FP8 attention takes delayed scaling (--fp8-recipe delayed), got {recipe}")
-        self.register_buffer("fp8_amax_history", torch.zeros(recipe.amax_history_len, ROLES, device=device))
-        self.register_buffer("fp8_scale", torch.ones(ROLES, device=device))
-        self.register_buffer("fp8_initialized", torch.zeros((), dtype=torch.bool, device=device))
-        self._ready: bool | None = False
+        self._register_fp8_state(recipe, ROLES, device)
         self.num_fp8_calls = 0  # forwards that ran in FP8 (tests, debugging)
 
     def extra_repr(self) -> str:
@@ -98,18 +94,6 @@ class Float8DotProductAttention(DotProductAttention):
 
     def _apply(self, fn: Any, recurse: bool = True) -> Float8DotProductAttention:
         return apply_keeping_dtypes(self, fn, ("fp8_amax_history", "fp8_scale"), recurse)
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        self._ready = None
-
-    def _is_ready(self) -> bool:
-        if self._ready is None:
-            self._ready = bool(self.fp8_initialized)
-        return self._ready
-
-    def _mark_ready(self) -> None:
-        self._ready = True
 
     def invalidate_fp8_weight_cache(self) -> None:
         """Nothing to drop (no weights); present so that `fp8_step` treats every FP8 module alike."""
@@ -284,18 +268,14 @@ class _CudnnBackend:
         self.cudnn.set_stream(handle=h, stream=torch.cuda.current_stream().cuda_stream)
         return h
 
-    @staticmethod
-    def _strides(t: torch.Tensor) -> tuple[int, ...]:
-        return tuple(t.stride())
-
     def _tensor(self, g: Any, uid: int, t: torch.Tensor) -> Any:
-        return g.tensor(uid=uid, dim=tuple(t.shape), stride=self._strides(t), data_type=self._dt(t.dtype))
+        return g.tensor(uid=uid, dim=tuple(t.shape), stride=t.stride(), data_type=self._dt(t.dtype))
 
     def _scalar(self, g: Any, uid: int) -> Any:
         return g.tensor(uid=uid, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=self.cudnn.data_type.FLOAT)
 
     def _out(self, t: Any, uid: int, like: torch.Tensor) -> None:
-        t.set_uid(uid).set_output(True).set_dim(tuple(like.shape)).set_stride(self._strides(like)) \
+        t.set_uid(uid).set_output(True).set_dim(tuple(like.shape)).set_stride(like.stride()) \
             .set_data_type(self._dt(like.dtype))
 
     def _build(self, g: Any) -> Any:
@@ -401,22 +381,4 @@ def _cudnn_backend() -> _CudnnBackend:
     return _CUDNN[0]
 
 
-def install_fp8_attention(layer: nn.Module, recipe: DelayedScaling) -> int:
-    """Replace every `DotProductAttention` inside `layer` by a `Float8DotProductAttention`; returns how many."""
-    count = 0
-    for name, child in list(layer.named_modules()):
-        if type(child) is DotProductAttention:
-            parent_name, _, leaf = name.rpartition(".")
-            parent = layer.get_submodule(parent_name) if parent_name else layer
-            buf = next((b for b in parent.buffers()), None)
-            param = next((p for p in parent.parameters()), None)
-            device = (param if param is not None else buf).device if (param is not None or buf is not None) else None
-            new = Float8DotProductAttention(recipe, device=device)
-            new.train(child.training)
-            setattr(parent, leaf, new)
-            count += 1
-    return count
-
-
-__all__ = ["Float8DotProductAttention", "FP8AttentionUnsupportedError", "check_fp8_attention_support",
-           "install_fp8_attention"]
+__all__ = ["Float8DotProductAttention", "FP8AttentionUnsupportedError", "check_fp8_attention_support"]

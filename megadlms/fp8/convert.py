@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model import SwiGLU
-from .attention import Float8DotProductAttention, check_fp8_attention_support, install_fp8_attention
+from ..model import DotProductAttention, SwiGLU
+from .attention import Float8DotProductAttention, check_fp8_attention_support
 from .fused_linear import install_fused_projections
 from .fused_mlp import fused_projections, install_fused_mlps
 from .hardware import check_fp8_support
@@ -95,12 +95,13 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
                                                                       fprop_fast_accum=fprop_fast_accum))
             elif activation_func_fp8_input_store and type(child) is SwiGLU:
                 _set_child(layer, name, SwiGLUFP8InputStore())
+            elif dot_product_attention and type(child) is DotProductAttention:
+                fp8_attention = Float8DotProductAttention(recipe, device=param.device if param is not None else None)
+                _set_child(layer, name, fp8_attention.train(child.training))
         if fuse_projections:
             install_fused_projections(layer)
         if fuse_mlp:
             install_fused_mlps(layer)
-        if dot_product_attention:
-            install_fp8_attention(layer, recipe)
     model.layer_context = functools.partial(fp8_autocast, enabled=True, fp8_recipe=recipe)
     return model
 

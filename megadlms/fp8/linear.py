@@ -99,7 +99,36 @@ class _Fp8Weight:
         return self.scale_invs[role] if self.scale_invs is not None else None
 
 
-class Float8Linear(nn.Linear):
+class DelayedScalingState:
+    """Mixin for FP8 modules with delayed-scaling state, one column per tensor role: the persistent fp32 buffers
+    `fp8_amax_history` [history_len, roles] and `fp8_scale` [roles] and the bool `fp8_initialized` (None for other
+    recipes), and a host mirror of `fp8_initialized` that is read once after a load (no sync per use)."""
+
+    def _register_fp8_state(self, recipe: Recipe, roles: int, device: Any) -> None:
+        if isinstance(recipe, DelayedScaling):
+            self.register_buffer("fp8_amax_history", torch.zeros(recipe.amax_history_len, roles, device=device))
+            self.register_buffer("fp8_scale", torch.ones(roles, device=device))
+            self.register_buffer("fp8_initialized", torch.zeros((), dtype=torch.bool, device=device))
+        else:
+            for name in ("fp8_amax_history", "fp8_scale", "fp8_initialized"):
+                self.register_buffer(name, None)
+        self._ready: bool | None = False  # host mirror of fp8_initialized; None = read it on next use
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._ready = None
+
+    def _is_ready(self) -> bool:
+        """Whether delayed scales exist (a `fp8_step` has run). Reads the buffer once after a load."""
+        if self._ready is None:
+            self._ready = bool(self.fp8_initialized)
+        return self._ready
+
+    def _mark_ready(self) -> None:
+        self._ready = True
+
+
+class Float8Linear(DelayedScalingState, nn.Linear):
     """nn.Linear with FP8 GEMMs under `fp8_autocast(enabled=True)`; a plain linear outside it.
 
     Same parameters (`weight` [out, in], `bias` [out] or None) and state_dict keys as nn.Linear,
@@ -146,18 +175,11 @@ class Float8Linear(nn.Linear):
         self.fp8_wgrad, self.cache_weight = bool(fp8_wgrad), bool(cache_weight)
         self.fprop_fast_accum, self.backward_fast_accum = bool(fprop_fast_accum), bool(backward_fast_accum)
         dev = self.weight.device
-        if isinstance(self.recipe, DelayedScaling):
-            self.register_buffer("fp8_amax_history", torch.zeros(self.recipe.amax_history_len, 3, device=dev))
-            self.register_buffer("fp8_scale", torch.ones(3, device=dev))
-            self.register_buffer("fp8_initialized", torch.zeros((), dtype=torch.bool, device=dev))
-        else:
-            for name in ("fp8_amax_history", "fp8_scale", "fp8_initialized"):
-                self.register_buffer(name, None)
+        self._register_fp8_state(self.recipe, 3, dev)
         # [role, (amax, underflow count, saturation count, numel)], filled only while stats are on
         self.register_buffer("fp8_stats_buffer", torch.zeros(3, 4, device=dev), persistent=False)
         self.collect_fp8_stats = False
         self._stats_epoch = 0
-        self._ready: bool | None = False  # host mirror of fp8_initialized; None = read it on next use
         self._wcache: _Fp8Weight | None = None
         # set while a CUDA graph is captured (or emulated) reading the cache as it is (fp8.graph_weights)
         self._weights_frozen = False
@@ -179,7 +201,6 @@ class Float8Linear(nn.Linear):
                               error_msgs) -> None:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        self._ready = None
         self._wcache = None
 
     def _local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -189,15 +210,6 @@ class Float8Linear(nn.Linear):
         if dtensor is None or not isinstance(self.weight, dtensor.DTensor):
             return self.weight, self.bias
         return self.weight.to_local(), self.bias.to_local() if self.bias is not None else None
-
-    def _is_ready(self) -> bool:
-        """Whether delayed scales exist (a `fp8_step` has run). Reads the buffer once after a load."""
-        if self._ready is None:
-            self._ready = bool(self.fp8_initialized)
-        return self._ready
-
-    def _mark_ready(self) -> None:
-        self._ready = True
 
     # ------------------------------------------------------------------ casts
     def _record_stats(self, role: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, numel: int) -> None:
