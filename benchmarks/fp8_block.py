@@ -47,7 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megadlms.config import TransformerConfig  # noqa: E402
-from megadlms.model import RotaryEmbedding, TransformerLayer  # noqa: E402
+from megadlms.model import RotaryEmbedding, TransformerLayer, TransformerLM  # noqa: E402
 from megadlms.training.cuda_graphs import LayerGraphs  # noqa: E402
 
 
@@ -95,9 +95,8 @@ class _Holder(torch.nn.Module):
         self.layers = torch.nn.ModuleList([layer])
 
     def run_layers(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, rope, attn_mask, kv_cache)
-        return x
+        # the model's own loop: the layer's two outputs (MLP output, residual stream) summed as after a last layer
+        return TransformerLM.run_layers(self, x, rope, attn_mask, kv_cache)
 
 
 def build_variant(name: str, cfg: TransformerConfig, device: torch.device, compile_: bool):

@@ -183,9 +183,21 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is x, or residual + x when `residual` is given (the previous layer's two outputs).
+        Returns (the MLP's output, the residual stream before it): their sum is the layer's output.
+
+        The last residual add is left to the next layer's first operation: every tensor that crosses from one
+        layer to the next then has one consumer. Where the layer runs as several compiled graphs (the FP8 layers
+        call uncompiled FP8 functions), a layer input read by two graphs (the input norm and the attention's
+        residual add) would have its two gradients summed by an extra eager kernel over the fp32 residual stream;
+        this way the sum happens inside a compiled backward, fused with the norm's.
+        """
+        if residual is not None:
+            x = residual + x
         x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x)), x
 
 
 class TransformerLM(nn.Module):
@@ -249,9 +261,10 @@ class TransformerLM(nn.Module):
                    kv_cache: KVCache | None) -> torch.Tensor:
         """The transformer layers in order. A hook: CUDA-graph training (megadlms.training.cuda_graphs) replaces
         it on the instance with replays of the captured layers."""
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, attn_mask, kv_cache)
-        return x
+            x, residual = layer(x, rope, attn_mask, kv_cache, residual)
+        return x if residual is None else residual + x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (the LM head; stays in BF16/fp32, never FP8)."""

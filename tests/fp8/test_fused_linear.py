@@ -156,6 +156,31 @@ def test_fused_model_compiles_with_graph_breaks_only():
     assert fused.layers[0].mlp.project_gate_up.num_fused_calls == 2
 
 
+def test_no_output_of_a_compiled_fp8_layer_graph_has_two_consumers():
+    """The FP8 functions split each compiled layer into several graphs. A graph output read by two later graphs gets
+    its two gradients summed by an eager kernel over the fp32 residual stream; the layers pass their last residual
+    add on to the next layer (`TransformerLayer.forward`), so every output has one consumer and the sums happen
+    inside the compiled backwards."""
+    fused, _ = _pair(DelayedScaling(amax_history_len=4), num_layers=3)
+    for layer in fused.layers:
+        layer.compile(backend="aot_eager")
+    loss = fused(torch.randint(0, 128, (2, 16))).float().sum()
+    consumers: dict[tuple, int] = {}
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for fn, nr in node.next_functions:
+            if fn is not None:
+                consumers[(fn, nr)] = consumers.get((fn, nr), 0) + 1
+                todo.append(fn)
+    compiled = [(fn, nr) for fn, nr in consumers if type(fn).__name__ == "CompiledFunctionBackward"]
+    assert len({fn for fn, _ in compiled}) >= 3 * 3  # several graphs per layer: the breaks are there
+    assert [consumers[k] for k in compiled if consumers[k] > 1] == []
+
+
 @pytest.mark.parametrize("fp8_wgrad", [True, False])
 def test_group_outputs_and_weight_grads_bitwise_dx_to_summation_order(fp8_wgrad):
     """One q/k/v group with equal member scales: outputs and weight/bias gradients bitwise equal to the

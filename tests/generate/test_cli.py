@@ -175,9 +175,10 @@ def test_compiled_layers_serve_the_cached_samplers_without_recompiling_per_layer
         got, _ = fast_generate_tokens(compiled, prompt, **kw)
         want, _ = fast_generate_tokens(model, prompt, **kw)
         assert torch.equal(got, want), cache
-    # guarding on the layer index would compile the layer once per layer (10 layers, past the limit of 8)
+    # guarding on the layer index would compile the layer once per layer (10 layers, past the limit of 8); the first
+    # layer, which has no residual input from a layer before it, is one more graph per mode
     assert not any("recompile limit" in k for k in counters["unimplemented"]), list(counters["unimplemented"])
-    assert counters["stats"]["unique_graphs"] <= 12, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] <= 14, dict(counters["stats"])
 
 
 def test_fuse_projections_flag_gives_the_same_text(tmp_path, capsys, tokenizer, monkeypatch):
