@@ -43,7 +43,32 @@ def available(x: torch.Tensor) -> bool:
         return False
     if _state["ok"] is None:
         _state["ok"] = os.environ.get("MEGADLMS_FP8_TRITON", "1") != "0" and triton is not None
+        if _state["ok"] and x.device.type == "cuda":
+            use_torch_ptxas()
     return bool(_state["ok"])
+
+
+def torch_ptxas() -> str | None:
+    """The ptxas that ships with torch (CUDA builds), or None."""
+    path = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
+def use_torch_ptxas() -> None:
+    """Compile this process's Triton kernels with torch's own ptxas, as torch.compile does, unless the user chose one
+    (TRITON_PTXAS_PATH).
+
+    The ptxas Triton 3.6 bundles for Hopper (CUDA 12.8) miscompiles kernels that store an FP8 tile and its
+    transpose: on an H200 a quarter of q^T was wrong in every call of the fused SwiGLU kernels and of the cast of
+    fp32 sources, and right with CUDA 13.0's ptxas (`benchmarks/fp8_store_check.py`). torch.compile points
+    TRITON_PTXAS_PATH at torch's ptxas when it first compiles a kernel in the process, so without this the ptxas of
+    these kernels depended on whether inductor had compiled something before them. The first-call checks guard
+    either way; this makes the fast formulations the ones that pass."""
+    if os.environ.get("TRITON_PTXAS_PATH"):
+        return
+    path = torch_ptxas()
+    if path is not None:
+        os.environ["TRITON_PTXAS_PATH"] = path
 
 
 def _interpret() -> bool:
@@ -142,7 +167,8 @@ if triton is not None:
 # q and q^T in two launches, 4 writes q with the kernel and q^T as the transpose of q (a copy of bytes: exact by
 # construction). They compute the same bits; the first call of each variant checks them against ATen in this order
 # and keeps the first that agrees, so a code-generation problem with one of them costs neither correctness nor
-# the kernel (seen on an H200, Triton 3.6: with fp32 inputs a quarter of q^T wrong in formulations 0-2, q right).
+# the kernel (seen on an H200, Triton 3.6 with its bundled ptxas 12.8: with fp32 inputs a quarter of q^T wrong in
+# formulations 0-2, q right; right with CUDA 13's ptxas, see `use_torch_ptxas`).
 TRANSPOSE_MODES = (0, 1, 2, 3, 4)
 # The rounding, in the order tried (the `sw_round` argument): the conversion instruction's round-to-nearest-even
 # (cvt.rn.satfinite; fewer instructions per element), then rounding in fp32 arithmetic before the conversion
@@ -192,7 +218,7 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
 def tile_config(x_dtype: torch.dtype, want_t: bool) -> tuple[int, int, int]:
     """(rows, columns, warps) of one program of the cast kernel: from benchmarks/fp8_cast_sweep.py on an H200, the
     tile fastest over the trainer's casts (qwen3-1.7b, llama3-8b) among those that passed their check."""
-    if x_dtype == torch.float32:  # the master weights; cast in two launches (formulation 3)
+    if x_dtype == torch.float32:  # the master weights (in two launches, formulation 3, where ptxas fails them)
         return 64, 128, 4
     return 128, 64, 8
 

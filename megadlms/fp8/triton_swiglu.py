@@ -39,7 +39,9 @@ try:  # the kernels exist where Triton does; `available` says whether they can r
 except Exception:
     triton = None
 
-_state: dict[str, Any] = {"mode": {}, "bad": set()}
+# per variant key: the (formulation, rounding) that passed its first-call check ("mode"), the variants switched off
+# ("bad"), and why formulations were passed over ("rejected": what a benchmark reports)
+_state: dict[str, Any] = {"mode": {}, "bad": set(), "rejected": {}}
 MAX_AMAX_OUTS = 2
 
 
@@ -48,7 +50,10 @@ def available(y: torch.Tensor) -> bool:
     MEGADLMS_FP8_TRITON=0, like the cast kernel."""
     if triton is None or os.environ.get("MEGADLMS_FP8_TRITON", "1") == "0":
         return False
-    return y.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if y.device.type == "cuda":
+        triton_cast.use_torch_ptxas()  # the kernels' transposed stores need it (see there)
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -260,9 +265,12 @@ def _first_call(key: tuple, run: Any, ref: torch.Tensor, amax_outs: Sequence[tor
             wrong.append(f"formulation {mode}: amax differs from the torch computation")
         if not wrong:
             _state["mode"][key] = (mode, sw_round)
+            if problems:
+                _state["rejected"][key] = problems
             return q, t
         problems += wrong
     _state["bad"].add(key)
+    _state["rejected"][key] = problems
     warnings.warn(f"megadlms.fp8: the fused SwiGLU + FP8 cast kernel disagreed with torch for {key} "
                   f"({'; '.join(problems)}); the FP8 MLP runs unfused for this variant", RuntimeWarning, stacklevel=3)
     for a, b in zip(amax_outs, before):

@@ -178,7 +178,7 @@ def _torch_kernels(monkeypatch, wrong_fwd: bool = False, wrong_bwd: bool = False
     monkeypatch.setattr(triton_swiglu, "available", lambda y: True)
     monkeypatch.setattr(triton_swiglu, "swiglu_cast", fwd)
     monkeypatch.setattr(triton_swiglu, "swiglu_bwd_cast", bwd)
-    monkeypatch.setattr(triton_swiglu, "_state", {"mode": {}, "bad": set()})
+    monkeypatch.setattr(triton_swiglu, "_state", {"mode": {}, "bad": set(), "rejected": {}})
 
 
 def test_a_kernel_that_fails_its_first_check_is_switched_off_and_training_matches(monkeypatch):
@@ -199,6 +199,8 @@ def test_a_kernel_that_fails_its_first_check_is_switched_off_and_training_matche
             out = _train_steps(model, 3)
         assert torch.equal(out, ref), wrong
         assert (wrong == "fwd") == any(k[0] == "fwd" for k in triton_swiglu._state["bad"])
+        # why each formulation was passed over stays on record (benchmarks report it)
+        assert all(triton_swiglu._state["rejected"][k] for k in triton_swiglu._state["bad"])
 
 
 def test_fused_path_needs_delayed_scales_and_no_telemetry(monkeypatch):
