@@ -199,6 +199,7 @@ def worker(spec: dict) -> None:
            "cuda_graphs": trainer.layer_graphs is not None and trainer.layer_graphs.num_replays > 0}
     if cuda:
         res["memory"] = memory_breakdown()
+    res["fp8_kernels"] = fp8_kernel_choices()
     if sites is not None:
         res["graph_pool_peak_sites"] = sites
     if spec.get("profile") and cuda:
@@ -206,6 +207,23 @@ def worker(spec: dict) -> None:
     if spec.get("trace") and spec.get("out"):
         res["trace"] = trace_step(trainer, Path(spec["out"]) / f"trace_{spec['name'].replace('/', '_')}.json.gz")
     print("RESULT " + json.dumps(res), flush=True)
+
+
+def fp8_kernel_choices() -> dict[str, str]:
+    """Which formulation of q^T each FP8 Triton kernel variant took after its first-call check (the fallbacks cost
+    one more pass), why a fused SwiGLU formulation was passed over, and the ptxas that compiled them."""
+    from megadlms.fp8 import triton_cast, triton_swiglu
+
+    st = triton_swiglu._state
+    out = {f"swiglu {k}": f"formulation {mode}, sw rounding {rnd}" for k, (mode, rnd) in st["mode"].items()}
+    out.update({f"swiglu {k}": "off" for k in st["bad"]})
+    for k, problems in st.get("rejected", {}).items():
+        out[f"swiglu {k}"] += " after: " + "; ".join(problems)
+    for k, (mode, _, rnd) in triton_cast._state["mode"].items():
+        if k[3]:  # with q^T
+            out[f"cast {k}"] = f"formulation {mode}, sw rounding {rnd}"
+    out["TRITON_PTXAS_PATH"] = str(os.environ.get("TRITON_PTXAS_PATH"))
+    return out
 
 
 def memory_breakdown() -> dict[str, float]:
@@ -423,7 +441,10 @@ def main() -> None:
         reserved = r.get("reserved_gib", float("nan"))
         print(f"{r['config']:24s} {r.get('batch', a.batch):2d} {r.get('accum', 1):3d} {r['ms_per_step']:8.0f} "
               f"{r['tokens_per_s']:8.0f} {r['tflops']:8.0f} {r['mfu'] * 100:5.1f}% {r['peak_gib']:9.1f} "
-              f"{reserved:8.1f} {vs_bf:8.2f} {vs_hf:6.2f} {'yes' if r.get('cuda_graphs') else 'no':>6s}")
+              f"{reserved:8.1f} {vs_bf:8.3f} {vs_hf:6.2f} {'yes' if r.get('cuda_graphs') else 'no':>6s}")
+    for r in results:
+        for key, choice in (r.get("fp8_kernels", {}) if "/fp8" in r["config"] else {}).items():
+            print(f"FP8 kernels, {r['config']}: {key}: {choice}")
     for r in results:
         if "error" not in r:
             r["step_time"] = step_time_breakdown(r)

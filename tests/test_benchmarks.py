@@ -14,8 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKES = {
-    "fp8_block": (["--smoke", "--variants", "bf16,fp8-delayed,fp8-tensorwise,torchao,bf16+graphs,fp8-delayed+graphs"],
-                  "fp8-delayed+graphs "),
+    # (torchao's variant where torchao is installed)
+    "fp8_block": (["--smoke", "--variants", "bf16,fp8-delayed,fp8-tensorwise,bf16+graphs,fp8-delayed+graphs"
+                   + (",torchao" if importlib.util.find_spec("torchao") else "")], "fp8-delayed+graphs "),
     "fp8_numerics": (["--device", "cpu", "--small"], "budgets:"),
     "generate": (["--device", "cpu", "--preset", "tiny", "--gen-length", "16", "--block-length", "8", "--steps", "16",
                   "--prompt-length", "8", "--batch-sizes", "1", "2"], "fast dual"),
@@ -38,6 +39,8 @@ def test_benchmark_smoke(name, tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert expect in res.stdout, res.stdout[-3000:]
+    # a table row of a failed variant or configuration (the scripts go on to the next one and exit 0)
+    assert " ERROR " not in res.stdout and "FAILED" not in res.stdout, res.stdout[-3000:]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -106,3 +109,16 @@ def test_step_time_breakdown_of_a_result():
             got["GPU between step starts (max)"]) == (295.0, 305.0, 330.0)
     # a CPU run has no CUDA events: no GPU rows
     assert "GPU between step starts (min)" not in step_time_breakdown({**r, "gpu_step_ms": []})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_fp8_store_check_smoke(tmp_path):
+    """The transposed-store check in Triton's interpreter: every kernel and formulation runs, and the interpreter's
+    stores are right (a counting error would show here as a bad call)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_store_check.py"), "--smoke"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [line.split() for line in res.stdout.splitlines() if line.startswith(("cast ", "swiglu "))]
+    assert len(rows) == 20, res.stdout[-3000:]
+    assert all(r[-5:] == ["2", "0", "0", "None", "0"] for r in rows), res.stdout[-3000:]
