@@ -28,8 +28,8 @@ import torch
 from ..errors import MegaDLMsError
 from ..model import DotProductAttention, compute_dtype
 from .fused import cast_fp8, compiled
-from .linear import DelayedScalingState, apply_keeping_dtypes
-from .quantize import FP8_MAX, aligned_scalars, amax_to_scale, quantize
+from .linear import DelayedScalingState, FP8Telemetry, apply_keeping_dtypes
+from .quantize import FP8_MAX, aligned_scalars, amax_to_scale, quant_stats, quantize
 from .recipe import DelayedScaling, check_recipe
 from .state import FP8GlobalStateManager
 
@@ -73,13 +73,16 @@ def _import_cudnn() -> Any:
     return cudnn
 
 
-class Float8DotProductAttention(DelayedScalingState, DotProductAttention):
+class Float8DotProductAttention(FP8Telemetry, DelayedScalingState, DotProductAttention):
     """`DotProductAttention` with FP8 GEMMs under `fp8_autocast(enabled=True)` (see the module docstring).
 
     Buffers (persistent, fp32): `fp8_amax_history` [history_len, 8], `fp8_scale` [8], `fp8_initialized` (bool), as a
-    Float8Linear's with the roles q, k, v, dO, dP, dQ, dK, dV; `fp8_step` updates them with the linears'."""
+    Float8Linear's with the roles q, k, v, dO, dP, dQ, dK, dV; `fp8_step` updates them with the linears'. With
+    telemetry on (`monitor.enable_fp8_stats`) the casts of q, k, v and dO are recorded as the roles attn_q, attn_k,
+    attn_v and attn_grad (dP, dQ, dK, dV are cast inside cuDNN)."""
 
     fp8_bwd_roles = BWD_ROLES
+    fp8_stats_roles = ("attn_q", "attn_k", "attn_v", "attn_grad")  # rows Q, K, V, DO
 
     def __init__(self, recipe: DelayedScaling, device: Any = None):
         super().__init__()
@@ -87,13 +90,14 @@ class Float8DotProductAttention(DelayedScalingState, DotProductAttention):
         if not isinstance(recipe, DelayedScaling):
             raise ValueError(f"FP8 attention takes delayed scaling (--fp8-recipe delayed), got {recipe}")
         self._register_fp8_state(recipe, ROLES, device)
+        self._register_fp8_stats(device)
         self.num_fp8_calls = 0  # forwards that ran in FP8 (tests, debugging)
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe}"
 
     def _apply(self, fn: Any, recurse: bool = True) -> Float8DotProductAttention:
-        return apply_keeping_dtypes(self, fn, ("fp8_amax_history", "fp8_scale"), recurse)
+        return apply_keeping_dtypes(self, fn, ("fp8_amax_history", "fp8_scale", "fp8_stats_buffer"), recurse)
 
     def invalidate_fp8_weight_cache(self) -> None:
         """Nothing to drop (no weights); present so that `fp8_step` treats every FP8 module alike."""
@@ -120,12 +124,17 @@ def _to_bshd(x: torch.Tensor) -> torch.Tensor:
     return (xs if xs.is_contiguous() else xs.contiguous()).transpose(1, 2)
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor | None, slot: torch.Tensor | None, fp8_dtype: torch.dtype,
-          margin: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, H, S, D] in BSHD memory -> (FP8 of the same shape and strides, scale_inv []); scale None: x's amax."""
+def _cast(x: torch.Tensor, mod: Float8DotProductAttention, role: int, ready: bool, record: bool,
+          fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, S, D] in BSHD memory -> (FP8 of the same shape and strides, scale_inv []), with `role`'s delayed scale
+    (`ready`), else x's amax; `record`: x's amax into the role's history slot."""
     b, h, s, d = x.shape
     flat = x.transpose(1, 2).reshape(b * s, h * d)
-    q, _, scale_inv, _ = cast_fp8(flat, scale, slot, fp8_dtype, margin)
+    scale = mod.fp8_scale[role] if ready else None
+    slot = mod.fp8_amax_history[0, role] if record else None
+    q, _, scale_inv, _ = cast_fp8(flat, scale, slot, fp8_dtype, mod.recipe.margin)
+    if mod.collect_fp8_stats:
+        mod._add_stats(role, quant_stats(flat, q, scale_inv.reciprocal(), fp8_dtype, flat.numel()))
     return q.view(b, s, h, d).transpose(1, 2), scale_inv
 
 
@@ -148,10 +157,8 @@ class _Float8AttentionFn(torch.autograd.Function):
         recipe = mod.recipe
         fwd = recipe.fp8_format.fwd_dtype
         ready = mod._is_ready()
-        slots = mod.fp8_amax_history[0] if mod.training else None
         q, k, v = _to_bshd(q), _to_bshd(k), _to_bshd(v)
-        casts = [_cast(x, mod.fp8_scale[r] if ready else None, slots[r] if slots is not None else None, fwd,
-                       recipe.margin) for x, r in ((q, Q), (k, K), (v, V))]
+        casts = [_cast(x, mod, r, ready, mod.training, fwd) for x, r in ((q, Q), (k, K), (v, V))]
         (q8, q_si), (k8, k_si), (v8, v_si) = casts
         backend = _backend(q.device)
         o8, stats = backend.forward(q8, k8, v8, q_si, k_si, v_si, is_causal)
@@ -166,7 +173,7 @@ class _Float8AttentionFn(torch.autograd.Function):
         recipe = mod.recipe
         bwd = recipe.fp8_format.bwd_dtype
         slots = mod.fp8_amax_history[0]
-        do8, do_si = _cast(_to_bshd(d_o), mod.fp8_scale[DO] if ctx.ready else None, slots[DO], bwd, recipe.margin)
+        do8, do_si = _cast(_to_bshd(d_o), mod, DO, ctx.ready, True, bwd)
         backend = _backend(q8.device)
         args = (q8, k8, v8, o8, do8, stats, q_si, k_si, v_si, do_si, ctx.is_causal, bwd)
         if ctx.ready:

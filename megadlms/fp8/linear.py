@@ -128,7 +128,29 @@ class DelayedScalingState:
         self._ready = True
 
 
-class Float8Linear(DelayedScalingState, nn.Linear):
+class FP8Telemetry:
+    """Mixin for FP8 modules that can record the statistics of their casts (`monitor.enable_fp8_stats`): the fp32
+    buffer `fp8_stats_buffer` [roles, (amax, underflow count, saturation count, numel)], not persistent, filled only
+    while `collect_fp8_stats` is on; `fp8_stats_roles` names the rows."""
+
+    fp8_stats_roles: tuple[str, ...] = ()
+
+    def _register_fp8_stats(self, device: Any) -> None:
+        self.register_buffer("fp8_stats_buffer", torch.zeros(len(self.fp8_stats_roles), 4, device=device),
+                             persistent=False)
+        self.collect_fp8_stats = False
+        self._stats_epoch = 0
+
+    def _record_stats(self, role: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, numel: int) -> None:
+        self._add_stats(role, quant_stats(x, q, scale, q.dtype, numel))
+
+    def _add_stats(self, role: int, s: torch.Tensor) -> None:
+        """Merge one cast's [amax, underflow, saturation, numel] into this window's statistics of `role`."""
+        buf = self.fp8_stats_buffer[role]
+        buf.copy_(torch.cat([torch.maximum(buf[:1], s[:1]), buf[1:] + s[1:]]))
+
+
+class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
     """nn.Linear with FP8 GEMMs under `fp8_autocast(enabled=True)`; a plain linear outside it.
 
     Same parameters (`weight` [out, in], `bias` [out] or None) and state_dict keys as nn.Linear,
@@ -149,6 +171,7 @@ class Float8Linear(DelayedScalingState, nn.Linear):
     """
 
     fp8_bwd_roles = (GRAD,)  # the roles in the recipe's backward format (fp8_step's scale update)
+    fp8_stats_roles = ROLES
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
                  dtype: torch.dtype | None = None, *, recipe: Recipe | None = None, fp8_wgrad: bool = True,
@@ -176,10 +199,7 @@ class Float8Linear(DelayedScalingState, nn.Linear):
         self.fprop_fast_accum, self.backward_fast_accum = bool(fprop_fast_accum), bool(backward_fast_accum)
         dev = self.weight.device
         self._register_fp8_state(self.recipe, 3, dev)
-        # [role, (amax, underflow count, saturation count, numel)], filled only while stats are on
-        self.register_buffer("fp8_stats_buffer", torch.zeros(3, 4, device=dev), persistent=False)
-        self.collect_fp8_stats = False
-        self._stats_epoch = 0
+        self._register_fp8_stats(dev)
         self._wcache: _Fp8Weight | None = None
         # set while a CUDA graph is captured (or emulated) reading the cache as it is (fp8.graph_weights)
         self._weights_frozen = False
@@ -212,14 +232,6 @@ class Float8Linear(DelayedScalingState, nn.Linear):
         return self.weight.to_local(), self.bias.to_local() if self.bias is not None else None
 
     # ------------------------------------------------------------------ casts
-    def _record_stats(self, role: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, numel: int) -> None:
-        self._add_stats(role, quant_stats(x, q, scale, q.dtype, numel))
-
-    def _add_stats(self, role: int, s: torch.Tensor) -> None:
-        """Merge one cast's [amax, underflow, saturation, numel] into this window's statistics of `role`."""
-        buf = self.fp8_stats_buffer[role]
-        buf.copy_(torch.cat([torch.maximum(buf[:1], s[:1]), buf[1:] + s[1:]]))
-
     def _cast_qt(self, x: torch.Tensor, role: int, fp8_dtype: torch.dtype, record: bool, numel: int,
                  want_q: bool = True, want_t: bool = False, scale_inv: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:

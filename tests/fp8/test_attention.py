@@ -461,3 +461,39 @@ def test_non_delayed_recipes_are_rejected(recipe):
     assert type(model.layers[0].self_attn.q_proj) is torch.nn.Linear  # refused before converting anything
     with pytest.raises(TypeError):
         Float8DotProductAttention("delayed")
+
+
+# ------------------------------------------------------------------------------------------- telemetry
+def test_telemetry_records_the_attention_casts_beside_the_linears():
+    """`enable_fp8_stats` covers FP8 attention: the casts of q, k, v and dO, summarised as the roles attn_q,
+    attn_k, attn_v, attn_grad next to the linears' roles; a value far above the delayed scale's amax shows as
+    saturation; off again, nothing is recorded."""
+    from megadlms.fp8 import enable_fp8_stats, fp8_stats, fp8_stats_enabled
+
+    mod = Float8DotProductAttention(_recipe(Format.HYBRID)).train()
+    leaves, d_o = _leaves(0), _grad_out(1)
+    _run(mod, leaves, d_o, False)
+    fp8_step(mod)
+    assert fp8_stats(mod) == {} and not fp8_stats_enabled(mod)
+    enable_fp8_stats(mod)
+    assert fp8_stats_enabled(mod)
+    with torch.no_grad():
+        leaves[0][0, 0, 0, 0] = 1e4  # far above the recorded amax of q: clamps at the delayed scale
+    _run(mod, leaves, d_o, False)
+    s = fp8_stats(mod)
+    assert set(s) == {f"attn_{r}_{k}" for r in ("q", "k", "v", "grad") for k in ("amax", "underflow", "saturation")}
+    big = leaves[0][0, 0, 0, 0].item()  # 1e4 in BF16
+    assert s["attn_q_amax"] == big and s["attn_q_saturation"] == pytest.approx(1 / leaves[0].numel())
+    for role, x in (("k", leaves[1]), ("v", leaves[2]), ("grad", d_o)):
+        assert s[f"attn_{role}_amax"] == pytest.approx(x.detach().float().abs().max().item()), role
+        assert s[f"attn_{role}_saturation"] == 0.0, role
+    assert fp8_stats(mod) == {}  # reset after reading
+    enable_fp8_stats(mod, False)
+    _run(mod, leaves, d_o, False)
+    assert fp8_stats(mod) == {}
+
+    model = build_model(_cfg())
+    enable_fp8_stats(model)
+    model(torch.randint(0, 128, (2, S))).float().pow(2).mean().backward()
+    keys = set(fp8_stats(model))
+    assert {"input_amax", "weight_amax", "grad_amax", "attn_q_amax", "attn_grad_saturation"} <= keys
