@@ -217,7 +217,7 @@ def fp8_kernel_choices() -> dict[str, str]:
     st = triton_swiglu._state
     out = {f"swiglu {k}": f"formulation {mode}, sw rounding {rnd}" for k, (mode, rnd) in st["mode"].items()}
     out.update({f"swiglu {k}": "off" for k in st["bad"]})
-    for k, problems in st.get("rejected", {}).items():
+    for k, problems in st["rejected"].items():
         out[f"swiglu {k}"] += " after: " + "; ".join(problems)
     for k, (mode, _, rnd) in triton_cast._state["mode"].items():
         if k[3]:  # with q^T

@@ -50,10 +50,7 @@ def available(y: torch.Tensor) -> bool:
     MEGADLMS_FP8_TRITON=0, like the cast kernel."""
     if triton is None or os.environ.get("MEGADLMS_FP8_TRITON", "1") == "0":
         return False
-    if y.device.type == "cuda":
-        triton_cast.use_torch_ptxas()  # the kernels' transposed stores need it (see there)
-        return True
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return y.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -245,6 +242,8 @@ def _first_call(key: tuple, run: Any, ref: torch.Tensor, amax_outs: Sequence[tor
     (FORMULATIONS of the key's kernel) until its outputs pass the check against the torch computation
     (`_codes_close` for q and q^T, the amax outputs within 1e-3); remembers the choice, or switches the variant off
     (None) with the amax outputs restored."""
+    if ref.is_cuda:  # before the kernels compile here: their transposed stores need it (see there)
+        triton_cast.use_torch_ptxas()
     before = [a.clone() for a in amax_outs]
     problems = []
     for sw_round, mode in [(r, m) for r in triton_cast.ROUNDINGS for m in FORMULATIONS[key[0]]]:
