@@ -264,6 +264,16 @@ def graph_pool_peak_sites(snapshot: dict, top: int) -> dict:
             return f"{where}:{f.get('line')} {f.get('name')}"
         return "(no Python frame)"
 
+    # the mapping of each final graph-pool segment: the last segment_alloc at its address (an address may have
+    # held a default-pool segment before, freed by empty_cache, whose allocations are not the pool's)
+    last_map: dict[int, int] = {}
+    for i, ev in enumerate(events):
+        if ev["action"] == "segment_alloc":
+            last_map[ev["addr"]] = i
+        elif ev["action"] == "segment_free":
+            last_map.pop(ev["addr"], None)
+    pool_maps = {i for addr, i in last_map.items() if (addr, events[i]["size"]) in final}
+
     def replay(stop: int | None) -> tuple[int, int, dict[int, dict]]:
         """Live graph-pool allocations over the events (up to index `stop`): (peak bytes, its index, live then)."""
         import bisect
@@ -273,7 +283,7 @@ def graph_pool_peak_sites(snapshot: dict, top: int) -> dict:
         total = peak = peak_at = 0
         for i, ev in enumerate(events[:stop]):
             action, addr = ev["action"], ev["addr"]
-            if action == "segment_alloc" and (addr, ev["size"]) in final:
+            if action == "segment_alloc" and i in pool_maps:
                 bisect.insort(segs, (addr, addr + ev["size"]))
             elif action == "alloc":
                 j = bisect.bisect_right(segs, (addr, float("inf"))) - 1

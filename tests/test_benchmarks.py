@@ -79,6 +79,11 @@ def test_graph_pool_peak_sites_replays_a_snapshot():
     inductor = [{"filename": "/tmp/torchinductor/ab.py", "line": 3, "name": "call"}]
     ev = [{"action": "alloc", "addr": 1100, "size": 999, "frames": ours},  # before the pool's segment: not counted
           {"action": "free_requested", "addr": 1100, "size": 999},
+          # a default-pool segment at the same address, freed before the pool maps it: not the pool's allocations
+          {"action": "segment_alloc", "addr": 1000, "size": 1000},
+          {"action": "alloc", "addr": 1000, "size": 900, "frames": ours},
+          {"action": "free_requested", "addr": 1000, "size": 900},
+          {"action": "segment_free", "addr": 1000, "size": 1000},
           {"action": "segment_alloc", "addr": 1000, "size": 1000},
           {"action": "alloc", "addr": 1100, "size": 300, "frames": ours},
           {"action": "alloc", "addr": 5000, "size": 700, "frames": ours},  # the default pool

@@ -260,3 +260,27 @@ def test_step_fp8_weights_with_the_fused_mlp():
     res = subprocess.run([sys.executable, "-c", _FUSED_MLP_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def _allocator_settings() -> str:
+    return torch._C._accelerator_getAllocatorSettings()
+
+
+@pytest.mark.parametrize("env", [{}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"},
+                                 {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:False"},
+                                 {"MEGADLMS_GRAPH_POOL_EXPANDABLE": "0"}])
+def test_the_graph_pool_is_expandable_only_during_the_capture_and_unless_the_user_chose(monkeypatch, env):
+    from megadlms.training.cuda_graphs import expandable_graph_pool
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "MEGADLMS_GRAPH_POOL_EXPANDABLE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+    before = _allocator_settings()
+    with pytest.raises(RuntimeError, match="inside"):
+        with expandable_graph_pool():
+            inside = _allocator_settings()
+            raise RuntimeError("inside")  # the setting is put back on errors too (a failed capture)
+    assert ("expandable_segments:True" in inside) == (not env)
+    assert _allocator_settings() == before
