@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .fused_linear import _GroupWeight
+from .fused_linear import FusedFloat8Projection, _GroupWeight
 from .fused_mlp import fused_projections
 from .linear import Float8Linear, _Fp8Weight
 from .recipe import Float8RowwiseScaling
@@ -59,28 +59,32 @@ class StepFP8Weights:
                                   not isinstance(m.recipe, Float8RowwiseScaling) for m in mods)
 
     # ----------------------------------------------------------------- casts
-    def _cast_all(self) -> tuple[list[_GroupWeight], list[_Fp8Weight]]:
-        """Cast every weight afresh (eager, the normal cache path) with the copies the backward needs."""
+    # Each cast is the eager cache path, with the copies the backward needs (the column-major weight for the input
+    # gradient made now, not in the graph).
+    @staticmethod
+    def _cast_group(g: FusedFloat8Projection) -> _GroupWeight:
+        mods = g.members()
+        for m in mods:
+            m._grad_follows = True
+        return g._group_weight(mods, want_t=True)
+
+    @staticmethod
+    def _cast_single(m: Float8Linear) -> _Fp8Weight:
+        m._grad_follows = True
+        c = m._fp8_weight()
+        m._fp8_weight_dgrad(c)
+        return c
+
+    def _invalidate(self) -> None:
         for m in self.modules:
             m.invalidate_fp8_weight_cache()
-        groups = []
-        for g in self.groups:
-            mods = g.members()
-            for m in mods:
-                m._grad_follows = True
-            groups.append(g._group_weight(mods, want_t=True))
-        single = []
-        for m in self.single:
-            m._grad_follows = True
-            c = m._fp8_weight()
-            m._fp8_weight_dgrad(c)  # the column-major copy for the input gradient, made now (not in the graph)
-            single.append(c)
-        return groups, single
 
     def precast(self) -> None:
         """Cast the weights for the capture; the caches made here are the ones the graphs will read."""
         with torch.no_grad():
-            self.captured_groups, self.captured_single = self._cast_all()
+            self._invalidate()
+            self.captured_groups = [self._cast_group(g) for g in self.groups]
+            self.captured_single = [self._cast_single(m) for m in self.single]
 
     def stale(self) -> bool:
         """Whether any cache was dropped or replaced since the last cast (an optimizer step and `fp8_step`, a
@@ -91,23 +95,35 @@ class StepFP8Weights:
         return any(m._wcache is not c for m, c in zip(self.single, self.captured_single))
 
     def refresh(self) -> None:
-        """Recast every weight and write the results into the captured caches, which become current again."""
+        """Recast every weight and write the results into the captured caches, which become current again.
+
+        One fused group or weight at a time: each fresh cast is freed once copied, so a refresh needs memory for one
+        group's FP8 copies beside the captured ones, not for a second copy of all of them (6.5 GiB on llama3-8b-16L,
+        which would have to be free at the start of every step)."""
         with torch.no_grad():
-            groups, single = self._cast_all()
-            for g, old, new in zip(self.groups, self.captured_groups, groups):
-                for name in ("q", "t", "scale_inv", "scales", "scale_invs"):
-                    _copy_into(getattr(old, name), getattr(new, name))
-                for m, om, nm in zip(g.members(), old.members, new.members):
-                    om.key = nm.key
-                    m._wcache = om
-                g._cache = old
-            for m, old, new in zip(self.single, self.captured_single, single):
-                for name in ("q", "scale_inv", "scale_invs"):
-                    _copy_into(getattr(old, name), getattr(new, name))
-                _copy_into(old.dgrad[0], new.dgrad[0])  # its scale_inv is the cache's own, copied above
-                old.key = new.key
-                m._wcache = old
+            self._invalidate()
+            for g, old in zip(self.groups, self.captured_groups):
+                self._refresh_group(g, old)
+            for m, old in zip(self.single, self.captured_single):
+                self._refresh_single(m, old)
         self.num_refreshes += 1
+
+    def _refresh_group(self, g: FusedFloat8Projection, old: _GroupWeight) -> None:
+        new = self._cast_group(g)
+        for name in ("q", "t", "scale_inv", "scales", "scale_invs"):
+            _copy_into(getattr(old, name), getattr(new, name))
+        for m, om, nm in zip(g.members(), old.members, new.members):
+            om.key = nm.key
+            m._wcache = om
+        g._cache = old
+
+    def _refresh_single(self, m: Float8Linear, old: _Fp8Weight) -> None:
+        new = self._cast_single(m)
+        for name in ("q", "scale_inv", "scale_invs"):
+            _copy_into(getattr(old, name), getattr(new, name))
+        _copy_into(old.dgrad[0], new.dgrad[0])  # its scale_inv is the cache's own, copied above
+        old.key = new.key
+        m._wcache = old
 
     # ----------------------------------------------------------------- use
     @contextlib.contextmanager

@@ -284,3 +284,35 @@ def test_the_graph_pool_is_expandable_only_during_the_capture_and_unless_the_use
             raise RuntimeError("inside")  # the setting is put back on errors too (a failed capture)
     assert ("expandable_segments:True" in inside) == (not env)
     assert _allocator_settings() == before
+
+
+def test_fp8_weight_refresh_frees_each_fresh_cast_before_the_next(monkeypatch):
+    """A refresh writes each fresh cast into the captured caches and lets it go before casting the next weight: it
+    never holds a second copy of all the FP8 weights."""
+    import weakref
+
+    from megadlms.fp8.graph_weights import StepFP8Weights
+
+    model = _model("delayed")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    with fp8_autocast(enabled=True):
+        _step(model, opt, [ids], True)  # delayed scales exist from here on
+        weights = StepFP8Weights(model.layers)
+        weights.precast()
+        captured = [c.q for c in weights.captured_groups] + [c.q for c in weights.captured_single]
+        before = [q.clone() for q in captured]
+        _step(model, opt, [ids], True)  # the weights change and fp8_step drops the caches
+        assert weights.stale()
+        fresh: list[weakref.ref] = []
+        for name in ("_cast_group", "_cast_single"):
+            def spy(arg, cast=getattr(StepFP8Weights, name)):
+                assert all(r() is None for r in fresh), "a fresh cast outlived its copy into the captured cache"
+                out = cast(arg)
+                fresh.append(weakref.ref(out.q))
+                return out
+            monkeypatch.setattr(StepFP8Weights, name, staticmethod(spy))
+        weights.refresh()
+    assert len(fresh) == len(captured) == 8 and all(r() is None for r in fresh)
+    assert not weights.stale()
+    assert all(not torch.equal(a.float(), b.float()) for a, b in zip(before, captured))  # this step's values, in place
