@@ -49,7 +49,7 @@ _SETTINGS = ("recipe", "fp8_wgrad", "cache_weight", "fprop_fast_accum", "backwar
 class _GroupWeight:
     """The concatenated FP8 weight of one group for one optimizer step."""
 
-    __slots__ = ("members", "q", "t", "scale_inv", "scales", "scale_invs", "sizes")
+    __slots__ = ("members", "q", "t", "scale_inv", "scales", "scale_invs", "sizes", "keep_t")
 
     def __init__(self, members: tuple[_Fp8Weight, ...], q: torch.Tensor, t: torch.Tensor | None,
                  scale_inv: torch.Tensor, scales: torch.Tensor | None, scale_invs: torch.Tensor | None,
@@ -58,6 +58,18 @@ class _GroupWeight:
         # delayed scaling: the group's [3] scales (input, weight, grad) and their inverses, computed once per step
         # for the casts of every micro-batch; None before the first fp8_step and for current scaling
         self.scales, self.scale_invs = scales, scale_invs
+        # whether a transpose the backward makes (t None) is kept for later micro-batches; False for the caches
+        # CUDA graphs read (fp8.graph_weights), which hold q only
+        self.keep_t = True
+
+    def transposed(self) -> torch.Tensor:
+        """q^T [K, N], the column-major operand of the input gradient: t, or transposed from q now."""
+        if self.t is not None:
+            return self.t
+        t = transpose_fp8(self.q)
+        if self.keep_t:
+            self.t = t
+        return t
 
 
 class FusedFloat8Projection:
@@ -119,11 +131,11 @@ class FusedFloat8Projection:
         """The concatenated FP8 weight for this step: cast on the first micro-batch after any member's weight
         changed (same detection as `Float8Linear._fp8_weight`; `fp8_step` drops the members' caches)."""
         c = self._cache
-        if mods[0]._weights_frozen and c is not None and (c.t is not None or not want_t):
+        if mods[0]._weights_frozen and c is not None:
             return c  # recast outside the graph, into this cache's tensors (fp8.graph_weights)
         keys = [(m.weight._version, m.weight.data_ptr(), m.weight.dtype, m.weight.device) for m in mods]
         if c is not None and all(m._wcache is mc and mc.key == key for m, mc, key in zip(mods, c.members, keys)):
-            if want_t and c.t is None:
+            if want_t and c.t is None and c.keep_t:
                 c.t = transpose_fp8(c.q)
             return c
         first = mods[0]
@@ -303,9 +315,7 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
                     mod._record_stats(GRAD, g, q, scale, g.numel())
                     col += n
             if need_dx:
-                if w.t is None:
-                    w.t = transpose_fp8(w.q)
-                dx = scaled_mm(gq, w.t.t(), g_si, w.scale_inv, ctx.x_dtype, first.backward_fast_accum)[:m]
+                dx = scaled_mm(gq, w.transposed().t(), g_si, w.scale_inv, ctx.x_dtype, first.backward_fast_accum)[:m]
             if fp8_wgrad:
                 dw = scaled_mm(gt, x_saved, g_si, x_si, ctx.w_dtypes[0], first.backward_fast_accum)
                 parts = dw[:, :k].split(w.sizes)

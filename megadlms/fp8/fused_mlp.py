@@ -28,7 +28,6 @@ from torch import nn
 
 from ..model import MLP, SwiGLU, compute_dtype
 from . import triton_swiglu
-from .fused import transpose_fp8
 from .fused_linear import FusedFloat8Projection, _cast_grad_parts, _cast_shared
 from .linear import GRAD, INPUT, Float8Linear, take_fp8_weights
 from .quantize import pad_2d, round_up16, scaled_mm
@@ -183,9 +182,7 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
             dq, d_si, dt = _cast_grad_parts(gu, (d_gate, d_up), bwd, wgu, True, need_dx, need_wgu, mp)
         dx = None
         if need_dx:
-            if wgu.t is None:
-                wgu.t = transpose_fp8(wgu.q)
-            dx = scaled_mm(dq, wgu.t.t(), d_si, wgu.scale_inv, ctx.x_dtype, bwd_fast)[:m]
+            dx = scaled_mm(dq, wgu.transposed().t(), d_si, wgu.scale_inv, ctx.x_dtype, bwd_fast)[:m]
         d_wg = d_wu = None
         if need_wgu:
             dw = scaled_mm(dt, x_saved, d_si, x_si, ctx.w_dtypes[0], bwd_fast)  # [2F, H]

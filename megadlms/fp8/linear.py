@@ -86,7 +86,7 @@ class _Fp8Weight:
     copy for dgrad is made on first use.
     """
 
-    __slots__ = ("key", "q", "scale_inv", "dgrad", "stats_epoch", "scale_invs")
+    __slots__ = ("key", "q", "scale_inv", "dgrad", "stats_epoch", "scale_invs", "keep_dgrad")
 
     def __init__(self, key: tuple, q: torch.Tensor, scale_inv: torch.Tensor, scale_invs: torch.Tensor | None = None):
         self.key, self.q, self.scale_inv = key, q, scale_inv
@@ -94,6 +94,9 @@ class _Fp8Weight:
         self.stats_epoch = -1
         # delayed scaling: 1 / fp8_scale [3] of this step, for the input and gradient casts of every micro-batch
         self.scale_invs = scale_invs
+        # whether a dgrad copy the backward makes is kept for later micro-batches; False for the caches CUDA graphs
+        # read (fp8.graph_weights), which hold q only
+        self.keep_dgrad = True
 
     def scale_inv_of(self, role: int) -> torch.Tensor | None:
         return self.scale_invs[role] if self.scale_invs is not None else None
@@ -255,8 +258,11 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
             self._record_stats(role, x, q, scale_inv.reciprocal(), numel)
         return q, scale_inv
 
-    def _fp8_weight(self) -> _Fp8Weight:
+    def _fp8_weight(self, want_t: bool | None = None) -> _Fp8Weight:
         """The FP8 weight for this step: cast on the first micro-batch after the weight changed.
+
+        want_t: whether a new cast also writes the transposed copy for the input gradient (None: when a backward
+        follows and the cache keeps it for later micro-batches).
 
         A change is detected by the weight's version counter, storage and dtype (an optimizer's
         in-place update bumps the version); `fp8_step` also drops the cache explicitly, which covers
@@ -282,8 +288,9 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
                 # the transposed copy for the input gradient: made with q in one pass when the cache keeps it for
                 # later micro-batches; without the cache, transposed from q in the backward (not held from the
                 # forward to the backward: 1 byte per weight less at the end of the forward)
-                want_t = (getattr(self, "_grad_follows", torch.is_grad_enabled()) and w.requires_grad
-                          and self.cache_weight)
+                if want_t is None:
+                    want_t = (getattr(self, "_grad_follows", torch.is_grad_enabled()) and w.requires_grad
+                              and self.cache_weight)
                 delayed_ready = isinstance(self.recipe, DelayedScaling) and self._is_ready()
                 scale_invs = aligned_scalars(self.fp8_scale.reciprocal())[:, 0] if delayed_ready else None
                 q, scale_inv, wt = self._cast_qt(wp, WEIGHT, fwd, record=self.training, numel=w.numel(),
@@ -305,16 +312,19 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
 
     def _fp8_weight_dgrad(self, cache: _Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
         """W as the column-major [Np, Kp] right operand of dx = g @ W, with its scale_inv."""
-        if cache.dgrad is None:
-            if isinstance(self.recipe, Float8RowwiseScaling):
-                # dgrad contracts over W's rows: re-quantize from the master weight, one scale per column
-                w = self._local_params()[0].detach()
-                wp = pad_2d(w, *cache.q.shape)
-                q, scale_inv, _ = quantize_rowwise(wp, self.recipe.fp8_format.fwd_dtype, 0, self.recipe.margin)
-                cache.dgrad = (q.t().contiguous().t(), scale_inv)
-            else:
-                cache.dgrad = (transpose_fp8(cache.q).t(), cache.scale_inv)
-        return cache.dgrad
+        if cache.dgrad is not None:
+            return cache.dgrad
+        if isinstance(self.recipe, Float8RowwiseScaling):
+            # dgrad contracts over W's rows: re-quantize from the master weight, one scale per column
+            w = self._local_params()[0].detach()
+            wp = pad_2d(w, *cache.q.shape)
+            q, scale_inv, _ = quantize_rowwise(wp, self.recipe.fp8_format.fwd_dtype, 0, self.recipe.margin)
+            dgrad = (q.t().contiguous().t(), scale_inv)
+        else:
+            dgrad = (transpose_fp8(cache.q).t(), cache.scale_inv)
+        if cache.keep_dgrad:
+            cache.dgrad = dgrad
+        return dgrad
 
     # ------------------------------------------------------------------ forward
     # Outside torch.compile's graphs: a compiled model breaks its graph here and runs this layer
