@@ -135,8 +135,8 @@ class FusedFloat8Projection:
             return c  # recast outside the graph, into this cache's tensors (fp8.graph_weights)
         keys = [(m.weight._version, m.weight.data_ptr(), m.weight.dtype, m.weight.device) for m in mods]
         if c is not None and all(m._wcache is mc and mc.key == key for m, mc, key in zip(mods, c.members, keys)):
-            if want_t and c.t is None and c.keep_t:
-                c.t = transpose_fp8(c.q)
+            if want_t and c.keep_t:
+                c.transposed()  # made now and kept for the step's later micro-batches
             return c
         first = mods[0]
         recipe = first.recipe

@@ -113,7 +113,7 @@ class StepFP8Weights:
 
     def _refresh_group(self, g: FusedFloat8Projection, old: _GroupWeight) -> None:
         new = self._cast_group(g)
-        for name in ("q", "t", "scale_inv", "scales", "scale_invs"):
+        for name in ("q", "scale_inv", "scales", "scale_invs"):  # no t: these caches hold q only
             _copy_into(getattr(old, name), getattr(new, name))
         for m, om, nm in zip(g.members(), old.members, new.members):
             om.key = nm.key
