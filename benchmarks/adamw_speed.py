@@ -1,6 +1,8 @@
 """The optimizer step on an 8B-class model's parameters: torch's fused AdamW against StreamingAdamW (one Triton pass
 per large parameter), each against a device copy of the same bytes (AdamW moves 28 bytes per fp32 parameter:
-reads p, g, m, v; writes p, m, v); and the gradient norm that clipping needs (4 bytes read per parameter).
+reads p, g, m, v; writes p, m, v); and the gradient norm that clipping needs (4 bytes read per parameter). For FP8
+current scaling: StreamingAdamW keeping each weight's amax out of its update (`publish_amaxes`) against the amax pass
+per weight that the casts make otherwise (4 bytes read per weight element).
 
     python3 benchmarks/adamw_speed.py --preset llama3-8b --layers 16
     TRITON_INTERPRET=1 python3 benchmarks/adamw_speed.py --smoke   # the same code on the CPU, tiny shapes
@@ -45,11 +47,15 @@ def timed(fn, iters: int) -> float:
 
 
 def optimizer_step_ms(cls: type, params: list[torch.Tensor], grads: list[torch.Tensor], scale: torch.Tensor,
-                      iters: int, **kwargs) -> tuple[float, list[torch.Tensor]]:
+                      iters: int, amaxes: list[torch.Tensor] | None = None, **kwargs
+                      ) -> tuple[float, list[torch.Tensor]]:
+    """amaxes: one fp32 scalar per 2-D parameter, kept = max |p| by the optimizer (StreamingAdamW.publish_amaxes)."""
     ps = [p.clone().requires_grad_() for p in params]
     groups = [{"params": [p for p in ps if p.ndim == 2], "weight_decay": 0.1},
               {"params": [p for p in ps if p.ndim == 1], "weight_decay": 0.0}]
     opt = cls(groups, lr=1e-4, betas=(0.9, 0.95), **kwargs)
+    if amaxes is not None:
+        opt.publish_amaxes(zip([p for p in ps if p.ndim == 2], amaxes))
 
     def step():
         for p, g in zip(ps, grads):
@@ -66,16 +72,19 @@ def copy_ms(n: int, dev: torch.device, iters: int) -> float:
     return timed(lambda: dst.copy_(src), iters)
 
 
-def kernels_ms(params: list[torch.Tensor], grads: list[torch.Tensor], block: int, warps: int, iters: int) -> float:
-    """The update kernel alone over the parameters StreamingAdamW streams, scaled to all of them."""
+def kernels_ms(params: list[torch.Tensor], grads: list[torch.Tensor], block: int, warps: int, iters: int,
+               amax: bool = False) -> float:
+    """The update kernel alone over the parameters StreamingAdamW streams, scaled to all of them; amax: each also
+    raises an fp32 scalar to max |p| (the FP8 weight amax)."""
     big = [i for i, p in enumerate(params) if p.numel() >= StreamingAdamW.min_numel]
     ps, ms, vs = ([params[i].clone() for i in big] for _ in range(3))
     steps = [torch.ones((), device=ps[0].device) for _ in big]
+    outs = [torch.zeros((), device=ps[0].device) for _ in big] if amax else [None] * len(big)
 
     def kernels():
-        for p, i, m, v, s in zip(ps, big, ms, vs, steps):
+        for p, i, m, v, s, a in zip(ps, big, ms, vs, steps, outs):
             adamw_update_(p, grads[i], m, v, s, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                          block=block, num_warps=warps)
+                          amax_out=a, block=block, num_warps=warps)
     share = sum(params[i].numel() for i in big) / sum(p.numel() for p in params)
     return timed(kernels, iters) / share
 
@@ -109,11 +118,23 @@ def main() -> None:
     # both took iters + 1 steps from the same start
     err = max(float((a - b).abs().max() / (a - p0).abs().max()) for a, b, p0 in zip(ref, ours, params))
     del ref, ours
+    amaxes = [torch.zeros((), device=dev) for p in params if p.ndim == 2]
+    amax_ms, kept = optimizer_step_ms(StreamingAdamW, params, grads, scale, args.iters, amaxes)
+    rows.append(("StreamingAdamW + FP8 weight amaxes", amax_ms, 28))
+    exact = all(torch.equal(a, p.detach().abs().amax()) for a, p in zip(amaxes, (p for p in kept if p.ndim == 2)))
+    weights = [p for p in kept if p.ndim == 2]
+    share = sum(w.numel() for w in weights) / n
+    pass_ms = timed(lambda: [torch.linalg.vector_norm(w, float("inf")) for w in weights], args.iters)
+    rows.append(("amax pass per weight (the casts' otherwise)", pass_ms / share, 4))  # scaled to all parameters
+    del kept
     torch.cuda.empty_cache()
 
     for block, warps in ((1024, 4),) if args.smoke else ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
         ms = kernels_ms(params, grads, block, warps, args.iters)
         rows.append((f"kernel only, block {block} warps {warps}", ms, 28))
+        if (block, warps) == (1024, 4):  # the tile StreamingAdamW runs
+            ms = kernels_ms(params, grads, block, warps, args.iters, amax=True)
+            rows.append((f"kernel + amax, block {block} warps {warps}", ms, 28))
 
     norm_ms = timed(lambda: torch.nn.utils.get_total_norm(grads, foreach=True), args.iters)
     rows.append(("gradient norm (get_total_norm foreach)", norm_ms, 4))
@@ -124,7 +145,9 @@ def main() -> None:
     for name, ms, bytes_per in rows:
         print(f"{name:42s} {ms:8.2f} {bytes_per * n / ms / 1e9:6.2f}")
     print(f"StreamingAdamW vs torch: {torch_ms / ours_ms:.2f}x; max |difference| / |update| after "
-          f"{args.iters + 1} steps: {err:.1e}")
+          f"{args.iters + 1} steps: {err:.1e}; FP8 weight amaxes kept by the step: "
+          f"{'exact' if exact else 'NOT EXACT'} ({pass_ms:.2f} ms of amax passes per step saved, "
+          f"{amax_ms - ours_ms:+.2f} ms in the step)")
 
 
 if __name__ == "__main__":

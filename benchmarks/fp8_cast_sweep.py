@@ -6,6 +6,10 @@ is timed (CUDA events, median of `--iters`) and its output checked bitwise again
 counted as the bytes the cast must move (read x once, write q and q^T) and compared with a device-to-device
 copy of the same bytes, the practical floor.
 
+`--kinds amax` times the amax kernel of current scaling (`triton_cast.amax`) by (block, warps, programs per SM)
+against ATen's reduction, each call of both timed inside a CUDA graph (the host's launch latency, which is
+longer than these kernels, would otherwise be timed), bandwidth counted as one read of x.
+
     python3 benchmarks/fp8_cast_sweep.py            # on a GPU
     TRITON_INTERPRET=1 python3 benchmarks/fp8_cast_sweep.py --smoke   # small shapes on the CPU (a check)
 """
@@ -76,7 +80,8 @@ def main() -> None:
                    "sw (in fp32 arithmetic first); see triton_cast.ROUNDINGS")
     p.add_argument("--tiles", default="", help="tiles to try, e.g. 64x64x4,64x128x4 (rows x columns x warps); "
                    "default: all of TILES")
-    p.add_argument("--kinds", default="cast,swiglu", help="which kernels: cast (triton_cast), swiglu (triton_swiglu)")
+    p.add_argument("--kinds", default="cast,swiglu", help="which kernels: cast (triton_cast), swiglu (triton_swiglu), "
+                   "amax (triton_cast.amax)")
     p.add_argument("--smoke", action="store_true", help="shapes / 64, two tiles, CPU (with TRITON_INTERPRET=1)")
     a = p.parse_args()
     dev = torch.device("cpu" if a.smoke else "cuda")
@@ -126,6 +131,8 @@ def main() -> None:
                         fastest(rows)))
     if "swiglu" in kinds:
         summary += sweep_swiglu(dev, tiles, roundings, a)
+    if "amax" in kinds:
+        sweep_amax(dev, a)
     print("\nbytes moved = read x + write q + write q^T; copy = a device copy of the same bytes")
     print("now = the library's tile and the first (formulation, rounding) in its order that passed; best = the "
           "fastest that passed; a formulation with 's': rounded in fp32 arithmetic")
@@ -215,6 +222,64 @@ def sweep_swiglu(dev, tiles, roundings, a) -> list:
             rows = measure(what, tiles, variants, run, check, moved, a.iters)
             summary.append((what, moved, copy_us, chosen(rows, triton_swiglu.TILES[kind], variants), fastest(rows)))
     return summary
+
+
+# name, rows, cols, dtype: the tensors current scaling takes the amax of (activations and gradients in BF16, master
+# weights in fp32 where no optimizer keeps their amax)
+AMAX_SHAPES = [("llama qkv/o input", 8192, 4096, torch.bfloat16), ("llama down input", 8192, 14336, torch.bfloat16),
+               ("qwen qkv/o input", 16384, 2048, torch.bfloat16), ("llama gate weight fp32", 14336, 4096,
+                                                                   torch.float32)]
+AMAX_TILES = [(b, w, p) for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16) for p in (2, 4, 8, 16)]
+
+
+def graph_us(fn, calls: int = 20, replays: int = 5) -> float:
+    """Microseconds per call of fn, `calls` of them captured in one CUDA graph and replayed (median replay)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def sweep_amax(dev, a) -> None:
+    """The amax kernel by tile against ATen's inf-norm reduction (what the casts used before it)."""
+    shapes = [(n, r // 64, c // 64, dt) for n, r, c, dt in AMAX_SHAPES] if a.smoke else AMAX_SHAPES
+    tiles = AMAX_TILES[:2] if a.smoke else AMAX_TILES
+    timer = graph_us if dev.type == "cuda" else (lambda fn: time_us(fn, 2))
+    results = []
+    for name, r, c, dt in shapes:
+        x = (torch.randn(r, c, device=dev, generator=torch.Generator(device=dev).manual_seed(0)) * 3).to(dt)
+        want = torch.linalg.vector_norm(x, float("inf")).float()
+        aten_us = timer(lambda: torch.linalg.vector_norm(x, float("inf")))
+        rows = []
+        for tile in tiles:
+            ok = torch.equal(triton_cast.amax(x, tile), want)
+            us = timer(lambda tile=tile: triton_cast.amax(x, tile))
+            rows.append((us, tile, ok))
+            print(f"  amax {name:24s} tile {str(tile):18s} {us:8.1f} us {x.nbytes / us / 1e3:7.0f} GB/s  "
+                  f"{'ok' if ok else 'WRONG'}", flush=True)
+        now = next(r for r in rows if r[1] == triton_cast.AMAX_TILE) if triton_cast.AMAX_TILE in tiles else None
+        best = min((r for r in rows if r[2]), default=None)
+        results.append((name, x.nbytes, aten_us, now, best))
+    print("\namax: one read of x; now = the library's tile (AMAX_TILE); best = the fastest that agreed with ATen")
+    print(f"{'amax':24s} {'MB':>6s} {'ATen us':>8s} {'ATen GB/s':>9s} {'now us':>8s} {'now GB/s':>8s} "
+          f"{'best us':>8s} {'best GB/s':>9s}  best tile (block, warps, programs/SM)")
+    for name, nbytes, aten_us, now, best in results:
+        now_us = now[0] if now else float("nan")
+        best_us = best[0] if best else float("nan")
+        print(f"{name:24s} {nbytes / 1e6:6.0f} {aten_us:8.1f} {nbytes / aten_us / 1e3:9.0f} {now_us:8.1f} "
+              f"{nbytes / now_us / 1e3:8.0f} {best_us:8.1f} {nbytes / best_us / 1e3:9.0f}  {best[1] if best else '-'}")
 
 
 if __name__ == "__main__":

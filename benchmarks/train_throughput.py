@@ -50,7 +50,8 @@ CONFIGS: dict[str, list[str]] = {
 
 # "<config>+<variant>": the configuration with these flags added
 VARIANTS: dict[str, list[str]] = {"": [], "nographs": ["--cuda-graphs", "off"], "nomlpfuse": ["--no-fp8-fuse-mlp"],
-                                  "fp8attn": ["--fp8-dot-product-attention"]}
+                                  "fp8attn": ["--fp8-dot-product-attention"],
+                                  "tensorwise": ["--fp8-recipe", "tensorwise"]}
 
 
 # micro-batch per model where --batch would not fit one 141 GB GPU (BF16 and FP8 run the same batch)
@@ -444,7 +445,8 @@ def main() -> None:
         if "error" in r:
             print(f"{r['config']:24s} ERROR {r['error']}")
             continue
-        bf = by.get(r["config"].replace("/fp8", "/bf16"))
+        bf_name = r["config"].replace("/fp8", "/bf16")
+        bf = by.get(bf_name) or by.get(bf_name.split("+")[0])  # the same variant's BF16 run, else the plain one
         vs_bf = r["tokens_per_s"] / bf["tokens_per_s"] if bf and "/fp8" in r["config"] else float("nan")
         same_arch = peer and r["config"].startswith("qwen3-1.7b")
         vs_hf = r["tokens_per_s"] / peer["tokens_per_s"] if same_arch else float("nan")

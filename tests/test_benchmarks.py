@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SMOKES = {
     # (torchao's variant where torchao is installed)
-    "fp8_block": (["--smoke", "--variants", "bf16,fp8-delayed,fp8-tensorwise,bf16+graphs,fp8-delayed+graphs"
+    "fp8_block": (["--smoke", "--variants", "bf16,fp8-delayed,fp8-tensorwise,fp8-tensorwise-amax,bf16+graphs,"
+                   "fp8-delayed+graphs"
                    + (",torchao" if importlib.util.find_spec("torchao") else "")], "fp8-delayed+graphs "),
     "fp8_numerics": (["--device", "cpu", "--small"], "budgets:"),
     "generate": (["--device", "cpu", "--preset", "tiny", "--gen-length", "16", "--block-length", "8", "--steps", "16",
@@ -65,8 +67,9 @@ def test_adamw_speed_smoke(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "adamw_speed.py"), "--smoke"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    err = float(res.stdout.strip().rsplit(" ", 1)[-1])
+    err = float(re.search(r"steps: ([0-9.e+-]+);", res.stdout).group(1))
     assert "StreamingAdamW " in res.stdout and err < 1e-3, res.stdout[-3000:]
+    assert "FP8 weight amaxes kept by the step: exact" in res.stdout, res.stdout[-3000:]
 
 
 def test_graph_pool_peak_sites_replays_a_snapshot():

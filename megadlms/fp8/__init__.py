@@ -9,7 +9,8 @@
 See recipe.py (recipes), linear.py (Float8Linear), fused_linear.py (q/k/v and gate/up as one GEMM),
 fused_mlp.py and triton_swiglu.py (the MLP as one function, SwiGLU fused into its casts), convert.py
 (conversion, fp8_step), attention.py (FP8 attention through cuDNN, opt-in), swiglu.py (FP8 activation storage),
-monitor.py (telemetry), export.py (FP8 inference export).
+monitor.py (telemetry), export.py (FP8 inference export), weight_amax.py (current scaling's weight amaxes kept
+by the optimizer step).
 """
 
 from .attention import Float8DotProductAttention
@@ -27,10 +28,12 @@ from .monitor import enable_fp8_stats, fp8_stats, fp8_stats_enabled
 from .recipe import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Format, recipe_from_config
 from .state import FP8GlobalStateManager, fp8_autocast, fp8_checkpoint_context_fn
 from .swiglu import SwiGLUFP8InputStore
+from .weight_amax import attach_weight_amaxes, detach_weight_amaxes, refresh_weight_amaxes
 
 __all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "recipe_from_config",
            "fp8_autocast", "FP8GlobalStateManager", "fp8_checkpoint_context_fn", "Float8Linear",
            "Float8DotProductAttention",
            "SwiGLUFP8InputStore", "convert_to_fp8", "fp8_step", "fp8_modules", "invalidate_fp8_weight_caches",
            "fp8_graph_capture", "fp8_weight_caching", "check_fp8_support", "fp8_backend_note", "FP8UnsupportedError",
-           "fp8_stats", "enable_fp8_stats", "fp8_stats_enabled"]
+           "fp8_stats", "enable_fp8_stats", "fp8_stats_enabled", "attach_weight_amaxes", "refresh_weight_amaxes",
+           "detach_weight_amaxes"]

@@ -10,9 +10,10 @@ On CUDA the cast is one Triton pass (`triton_cast`: reads x once, writes q and q
 known scale (delayed scaling) also the amax for the history); without Triton, or if its first-call
 check against the ATen cast fails, it is a compiled pointwise function (torch.compile, dynamic
 shapes; inductor emits one kernel per output layout). The amax needed before a cast (current
-scaling) is ATen's one-pass inf-norm reduction (an amax compiled
-with dynamic shapes ran ~3x slower per call on an H200: benchmarks/RESULTS.md). Elsewhere
-everything runs eagerly. Both compute exactly what `quantize.quantize` / `amax_to_scale` compute.
+scaling) is one Triton pass too (`triton_cast.amax`), else ATen's inf-norm reduction (an amax
+compiled with dynamic shapes ran ~3x slower per call on an H200: benchmarks/RESULTS.md), and the
+scale it gives one small kernel (`current_scale`). Elsewhere everything runs eagerly. All compute
+exactly what `quantize.quantize` / `amax_to_scale` compute.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from .quantize import FP8_MAX, amax_to_scale, round_to_fp8_grid
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as an fp32 scalar tensor (one reduction pass; exact, as max is)."""
-    return torch.linalg.vector_norm(x, float("inf")).float()
+    """max |x| as an fp32 scalar tensor (one reduction pass; exact, as max is): the Triton kernel where it runs
+    (`triton_cast.amax`), else ATen's inf-norm reduction."""
+    out = triton_cast.checked_amax(x)
+    return out if out is not None else torch.linalg.vector_norm(x, float("inf")).float()
 
 
 def _to_fp8(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -46,6 +49,19 @@ def _slots(amax_slot: torch.Tensor | Sequence[torch.Tensor] | None) -> list[torc
     if amax_slot is None:
         return []
     return [amax_slot] if isinstance(amax_slot, torch.Tensor) else list(amax_slot)
+
+
+def current_scale(amaxes: Sequence[torch.Tensor], fp8_dtype: torch.dtype, margin: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) fp32 scalars of current scaling from the largest of `amaxes` (fp32 scalar tensors):
+    `amax_to_scale` and its reciprocal, in one small kernel where Triton runs (`triton_cast.current_scale`)."""
+    if len(amaxes) <= triton_cast.MAX_SCALE_INPUTS:
+        out = triton_cast.checked_current_scale(amaxes, fp8_dtype, margin)
+        if out is not None:
+            return out
+    amax = amaxes[0] if len(amaxes) == 1 else torch.stack(list(amaxes)).amax()
+    scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
+    return scale, scale.reciprocal()
 
 
 def _cast_current(x: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int, want_q: bool,
@@ -137,8 +153,7 @@ def _cast_fp8_triton(x: torch.Tensor, scale: torch.Tensor | None, slots: list[to
     if scale is None:
         if amax is None:
             amax = _amax(x)
-        scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
-        scale_inv = None
+        scale, scale_inv = current_scale([amax], fp8_dtype, margin)
         in_kernel: list[torch.Tensor] = []
     else:
         in_kernel = slots if amax is None and len(slots) <= triton_cast.MAX_AMAX_OUTS else []

@@ -37,9 +37,9 @@ from torch import nn
 
 from ..model import compute_dtype
 from . import triton_cast
-from .fused import _amax, cast_fp8, cast_fp8_cat, record_amax, transpose_fp8
+from .fused import _amax, cast_fp8, cast_fp8_cat, current_scale, record_amax, transpose_fp8
 from .linear import GRAD, INPUT, WEIGHT, Float8Linear, _check_device_once, _Fp8Weight, take_fp8_weights
-from .quantize import FP8_MAX, aligned_scalars, amax_to_scale, pad_2d, quant_stats, round_up16, scaled_mm
+from .quantize import aligned_scalars, pad_2d, quant_stats, round_up16, scaled_mm
 from .recipe import DelayedScaling, Float8RowwiseScaling
 from .state import FP8GlobalStateManager
 
@@ -151,13 +151,14 @@ class FusedFloat8Projection:
             q, t = cast_fp8_cat(ws, scales[WEIGHT], fwd, want_t, amax_outs)
             scale = None
         else:
-            amaxes = torch.stack([_amax(w) for w in ws])
+            amaxes = [m.weight_amax if m.weight_amax is not None else _amax(w) for m, w in zip(mods, ws)]
             if record:
-                torch._foreach_maximum_([m.fp8_amax_history[0, WEIGHT] for m in mods], list(amaxes.unbind(0)))
-            scale = amax_to_scale(amaxes.max(), FP8_MAX[fwd], recipe.margin)
+                torch._foreach_maximum_([m.fp8_amax_history[0, WEIGHT] for m in mods], amaxes)
+            scale, scale_inv = current_scale(amaxes, fwd, recipe.margin)
             q, t = cast_fp8_cat(ws, scale, fwd, want_t)
         scale_invs = aligned_scalars(scales.reciprocal())[:, 0] if ready else None
-        scale_inv = scale_invs[WEIGHT] if ready else scale.reciprocal()
+        if ready:
+            scale_inv = scale_invs[WEIGHT]
         member_caches, row = [], 0
         for m, w, key in zip(mods, ws, keys):
             n = w.shape[0]
@@ -197,14 +198,14 @@ def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, 
     m = parts[0].shape[0]
     if all(triton_cast.available(p) for p in parts):
         slots = [mod.fp8_amax_history[0, GRAD] for mod in mods] if record else []
-        amax = None
+        amaxes: list[torch.Tensor] = []
         if w.scales is not None:
             scale, scale_inv = w.scales[GRAD], w.scale_invs[GRAD]
             in_kernel = slots if len(slots) <= triton_cast.MAX_AMAX_OUTS else []
         else:
-            amax = torch.stack([_amax(p) for p in parts]).amax()
-            scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], mods[0].recipe.margin)
-            scale_inv, in_kernel = scale.reciprocal(), []
+            amaxes = [_amax(p) for p in parts]
+            scale, scale_inv = current_scale(amaxes, fp8_dtype, mods[0].recipe.margin)
+            in_kernel = []
         ncat = sum(p.shape[1] for p in parts)
         alloc = torch.empty if mp == m else torch.zeros  # padding rows: zeros
         gq = alloc(mp, ncat, dtype=fp8_dtype, device=parts[0].device) if want_q else None
@@ -222,7 +223,7 @@ def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, 
             col += n
         else:
             if slots and not in_kernel:
-                record_amax(slots, amax if amax is not None else torch.stack([_amax(p) for p in parts]).amax())
+                record_amax(slots, torch.stack(amaxes or [_amax(p) for p in parts]).amax())
             return gq, scale_inv, gt
     g = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     return _cast_shared(mods, pad_2d(g, mp, g.shape[1]), GRAD, fp8_dtype, w, record, want_q, want_t)

@@ -207,12 +207,17 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         # set while a CUDA graph is captured (or emulated) reading the cache as it is (fp8.graph_weights)
         self._weights_frozen = False
         self.num_weight_casts = 0  # how many times the FP8 weight was made (tests, debugging)
+        # current scaling: max |weight| kept by whoever writes the weight (fp8.weight_amax), or None: each weight
+        # cast computes it
+        self.weight_amax: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ state
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}, fp8_wgrad={self.fp8_wgrad}"
 
     def _apply(self, fn: Any, recurse: bool = True) -> Float8Linear:
+        # moved or cast, the weight is another tensor, which no optimizer keeps an amax of (fp8.weight_amax)
+        self.weight_amax = None
         # the FP8 metadata stays fp32 whatever dtype the parameters are cast to
         return apply_keeping_dtypes(self, fn, ("fp8_amax_history", "fp8_scale", "fp8_stats_buffer"), recurse)
 
@@ -225,6 +230,13 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self._wcache = None
+        self.refresh_weight_amax()
+
+    @torch.no_grad()
+    def refresh_weight_amax(self) -> None:
+        """Set `weight_amax` (when attached) to max |weight| now."""
+        if self.weight_amax is not None:
+            self.weight_amax.copy_(torch.linalg.vector_norm(self._local_params()[0], float("inf")))
 
     def _local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) as this rank computes with them: the local shards when tensor parallelism made
@@ -236,15 +248,16 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
 
     # ------------------------------------------------------------------ casts
     def _cast_qt(self, x: torch.Tensor, role: int, fp8_dtype: torch.dtype, record: bool, numel: int,
-                 want_q: bool = True, want_t: bool = False, scale_inv: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+                 want_q: bool = True, want_t: bool = False, scale_inv: torch.Tensor | None = None,
+                 amax: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """Per-tensor cast of x with this layer's recipe: q and/or the transposed FP8 copy, both made from x in
         one pass (`fused.cast_fp8`); with delayed scaling and `record`, x's amax goes into the history slot.
-        Returns (q [R, C] or None, scale_inv [] fp32, q^T [C, R] contiguous or None)."""
+        amax: max |x| when it is known (a weight's kept amax). Returns (q [R, C] or None, scale_inv [] fp32,
+        q^T [C, R] contiguous or None)."""
         delayed = isinstance(self.recipe, DelayedScaling)
         scale = self.fp8_scale[role] if delayed and self._is_ready() else None
         slot = self.fp8_amax_history[0, role] if delayed and record else None
-        q, t, scale_inv, _ = cast_fp8(x, scale, slot, fp8_dtype, self.recipe.margin, want_q, want_t,
+        q, t, scale_inv, _ = cast_fp8(x, scale, slot, fp8_dtype, self.recipe.margin, want_q, want_t, amax=amax,
                                       scale_inv=scale_inv if scale is not None else None)
         if self.collect_fp8_stats:  # telemetry compares x with what the cast made (q, or q^T transposed back)
             self._record_stats(role, x, q if q is not None else t.t(), scale_inv.reciprocal(), numel)
@@ -294,7 +307,8 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
                 delayed_ready = isinstance(self.recipe, DelayedScaling) and self._is_ready()
                 scale_invs = aligned_scalars(self.fp8_scale.reciprocal())[:, 0] if delayed_ready else None
                 q, scale_inv, wt = self._cast_qt(wp, WEIGHT, fwd, record=self.training, numel=w.numel(),
-                                                 want_t=want_t, scale_inv=scale_invs[WEIGHT] if delayed_ready else None)
+                                                 want_t=want_t, scale_inv=scale_invs[WEIGHT] if delayed_ready else None,
+                                                 amax=self.weight_amax)
             cache = _Fp8Weight(key, q, scale_inv, scale_invs)
             if wt is not None:  # the column-major operand of the input-gradient GEMM
                 cache.dgrad = (wt.t(), scale_inv)

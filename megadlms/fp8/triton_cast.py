@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .quantize import FP8_GRID
+from .quantize import FP8_GRID, amax_to_scale
 from .recipe import E4M3, E5M2, FP8_MAX
 
 try:  # the kernel exists where Triton does; `available` says whether it can run
@@ -34,16 +34,25 @@ try:  # the kernel exists where Triton does; `available` says whether it can run
 except Exception:  # no Triton: the compiled torch path is used
     triton = None
 
-_state: dict[str, Any] = {"ok": None, "mode": {}, "bad": set()}
+# ok: the kernels are on; mode / bad: the checked and the failed cast variants; scale_ok: the current-scale kernel
+# agreed with torch on its first call (None: not called yet); amax_ok: the same for the amax kernel, per input dtype
+_state: dict[str, Any] = {"ok": None, "mode": {}, "bad": set(), "scale_ok": None, "amax_ok": {}}
 logger = logging.getLogger(__name__)
 
 
 def available(x: torch.Tensor) -> bool:
-    if x.dim() != 2 or not x.is_contiguous() or (x.device.type != "cuda" and not _interpret()):
+    """Whether the cast kernel takes x: a contiguous 2-D tensor where the kernels run (`enabled`)."""
+    return x.dim() == 2 and x.is_contiguous() and enabled(x.device)
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether this module's kernels run for tensors on `device`: a GPU (or the CPU under Triton's interpreter),
+    with Triton installed and MEGADLMS_FP8_TRITON not 0."""
+    if device.type != "cuda" and not _interpret():
         return False
     if _state["ok"] is None:
         _state["ok"] = os.environ.get("MEGADLMS_FP8_TRITON", "1") != "0" and triton is not None
-        if _state["ok"] and x.device.type == "cuda":
+        if _state["ok"] and device.type == "cuda":
             use_torch_ptxas()
     return bool(_state["ok"])
 
@@ -160,6 +169,45 @@ if triton is not None:
                 tl.atomic_max(amax_ptr2, tile_amax)
             if N_AMAX > 2:
                 tl.atomic_max(amax_ptr3, tile_amax)
+
+
+    @triton.jit
+    def current_scale_kernel(a0, a1, a2, a3, out_ptr, N_IN: tl.constexpr, FMAX: tl.constexpr,
+                             MARGIN_DIV: tl.constexpr):
+        # the largest of N_IN amaxes -> scale = (fp8_max / amax) / 2**margin (1.0 where amax is 0 or not finite or
+        # the scale overflows) at out_ptr[0] and 1 / scale at out_ptr[4]: `quantize.amax_to_scale` and ATen's
+        # reciprocal, with correctly rounded divisions as theirs are; NaN wins the max as in torch.maximum
+        amax = tl.load(a0)
+        if N_IN > 1:
+            amax = tl.maximum(amax, tl.load(a1), propagate_nan=tl.PropagateNan.ALL)
+        if N_IN > 2:
+            amax = tl.maximum(amax, tl.load(a2), propagate_nan=tl.PropagateNan.ALL)
+        if N_IN > 3:
+            amax = tl.maximum(amax, tl.load(a3), propagate_nan=tl.PropagateNan.ALL)
+        scale = tl.math.div_rn(tl.math.div_rn(tl.full((), FMAX, tl.float32), amax),
+                               tl.full((), MARGIN_DIV, tl.float32))
+        ok = (amax > 0) & (amax < float("inf")) & (scale < float("inf"))
+        scale = tl.where(ok, scale, 1.0)
+        tl.store(out_ptr, scale)
+        tl.store(out_ptr + 4, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
+
+
+    @triton.jit
+    def amax_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+        # max |x| of n contiguous elements into out_ptr (fp32, zero before the call): each program strides over
+        # blocks keeping an elementwise max in registers, then one atomic max; NaN wins as in ATen's amax (its bits
+        # are the largest as an integer, which is how the fp32 atomic max of non-negative values compares)
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for b in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+            offs = b * BLOCK + tl.arange(0, BLOCK)  # 32-bit: `checked_amax` takes fewer than 2**31 elements
+            if EVEN:
+                v = tl.load(x_ptr + offs)
+            else:
+                v = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+            acc = tl.maximum(acc, tl.abs(v.to(tl.float32)), propagate_nan=tl.PropagateNan.ALL)
+        block_max = tl.max(acc, 0)  # a NaN in acc may not survive tl.max: put it back
+        block_max = tl.where(tl.max((acc != acc).to(tl.int32), 0) > 0, float("nan"), block_max)
+        tl.atomic_max(out_ptr, block_max)
 
 
 # Formulations of the transposed store, in the order tried: 0 transposes the fp32 tile and converts, 1 converts
@@ -323,6 +371,94 @@ def checked_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torc
     return None
 
 
+# (elements per block, warps, programs per SM) of the amax kernel: benchmarks/fp8_cast_sweep.py --kinds amax
+AMAX_TILE = (8192, 8, 4)
+_sm_count: dict[torch.device, int] = {}
+
+
+def amax(x: torch.Tensor, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """max |x| of a contiguous x of 1 to 2**31 - 65536 elements (any float dtype) as an fp32 scalar tensor: one read
+    of x at the memory's speed (ATen's inf-norm reduction ran at ~2.5 TB/s on the activations of an H200).
+    tile: (elements per block, warps, programs per SM), AMAX_TILE when None."""
+    n = x.numel()
+    block, warps, per_sm = tile or AMAX_TILE
+    out = torch.zeros((), dtype=torch.float32, device=x.device)
+    sms = _sm_count.get(x.device)
+    if sms is None:
+        sms = _sm_count[x.device] = (torch.cuda.get_device_properties(x.device).multi_processor_count
+                                     if x.device.type == "cuda" else 1)
+    # a few programs per SM stream the tensor, each keeping its max in registers; more would only add atomics
+    grid = (max(1, min(per_sm * sms, triton_cdiv(n, block))),)
+    kwargs = {} if _interpret() else {"num_warps": warps}
+    amax_kernel[grid](x, out, n, BLOCK=block, EVEN=n % block == 0, **kwargs)
+    return out
+
+
+def checked_amax(x: torch.Tensor) -> torch.Tensor | None:
+    """`amax`, checked bitwise against ATen's on the first call of each input dtype; None where the kernel does not
+    take x (not contiguous, empty or of 2**31 elements or more, the kernels off) or has failed its check (the
+    caller uses ATen)."""
+    if not x.is_contiguous() or not 0 < x.numel() < 2**31 - 65536 or not enabled(x.device):
+        return None
+    ok = _state["amax_ok"].get(x.dtype)
+    if ok is False:
+        return None
+    if ok:
+        return amax(x)
+    want = torch.linalg.vector_norm(x, float("inf")).float()
+    try:
+        got = amax(x)
+        agree, problem = torch.equal(got, want), f"{got.item()!r} instead of {want.item()!r}"
+    except Exception as e:  # e.g. a Triton build without these instructions
+        agree, problem = False, f"{type(e).__name__}: {str(e)[:200]}"
+    _state["amax_ok"][x.dtype] = agree
+    if not agree:
+        warnings.warn(f"megadlms.fp8: the Triton amax kernel disagreed with ATen for {x.dtype} ({problem}); "
+                      "amaxes of this dtype use ATen's reduction", RuntimeWarning, stacklevel=2)
+        return None
+    return got
+
+
+MAX_SCALE_INPUTS = 4
+
+
+def current_scale(amaxes: Sequence[torch.Tensor], fp8_dtype: torch.dtype, margin: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) fp32 scalars of current scaling from the largest of up to MAX_SCALE_INPUTS amaxes (fp32
+    scalar tensors), in one launch: in place of the eight small kernels of `amax_to_scale` and a reciprocal, which
+    ran between every amax and its cast. Both results are 16-byte aligned (`_scaled_mm` scales)."""
+    if not 1 <= len(amaxes) <= MAX_SCALE_INPUTS:
+        raise ValueError(f"current_scale takes 1 to {MAX_SCALE_INPUTS} amaxes, got {len(amaxes)}")
+    out = torch.empty(2, 4, dtype=torch.float32, device=amaxes[0].device)
+    args = (list(amaxes) + [amaxes[0]] * MAX_SCALE_INPUTS)[:MAX_SCALE_INPUTS]
+    current_scale_kernel[(1,)](*args, out, N_IN=len(amaxes), FMAX=FP8_MAX[fp8_dtype], MARGIN_DIV=2.0 ** margin)
+    return out[0, 0], out[1, 0]
+
+
+def checked_current_scale(amaxes: Sequence[torch.Tensor], fp8_dtype: torch.dtype, margin: int = 0
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`current_scale`, checked bitwise against `amax_to_scale` and ATen's reciprocal on its first call in the
+    process; None when the kernel is off (the caller computes the scale with torch)."""
+    if not enabled(amaxes[0].device) or _state["scale_ok"] is False:
+        return None
+    if _state["scale_ok"]:
+        return current_scale(amaxes, fp8_dtype, margin)
+    amax = torch.stack([a.float() for a in amaxes]).amax()
+    want = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
+    try:
+        got = current_scale(amaxes, fp8_dtype, margin)
+        agree = torch.equal(got[0], want) and torch.equal(got[1], want.reciprocal())
+        problem = f"{got[0].item()!r}, {got[1].item()!r} instead of {want.item()!r}, {want.reciprocal().item()!r}"
+    except Exception as e:  # e.g. a Triton build without these instructions
+        agree, problem = False, f"{type(e).__name__}: {str(e)[:200]}"
+    _state["scale_ok"] = agree
+    if not agree:
+        warnings.warn(f"megadlms.fp8: the Triton current-scale kernel disagreed with torch (amax {amax.item()!r}: "
+                      f"{problem}); the scales are computed with torch instead", RuntimeWarning, stacklevel=2)
+        return None
+    return got
+
+
 def fill_unwritten_marker(*outs: torch.Tensor | None) -> None:
     """Fill FP8 outputs with 0xFF (NaN in E4M3 and E5M2) before a checked call: an element the kernel fails to
     write then differs from the reference whatever the memory held before (a reused buffer may hold the right
@@ -341,4 +477,5 @@ def _first_differences(x: torch.Tensor, scale: torch.Tensor, got: torch.Tensor, 
     return f"{int(diff.sum())} of {diff.numel()} elements differ, e.g. {examples}"
 
 
-__all__ = ["available", "cast_transpose", "checked_cast_transpose", "TRANSPOSE_MODES", "E4M3", "E5M2"]
+__all__ = ["available", "enabled", "amax", "checked_amax", "cast_transpose", "checked_cast_transpose", "current_scale",
+           "checked_current_scale", "TRANSPOSE_MODES", "E4M3", "E5M2"]

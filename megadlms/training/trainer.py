@@ -42,6 +42,7 @@ from . import checkpoint as ckpt
 from .cuda_graphs import LayerGraphs
 from .metrics import MetricSinks, bf16_peak_tflops, format_log_line, memory_gib, throughput
 from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_grad_norm, set_lr
+from .triton_adamw import StreamingAdamW
 
 log = logging.getLogger("megadlms")
 
@@ -165,6 +166,12 @@ class Trainer:
         self.optimizer = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
                                          betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         allocate_optimizer_state(self.optimizer)  # before any activation: the state gets segments of its own
+        if cfg.fp8 and isinstance(self.optimizer, StreamingAdamW):
+            # current scaling: each weight's amax comes out of the optimizer's update, not a pass before its cast
+            # (a checkpoint's load refreshes them: Float8Linear.load_state_dict)
+            from ..fp8 import attach_weight_amaxes
+
+            self.optimizer.publish_amaxes(attach_weight_amaxes(model))
         self.schedule = LRSchedule(lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
                                    decay_iters=args.lr_decay_iters or args.train_iters, decay_style=args.lr_decay_style,
                                    wsd_decay_iters=args.lr_wsd_decay_iters or max(1, (args.lr_decay_iters

@@ -38,8 +38,9 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, n, lr, beta1, beta2, log2_beta1,
-                      log2_beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, amax_ptr, n, lr, beta1, beta2, log2_beta1,
+                      log2_beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, HAS_AMAX: tl.constexpr,
+                      BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -60,23 +61,34 @@ if triton is not None:
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
+        if HAS_AMAX:  # max |p| of the updated parameter, for its FP8 cast (fp8.weight_amax); amax_ptr starts at 0
+            tl.atomic_max(amax_ptr, tl.max(tl.where(mask, tl.abs(p), 0.0), axis=0))
 
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   step: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  grad_scale: torch.Tensor | None = None, block: int = 1024, num_warps: int = 4) -> None:
+                  grad_scale: torch.Tensor | None = None, amax_out: torch.Tensor | None = None, block: int = 1024,
+                  num_warps: int = 4) -> None:
     """One AdamW update of a contiguous fp32 `param` and its moments, in place. `step`: the fp32 device step count
-    including this update; `grad_scale`: an fp32 scalar tensor the gradient is divided by. The default tile is the
-    fastest of those measured on the H200 (benchmarks/adamw_speed.py)."""
+    including this update; `grad_scale`: an fp32 scalar tensor the gradient is divided by; `amax_out`: an fp32
+    scalar tensor, zero before the call, raised to max |param| of the updated values (for finite values the same as
+    an amax pass after the update). The default tile is the fastest of those measured on the H200
+    (benchmarks/adamw_speed.py)."""
     n = param.numel()
     _adamw_kernel[(triton.cdiv(n, block),)](
-        param, grad, exp_avg, exp_avg_sq, step, grad_scale if grad_scale is not None else step, n, lr, beta1, beta2,
-        math.log2(beta1), math.log2(beta2), eps, weight_decay, HAS_SCALE=grad_scale is not None, BLOCK=block,
+        param, grad, exp_avg, exp_avg_sq, step, grad_scale if grad_scale is not None else step,
+        amax_out if amax_out is not None else step, n, lr, beta1, beta2, math.log2(beta1), math.log2(beta2), eps,
+        weight_decay, HAS_SCALE=grad_scale is not None, HAS_AMAX=amax_out is not None, BLOCK=block,
         num_warps=num_warps)
 
 
 class StreamingAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW (fused) whose large plain fp32 parameters are updated by `adamw_update_`."""
+    """torch.optim.AdamW (fused) whose large plain fp32 parameters are updated by `adamw_update_`.
+
+    `publish_amaxes` asks it to keep max |p| of some parameters in given fp32 scalars after every step (the weight
+    amaxes of FP8 current scaling: megadlms.fp8.weight_amax), out of the update's own pass where the kernel
+    updates the parameter, by an amax pass where torch's kernel did.
+    """
 
     min_numel = 1 << 16  # smaller tensors share torch's multi-tensor launches instead of one launch each
 
@@ -87,6 +99,25 @@ class StreamingAdamW(torch.optim.AdamW):
         if kwargs.get("fused") is False:
             raise ValueError("StreamingAdamW is a fused optimizer; fused=False asks for torch.optim.AdamW")
         super().__init__(params, **{**kwargs, "fused": True})
+        self._amax_of: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> the fp32 scalar kept = max |p|
+
+    def publish_amaxes(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """From now on keep each `amax` (an fp32 scalar tensor on the parameter's device) equal to max |p| after
+        every step, for the (p, amax) pairs whose p this optimizer updates (others are ignored)."""
+        mine = {p for g in self.param_groups for p in g["params"]}
+        for p, amax in pairs:
+            if p in mine:
+                if amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != p.device:
+                    raise ValueError(f"publish_amaxes: the amax of a parameter {tuple(p.shape)} must be an fp32 "
+                                     f"scalar on {p.device}, got {amax.dtype} {tuple(amax.shape)} on {amax.device}")
+                self._amax_of[p] = amax
+
+    @torch.no_grad()
+    def _refresh_amaxes(self, params: Iterable[torch.Tensor]) -> None:
+        """max |p| by an amax pass, for the published parameters among `params` (updated by torch's kernel)."""
+        pairs = [(p, self._amax_of[p]) for p in params if p in self._amax_of]
+        for p, amax in pairs:
+            amax.copy_(torch.linalg.vector_norm(p, float("inf")))
 
     def _streamed(self, p: torch.Tensor, lr: Any, kernel_on: dict[torch.device, bool]) -> bool:
         g = p.grad
@@ -101,7 +132,9 @@ class StreamingAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         if closure is not None or getattr(self, "found_inf", None) is not None:
-            return _torch_adamw_step(self, closure)
+            out = _torch_adamw_step(self, closure)
+            self._refresh_amaxes(self._amax_of)
+            return out
         grad_scale = getattr(self, "grad_scale", None)
         work = []
         kernel_on: dict[torch.device, bool] = {}  # available(), asked once per device and step
@@ -126,16 +159,22 @@ class StreamingAdamW(torch.optim.AdamW):
         finally:
             for p, g, _, _ in work:
                 p.grad = g
+        if self._amax_of:  # published parameters torch's kernel updated
+            streamed = {p for p, _, _, _ in work}
+            self._refresh_amaxes(p for p in self._amax_of if p.grad is not None and p not in streamed)
         if not work:
             return None
         torch._foreach_add_([s["step"] for _, _, s, _ in work], 1.0)
+        amaxes = [self._amax_of.get(p) for p, _, _, _ in work]
+        if any(a is not None for a in amaxes):
+            torch._foreach_zero_([a for a in amaxes if a is not None])
         scales: dict[torch.device, torch.Tensor] = {}
-        for p, g, state, group in work:
+        for (p, g, state, group), amax in zip(work, amaxes):
             beta1, beta2 = group["betas"]
             scale = None if grad_scale is None else scales.setdefault(p.device, grad_scale.to(p.device, torch.float32))
             adamw_update_(p, g, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=float(group["lr"]),
                           beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                          weight_decay=float(group["weight_decay"]), grad_scale=scale)
+                          weight_decay=float(group["weight_decay"]), grad_scale=scale, amax_out=amax)
         return None
 
 

@@ -86,6 +86,42 @@ SCRIPT = textwrap.dedent("""
     triton_cast.cast_transpose(x, torch.tensor(1.0), torch.float8_e4m3fn, True, False, slots)
     assert slots[0] == x.abs().amax() and slots[1] == 1e6 and slots[2] == x.abs().amax()
 
+    # the current-scale kernel: amax_to_scale and its reciprocal bit for bit, over the max of up to four amaxes,
+    # with margins, zero / inf / NaN amaxes (scale 1.0) and amaxes so small that the scale overflows
+    from megadlms.fp8.quantize import amax_to_scale
+    amaxes = [3.3, 1.7e-3, 448.0, 1e-30, 1e-42, 0.0, float("inf"), float("nan"), 7.0e4, 0.1234567]
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for margin in (0, 1, 3):
+            for n in (1, 2, 4):
+                for i in range(len(amaxes)):
+                    vals = [torch.tensor(amaxes[(i + j) % len(amaxes)]) for j in range(n)]
+                    scale, scale_inv = triton_cast.current_scale(vals, fp8, margin)
+                    want = amax_to_scale(torch.stack(vals).amax(), triton_cast.FP8_MAX[fp8], margin)
+                    assert torch.equal(scale, want) and torch.equal(scale_inv, want.reciprocal()), (vals, margin)
+                    assert scale.data_ptr() % 16 == 0 and scale_inv.data_ptr() % 16 == 0
+    assert triton_cast.checked_current_scale([torch.tensor(2.5)], torch.float8_e4m3fn) is not None
+    assert triton_cast._state["scale_ok"] is True
+
+    # the amax kernel: ATen's amax bit for bit, over partial and whole blocks, several blocks per program, signed
+    # zeros, subnormals, inf and NaN (NaN wins, as in ATen)
+    for src in (torch.float32, torch.bfloat16):
+        for n in (1, 4095, 4096, 3 * 4096 + 17, 11 * 4096):
+            x = (torch.randn(n) * torch.exp2(torch.randint(-30, 30, (n,)).float())).to(src)
+            assert torch.equal(triton_cast.amax(x), x.abs().amax().float()), (src, n)
+            # 3 programs (1 "SM" here), fewer than blocks: each strides over several
+            assert torch.equal(triton_cast.amax(x, (1024, 4, 3)), x.abs().amax().float()), (src, n)
+        x = torch.tensor([-0.0, 1e-40, -3.5, 2.0]).to(src)
+        assert torch.equal(triton_cast.amax(x), torch.tensor(3.5))
+        for special in (float("inf"), float("-inf"), float("nan")):
+            x = torch.randn(9000).to(src)
+            x[5000] = special
+            got, want = triton_cast.amax(x), torch.linalg.vector_norm(x, float("inf")).float()
+            assert torch.equal(got, want) or (got.isnan() and want.isnan()), (src, special, got)
+        y = torch.randn(70, 40).to(src)
+        assert torch.equal(triton_cast.checked_amax(y), y.abs().amax().float())
+        assert triton_cast._state["amax_ok"][src] is True
+    assert triton_cast.checked_amax(torch.randn(8, 6).t()) is None  # not contiguous: ATen's
+
     # fused.transpose_fp8 through the kernel (scale 1): every finite FP8 byte, -0.0 and subnormals included
     from megadlms.fp8.fused import transpose_fp8
     e5m2_nonfinite = set(range(0x7C, 0x80)) | set(range(0xFC, 0x100))
