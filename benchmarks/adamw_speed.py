@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from megadlms.fp8.weight_amax import KeptAmax
 from megadlms.model import TransformerLM
 from megadlms.presets import preset_config
 from megadlms.training.triton_adamw import StreamingAdamW, adamw_update_, available
@@ -47,9 +48,9 @@ def timed(fn, iters: int) -> float:
 
 
 def optimizer_step_ms(cls: type, params: list[torch.Tensor], grads: list[torch.Tensor], scale: torch.Tensor,
-                      iters: int, amaxes: list[torch.Tensor] | None = None, **kwargs
+                      iters: int, amaxes: list[KeptAmax] | None = None, **kwargs
                       ) -> tuple[float, list[torch.Tensor]]:
-    """amaxes: one fp32 scalar per 2-D parameter, kept = max |p| by the optimizer (StreamingAdamW.publish_amaxes)."""
+    """amaxes: one per 2-D parameter, kept = max |p| by the optimizer (StreamingAdamW.publish_amaxes)."""
     ps = [p.clone().requires_grad_() for p in params]
     groups = [{"params": [p for p in ps if p.ndim == 2], "weight_decay": 0.1},
               {"params": [p for p in ps if p.ndim == 1], "weight_decay": 0.0}]
@@ -118,10 +119,11 @@ def main() -> None:
     # both took iters + 1 steps from the same start
     err = max(float((a - b).abs().max() / (a - p0).abs().max()) for a, b, p0 in zip(ref, ours, params))
     del ref, ours
-    amaxes = [torch.zeros((), device=dev) for p in params if p.ndim == 2]
+    amaxes = [KeptAmax(torch.zeros((), device=dev), -1) for p in params if p.ndim == 2]
     amax_ms, kept = optimizer_step_ms(StreamingAdamW, params, grads, scale, args.iters, amaxes)
     rows.append(("StreamingAdamW + FP8 weight amaxes", amax_ms, 28))
-    exact = all(torch.equal(a, p.detach().abs().amax()) for a, p in zip(amaxes, (p for p in kept if p.ndim == 2)))
+    exact = all(torch.equal(a.value, p.detach().abs().amax()) and a.of(p) is not None
+                for a, p in zip(amaxes, (p for p in kept if p.ndim == 2)))
     weights = [p for p in kept if p.ndim == 2]
     share = sum(w.numel() for w in weights) / n
     pass_ms = timed(lambda: [torch.linalg.vector_norm(w, float("inf")) for w in weights], args.iters)

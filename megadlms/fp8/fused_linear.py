@@ -151,7 +151,8 @@ class FusedFloat8Projection:
             q, t = cast_fp8_cat(ws, scales[WEIGHT], fwd, want_t, amax_outs)
             scale = None
         else:
-            amaxes = [m.weight_amax if m.weight_amax is not None else _amax(w) for m, w in zip(mods, ws)]
+            kept = [m.kept_weight_amax() for m in mods]
+            amaxes = [a if a is not None else _amax(w) for a, w in zip(kept, ws)]
             if record:
                 torch._foreach_maximum_([m.fp8_amax_history[0, WEIGHT] for m in mods], amaxes)
             scale, scale_inv = current_scale(amaxes, fwd, recipe.margin)

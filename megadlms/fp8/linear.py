@@ -207,9 +207,9 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         # set while a CUDA graph is captured (or emulated) reading the cache as it is (fp8.graph_weights)
         self._weights_frozen = False
         self.num_weight_casts = 0  # how many times the FP8 weight was made (tests, debugging)
-        # current scaling: max |weight| kept by whoever writes the weight (fp8.weight_amax), or None: each weight
-        # cast computes it
-        self.weight_amax: torch.Tensor | None = None
+        # current scaling: max |weight| kept by whoever writes the weight (fp8.weight_amax.KeptAmax), or None:
+        # each weight cast computes it
+        self.weight_amax: Any = None
 
     # ------------------------------------------------------------------ state
     def extra_repr(self) -> str:
@@ -232,11 +232,14 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         self._wcache = None
         self.refresh_weight_amax()
 
-    @torch.no_grad()
     def refresh_weight_amax(self) -> None:
         """Set `weight_amax` (when attached) to max |weight| now."""
         if self.weight_amax is not None:
-            self.weight_amax.copy_(torch.linalg.vector_norm(self._local_params()[0], float("inf")))
+            self.weight_amax.refresh(self._local_params()[0])
+
+    def kept_weight_amax(self) -> torch.Tensor | None:
+        """max |weight| as kept by its writer (fp8.weight_amax), or None: the cast computes it."""
+        return self.weight_amax.of(self._local_params()[0]) if self.weight_amax is not None else None
 
     def _local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) as this rank computes with them: the local shards when tensor parallelism made
@@ -308,7 +311,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
                 scale_invs = aligned_scalars(self.fp8_scale.reciprocal())[:, 0] if delayed_ready else None
                 q, scale_inv, wt = self._cast_qt(wp, WEIGHT, fwd, record=self.training, numel=w.numel(),
                                                  want_t=want_t, scale_inv=scale_invs[WEIGHT] if delayed_ready else None,
-                                                 amax=self.weight_amax)
+                                                 amax=self.kept_weight_amax())
             cache = _Fp8Weight(key, q, scale_inv, scale_invs)
             if wt is not None:  # the column-major operand of the input-gradient GEMM
                 cache.dgrad = (wt.t(), scale_inv)

@@ -7,10 +7,12 @@ scalar. The values are the same: max is exact, so the casts, and training, are b
 cast computes its own amax.
 
 `attach_weight_amaxes(model)` gives each current-scaling `Float8Linear` whose weight is a plain tensor a
-`weight_amax`: an fp32 scalar (a view into one buffer) set to max |weight| now. From then on, whatever writes the
-weights keeps these equal to max |weight| before the next forward: `StreamingAdamW.publish_amaxes` does for its
-updates; other writes (a checkpoint loaded in place, an edit by hand) call `refresh_weight_amaxes(model)`
-(`Float8Linear.load_state_dict` refreshes its own). `detach_weight_amaxes(model)` goes back to an amax pass per cast.
+`weight_amax` (`KeptAmax`): an fp32 scalar (a view into one buffer) set to max |weight| now, with the weight's
+version counter at that moment. `StreamingAdamW.publish_amaxes` keeps them through its updates. A cast uses the
+value only while the weight's version counter is the one recorded, so an in-place write that autograd sees (an EMA
+copy's `lerp_`, a `copy_` under no_grad) makes the cast compute its own amax again; writes that bypass the
+counter (through `.data`) must call `refresh_weight_amaxes(model)`, as they must invalidate the FP8 weight caches.
+`Float8Linear.load_state_dict` refreshes its own. `detach_weight_amaxes(model)` goes back to an amax pass per cast.
 """
 
 from __future__ import annotations
@@ -24,25 +26,44 @@ from .linear import Float8Linear
 from .recipe import Float8CurrentScaling
 
 
+class KeptAmax:
+    """max |weight| kept outside the cast: `value` (fp32 scalar tensor) holds it while the weight's `_version`
+    equals `version`; whoever writes the weight and the value records the version after the write."""
+
+    __slots__ = ("value", "version")
+
+    def __init__(self, value: torch.Tensor, version: int):
+        self.value, self.version = value, version
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The kept amax of `weight`, or None when the weight was written since (the caller computes it)."""
+        return self.value if weight._version == self.version else None
+
+    @torch.no_grad()
+    def refresh(self, weight: torch.Tensor) -> None:
+        self.value.copy_(torch.linalg.vector_norm(weight.detach(), float("inf")))
+        self.version = weight._version
+
+
 def _eligible(m: nn.Module) -> bool:
     dtensor = sys.modules.get("torch.distributed.tensor")
     return (isinstance(m, Float8Linear) and isinstance(m.recipe, Float8CurrentScaling)
             and not (dtensor is not None and isinstance(m.weight, dtensor.DTensor)))
 
 
-def attach_weight_amaxes(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def attach_weight_amaxes(model: nn.Module) -> list[tuple[torch.Tensor, KeptAmax]]:
     """Give every eligible layer (current scaling, a plain weight) of `model` a `weight_amax` = max |weight| (fp32
-    scalar views into one buffer per device). Returns the (weight, amax) pairs, for the optimizer to keep current
-    (`StreamingAdamW.publish_amaxes`); empty when no layer is eligible."""
+    scalar views into one buffer per device). Returns the (weight, KeptAmax) pairs, for the optimizer to keep
+    current (`StreamingAdamW.publish_amaxes`); empty when no layer is eligible."""
     layers = [m for m in model.modules() if _eligible(m)]
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pairs: list[tuple[torch.Tensor, KeptAmax]] = []
     by_device: dict[torch.device, list[Float8Linear]] = {}
     for m in layers:
         by_device.setdefault(m.weight.device, []).append(m)
     for device, ms in by_device.items():
         buf = torch.zeros(len(ms), dtype=torch.float32, device=device)
         for i, m in enumerate(ms):
-            m.weight_amax = buf[i]
+            m.weight_amax = KeptAmax(buf[i], -1)
             pairs.append((m.weight, m.weight_amax))
     refresh_weight_amaxes(model)
     return pairs
@@ -64,4 +85,4 @@ def detach_weight_amaxes(model: nn.Module) -> None:
             m.weight_amax = None
 
 
-__all__ = ["attach_weight_amaxes", "refresh_weight_amaxes", "detach_weight_amaxes"]
+__all__ = ["KeptAmax", "attach_weight_amaxes", "refresh_weight_amaxes", "detach_weight_amaxes"]

@@ -85,9 +85,9 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 class StreamingAdamW(torch.optim.AdamW):
     """torch.optim.AdamW (fused) whose large plain fp32 parameters are updated by `adamw_update_`.
 
-    `publish_amaxes` asks it to keep max |p| of some parameters in given fp32 scalars after every step (the weight
-    amaxes of FP8 current scaling: megadlms.fp8.weight_amax), out of the update's own pass where the kernel
-    updates the parameter, by an amax pass where torch's kernel did.
+    `publish_amaxes` asks it to keep max |p| of some parameters after every step (the weight amaxes of FP8 current
+    scaling: megadlms.fp8.weight_amax.KeptAmax), out of the update's own pass where the kernel updates the
+    parameter, by an amax pass where torch's kernel did.
     """
 
     min_numel = 1 << 16  # smaller tensors share torch's multi-tensor launches instead of one launch each
@@ -99,25 +99,25 @@ class StreamingAdamW(torch.optim.AdamW):
         if kwargs.get("fused") is False:
             raise ValueError("StreamingAdamW is a fused optimizer; fused=False asks for torch.optim.AdamW")
         super().__init__(params, **{**kwargs, "fused": True})
-        self._amax_of: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> the fp32 scalar kept = max |p|
+        self._amax_of: dict[torch.Tensor, Any] = {}  # parameter -> its KeptAmax
 
-    def publish_amaxes(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """From now on keep each `amax` (an fp32 scalar tensor on the parameter's device) equal to max |p| after
-        every step, for the (p, amax) pairs whose p this optimizer updates (others are ignored)."""
+    def publish_amaxes(self, pairs: Iterable[tuple[torch.Tensor, Any]]) -> None:
+        """From now on keep each `kept` (a `megadlms.fp8.weight_amax.KeptAmax`: `value`, an fp32 scalar tensor on
+        the parameter's device, and `version`) equal to max |p| after every step, for the (p, kept) pairs whose p
+        this optimizer updates (others are ignored)."""
         mine = {p for g in self.param_groups for p in g["params"]}
-        for p, amax in pairs:
+        for p, kept in pairs:
             if p in mine:
-                if amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != p.device:
+                v = kept.value
+                if v.dtype != torch.float32 or v.numel() != 1 or v.device != p.device:
                     raise ValueError(f"publish_amaxes: the amax of a parameter {tuple(p.shape)} must be an fp32 "
-                                     f"scalar on {p.device}, got {amax.dtype} {tuple(amax.shape)} on {amax.device}")
-                self._amax_of[p] = amax
+                                     f"scalar on {p.device}, got {v.dtype} {tuple(v.shape)} on {v.device}")
+                self._amax_of[p] = kept
 
-    @torch.no_grad()
     def _refresh_amaxes(self, params: Iterable[torch.Tensor]) -> None:
         """max |p| by an amax pass, for the published parameters among `params` (updated by torch's kernel)."""
-        pairs = [(p, self._amax_of[p]) for p in params if p in self._amax_of]
-        for p, amax in pairs:
-            amax.copy_(torch.linalg.vector_norm(p, float("inf")))
+        for p in [p for p in params if p in self._amax_of]:
+            self._amax_of[p].refresh(p)
 
     def _streamed(self, p: torch.Tensor, lr: Any, kernel_on: dict[torch.device, bool]) -> bool:
         g = p.grad
@@ -165,7 +165,8 @@ class StreamingAdamW(torch.optim.AdamW):
         if not work:
             return None
         torch._foreach_add_([s["step"] for _, _, s, _ in work], 1.0)
-        amaxes = [self._amax_of.get(p) for p, _, _, _ in work]
+        kept = [self._amax_of.get(p) for p, _, _, _ in work]
+        amaxes = [k.value if k is not None else None for k in kept]
         if any(a is not None for a in amaxes):
             torch._foreach_zero_([a for a in amaxes if a is not None])
         scales: dict[torch.device, torch.Tensor] = {}
@@ -175,6 +176,9 @@ class StreamingAdamW(torch.optim.AdamW):
             adamw_update_(p, g, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=float(group["lr"]),
                           beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                           weight_decay=float(group["weight_decay"]), grad_scale=scale, amax_out=amax)
+        for (p, _, _, _), k in zip(work, kept):
+            if k is not None:  # the kernel's writes leave the version counter as it was
+                k.version = p._version
         return None
 
 
