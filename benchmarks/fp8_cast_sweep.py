@@ -136,14 +136,19 @@ def main() -> None:
     print("\nbytes moved = read x + write q + write q^T; copy = a device copy of the same bytes")
     print("now = the library's tile and the first (formulation, rounding) in its order that passed; best = the "
           "fastest that passed; a formulation with 's': rounded in fp32 arithmetic")
-    print(f"{'cast':24s} {'MB':>6s} {'copy us':>8s} {'copy GB/s':>9s} {'now us':>8s} {'now GB/s':>8s} "
-          f"{'best us':>8s} {'best GB/s':>9s}  best tile, mode")
-    for name, moved, copy_us, now, best in summary:
+    print_summary("cast", "copy", "best tile, mode", summary,
+                  lambda best: f"{best[1] if best else '-'}, {label(best[2]) if best else '-'}")
+
+
+def print_summary(kind: str, baseline: str, best_what: str, rows: list, describe_best) -> None:
+    """One line per tensor: (name, bytes, baseline us, now row or None, best row or None) against the baseline."""
+    print(f"{kind:24s} {'MB':>6s} {baseline + ' us':>8s} {baseline + ' GB/s':>9s} {'now us':>8s} {'now GB/s':>8s} "
+          f"{'best us':>8s} {'best GB/s':>9s}  {best_what}")
+    for name, nbytes, base_us, now, best in rows:
         now_us = now[0] if now else float("nan")
         best_us = best[0] if best else float("nan")
-        print(f"{name:24s} {moved / 1e6:6.0f} {copy_us:8.1f} {moved / copy_us / 1e3:9.0f} {now_us:8.1f} "
-              f"{moved / now_us / 1e3:8.0f} {best_us:8.1f} {moved / best_us / 1e3:9.0f}  "
-              f"{best[1] if best else '-'}, {label(best[2]) if best else '-'}")
+        print(f"{name:24s} {nbytes / 1e6:6.0f} {base_us:8.1f} {nbytes / base_us / 1e3:9.0f} {now_us:8.1f} "
+              f"{nbytes / now_us / 1e3:8.0f} {best_us:8.1f} {nbytes / best_us / 1e3:9.0f}  {describe_best(best)}")
 
 
 def label(variant: tuple[int, bool]) -> str:
@@ -273,13 +278,8 @@ def sweep_amax(dev, a) -> None:
         best = min((r for r in rows if r[2]), default=None)
         results.append((name, x.nbytes, aten_us, now, best))
     print("\namax: one read of x; now = the library's tile (AMAX_TILE); best = the fastest that agreed with ATen")
-    print(f"{'amax':24s} {'MB':>6s} {'ATen us':>8s} {'ATen GB/s':>9s} {'now us':>8s} {'now GB/s':>8s} "
-          f"{'best us':>8s} {'best GB/s':>9s}  best tile (block, warps, programs/SM)")
-    for name, nbytes, aten_us, now, best in results:
-        now_us = now[0] if now else float("nan")
-        best_us = best[0] if best else float("nan")
-        print(f"{name:24s} {nbytes / 1e6:6.0f} {aten_us:8.1f} {nbytes / aten_us / 1e3:9.0f} {now_us:8.1f} "
-              f"{nbytes / now_us / 1e3:8.0f} {best_us:8.1f} {nbytes / best_us / 1e3:9.0f}  {best[1] if best else '-'}")
+    print_summary("amax", "ATen", "best tile (block, warps, programs/SM)", results,
+                  lambda best: f"{best[1] if best else '-'}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ the BF16 GEMM of the unquantized tensors.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,9 @@ from .state import FP8GlobalStateManager
 
 ROLES = ("input", "weight", "grad")
 INPUT, WEIGHT, GRAD = 0, 1, 2
+
+if TYPE_CHECKING:
+    from .weight_amax import KeptAmax
 
 _checked_devices: set[int] = set()
 
@@ -209,7 +212,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         self.num_weight_casts = 0  # how many times the FP8 weight was made (tests, debugging)
         # current scaling: max |weight| kept by whoever writes the weight (fp8.weight_amax.KeptAmax), or None:
         # each weight cast computes it
-        self.weight_amax: Any = None
+        self.weight_amax: KeptAmax | None = None
 
     # ------------------------------------------------------------------ state
     def extra_repr(self) -> str:

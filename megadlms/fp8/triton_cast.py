@@ -400,23 +400,8 @@ def checked_amax(x: torch.Tensor) -> torch.Tensor | None:
     caller uses ATen)."""
     if not x.is_contiguous() or not 0 < x.numel() < 2**31 - 65536 or not enabled(x.device):
         return None
-    ok = _state["amax_ok"].get(x.dtype)
-    if ok is False:
-        return None
-    if ok:
-        return amax(x)
-    want = torch.linalg.vector_norm(x, float("inf")).float()
-    try:
-        got = amax(x)
-        agree, problem = torch.equal(got, want), f"{got.item()!r} instead of {want.item()!r}"
-    except Exception as e:  # e.g. a Triton build without these instructions
-        agree, problem = False, f"{type(e).__name__}: {str(e)[:200]}"
-    _state["amax_ok"][x.dtype] = agree
-    if not agree:
-        warnings.warn(f"megadlms.fp8: the Triton amax kernel disagreed with ATen for {x.dtype} ({problem}); "
-                      "amaxes of this dtype use ATen's reduction", RuntimeWarning, stacklevel=2)
-        return None
-    return got
+    return _checked_once(_state["amax_ok"], x.dtype, lambda: amax(x),
+                         lambda: torch.linalg.vector_norm(x, float("inf")).float(), f"amax kernel ({x.dtype})")
 
 
 MAX_SCALE_INPUTS = 4
@@ -439,22 +424,36 @@ def checked_current_scale(amaxes: Sequence[torch.Tensor], fp8_dtype: torch.dtype
                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`current_scale`, checked bitwise against `amax_to_scale` and ATen's reciprocal on its first call in the
     process; None when the kernel is off (the caller computes the scale with torch)."""
-    if not enabled(amaxes[0].device) or _state["scale_ok"] is False:
+    if not enabled(amaxes[0].device):
         return None
-    if _state["scale_ok"]:
-        return current_scale(amaxes, fp8_dtype, margin)
-    amax = torch.stack([a.float() for a in amaxes]).amax()
-    want = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        scale = amax_to_scale(torch.stack([a.float() for a in amaxes]).amax(), FP8_MAX[fp8_dtype], margin)
+        return scale, scale.reciprocal()
+
+    return _checked_once(_state, "scale_ok", lambda: current_scale(amaxes, fp8_dtype, margin), reference,
+                         "current-scale kernel")
+
+
+def _checked_once(verdicts: dict, key: Any, run: Any, reference: Any, what: str) -> Any:
+    """run() where verdicts[key] is True; None where it is False; on the first call (no verdict yet), run() compared
+    bitwise with reference() (a tensor or a tuple of them), the verdict recorded and a disagreement (or a kernel
+    that fails to run) warned about. None tells the caller to compute it with torch."""
+    ok = verdicts.get(key)
+    if ok is not None:
+        return run() if ok else None
+    want = reference()
     try:
-        got = current_scale(amaxes, fp8_dtype, margin)
-        agree = torch.equal(got[0], want) and torch.equal(got[1], want.reciprocal())
-        problem = f"{got[0].item()!r}, {got[1].item()!r} instead of {want.item()!r}, {want.reciprocal().item()!r}"
+        got = run()
+        pairs = list(zip(got, want)) if isinstance(want, tuple) else [(got, want)]
+        agree = all(torch.equal(g, w) for g, w in pairs)
+        problem = "; ".join(f"{g.item()!r} instead of {w.item()!r}" for g, w in pairs)
     except Exception as e:  # e.g. a Triton build without these instructions
         agree, problem = False, f"{type(e).__name__}: {str(e)[:200]}"
-    _state["scale_ok"] = agree
+    verdicts[key] = agree
     if not agree:
-        warnings.warn(f"megadlms.fp8: the Triton current-scale kernel disagreed with torch (amax {amax.item()!r}: "
-                      f"{problem}); the scales are computed with torch instead", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"megadlms.fp8: the Triton {what} disagreed with torch ({problem}); torch computes it instead",
+                      RuntimeWarning, stacklevel=3)
         return None
     return got
 

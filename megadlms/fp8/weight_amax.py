@@ -69,7 +69,6 @@ def attach_weight_amaxes(model: nn.Module) -> list[tuple[torch.Tensor, KeptAmax]
     return pairs
 
 
-@torch.no_grad()
 def refresh_weight_amaxes(model: nn.Module) -> None:
     """Set every attached `weight_amax` of `model` to max |weight| now (after writing the weights other than by
     an optimizer that publishes them)."""
