@@ -18,6 +18,8 @@ Variants (--variants, comma-separated):
                  the optimizer step (StreamingAdamW, `fp8.weight_amax`; its cost there: adamw_speed.py), so the
                  weight casts make no amax pass (the weights do not change between the timed iterations)
   fp8-tensorwise-amax  the same with an amax pass before each weight cast (no optimizer keeping them)
+  fp8-tensorwise-nomlp fp8-tensorwise with the MLP's layers one by one (fuse_mlp=False): the A/B of the fused FP8
+                 MLP under current scaling
   fp8-rowwise    our FP8 engine, Float8RowwiseScaling, HYBRID
   torchao        torchao.float8 tensorwise (when torchao is importable), same block otherwise
   NAME+graphs    the variant with its forward and backward replayed from CUDA graphs, as the trainer runs its
@@ -127,11 +129,12 @@ def build_variant(name: str, cfg: TransformerConfig, device: torch.device, compi
         recipe = {"fp8-delayed": delayed, "fp8-delayed-unfused": delayed, "fp8-delayed-nomlp": delayed,
                   "fp8-tensorwise": Float8CurrentScaling(fp8_format=Format.HYBRID),
                   "fp8-tensorwise-amax": Float8CurrentScaling(fp8_format=Format.HYBRID),
+                  "fp8-tensorwise-nomlp": Float8CurrentScaling(fp8_format=Format.HYBRID),
                   "fp8-rowwise": Float8RowwiseScaling(fp8_format=Format.HYBRID)}[name]
         holder = convert_to_fp8(holder, recipe, fuse_projections=not name.endswith("-unfused"),
                                 fuse_mlp=not name.endswith(("-unfused", "-nomlp")))
         ctx = holder.layer_context
-        if name == "fp8-tensorwise":
+        if name in ("fp8-tensorwise", "fp8-tensorwise-nomlp"):
             from megadlms.fp8 import attach_weight_amaxes
 
             attach_weight_amaxes(holder)

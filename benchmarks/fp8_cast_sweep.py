@@ -8,7 +8,10 @@ copy of the same bytes, the practical floor.
 
 `--kinds amax` times the amax kernel of current scaling (`triton_cast.amax`) by (block, warps, programs per SM)
 against ATen's reduction, each call of both timed inside a CUDA graph (the host's launch latency, which is
-longer than these kernels, would otherwise be timed), bandwidth counted as one read of x.
+longer than these kernels, would otherwise be timed), bandwidth counted as one read of x. `--kinds swiglu_amax`
+does the same for the amax passes of the fused FP8 MLP under current scaling (`triton_swiglu.swiglu_amax`, one
+read of y = [gate, up]; `swiglu_bwd_amax`, one read of dh, gate and up) by (rows, columns, warps, programs per
+SM), against the amax kernel over a tensor of the same bytes.
 
     python3 benchmarks/fp8_cast_sweep.py            # on a GPU
     TRITON_INTERPRET=1 python3 benchmarks/fp8_cast_sweep.py --smoke   # small shapes on the CPU (a check)
@@ -81,7 +84,7 @@ def main() -> None:
     p.add_argument("--tiles", default="", help="tiles to try, e.g. 64x64x4,64x128x4 (rows x columns x warps); "
                    "default: all of TILES")
     p.add_argument("--kinds", default="cast,swiglu", help="which kernels: cast (triton_cast), swiglu (triton_swiglu), "
-                   "amax (triton_cast.amax)")
+                   "amax (triton_cast.amax), swiglu_amax (triton_swiglu.swiglu_amax, swiglu_bwd_amax)")
     p.add_argument("--smoke", action="store_true", help="shapes / 64, two tiles, CPU (with TRITON_INTERPRET=1)")
     a = p.parse_args()
     dev = torch.device("cpu" if a.smoke else "cuda")
@@ -133,6 +136,8 @@ def main() -> None:
         summary += sweep_swiglu(dev, tiles, roundings, a)
     if "amax" in kinds:
         sweep_amax(dev, a)
+    if "swiglu_amax" in kinds:
+        sweep_swiglu_amax(dev, a)
     print("\nbytes moved = read x + write q + write q^T; copy = a device copy of the same bytes")
     print("now = the library's tile and the first (formulation, rounding) in its order that passed; best = the "
           "fastest that passed; a formulation with 's': rounded in fp32 arithmetic")
@@ -279,6 +284,48 @@ def sweep_amax(dev, a) -> None:
         results.append((name, x.nbytes, aten_us, now, best))
     print("\namax: one read of x; now = the library's tile (AMAX_TILE); best = the fastest that agreed with ATen")
     print_summary("amax", "ATen", "best tile (block, warps, programs/SM)", results,
+                  lambda best: f"{best[1] if best else '-'}")
+
+
+SWIGLU_AMAX_TILES = [(r, c, w, p) for r, c in ((8, 512), (16, 256), (32, 128), (32, 256), (16, 512)) for w in (4, 8)
+                     for p in (2, 4, 8)]
+
+
+def sweep_swiglu_amax(dev, a) -> None:
+    """The amax passes of the fused MLP under current scaling by tile, checked against torch's amax of the same
+    fp32 values (within 1e-3, as their first call is), against `triton_cast.amax` over a tensor of the same bytes
+    (the plain read's speed)."""
+    tiles = SWIGLU_AMAX_TILES[:2] if a.smoke else SWIGLU_AMAX_TILES
+    timer = graph_us if dev.type == "cuda" else (lambda fn: time_us(fn, 2))
+    results = []
+    for name, m, f in SWIGLU_SHAPES:
+        if a.smoke:
+            m, f = m // 64, f // 64
+        g = torch.Generator(device=dev).manual_seed(0)
+        y = (torch.randn(m, 2 * f, device=dev, generator=g) * 2).bfloat16()
+        dh = torch.randn(m, f, device=dev, generator=g).bfloat16()
+        gate, up = y[:, :f], y[:, f:]
+        cases = (("fwd", y.nbytes, lambda tile: triton_swiglu.swiglu_amax(y, tile),
+                  triton_swiglu.swiglu_ref(gate, up).abs().amax()),
+                 ("bwd", y.nbytes + dh.nbytes, lambda tile: triton_swiglu.swiglu_bwd_amax(dh, gate, up, None, tile),
+                  torch.cat(triton_swiglu.swiglu_bwd_ref(dh, gate, up), 1).abs().amax()))
+        for kind, nbytes, run, want in cases:
+            flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_(generator=g)
+            base_us = timer(lambda: triton_cast.amax(flat))
+            rows = []
+            for tile in tiles:
+                ok = bool(torch.allclose(run(tile), want, rtol=1e-3, atol=0.0))
+                us = timer(lambda tile=tile: run(tile))
+                rows.append((us, tile, ok))
+                print(f"  swiglu amax {kind} {name:6s} tile {str(tile):18s} {us:8.1f} us "
+                      f"{nbytes / us / 1e3:7.0f} GB/s  {'ok' if ok else 'WRONG'}", flush=True)
+            tile_now = triton_swiglu.AMAX_TILES[kind]
+            now = next((r for r in rows if r[1] == tile_now), None)
+            best = min((r for r in rows if r[2]), default=None)
+            results.append((f"swiglu amax {kind} {name}", nbytes, base_us, now, best))
+    print("\nswiglu amax: one read of the inputs; amax = triton_cast.amax over the same bytes; now = the library's "
+          "tile (AMAX_TILES); best = the fastest that agreed with torch")
+    print_summary("swiglu amax", "amax", "best tile (rows, cols, warps, programs/SM)", results,
                   lambda best: f"{best[1] if best else '-'}")
 
 

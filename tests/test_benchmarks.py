@@ -59,6 +59,20 @@ def test_fp8_cast_sweep_smoke(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_fp8_cast_sweep_amax_smoke(tmp_path):
+    """The amax sweeps (current scaling's amax kernel, the fused MLP's amax passes) in Triton's interpreter: every
+    tile agrees with torch, and each tensor gets its summary line."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_cast_sweep.py"), "--smoke", "--kinds",
+                          "amax,swiglu_amax"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    assert "WRONG" not in res.stdout and res.stdout.count(" ok") == 16, res.stdout[-3000:]
+    assert sum(line.startswith("swiglu amax bwd llama") for line in lines) == 1, res.stdout[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_adamw_speed_smoke(tmp_path):
     """The optimizer benchmark with the AdamW kernel in Triton's interpreter: it runs, and StreamingAdamW agrees with
     torch's fused AdamW."""

@@ -65,7 +65,7 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
         their input (`fused_linear.FusedFloat8Projection`, installed as the instance's `project_qkv` /
         `project_gate_up`; parameters and state_dict keys are unchanged). Per-tensor recipes only.
     fuse_mlp: each FP8 MLP runs as one function whose SwiGLU is fused into the FP8 casts around it
-        (`fused_mlp.FusedFloat8MLP`, installed as the instance's `forward`). Delayed scaling only.
+        (`fused_mlp.FusedFloat8MLP`, installed as the instance's `forward`). Delayed and current scaling.
     fprop_fast_accum: Hopper's fast (reduced-precision) accumulation in the forward GEMM; False makes it
         accumulate like the backward GEMMs (slower, for numerics checks).
     dot_product_attention: the attention of each FP8 layer runs in FP8 too (`attention.Float8DotProductAttention`:

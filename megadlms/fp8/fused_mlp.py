@@ -12,11 +12,16 @@ Against the unfused FP8 layers (`FusedFloat8Projection` for gate/up, the compile
 same code: the concatenated gate/up weight and its scales come from the group's `FusedFloat8Projection`, the
 down weight from its `Float8Linear`; amax histories, scales and state_dict keys stay on the member modules.
 
-`FusedFloat8MLP` is installed as the instance's `MLP.forward` by `convert_to_fp8(fuse_mlp=True)` (the default).
-It takes the fused path with delayed scaling once scales exist (from the first `fp8_step` on: the casts need
-their scales before the pass) and where the fused kernels run (CUDA with Triton, or Triton's interpreter);
-otherwise (the first step, current or rowwise scaling, FP8 telemetry on, hooks on a member, outside
-fp8_autocast) it runs the MLP's layers one by one, as without it.
+Current (tensorwise) scaling needs the scale of h and of [d_gate, d_up] before their casts: a pass of its own
+first (`triton_swiglu.swiglu_amax` / `swiglu_bwd_amax`) reads the fused kernel's inputs and computes the amax of
+the same fp32 values the cast then scales, writing nothing. Against the unfused layers that is one read of h
+(and of [d_gate, d_up]) in place of its BF16 write, its read by an amax pass and its read by the cast.
+
+`FusedFloat8MLP` is installed as the instance's `MLP.forward` by `convert_to_fp8(fuse_mlp=True)` (the default)
+for delayed and current scaling. It takes the fused path where the fused kernels run (CUDA with Triton, or
+Triton's interpreter), with delayed scaling once scales exist (from the first `fp8_step` on: the casts need
+their scales before the pass); otherwise (delayed scaling's first step, FP8 telemetry on, hooks on a member,
+outside fp8_autocast) it runs the MLP's layers one by one, as without it. Rowwise scaling does not install it.
 """
 
 from __future__ import annotations
@@ -28,12 +33,15 @@ from torch import nn
 
 from ..model import MLP, SwiGLU, compute_dtype
 from . import triton_swiglu
+from .fused import current_scale
 from .fused_linear import FusedFloat8Projection, _cast_grad_parts, _cast_shared
 from .linear import GRAD, INPUT, Float8Linear, take_fp8_weights
 from .quantize import pad_2d, round_up16, scaled_mm
-from .recipe import DelayedScaling
+from .recipe import DelayedScaling, Float8CurrentScaling
 from .state import FP8GlobalStateManager
 from .swiglu import SwiGLUFP8InputStore, _quantize_rows
+
+_FUSED_RECIPES = (DelayedScaling, Float8CurrentScaling)  # per-tensor scaling; rowwise runs the layers one by one
 
 
 class FusedFloat8MLP:
@@ -60,7 +68,7 @@ class FusedFloat8MLP:
         gu = self.gate_up.members()
         if type(down) is not Float8Linear or type(mlp.act_fn) not in (SwiGLU, SwiGLUFP8InputStore):
             return False
-        if not self.gate_up._fusable(gu, x) or not isinstance(down.recipe, DelayedScaling):
+        if not self.gate_up._fusable(gu, x) or not isinstance(down.recipe, _FUSED_RECIPES):
             return False
         if down._forward_hooks or down._forward_pre_hooks or mlp.act_fn._forward_hooks:
             return False
@@ -70,7 +78,8 @@ class FusedFloat8MLP:
             return False
         if any(m.collect_fp8_stats for m in (*gu, down)) or down.recipe != gu[0].recipe:
             return False
-        if not all(m._is_ready() for m in (*gu, down)):  # scales exist from the first fp8_step on
+        delayed = isinstance(down.recipe, DelayedScaling)
+        if delayed and not all(m._is_ready() for m in (*gu, down)):  # scales exist from the first fp8_step on
             return False
         return triton_swiglu.available(x.reshape(-1, x.shape[-1]))
 
@@ -99,7 +108,8 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
                 w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
         recipe = down.recipe
         fwd = recipe.fp8_format.fwd_dtype
-        record = down.training
+        delayed = isinstance(recipe, DelayedScaling)
+        record = delayed and down.training  # amax histories: delayed scaling only
         m, k = x.shape
         mp = round_up16(m)
         xp = pad_2d(x, mp, k)
@@ -115,9 +125,16 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         down._grad_follows = grad_follows
         wd = down._fp8_weight()
         f = y.shape[1] // 2
-        h_slot = down.fp8_amax_history[0, INPUT] if record else None
-        h_si = wd.scale_inv_of(INPUT)
-        out = triton_swiglu.checked_swiglu_cast(y, down.fp8_scale[INPUT], fwd, need_wdown, h_slot)
+        out, h_si = None, None
+        if delayed:
+            h_slot = down.fp8_amax_history[0, INPUT] if record else None
+            h_si = wd.scale_inv_of(INPUT)
+            out = triton_swiglu.checked_swiglu_cast(y, down.fp8_scale[INPUT], fwd, need_wdown, h_slot)
+        else:  # current scaling: the amax of h first, from y (h is never written in BF16)
+            h_amax = triton_swiglu.checked_swiglu_amax(y)
+            if h_amax is not None:
+                h_scale, h_si = current_scale([h_amax], fwd, recipe.margin)
+                out = triton_swiglu.checked_swiglu_cast(y, h_scale, fwd, need_wdown)
         if out is not None:
             hq, ht = out
         else:  # the kernel is off: BF16 SwiGLU, then the down projection's own cast
@@ -141,6 +158,7 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         ctx.x_dtype, ctx.out_dtype = x.dtype, out_dtype
         ctx.w_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
         ctx.store_fp8 = store_fp8
+        ctx.delayed = delayed
         return result
 
     @staticmethod
@@ -169,17 +187,25 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         else:
             (y,) = saved_y
             gate, up, row_scales = y[:, :f], y[:, f:], None
-        slots = [mod.fp8_amax_history[0, GRAD] for mod in gu]
-        out = triton_swiglu.checked_swiglu_bwd_cast(dh, gate, up, wgu.scales[GRAD], bwd, need_dx, need_wgu,
-                                                    row_scales, slots)
+        out = None
+        if ctx.delayed:
+            slots = [mod.fp8_amax_history[0, GRAD] for mod in gu]
+            out = triton_swiglu.checked_swiglu_bwd_cast(dh, gate, up, wgu.scales[GRAD], bwd, need_dx, need_wgu,
+                                                        row_scales, slots)
+            d_si = wgu.scale_invs[GRAD]
+        else:  # current scaling: the derivatives' amax first, from the same inputs
+            d_amax = triton_swiglu.checked_swiglu_bwd_amax(dh, gate, up, row_scales)
+            if d_amax is not None:
+                d_scale, d_si = current_scale([d_amax], bwd, down.recipe.margin)
+                out = triton_swiglu.checked_swiglu_bwd_cast(dh, gate, up, d_scale, bwd, need_dx, need_wgu,
+                                                            row_scales)
         if out is not None:
             dq, dt = out
-            d_si = wgu.scale_invs[GRAD]
         else:  # the kernel is off: BF16 derivatives, then the group's own gradient cast
             if row_scales is not None:
                 gate, up = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
             d_gate, d_up = (d.to(ctx.out_dtype) for d in triton_swiglu.swiglu_bwd_ref(dh, gate, up))
-            dq, d_si, dt = _cast_grad_parts(gu, (d_gate, d_up), bwd, wgu, True, need_dx, need_wgu, mp)
+            dq, d_si, dt = _cast_grad_parts(gu, (d_gate, d_up), bwd, wgu, ctx.delayed, need_dx, need_wgu, mp)
         dx = None
         if need_dx:
             dx = scaled_mm(dq, wgu.transposed().t(), d_si, wgu.scale_inv, ctx.x_dtype, bwd_fast)[:m]
@@ -193,12 +219,12 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
 
 def install_fused_mlps(module: nn.Module) -> int:
     """Install a `FusedFloat8MLP` as the `forward` of every MLP inside `module` whose three projections are
-    per-tensor Float8Linears. Returns how many were installed."""
+    per-tensor (delayed or current scaling) Float8Linears. Returns how many were installed."""
     count = 0
     for sub in module.modules():
         if isinstance(sub, MLP) and all(type(getattr(sub, n)) is Float8Linear
                                         for n in ("gate_proj", "up_proj", "down_proj")):
-            if isinstance(sub.down_proj.recipe, DelayedScaling):
+            if isinstance(sub.down_proj.recipe, _FUSED_RECIPES):
                 sub.forward = FusedFloat8MLP(sub)
                 count += 1
     return count

@@ -205,9 +205,13 @@ if triton is not None:
             else:
                 v = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
             acc = tl.maximum(acc, tl.abs(v.to(tl.float32)), propagate_nan=tl.PropagateNan.ALL)
-        block_max = tl.max(acc, 0)  # a NaN in acc may not survive tl.max: put it back
-        block_max = tl.where(tl.max((acc != acc).to(tl.int32), 0) > 0, float("nan"), block_max)
-        tl.atomic_max(out_ptr, block_max)
+        tl.atomic_max(out_ptr, max_keeping_nan(acc))
+
+    @triton.jit
+    def max_keeping_nan(acc):
+        # the max of a 1-D fp32 block, NaN if it holds one (a NaN may not survive tl.max: put back)
+        m = tl.max(acc, 0)
+        return tl.where(tl.max((acc != acc).to(tl.int32), 0) > 0, float("nan"), m)
 
 
 # Formulations of the transposed store, in the order tried: 0 transposes the fp32 tile and converts, 1 converts
@@ -383,15 +387,20 @@ def amax(x: torch.Tensor, tile: tuple[int, int, int] | None = None) -> torch.Ten
     n = x.numel()
     block, warps, per_sm = tile or AMAX_TILE
     out = torch.zeros((), dtype=torch.float32, device=x.device)
-    sms = _sm_count.get(x.device)
-    if sms is None:
-        sms = _sm_count[x.device] = (torch.cuda.get_device_properties(x.device).multi_processor_count
-                                     if x.device.type == "cuda" else 1)
-    # a few programs per SM stream the tensor, each keeping its max in registers; more would only add atomics
-    grid = (max(1, min(per_sm * sms, triton_cdiv(n, block))),)
     kwargs = {} if _interpret() else {"num_warps": warps}
-    amax_kernel[grid](x, out, n, BLOCK=block, EVEN=n % block == 0, **kwargs)
+    amax_kernel[(streaming_programs(x.device, per_sm, triton_cdiv(n, block)),)](x, out, n, BLOCK=block,
+                                                                               EVEN=n % block == 0, **kwargs)
     return out
+
+
+def streaming_programs(device: torch.device, per_sm: int, blocks: int) -> int:
+    """Grid size of a reduction whose programs stride over `blocks` blocks, each keeping its result in registers
+    until one atomic at its end: `per_sm` programs per SM (more would only add atomics), at most one per block."""
+    sms = _sm_count.get(device)
+    if sms is None:
+        sms = _sm_count[device] = (torch.cuda.get_device_properties(device).multi_processor_count
+                                   if device.type == "cuda" else 1)
+    return max(1, min(per_sm * sms, blocks))
 
 
 def checked_amax(x: torch.Tensor) -> torch.Tensor | None:
@@ -435,10 +444,10 @@ def checked_current_scale(amaxes: Sequence[torch.Tensor], fp8_dtype: torch.dtype
                          "current-scale kernel")
 
 
-def _checked_once(verdicts: dict, key: Any, run: Any, reference: Any, what: str) -> Any:
+def _checked_once(verdicts: dict, key: Any, run: Any, reference: Any, what: str, same: Any = torch.equal) -> Any:
     """run() where verdicts[key] is True; None where it is False; on the first call (no verdict yet), run() compared
-    bitwise with reference() (a tensor or a tuple of them), the verdict recorded and a disagreement (or a kernel
-    that fails to run) warned about. None tells the caller to compute it with torch."""
+    with reference() (a tensor or a tuple of them; bitwise, or by `same(got, want)`), the verdict recorded and a
+    disagreement (or a kernel that fails to run) warned about. None tells the caller to compute it with torch."""
     ok = verdicts.get(key)
     if ok is not None:
         return run() if ok else None
@@ -446,7 +455,7 @@ def _checked_once(verdicts: dict, key: Any, run: Any, reference: Any, what: str)
     try:
         got = run()
         pairs = list(zip(got, want)) if isinstance(want, tuple) else [(got, want)]
-        agree = all(torch.equal(g, w) for g, w in pairs)
+        agree = all(same(g, w) for g, w in pairs)
         problem = "; ".join(f"{g.item()!r} instead of {w.item()!r}" for g, w in pairs)
     except Exception as e:  # e.g. a Triton build without these instructions
         agree, problem = False, f"{type(e).__name__}: {str(e)[:200]}"

@@ -5,9 +5,14 @@ forward   `swiglu_cast`:      y = [gate, up] [M, 2F] -> h = silu(gate) * up cast
 backward  `swiglu_bwd_cast`:  dh [M, F], gate, up -> [d_gate, d_up] cast to FP8 as q [M, 2F] and q^T [2F, M]
                               (the gate/up projection's dgrad and wgrad operands), amax into the history slots
 
+current scaling, before them: `swiglu_amax` / `swiglu_bwd_amax` read the same inputs and give the amax of the
+                              values the cast will scale (its scale), writing nothing
+
 Unfused, each of these is a BF16 pointwise kernel whose output a cast kernel reads back: h (M x F) and
 [d_gate, d_up] (M x 2F) make a round trip through memory in BF16. Here they stay in registers and go to FP8
-from fp32 (one rounding instead of two), with the scale known before the pass (delayed scaling).
+from fp32 (one rounding instead of two), with the scale known before the pass (delayed scaling) or taken from
+the amax pass (current scaling: one read of the inputs in place of h's BF16 write, its amax pass and its cast's
+read).
 
 The casts and stores are `triton_cast`'s (`store_q_qt`: the same roundings and formulations of the transposed
 store). The first call of each variant is checked against the torch computation (`swiglu_ref`, `swiglu_bwd_ref`),
@@ -40,8 +45,9 @@ except Exception:
     triton = None
 
 # per variant key: the (formulation, rounding) that passed its first-call check ("mode"), the variants switched off
-# ("bad"), and why formulations were passed over ("rejected": what a benchmark reports)
-_state: dict[str, Any] = {"mode": {}, "bad": set(), "rejected": {}}
+# ("bad"), why formulations were passed over ("rejected": what a benchmark reports), and the verdicts of the amax
+# kernels' first-call checks ("amax_ok")
+_state: dict[str, Any] = {"mode": {}, "bad": set(), "rejected": {}, "amax_ok": {}}
 MAX_AMAX_OUTS = 2
 
 
@@ -54,7 +60,74 @@ def available(y: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    from .triton_cast import store_q_qt
+    from .triton_cast import max_keeping_nan, store_q_qt
+
+    @triton.jit
+    def swiglu_fp32(gate, up):
+        return gate * tl.sigmoid(gate) * up
+
+    @triton.jit
+    def swiglu_grads_fp32(dh, gate, up):
+        sig = tl.sigmoid(gate)
+        d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))  # d silu(x)/dx = s(x) (1 + x (1 - s(x)))
+        return d_gate, dh * gate * sig
+
+    @triton.jit
+    def swiglu_amax_kernel(y_ptr, ld_y, M, F, out_ptr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        # max |silu(gate) * up| over y = [gate, up] [M, 2F] into out_ptr (fp32, zero before the call), each value
+        # computed as swiglu_cast_kernel computes it: the scale current scaling needs before that cast. Each
+        # program strides over tiles keeping an elementwise max, then one atomic max; NaN wins (as amax_kernel)
+        n_cb = tl.cdiv(F, BC)
+        lr = tl.arange(0, BR)
+        lc = tl.arange(0, BC)
+        offs = lr[:, None] * ld_y + lc[None, :]
+        acc = tl.zeros((BR, BC), tl.float32)
+        for tile in range(tl.program_id(0), tl.cdiv(M, BR) * n_cb, tl.num_programs(0)):
+            r0 = (tile // n_cb) * BR
+            c0 = (tile % n_cb) * BC
+            y_tile = y_ptr + r0.to(tl.int64) * ld_y + c0
+            if EVEN:
+                gate = tl.load(y_tile + offs).to(tl.float32)
+                up = tl.load(y_tile + F + offs).to(tl.float32)
+            else:
+                mask = (r0 + lr[:, None] < M) & (c0 + lc[None, :] < F)
+                gate = tl.load(y_tile + offs, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(y_tile + F + offs, mask=mask, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.abs(swiglu_fp32(gate, up)), propagate_nan=tl.PropagateNan.ALL)
+        tl.atomic_max(out_ptr, max_keeping_nan(tl.reshape(acc, (BR * BC,))))
+
+    @triton.jit
+    def swiglu_bwd_amax_kernel(dh_ptr, ld_dh, g_ptr, u_ptr, ld_gu, gs_ptr, us_ptr, M, F, out_ptr,
+                               ROW_SCALES: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        # max |.| of [d_gate, d_up] as swiglu_bwd_cast_kernel computes them, into out_ptr (as swiglu_amax_kernel)
+        n_cb = tl.cdiv(F, BC)
+        lr = tl.arange(0, BR)
+        lc = tl.arange(0, BC)
+        dh_offs = lr[:, None] * ld_dh + lc[None, :]
+        offs = lr[:, None] * ld_gu + lc[None, :]
+        acc = tl.zeros((BR, BC), tl.float32)
+        for tile in range(tl.program_id(0), tl.cdiv(M, BR) * n_cb, tl.num_programs(0)):
+            r0 = (tile // n_cb) * BR
+            c0 = (tile % n_cb) * BC
+            dh_tile = dh_ptr + r0.to(tl.int64) * ld_dh + c0
+            gu_origin = r0.to(tl.int64) * ld_gu + c0
+            if EVEN:
+                dh = tl.load(dh_tile + dh_offs)
+                gate = tl.load(g_ptr + gu_origin + offs).to(tl.float32)
+                up = tl.load(u_ptr + gu_origin + offs).to(tl.float32)
+            else:
+                mask = (r0 + lr[:, None] < M) & (c0 + lc[None, :] < F)
+                dh = tl.load(dh_tile + dh_offs, mask=mask, other=0.0)
+                gate = tl.load(g_ptr + gu_origin + offs, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(u_ptr + gu_origin + offs, mask=mask, other=0.0).to(tl.float32)
+            if ROW_SCALES:
+                rows = r0 + lr
+                gate = gate * tl.load(gs_ptr + rows, mask=rows < M, other=0.0)[:, None]
+                up = up * tl.load(us_ptr + rows, mask=rows < M, other=0.0)[:, None]
+            d_gate, d_up = swiglu_grads_fp32(dh.to(tl.float32), gate, up)
+            acc = tl.maximum(acc, tl.abs(d_gate), propagate_nan=tl.PropagateNan.ALL)
+            acc = tl.maximum(acc, tl.abs(d_up), propagate_nan=tl.PropagateNan.ALL)
+        tl.atomic_max(out_ptr, max_keeping_nan(tl.reshape(acc, (BR * BC,))))
 
     @triton.jit
     def swiglu_cast_kernel(y_ptr, ld_y, M, F, q_ptr, t_ptr, ld_q, ld_t, scale_ptr, amax_ptr, FMAX: tl.constexpr,
@@ -74,7 +147,7 @@ if triton is not None:
             mask = (r0 + lr[:, None] < M) & (c0 + lc[None, :] < F)
             gate = tl.load(y_tile + offs, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(y_tile + F + offs, mask=mask, other=0.0).to(tl.float32)
-        h = gate * tl.sigmoid(gate) * up
+        h = swiglu_fp32(gate, up)
         store_q_qt(h, tl.load(scale_ptr), r0, c0, M, F, q_ptr, t_ptr, ld_q, ld_t, FMAX, MBITS, EMIN, True, WANT_T,
                    T_MODE, SW_ROUND, EVEN, BR, BC)
         if HAS_AMAX:
@@ -107,10 +180,7 @@ if triton is not None:
             rows = r0 + lr
             gate = gate * tl.load(gs_ptr + rows, mask=rows < M, other=0.0)[:, None]
             up = up * tl.load(us_ptr + rows, mask=rows < M, other=0.0)[:, None]
-        dh = dh.to(tl.float32)
-        sig = tl.sigmoid(gate)
-        d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))  # d silu(x)/dx = s(x) (1 + x (1 - s(x)))
-        d_up = dh * gate * sig
+        d_gate, d_up = swiglu_grads_fp32(dh.to(tl.float32), gate, up)
         scale = tl.load(scale_ptr)
         store_q_qt(d_gate, scale, r0, c0, M, F, q_ptr, t_ptr, ld_q, ld_t, FMAX, MBITS, EMIN, WANT_Q, WANT_T,
                    T_MODE, SW_ROUND, EVEN, BR, BC)
@@ -224,6 +294,45 @@ def swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, scal
     return (q if want_q else None), t
 
 
+# (rows, columns, warps, programs per SM) of the amax kernels of current scaling: benchmarks/fp8_cast_sweep.py
+# --kinds swiglu_amax on an H200
+AMAX_TILES = {"fwd": (32, 256, 4, 4), "bwd": (16, 512, 4, 8)}
+
+
+def _amax_launch(m: int, f: int, device: torch.device, tile: tuple[int, int, int, int]
+                 ) -> tuple[tuple[int], dict[str, Any]]:
+    br, bc, warps, per_sm = tile
+    tiles = triton_cast.triton_cdiv(m, br) * triton_cast.triton_cdiv(f, bc)
+    kw: dict[str, Any] = {"EVEN": m % br == 0 and f % bc == 0, "BR": br, "BC": bc}
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        kw["num_warps"] = warps
+    return (triton_cast.streaming_programs(device, per_sm, tiles),), kw
+
+
+def swiglu_amax(y: torch.Tensor, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """y [M, 2F] as `swiglu_cast` takes it -> max |silu(gate) * up| (fp32 scalar tensor) over the values that
+    kernel casts: one read of y, nothing written (current scaling's amax of h, with h never in memory)."""
+    m, f2 = y.shape
+    out = torch.zeros((), dtype=torch.float32, device=y.device)
+    grid, kw = _amax_launch(m, f2 // 2, y.device, tile or AMAX_TILES["fwd"])
+    swiglu_amax_kernel[grid](y, y.stride(0), m, f2 // 2, out, **kw)
+    return out
+
+
+def swiglu_bwd_amax(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                    row_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """dh, gate, up as `swiglu_bwd_cast` takes them -> max |.| of [d_gate, d_up] (fp32 scalar tensor) over the
+    values that kernel casts: one read of its inputs, nothing written."""
+    m, f = dh.shape
+    out = torch.zeros((), dtype=torch.float32, device=dh.device)
+    gs, us = row_scales if row_scales is not None else (out, out)
+    grid, kw = _amax_launch(m, f, dh.device, tile or AMAX_TILES["bwd"])
+    swiglu_bwd_amax_kernel[grid](dh, dh.stride(0), gate, up, gate.stride(0), gs, us, m, f, out,
+                                 ROW_SCALES=row_scales is not None, **kw)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- checked calls
 def _codes_close(q: torch.Tensor, ref: torch.Tensor, max_share: float = 1e-3) -> bool:
     """Every FP8 code of q within one step of ref's (FP8 codes are monotone in magnitude within a sign), and at most
@@ -321,5 +430,39 @@ def checked_swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tens
         ref, list(amax_out), d.abs().amax())
 
 
+def _amax_close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    # silu's exp may differ from torch's in the last bit: the amaxes within 1e-3, as `_first_call` checks them
+    return bool(torch.allclose(got, want, rtol=1e-3, atol=0.0, equal_nan=True))
+
+
+def checked_swiglu_amax(y: torch.Tensor) -> torch.Tensor | None:
+    """`swiglu_amax`, checked against torch on its first call per input dtype; None when it is off (the caller
+    takes the unfused path)."""
+    if y.is_cuda:  # as for the cast kernels (`_first_call`)
+        triton_cast.use_torch_ptxas()
+    f = y.shape[1] // 2
+    return triton_cast._checked_once(_state["amax_ok"], ("fwd", y.dtype), lambda: swiglu_amax(y),
+                                     lambda: swiglu_ref(y[:, :f], y[:, f:]).abs().amax(),
+                                     f"SwiGLU amax kernel ({y.dtype})", _amax_close)
+
+
+def checked_swiglu_bwd_amax(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                            row_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """`swiglu_bwd_amax`, checked against torch on its first call per variant; None when it is off."""
+    key = ("bwd", dh.dtype, gate.dtype, row_scales is not None)
+    if dh.is_cuda:
+        triton_cast.use_torch_ptxas()
+
+    def reference() -> torch.Tensor:
+        g, u = gate, up
+        if row_scales is not None:
+            g, u = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
+        return torch.cat(swiglu_bwd_ref(dh, g, u), dim=1).abs().amax()
+
+    return triton_cast._checked_once(_state["amax_ok"], key, lambda: swiglu_bwd_amax(dh, gate, up, row_scales),
+                                     reference, f"SwiGLU derivative amax kernel {key}", _amax_close)
+
+
 __all__ = ["available", "swiglu_cast", "swiglu_bwd_cast", "checked_swiglu_cast", "checked_swiglu_bwd_cast",
+           "swiglu_amax", "swiglu_bwd_amax", "checked_swiglu_amax", "checked_swiglu_bwd_amax",
            "swiglu_ref", "swiglu_bwd_ref"]

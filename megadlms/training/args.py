@@ -97,7 +97,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fp8-fuse-projections", action=argparse.BooleanOptionalAction, default=True,
                    help="run q/k/v and gate/up as one FP8 GEMM each (same parameters and checkpoints)")
     g.add_argument("--fp8-fuse-mlp", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the FP8 MLP as one function with the SwiGLU fused into its FP8 casts (delayed scaling)")
+                   help="run the FP8 MLP as one function with the SwiGLU fused into its FP8 casts (delayed and "
+                        "tensorwise scaling)")
     g.add_argument("--fp8-fprop-fast-accum", action=argparse.BooleanOptionalAction, default=True,
                    help="fast accumulation in the forward FP8 GEMM (off: full-precision accumulation, slower)")
     g.add_argument("--fp8-dot-product-attention", action="store_true",

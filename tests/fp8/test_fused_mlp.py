@@ -19,7 +19,16 @@ import pytest
 import torch
 
 from megadlms.config import TransformerConfig
-from megadlms.fp8 import DelayedScaling, Float8CurrentScaling, convert_to_fp8, enable_fp8_stats, fp8_step, triton_swiglu
+from megadlms.fp8 import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Float8RowwiseScaling,
+    convert_to_fp8,
+    enable_fp8_stats,
+    fp8_autocast,
+    fp8_step,
+    triton_swiglu,
+)
 from megadlms.fp8.fused_mlp import FusedFloat8MLP
 from megadlms.model import TransformerLM
 
@@ -68,6 +77,17 @@ KERNELS = COMMON + textwrap.dedent("""
         q2, t2 = ts.checked_swiglu_bwd_cast(dh, gq, uq, torch.tensor(4.0), fp8, False, True, (gs[:, 0], us[:, 0]))
         d2 = torch.cat(ts.swiglu_bwd_ref(dh, gq.float() * gs, uq.float() * us), 1)
         assert q2 is None and ts._codes_close(t2.t().contiguous(), (d2 * 4).clamp(-fmax, fmax).to(fp8))
+        # current scaling's amaxes: of the values the casts scale, nothing written; a NaN wins
+        assert torch.allclose(ts.checked_swiglu_amax(y), h.abs().amax(), rtol=1e-6)
+        assert torch.allclose(ts.checked_swiglu_bwd_amax(dh, y[:, :f], y[:, f:]), d.abs().amax(), rtol=1e-6)
+        assert torch.allclose(ts.checked_swiglu_bwd_amax(dh, gq, uq, (gs[:, 0], us[:, 0])), d2.abs().amax(),
+                              rtol=1e-6)
+        for tile in ((8, 16, 4, 1), (16, 32, 4, 64)):  # one program striding over every tile; one per tile
+            assert torch.allclose(ts.swiglu_amax(y, tile), h.abs().amax(), rtol=1e-6)
+            assert torch.allclose(ts.swiglu_bwd_amax(dh, y[:, :f], y[:, f:], None, tile), d.abs().amax(), rtol=1e-6)
+        y_nan = y.clone()
+        y_nan[m - 1, f + 3] = float("nan")
+        assert ts.swiglu_amax(y_nan).isnan() and ts.swiglu_bwd_amax(dh, y_nan[:, :f], y_nan[:, f:]).isnan()
     for mode in sorted(set(ts.FORMULATIONS["fwd"] + ts.FORMULATIONS["bwd"])):  # every way of making q^T
         # the same bytes as q transposed
         q, t = ts.swiglu_cast(y, torch.tensor(8.0), torch.float8_e4m3fn, True, None, mode, marker=True)
@@ -75,7 +95,7 @@ KERNELS = COMMON + textwrap.dedent("""
         q, t = ts.swiglu_bwd_cast(dh, y[:, :f], y[:, f:], torch.tensor(4.0), torch.float8_e5m2, True, True,
                                   t_mode=mode, marker=True)
         assert torch.equal(t.view(torch.uint8), q.view(torch.uint8).t()), mode
-    assert not ts._state["bad"], ts._state
+    assert not ts._state["bad"] and all(ts._state["amax_ok"].values()), ts._state
     print("OK")
 """)
 
@@ -110,6 +130,36 @@ TRAINING = COMMON + textwrap.dedent("""
 """)
 
 
+CURRENT = COMMON + textwrap.dedent("""
+    # current scaling: the fused MLP from the first step, against the unfused layers (BF16 SwiGLU; the same casts
+    # of x and of the weights, the amaxes of h and of the derivatives from fp32 values instead of BF16 ones). Their
+    # FP8 roundings differ, so both are measured against the model without FP8: the fused MLP must be as close
+    from megadlms.fp8 import Float8CurrentScaling
+    torch.manual_seed(0)
+    base = TransformerLM(cfg())
+    fused = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling())
+    plain = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling(), fuse_mlp=False)
+    calls = fused.layers[0].mlp.forward
+    rel = lambda a, b: float((a - b).float().norm() / b.float().norm())
+    for it, s in enumerate((24, 23, 24)):
+        tokens = torch.randint(0, 128, (2, s))
+        exact_a, exact_b = copy.deepcopy(base), copy.deepcopy(base)  # each with the weights its FP8 model has now
+        exact_a.load_state_dict(fused.state_dict(), strict=False)
+        exact_b.load_state_dict(plain.state_dict(), strict=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            la, ga = step(fused, tokens)
+            lb, gb = step(plain, tokens)
+            lc, gc = step(exact_a, tokens)
+            ld, gd = step(exact_b, tokens)
+        assert calls.num_fused_calls == it + 1
+        assert rel(la, lc) <= 1.1 * rel(lb, ld) and rel(la, lc) < 0.03, it
+        worst_fused, worst_plain = max(rel(ga[k], gc[k]) for k in gc), max(rel(gb[k], gd[k]) for k in gd)
+        assert worst_fused <= 1.25 * worst_plain and worst_fused < 0.2, (it, worst_fused, worst_plain)
+    assert all(ts._state["amax_ok"].values()) and len(ts._state["amax_ok"]) == 2 and not ts._state["bad"]
+    print("OK")
+""")
+
+
 def _run(script: str, *args: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parents[2]
@@ -127,6 +177,11 @@ def test_fused_swiglu_cast_kernels_match_torch_in_interpreter():
 @pytest.mark.parametrize("store", ["bf16", "store"])
 def test_fused_mlp_trains_like_the_unfused_fp8_layers(store):
     _run(TRAINING, store)
+
+
+@needs_triton
+def test_fused_mlp_with_current_scaling_trains_like_the_unfused_layers_in_interpreter():
+    _run(CURRENT)
 
 
 # --------------------------------------------------------------------------------------------- in-process logic
@@ -149,7 +204,7 @@ def _train_steps(model: torch.nn.Module, n: int) -> torch.Tensor:
     return logits.detach()
 
 
-def _torch_kernels(monkeypatch, wrong_fwd: bool = False, wrong_bwd: bool = False) -> None:
+def _torch_kernels(monkeypatch, wrong_fwd: bool = False, wrong_bwd: bool = False, wrong_amax: bool = False) -> None:
     """The kernels' contract computed with torch, optionally wrong, standing in for Triton on the CPU."""
 
     def fwd(y, scale, fp8_dtype, want_t, amax_out=None, t_mode=0, tile=None, marker=False, sw_round=False):
@@ -175,10 +230,21 @@ def _torch_kernels(monkeypatch, wrong_fwd: bool = False, wrong_bwd: bool = False
             a.copy_(torch.maximum(a, d.abs().amax()))
         return (q if want_q else None), (t if want_t else None)
 
+    def amax(y, tile=None):
+        f = y.shape[1] // 2
+        return triton_swiglu.swiglu_ref(y[:, :f], y[:, f:]).abs().amax() * (2 if wrong_amax else 1)
+
+    def bwd_amax(dh, gate, up, row_scales=None, tile=None):
+        if row_scales is not None:
+            gate, up = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
+        return torch.cat(triton_swiglu.swiglu_bwd_ref(dh, gate, up), 1).abs().amax()
+
     monkeypatch.setattr(triton_swiglu, "available", lambda y: True)
+    monkeypatch.setattr(triton_swiglu, "swiglu_amax", amax)
+    monkeypatch.setattr(triton_swiglu, "swiglu_bwd_amax", bwd_amax)
     monkeypatch.setattr(triton_swiglu, "swiglu_cast", fwd)
     monkeypatch.setattr(triton_swiglu, "swiglu_bwd_cast", bwd)
-    monkeypatch.setattr(triton_swiglu, "_state", {"mode": {}, "bad": set(), "rejected": {}})
+    monkeypatch.setattr(triton_swiglu, "_state", {"mode": {}, "bad": set(), "rejected": {}, "amax_ok": {}})
 
 
 def test_a_kernel_that_fails_its_first_check_is_switched_off_and_training_matches(monkeypatch):
@@ -204,8 +270,8 @@ def test_a_kernel_that_fails_its_first_check_is_switched_off_and_training_matche
 
 
 def test_fused_path_needs_delayed_scales_and_no_telemetry(monkeypatch):
-    """The first step (no scales yet) and FP8 telemetry steps run the layers one by one; current scaling does
-    not install the fused MLP; the fused path, with torch standing in for the kernels, trains like the unfused."""
+    """With delayed scaling the first step (no scales yet) and FP8 telemetry steps run the layers one by one; the
+    fused path, with torch standing in for the kernels, trains like the unfused."""
     _torch_kernels(monkeypatch)
     torch.manual_seed(0)
     base = TransformerLM(_cfg())
@@ -226,5 +292,47 @@ def test_fused_path_needs_delayed_scales_and_no_telemetry(monkeypatch):
     enable_fp8_stats(fused, True)
     _train_steps(fused, 1)
     assert mlp_fwd.num_fused_calls == 2
-    current = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling())
-    assert "forward" not in current.layers[0].mlp.__dict__
+
+
+def test_current_scaling_fuses_the_mlp_from_its_first_step(monkeypatch):
+    """Current scaling takes the fused path from the first step (its scales come from amax passes over the fused
+    kernels' inputs, `swiglu_amax` / `swiglu_bwd_amax`): with torch standing in for the kernels, the first forward
+    is the unfused layers' bit for bit (fp32: h is the same fp32 tensor, so its amax, scale and cast are too) and
+    training stays close (the derivative's formula differs from autograd's in its last bits). Rowwise scaling
+    keeps the unfused MLP."""
+    _torch_kernels(monkeypatch)
+    torch.manual_seed(0)
+    base = TransformerLM(_cfg())
+    fused = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling())
+    plain = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling(), fuse_mlp=False)
+    mlp_fwd = fused.layers[0].mlp.forward
+    assert isinstance(mlp_fwd, FusedFloat8MLP)
+    tokens = torch.randint(0, 128, (2, 16))
+    with fp8_autocast():
+        assert torch.equal(fused(tokens), plain(tokens))
+    assert mlp_fwd.num_fused_calls == 1
+    torch.manual_seed(1)
+    out = _train_steps(fused, 3)
+    torch.manual_seed(1)
+    ref = _train_steps(plain, 3)
+    assert mlp_fwd.num_fused_calls == 4
+    assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
+    assert all(triton_swiglu._state["amax_ok"].values()) and len(triton_swiglu._state["amax_ok"]) == 2
+    rowwise = convert_to_fp8(copy.deepcopy(base), Float8RowwiseScaling())
+    assert "forward" not in rowwise.layers[0].mlp.__dict__
+
+
+def test_an_amax_kernel_that_fails_its_first_check_is_switched_off(monkeypatch):
+    """A wrong amax of h switches its kernel off with a warning; the MLP then computes h in BF16 and the down
+    projection casts it as the unfused layers do: the same output."""
+    _torch_kernels(monkeypatch, wrong_amax=True)
+    torch.manual_seed(0)
+    base = TransformerLM(_cfg())
+    fused = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling())
+    plain = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling(), fuse_mlp=False)
+    tokens = torch.randint(0, 128, (2, 16))
+    with fp8_autocast(), pytest.warns(RuntimeWarning, match="SwiGLU amax kernel"):
+        out = fused(tokens)
+    with fp8_autocast():
+        assert torch.equal(out, plain(tokens))
+    assert triton_swiglu._state["amax_ok"] == {("fwd", torch.float32): False}
