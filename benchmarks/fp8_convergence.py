@@ -6,9 +6,9 @@ to BF16 (target: within 1.5%), and the training-loss curve of each variant. `bf1
 same run with the LM head + loss summed in other chunks: equal in exact arithmetic, different in the
 last bits) and `bf16 seed2` (another initialisation, mask and data order) measure the run-to-run
 spread a gap must be judged against;
-the FP8 ablations (e4m3, BF16 weight gradient, unfused projections, precise forward accumulation,
-BF16 first/last layers) locate where a gap comes from; the `fp8-attention` variants add FP8 attention
-(`--fp8-dot-product-attention`: needs `nvidia-cudnn-frontend` on a GPU).
+the FP8 ablations (e4m3, BF16 weight gradient, unfused projections, tensorwise without the fused MLP, precise
+forward accumulation, BF16 first/last layers) locate where a gap comes from; the `fp8-attention` variants add FP8
+attention (`--fp8-dot-product-attention`: needs `nvidia-cudnn-frontend` on a GPU).
 
 Variants run as separate processes, `--parallel` at a time (several small runs share one GPU well:
 each alone leaves it idle between eager kernels; qwen3-0.6b at micro-batch 16 x 512 needs ~29 GiB each).
@@ -45,6 +45,7 @@ VARIANTS = {
     "fp8 delayed/hybrid": DELAYED,
     "fp8 delayed/hybrid seed2": DELAYED + ["--seed", "1235"],
     "fp8 tensorwise/hybrid": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "fp8 tensorwise nomlp": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--no-fp8-fuse-mlp"],
     "fp8 rowwise/hybrid": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
     "fp8 delayed/e4m3": ["--fp8-format", "e4m3", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16",
                          "--fp8-amax-compute-algo", "max"],
@@ -118,6 +119,8 @@ def run_parallel(a: argparse.Namespace, names: list[str]) -> list[dict]:
     """Each variant in its own process, `a.parallel` at a time; rows in the order of `names`. The children are
     stopped when this process ends early (a time cap's SIGTERM included), so none keeps the GPU busy."""
     tmp = tempfile.mkdtemp(prefix="fp8conv_")
+    if a.log_dir:
+        os.makedirs(a.log_dir, exist_ok=True)
     pending, running, rows = list(enumerate(names)), [], {}
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

@@ -22,8 +22,8 @@ SMOKES = {
     "fp8_numerics": (["--device", "cpu", "--small"], "budgets:"),
     "generate": (["--device", "cpu", "--preset", "tiny", "--gen-length", "16", "--block-length", "8", "--steps", "16",
                   "--prompt-length", "8", "--batch-sizes", "1", "2"], "fast dual"),
-    "fp8_convergence": (["--smoke", "--iters", "3", "--variants", "bf16,fp8 delayed/hybrid", "--parallel", "2"],
-                        "gap vs bf16"),
+    "fp8_convergence": (["--smoke", "--iters", "3", "--variants", "bf16,fp8 delayed/hybrid", "--parallel", "2",
+                         "--log-dir", "logs/new"], "gap vs bf16"),  # a log folder that does not exist yet
     "train_throughput": (["--smoke", "--steps", "1", "--warmup", "1", "--accum", "2"], "tiny/fp8"),
     "cuda_graph_check": (["--smoke"], "fp8 tensorwise "),
     # the count's wait is timed: on the CPU the count is ready at once
