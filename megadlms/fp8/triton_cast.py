@@ -321,14 +321,13 @@ def checked_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torc
     if found is not None:
         return cast_transpose(x, scale, fp8_dtype, want_q, want_t, amaxes, q_out, t_out, *found)
     before = [a.clone() for a in amaxes]
-    fmax = FP8_MAX[fp8_dtype]
-    ref = (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    ref, x_amax = _aten_cast(x, scale, fp8_dtype, with_amax=bool(amaxes))
     r, c = x.shape
     if want_q and q_out is None:
         q_out = torch.empty(r, c, dtype=fp8_dtype, device=x.device)
     if want_t and t_out is None:
         t_out = torch.empty(c, r, dtype=fp8_dtype, device=x.device)
-    want_amax = [torch.maximum(b, x.abs().amax().float()) for b in before]
+    want_amax = [torch.maximum(b, x_amax) for b in before]
     problems = []
     for sw_round in ROUNDINGS:
         rounding = "fp32 rounding" if sw_round else "conversion rounding"
@@ -373,6 +372,26 @@ def checked_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torc
     for a, b in zip(amaxes, before):
         a.copy_(b)
     return None
+
+
+# Rows of a first-call check's ATen reference cast at once: its fp32 temporaries stay this many rows tall instead of
+# the whole tensor's (GiBs at 8B-class shapes, on top of the first step's activations)
+CHECK_ROWS = 1024
+
+
+def _aten_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, with_amax: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ATen cast of x [R, C] (FP8 codes of clamp(x * scale)) and, with_amax, max |x| (fp32 scalar; else None),
+    CHECK_ROWS rows at a time."""
+    fmax = FP8_MAX[fp8_dtype]
+    ref = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device) if with_amax else None
+    for r0 in range(0, x.shape[0], CHECK_ROWS):
+        rows = x[r0:r0 + CHECK_ROWS].float()
+        ref[r0:r0 + CHECK_ROWS] = (rows * scale).clamp(-fmax, fmax).to(fp8_dtype)
+        if amax is not None:
+            amax = torch.maximum(amax, rows.abs().amax())
+    return ref, amax
 
 
 # (elements per block, warps, programs per SM) of the amax kernel: benchmarks/fp8_cast_sweep.py --kinds amax

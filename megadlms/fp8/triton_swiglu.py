@@ -334,15 +334,50 @@ def swiglu_bwd_amax(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------------------------------- checked calls
+# Rows of a first-call check's torch reference computed at once: its fp32 temporaries (a dozen for the backward's
+# derivatives) stay this many rows tall instead of the whole tensor's (several GiB at 8B-class shapes, on top of the
+# first step's activations)
+CHECK_ROWS = 1024
+
+
+def _row_blocks(m: int) -> list[tuple[int, int]]:
+    return [(r, min(r + CHECK_ROWS, m)) for r in range(0, m, CHECK_ROWS)]
+
+
+def _reference(m: int, cols: int, scale: torch.Tensor, fp8_dtype: torch.dtype, values: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel's torch reference built CHECK_ROWS rows at a time: values(r0, r1) -> fp32 [r1 - r0, cols] ->
+    (the FP8 codes [m, cols] of clamp(values * scale), max |values| as an fp32 scalar; NaN if any is)."""
+    fmax = FP8_MAX[fp8_dtype]
+    ref = torch.empty(m, cols, dtype=fp8_dtype, device=scale.device)
+    amax = torch.zeros((), dtype=torch.float32, device=scale.device)
+    for r0, r1 in _row_blocks(m):
+        v = values(r0, r1)
+        ref[r0:r1] = (v * scale).clamp(-fmax, fmax).to(fp8_dtype)
+        amax = torch.maximum(amax, v.abs().amax().float())
+    return ref, amax
+
+
+def _reference_amax(m: int, values: Any) -> torch.Tensor:
+    """max |values(r0, r1)| over all rows, CHECK_ROWS rows at a time (NaN if any is)."""
+    blocks = [values(r0, r1).abs().amax().float() for r0, r1 in _row_blocks(m)]
+    return torch.stack(blocks).amax() if blocks else torch.zeros(())
+
+
 def _codes_close(q: torch.Tensor, ref: torch.Tensor, max_share: float = 1e-3) -> bool:
     """Every FP8 code of q within one step of ref's (FP8 codes are monotone in magnitude within a sign), and at most
     `max_share` of them different at all: the kernel's fp32 value may differ from torch's in the last bit (silu's
-    exp), which moves a code only next to a rounding boundary; a wrong rounding moves a large share."""
-    a, b = q.view(torch.uint8).int(), ref.view(torch.uint8).int()
-    mag_a, mag_b = a & 0x7F, b & 0x7F
-    same_sign = ((a ^ b) & 0x80) == 0
-    within_step = bool((((mag_a - mag_b).abs() <= 1) & (same_sign | (mag_a + mag_b <= 1))).all())
-    return within_step and int((a != b).sum()) <= max_share * a.numel()
+    exp), which moves a code only next to a rounding boundary; a wrong rounding moves a large share. Compared
+    CHECK_ROWS rows at a time (the int32 temporaries are 4 bytes an element)."""
+    differ = 0
+    for r0, r1 in _row_blocks(q.shape[0]):
+        a, b = q[r0:r1].view(torch.uint8).int(), ref[r0:r1].view(torch.uint8).int()
+        mag_a, mag_b = a & 0x7F, b & 0x7F
+        same_sign = ((a ^ b) & 0x80) == 0
+        if not bool((((mag_a - mag_b).abs() <= 1) & (same_sign | (mag_a + mag_b <= 1))).all()):
+            return False
+        differ += int((a != b).sum())
+    return differ <= max_share * q.numel()
 
 
 def _first_call(key: tuple, run: Any, ref: torch.Tensor, amax_outs: Sequence[torch.Tensor],
@@ -395,14 +430,12 @@ def checked_swiglu_cast(y: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     found = _state["mode"].get(key)
     if found is not None:
         return swiglu_cast(y, scale, fp8_dtype, want_t, amax_out, found[0], sw_round=found[1])
-    f = y.shape[1] // 2
-    h = swiglu_ref(y[:, :f], y[:, f:])
-    fmax = FP8_MAX[fp8_dtype]
-    ref = (h * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    m, f = y.shape[0], y.shape[1] // 2
+    ref, h_amax = _reference(m, f, scale, fp8_dtype, lambda r0, r1: swiglu_ref(y[r0:r1, :f], y[r0:r1, f:]))
     outs = [amax_out] if amax_out is not None else []
     return _first_call(key, lambda mode, sw_round, marker: swiglu_cast(y, scale, fp8_dtype, want_t, amax_out, mode,
                                                                        marker=marker, sw_round=sw_round),
-                       ref, outs, h.abs().amax())
+                       ref, outs, h_amax)
 
 
 def checked_swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor,
@@ -418,16 +451,21 @@ def checked_swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tens
     if found is not None:
         return swiglu_bwd_cast(dh, gate, up, scale, fp8_dtype, want_q, want_t, row_scales, amax_out, found[0],
                                sw_round=found[1])
-    if row_scales is not None:
-        g, u = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
-    else:
-        g, u = gate, up
-    d = torch.cat(swiglu_bwd_ref(dh, g, u), dim=1)
-    fmax = FP8_MAX[fp8_dtype]
-    ref = (d * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    m, f = dh.shape
+    ref, d_amax = _reference(m, 2 * f, scale, fp8_dtype, lambda r0, r1: _derivatives(dh, gate, up, row_scales, r0, r1))
     return _first_call(key, lambda mode, sw_round, marker: swiglu_bwd_cast(
         dh, gate, up, scale, fp8_dtype, want_q, want_t, row_scales, amax_out, mode, marker=marker, sw_round=sw_round),
-        ref, list(amax_out), d.abs().amax())
+        ref, list(amax_out), d_amax)
+
+
+def _derivatives(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                 row_scales: tuple[torch.Tensor, torch.Tensor] | None, r0: int, r1: int) -> torch.Tensor:
+    """[d_gate, d_up] of rows r0:r1 in fp32 as the backward kernels compute them (gate and up dequantized first when
+    they are kept in FP8 with `row_scales`)."""
+    g, u = gate[r0:r1], up[r0:r1]
+    if row_scales is not None:
+        g, u = g.float() * row_scales[0][r0:r1, None], u.float() * row_scales[1][r0:r1, None]
+    return torch.cat(swiglu_bwd_ref(dh[r0:r1], g, u), dim=1)
 
 
 def _amax_close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -441,9 +479,10 @@ def checked_swiglu_amax(y: torch.Tensor) -> torch.Tensor | None:
     if y.is_cuda:  # as for the cast kernels (`_first_call`)
         triton_cast.use_torch_ptxas()
     f = y.shape[1] // 2
-    return triton_cast._checked_once(_state["amax_ok"], ("fwd", y.dtype), lambda: swiglu_amax(y),
-                                     lambda: swiglu_ref(y[:, :f], y[:, f:]).abs().amax(),
-                                     f"SwiGLU amax kernel ({y.dtype})", _amax_close)
+    return triton_cast._checked_once(
+        _state["amax_ok"], ("fwd", y.dtype), lambda: swiglu_amax(y),
+        lambda: _reference_amax(y.shape[0], lambda r0, r1: swiglu_ref(y[r0:r1, :f], y[r0:r1, f:])),
+        f"SwiGLU amax kernel ({y.dtype})", _amax_close)
 
 
 def checked_swiglu_bwd_amax(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
@@ -453,14 +492,10 @@ def checked_swiglu_bwd_amax(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tens
     if dh.is_cuda:
         triton_cast.use_torch_ptxas()
 
-    def reference() -> torch.Tensor:
-        g, u = gate, up
-        if row_scales is not None:
-            g, u = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
-        return torch.cat(swiglu_bwd_ref(dh, g, u), dim=1).abs().amax()
-
-    return triton_cast._checked_once(_state["amax_ok"], key, lambda: swiglu_bwd_amax(dh, gate, up, row_scales),
-                                     reference, f"SwiGLU derivative amax kernel {key}", _amax_close)
+    return triton_cast._checked_once(
+        _state["amax_ok"], key, lambda: swiglu_bwd_amax(dh, gate, up, row_scales),
+        lambda: _reference_amax(dh.shape[0], lambda r0, r1: _derivatives(dh, gate, up, row_scales, r0, r1)),
+        f"SwiGLU derivative amax kernel {key}", _amax_close)
 
 
 __all__ = ["available", "swiglu_cast", "swiglu_bwd_cast", "checked_swiglu_cast", "checked_swiglu_bwd_cast",

@@ -50,6 +50,8 @@ COMMON = textwrap.dedent("""
 """)
 
 KERNELS = COMMON + textwrap.dedent("""
+    from megadlms.fp8 import triton_cast
+    ts.CHECK_ROWS = triton_cast.CHECK_ROWS = 16  # the first-call references built in several row blocks
     torch.manual_seed(0)
     cases = (((40, 48), torch.float8_e4m3fn), ((40, 48), torch.float8_e5m2), ((64, 128), torch.float8_e4m3fn))
     for (m, f), fp8 in cases:
@@ -336,3 +338,34 @@ def test_an_amax_kernel_that_fails_its_first_check_is_switched_off(monkeypatch):
     with fp8_autocast():
         assert torch.equal(out, plain(tokens))
     assert triton_swiglu._state["amax_ok"] == {("fwd", torch.float32): False}
+
+
+def test_first_call_references_are_built_in_row_blocks(monkeypatch):
+    """The first-call checks build their torch references a few rows at a time (bounded temporaries at 8B-class
+    shapes): the same codes and amaxes as the whole-tensor computation, a NaN in a later block kept, and code
+    differences counted over every block."""
+    monkeypatch.setattr(triton_swiglu, "CHECK_ROWS", 7)
+    torch.manual_seed(0)
+    m, f, fp8 = 40, 24, torch.float8_e4m3fn
+    y = (torch.randn(m, 2 * f) * 2).bfloat16()
+    dh = torch.randn(m, f).bfloat16()
+    scale = torch.tensor(8.0)
+    h = triton_swiglu.swiglu_ref(y[:, :f], y[:, f:])
+    ref, amax = triton_swiglu._reference(m, f, scale, fp8, lambda r0, r1: triton_swiglu.swiglu_ref(y[r0:r1, :f],
+                                                                                                  y[r0:r1, f:]))
+    assert torch.equal(ref.view(torch.uint8), (h * 8).clamp(-448, 448).to(fp8).view(torch.uint8))
+    assert torch.equal(amax, h.abs().amax())
+    d = torch.cat(triton_swiglu.swiglu_bwd_ref(dh, y[:, :f], y[:, f:]), 1)
+    got = triton_swiglu._reference_amax(m, lambda r0, r1: triton_swiglu._derivatives(dh, y[:, :f], y[:, f:], None,
+                                                                                     r0, r1))
+    assert torch.equal(got, d.abs().amax())
+    y[m - 1, 0] = float("nan")
+    assert triton_swiglu._reference_amax(m, lambda r0, r1: triton_swiglu.swiglu_ref(y[r0:r1, :f],
+                                                                                    y[r0:r1, f:])).isnan()
+    near = ref.clone()
+    near.view(torch.uint8)[[0, m - 1], 3] += 1  # one step in the first and the last block
+    assert triton_swiglu._codes_close(near, ref, max_share=2 / near.numel())
+    assert not triton_swiglu._codes_close(near, ref, max_share=1 / near.numel())
+    far = ref.clone()
+    far.view(torch.uint8)[m - 1, 5] ^= 0x7F  # far off, in the last block only
+    assert not triton_swiglu._codes_close(far, ref)

@@ -14,6 +14,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+from megadlms.fp8 import triton_cast
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
@@ -241,3 +244,19 @@ def test_the_kernels_compile_with_torchs_ptxas_unless_the_user_chose_one(monkeyp
     monkeypatch.setenv("TRITON_PTXAS_PATH", str(ours))
     triton_cast.use_torch_ptxas()
     assert os.environ["TRITON_PTXAS_PATH"] == str(ours)
+
+
+def test_the_first_call_reference_cast_is_built_in_row_blocks(monkeypatch):
+    """The ATen reference of the cast kernel's first-call check is cast a few rows at a time (bounded fp32
+    temporaries): the same codes and amax as the whole-tensor cast, for bf16 and fp32 sources, a NaN kept."""
+    monkeypatch.setattr(triton_cast, "CHECK_ROWS", 7)
+    torch.manual_seed(0)
+    for dtype, fp8 in ((torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2)):
+        x = (torch.randn(40, 24) * 30).to(dtype)
+        scale = torch.tensor(3.0)
+        ref, amax = triton_cast._aten_cast(x, scale, fp8)
+        fmax = torch.finfo(fp8).max
+        assert torch.equal(ref.view(torch.uint8), (x.float() * scale).clamp(-fmax, fmax).to(fp8).view(torch.uint8))
+        assert torch.equal(amax, x.abs().amax().float())
+        x[39, 0] = float("nan")
+        assert triton_cast._aten_cast(x, scale, fp8)[1].isnan()
