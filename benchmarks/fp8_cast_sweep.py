@@ -194,17 +194,22 @@ def fastest(rows: list) -> tuple | None:
 SWIGLU_SHAPES = [("qwen", 16384, 6144), ("llama", 8192, 14336)]
 
 
+def swiglu_inputs(dev, m: int, f: int, smoke: bool):
+    """(m, f, y = [gate, up] [m, 2f], dh [m, f]) in BF16 for a SwiGLU shape (/ 64 each with --smoke), seeded."""
+    if smoke:
+        m, f = m // 64, f // 64
+    g = torch.Generator(device=dev).manual_seed(0)
+    y = (torch.randn(m, 2 * f, device=dev, generator=g) * 2).bfloat16()
+    return m, f, y, torch.randn(m, f, device=dev, generator=g).bfloat16()
+
+
 def sweep_swiglu(dev, tiles, roundings, a) -> list:
     """The fused SwiGLU + FP8 cast kernels (forward: y [M, 2F] -> h q, h^T; backward: dh, y -> [d_gate, d_up] q,
     ^T) by tile and formulation of q^T (`triton_swiglu.FORMULATIONS`; 9: q transposed by the FP8 transpose
     kernel), checked as their first call is."""
     summary = []
     for name, m, f in SWIGLU_SHAPES:
-        if a.smoke:
-            m, f = m // 64, f // 64
-        g = torch.Generator(device=dev).manual_seed(0)
-        y = (torch.randn(m, 2 * f, device=dev, generator=g) * 2).bfloat16()
-        dh = torch.randn(m, f, device=dev, generator=g).bfloat16()
+        m, f, y, dh = swiglu_inputs(dev, m, f, a.smoke)
         scale = torch.tensor(8.0, device=dev)
         h_ref = (triton_swiglu.swiglu_ref(y[:, :f], y[:, f:]) * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
         d_ref = (torch.cat(triton_swiglu.swiglu_bwd_ref(dh, y[:, :f], y[:, f:]), 1) * scale).clamp(
@@ -262,6 +267,20 @@ def graph_us(fn, calls: int = 20, replays: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_tiles(label: str, tiles, run, agrees, nbytes: int, timer, tile_now) -> tuple:
+    """Each tile's run(tile) checked by agrees(result) and timed (bandwidth: one read of `nbytes`), one line each;
+    returns the (us, tile, ok) rows of the library's tile (None if not swept) and of the fastest that agreed."""
+    rows = []
+    for tile in tiles:
+        ok = bool(agrees(run(tile)))
+        us = timer(lambda tile=tile: run(tile))
+        rows.append((us, tile, ok))
+        print(f"  {label} tile {str(tile):18s} {us:8.1f} us {nbytes / us / 1e3:7.0f} GB/s  {'ok' if ok else 'WRONG'}",
+              flush=True)
+    now = next((r for r in rows if r[1] == tile_now), None)
+    return now, min((r for r in rows if r[2]), default=None)
+
+
 def sweep_amax(dev, a) -> None:
     """The amax kernel by tile against ATen's inf-norm reduction (what the casts used before it)."""
     shapes = [(n, r // 64, c // 64, dt) for n, r, c, dt in AMAX_SHAPES] if a.smoke else AMAX_SHAPES
@@ -272,15 +291,8 @@ def sweep_amax(dev, a) -> None:
         x = (torch.randn(r, c, device=dev, generator=torch.Generator(device=dev).manual_seed(0)) * 3).to(dt)
         want = torch.linalg.vector_norm(x, float("inf")).float()
         aten_us = timer(lambda: torch.linalg.vector_norm(x, float("inf")))
-        rows = []
-        for tile in tiles:
-            ok = torch.equal(triton_cast.amax(x, tile), want)
-            us = timer(lambda tile=tile: triton_cast.amax(x, tile))
-            rows.append((us, tile, ok))
-            print(f"  amax {name:24s} tile {str(tile):18s} {us:8.1f} us {x.nbytes / us / 1e3:7.0f} GB/s  "
-                  f"{'ok' if ok else 'WRONG'}", flush=True)
-        now = next(r for r in rows if r[1] == triton_cast.AMAX_TILE) if triton_cast.AMAX_TILE in tiles else None
-        best = min((r for r in rows if r[2]), default=None)
+        now, best = time_tiles(f"amax {name:24s}", tiles, lambda tile, x=x: triton_cast.amax(x, tile),
+                               lambda got, want=want: torch.equal(got, want), x.nbytes, timer, triton_cast.AMAX_TILE)
         results.append((name, x.nbytes, aten_us, now, best))
     print("\namax: one read of x; now = the library's tile (AMAX_TILE); best = the fastest that agreed with ATen")
     print_summary("amax", "ATen", "best tile (block, warps, programs/SM)", results,
@@ -299,29 +311,18 @@ def sweep_swiglu_amax(dev, a) -> None:
     timer = graph_us if dev.type == "cuda" else (lambda fn: time_us(fn, 2))
     results = []
     for name, m, f in SWIGLU_SHAPES:
-        if a.smoke:
-            m, f = m // 64, f // 64
-        g = torch.Generator(device=dev).manual_seed(0)
-        y = (torch.randn(m, 2 * f, device=dev, generator=g) * 2).bfloat16()
-        dh = torch.randn(m, f, device=dev, generator=g).bfloat16()
+        m, f, y, dh = swiglu_inputs(dev, m, f, a.smoke)
         gate, up = y[:, :f], y[:, f:]
         cases = (("fwd", y.nbytes, lambda tile: triton_swiglu.swiglu_amax(y, tile),
                   triton_swiglu.swiglu_ref(gate, up).abs().amax()),
                  ("bwd", y.nbytes + dh.nbytes, lambda tile: triton_swiglu.swiglu_bwd_amax(dh, gate, up, None, tile),
                   torch.cat(triton_swiglu.swiglu_bwd_ref(dh, gate, up), 1).abs().amax()))
         for kind, nbytes, run, want in cases:
-            flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_(generator=g)
+            flat = torch.randn(nbytes // 2, device=dev).bfloat16()
             base_us = timer(lambda: triton_cast.amax(flat))
-            rows = []
-            for tile in tiles:
-                ok = bool(torch.allclose(run(tile), want, rtol=1e-3, atol=0.0))
-                us = timer(lambda tile=tile: run(tile))
-                rows.append((us, tile, ok))
-                print(f"  swiglu amax {kind} {name:6s} tile {str(tile):18s} {us:8.1f} us "
-                      f"{nbytes / us / 1e3:7.0f} GB/s  {'ok' if ok else 'WRONG'}", flush=True)
-            tile_now = triton_swiglu.AMAX_TILES[kind]
-            now = next((r for r in rows if r[1] == tile_now), None)
-            best = min((r for r in rows if r[2]), default=None)
+            now, best = time_tiles(f"swiglu amax {kind} {name:6s}", tiles, run,
+                                   lambda got, want=want: torch.allclose(got, want, rtol=1e-3, atol=0.0), nbytes,
+                                   timer, triton_swiglu.AMAX_TILES[kind])
             results.append((f"swiglu amax {kind} {name}", nbytes, base_us, now, best))
     print("\nswiglu amax: one read of the inputs; amax = triton_cast.amax over the same bytes; now = the library's "
           "tile (AMAX_TILES); best = the fastest that agreed with torch")

@@ -374,24 +374,37 @@ def checked_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torc
     return None
 
 
-# Rows of a first-call check's ATen reference cast at once: its fp32 temporaries stay this many rows tall instead of
-# the whole tensor's (GiBs at 8B-class shapes, on top of the first step's activations)
+# Rows of a first-call check's torch reference computed at once: its fp32 temporaries (a dozen for the fused SwiGLU
+# backward's derivatives) stay this many rows tall instead of the whole tensor's (GiBs at 8B-class shapes, on top of
+# the first step's activations)
 CHECK_ROWS = 1024
+
+
+def row_blocks(m: int) -> list[tuple[int, int]]:
+    """(r0, r1) blocks of CHECK_ROWS rows covering m rows."""
+    return [(r, min(r + CHECK_ROWS, m)) for r in range(0, m, CHECK_ROWS)]
+
+
+def reference_cast(m: int, cols: int, scale: torch.Tensor, fp8_dtype: torch.dtype, values: Any,
+                   with_amax: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A kernel's torch reference built CHECK_ROWS rows at a time: values(r0, r1) -> fp32 [r1 - r0, cols] -> (the FP8
+    codes [m, cols] of clamp(values * scale), and with_amax max |values| as an fp32 scalar, NaN if any is; else
+    None)."""
+    fmax = FP8_MAX[fp8_dtype]
+    ref = torch.empty(m, cols, dtype=fp8_dtype, device=scale.device)
+    amax = torch.zeros((), dtype=torch.float32, device=scale.device) if with_amax else None
+    for r0, r1 in row_blocks(m):
+        v = values(r0, r1)
+        ref[r0:r1] = (v * scale).clamp(-fmax, fmax).to(fp8_dtype)
+        if amax is not None:
+            amax = torch.maximum(amax, v.abs().amax().float())
+    return ref, amax
 
 
 def _aten_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, with_amax: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ATen cast of x [R, C] (FP8 codes of clamp(x * scale)) and, with_amax, max |x| (fp32 scalar; else None),
-    CHECK_ROWS rows at a time."""
-    fmax = FP8_MAX[fp8_dtype]
-    ref = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device) if with_amax else None
-    for r0 in range(0, x.shape[0], CHECK_ROWS):
-        rows = x[r0:r0 + CHECK_ROWS].float()
-        ref[r0:r0 + CHECK_ROWS] = (rows * scale).clamp(-fmax, fmax).to(fp8_dtype)
-        if amax is not None:
-            amax = torch.maximum(amax, rows.abs().amax())
-    return ref, amax
+    """The ATen cast of x [R, C] and, with_amax, max |x| (`reference_cast`)."""
+    return reference_cast(x.shape[0], x.shape[1], scale, fp8_dtype, lambda r0, r1: x[r0:r1].float(), with_amax)
 
 
 # (elements per block, warps, programs per SM) of the amax kernel: benchmarks/fp8_cast_sweep.py --kinds amax

@@ -73,69 +73,9 @@ if triton is not None:
         return d_gate, dh * gate * sig
 
     @triton.jit
-    def swiglu_amax_kernel(y_ptr, ld_y, M, F, out_ptr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-        # max |silu(gate) * up| over y = [gate, up] [M, 2F] into out_ptr (fp32, zero before the call), each value
-        # computed as swiglu_cast_kernel computes it: the scale current scaling needs before that cast. Each
-        # program strides over tiles keeping an elementwise max, then one atomic max; NaN wins (as amax_kernel)
-        n_cb = tl.cdiv(F, BC)
-        lr = tl.arange(0, BR)
-        lc = tl.arange(0, BC)
-        offs = lr[:, None] * ld_y + lc[None, :]
-        acc = tl.zeros((BR, BC), tl.float32)
-        for tile in range(tl.program_id(0), tl.cdiv(M, BR) * n_cb, tl.num_programs(0)):
-            r0 = (tile // n_cb) * BR
-            c0 = (tile % n_cb) * BC
-            y_tile = y_ptr + r0.to(tl.int64) * ld_y + c0
-            if EVEN:
-                gate = tl.load(y_tile + offs).to(tl.float32)
-                up = tl.load(y_tile + F + offs).to(tl.float32)
-            else:
-                mask = (r0 + lr[:, None] < M) & (c0 + lc[None, :] < F)
-                gate = tl.load(y_tile + offs, mask=mask, other=0.0).to(tl.float32)
-                up = tl.load(y_tile + F + offs, mask=mask, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(swiglu_fp32(gate, up)), propagate_nan=tl.PropagateNan.ALL)
-        tl.atomic_max(out_ptr, max_keeping_nan(tl.reshape(acc, (BR * BC,))))
-
-    @triton.jit
-    def swiglu_bwd_amax_kernel(dh_ptr, ld_dh, g_ptr, u_ptr, ld_gu, gs_ptr, us_ptr, M, F, out_ptr,
-                               ROW_SCALES: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-        # max |.| of [d_gate, d_up] as swiglu_bwd_cast_kernel computes them, into out_ptr (as swiglu_amax_kernel)
-        n_cb = tl.cdiv(F, BC)
-        lr = tl.arange(0, BR)
-        lc = tl.arange(0, BC)
-        dh_offs = lr[:, None] * ld_dh + lc[None, :]
-        offs = lr[:, None] * ld_gu + lc[None, :]
-        acc = tl.zeros((BR, BC), tl.float32)
-        for tile in range(tl.program_id(0), tl.cdiv(M, BR) * n_cb, tl.num_programs(0)):
-            r0 = (tile // n_cb) * BR
-            c0 = (tile % n_cb) * BC
-            dh_tile = dh_ptr + r0.to(tl.int64) * ld_dh + c0
-            gu_origin = r0.to(tl.int64) * ld_gu + c0
-            if EVEN:
-                dh = tl.load(dh_tile + dh_offs)
-                gate = tl.load(g_ptr + gu_origin + offs).to(tl.float32)
-                up = tl.load(u_ptr + gu_origin + offs).to(tl.float32)
-            else:
-                mask = (r0 + lr[:, None] < M) & (c0 + lc[None, :] < F)
-                dh = tl.load(dh_tile + dh_offs, mask=mask, other=0.0)
-                gate = tl.load(g_ptr + gu_origin + offs, mask=mask, other=0.0).to(tl.float32)
-                up = tl.load(u_ptr + gu_origin + offs, mask=mask, other=0.0).to(tl.float32)
-            if ROW_SCALES:
-                rows = r0 + lr
-                gate = gate * tl.load(gs_ptr + rows, mask=rows < M, other=0.0)[:, None]
-                up = up * tl.load(us_ptr + rows, mask=rows < M, other=0.0)[:, None]
-            d_gate, d_up = swiglu_grads_fp32(dh.to(tl.float32), gate, up)
-            acc = tl.maximum(acc, tl.abs(d_gate), propagate_nan=tl.PropagateNan.ALL)
-            acc = tl.maximum(acc, tl.abs(d_up), propagate_nan=tl.PropagateNan.ALL)
-        tl.atomic_max(out_ptr, max_keeping_nan(tl.reshape(acc, (BR * BC,))))
-
-    @triton.jit
-    def swiglu_cast_kernel(y_ptr, ld_y, M, F, q_ptr, t_ptr, ld_q, ld_t, scale_ptr, amax_ptr, FMAX: tl.constexpr,
-                           MBITS: tl.constexpr, EMIN: tl.constexpr, WANT_T: tl.constexpr, HAS_AMAX: tl.constexpr,
-                           T_MODE: tl.constexpr, SW_ROUND: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr,
-                           BC: tl.constexpr):
-        r0 = tl.program_id(0) * BR
-        c0 = tl.program_id(1) * BC
+    def h_tile(y_ptr, ld_y, M, F, r0, c0, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        # h = silu(gate) * up in fp32 on the tile at (r0, c0) of y = [gate, up] [M, 2F] (0 outside [M, F]): what
+        # the forward kernels scale and take the amax of
         lr = tl.arange(0, BR)
         lc = tl.arange(0, BC)
         y_tile = y_ptr + r0.to(tl.int64) * ld_y + c0
@@ -147,20 +87,13 @@ if triton is not None:
             mask = (r0 + lr[:, None] < M) & (c0 + lc[None, :] < F)
             gate = tl.load(y_tile + offs, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(y_tile + F + offs, mask=mask, other=0.0).to(tl.float32)
-        h = swiglu_fp32(gate, up)
-        store_q_qt(h, tl.load(scale_ptr), r0, c0, M, F, q_ptr, t_ptr, ld_q, ld_t, FMAX, MBITS, EMIN, True, WANT_T,
-                   T_MODE, SW_ROUND, EVEN, BR, BC)
-        if HAS_AMAX:
-            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(h), axis=1), axis=0))
+        return swiglu_fp32(gate, up)
 
     @triton.jit
-    def swiglu_bwd_cast_kernel(dh_ptr, ld_dh, g_ptr, u_ptr, ld_gu, gs_ptr, us_ptr, M, F, q_ptr, q2_ptr, t_ptr, t2_ptr,
-                               ld_q, ld_t, scale_ptr, amax_ptr, amax_ptr2, FMAX: tl.constexpr, MBITS: tl.constexpr,
-                               EMIN: tl.constexpr, WANT_Q: tl.constexpr, WANT_T: tl.constexpr,
-                               ROW_SCALES: tl.constexpr, N_AMAX: tl.constexpr, T_MODE: tl.constexpr,
-                               SW_ROUND: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-        r0 = tl.program_id(0) * BR
-        c0 = tl.program_id(1) * BC
+    def grads_tile(dh_ptr, ld_dh, g_ptr, u_ptr, ld_gu, gs_ptr, us_ptr, M, F, r0, c0, ROW_SCALES: tl.constexpr,
+                   EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        # (d_gate, d_up) in fp32 on the tile at (r0, c0) of dh, gate, up [M, F] (0 outside): what the backward
+        # kernels scale and take the amax of
         lr = tl.arange(0, BR)
         lc = tl.arange(0, BC)
         dh_offs = lr[:, None] * ld_dh + lc[None, :]
@@ -180,7 +113,56 @@ if triton is not None:
             rows = r0 + lr
             gate = gate * tl.load(gs_ptr + rows, mask=rows < M, other=0.0)[:, None]
             up = up * tl.load(us_ptr + rows, mask=rows < M, other=0.0)[:, None]
-        d_gate, d_up = swiglu_grads_fp32(dh.to(tl.float32), gate, up)
+        return swiglu_grads_fp32(dh.to(tl.float32), gate, up)
+
+    @triton.jit
+    def swiglu_amax_kernel(y_ptr, ld_y, M, F, out_ptr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        # max |silu(gate) * up| over y = [gate, up] [M, 2F] into out_ptr (fp32, zero before the call), each value
+        # computed as swiglu_cast_kernel computes it: the scale current scaling needs before that cast. Each
+        # program strides over tiles keeping an elementwise max, then one atomic max; NaN wins (as amax_kernel)
+        n_cb = tl.cdiv(F, BC)
+        acc = tl.zeros((BR, BC), tl.float32)
+        for tile in range(tl.program_id(0), tl.cdiv(M, BR) * n_cb, tl.num_programs(0)):
+            h = h_tile(y_ptr, ld_y, M, F, (tile // n_cb) * BR, (tile % n_cb) * BC, EVEN, BR, BC)
+            acc = tl.maximum(acc, tl.abs(h), propagate_nan=tl.PropagateNan.ALL)
+        tl.atomic_max(out_ptr, max_keeping_nan(tl.reshape(acc, (BR * BC,))))
+
+    @triton.jit
+    def swiglu_bwd_amax_kernel(dh_ptr, ld_dh, g_ptr, u_ptr, ld_gu, gs_ptr, us_ptr, M, F, out_ptr,
+                               ROW_SCALES: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        # max |.| of [d_gate, d_up] as swiglu_bwd_cast_kernel computes them, into out_ptr (as swiglu_amax_kernel)
+        n_cb = tl.cdiv(F, BC)
+        acc = tl.zeros((BR, BC), tl.float32)
+        for tile in range(tl.program_id(0), tl.cdiv(M, BR) * n_cb, tl.num_programs(0)):
+            d_gate, d_up = grads_tile(dh_ptr, ld_dh, g_ptr, u_ptr, ld_gu, gs_ptr, us_ptr, M, F, (tile // n_cb) * BR,
+                                      (tile % n_cb) * BC, ROW_SCALES, EVEN, BR, BC)
+            acc = tl.maximum(acc, tl.abs(d_gate), propagate_nan=tl.PropagateNan.ALL)
+            acc = tl.maximum(acc, tl.abs(d_up), propagate_nan=tl.PropagateNan.ALL)
+        tl.atomic_max(out_ptr, max_keeping_nan(tl.reshape(acc, (BR * BC,))))
+
+    @triton.jit
+    def swiglu_cast_kernel(y_ptr, ld_y, M, F, q_ptr, t_ptr, ld_q, ld_t, scale_ptr, amax_ptr, FMAX: tl.constexpr,
+                           MBITS: tl.constexpr, EMIN: tl.constexpr, WANT_T: tl.constexpr, HAS_AMAX: tl.constexpr,
+                           T_MODE: tl.constexpr, SW_ROUND: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr,
+                           BC: tl.constexpr):
+        r0 = tl.program_id(0) * BR
+        c0 = tl.program_id(1) * BC
+        h = h_tile(y_ptr, ld_y, M, F, r0, c0, EVEN, BR, BC)
+        store_q_qt(h, tl.load(scale_ptr), r0, c0, M, F, q_ptr, t_ptr, ld_q, ld_t, FMAX, MBITS, EMIN, True, WANT_T,
+                   T_MODE, SW_ROUND, EVEN, BR, BC)
+        if HAS_AMAX:
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(h), axis=1), axis=0))
+
+    @triton.jit
+    def swiglu_bwd_cast_kernel(dh_ptr, ld_dh, g_ptr, u_ptr, ld_gu, gs_ptr, us_ptr, M, F, q_ptr, q2_ptr, t_ptr, t2_ptr,
+                               ld_q, ld_t, scale_ptr, amax_ptr, amax_ptr2, FMAX: tl.constexpr, MBITS: tl.constexpr,
+                               EMIN: tl.constexpr, WANT_Q: tl.constexpr, WANT_T: tl.constexpr,
+                               ROW_SCALES: tl.constexpr, N_AMAX: tl.constexpr, T_MODE: tl.constexpr,
+                               SW_ROUND: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        r0 = tl.program_id(0) * BR
+        c0 = tl.program_id(1) * BC
+        d_gate, d_up = grads_tile(dh_ptr, ld_dh, g_ptr, u_ptr, ld_gu, gs_ptr, us_ptr, M, F, r0, c0, ROW_SCALES, EVEN,
+                                  BR, BC)
         scale = tl.load(scale_ptr)
         store_q_qt(d_gate, scale, r0, c0, M, F, q_ptr, t_ptr, ld_q, ld_t, FMAX, MBITS, EMIN, WANT_Q, WANT_T,
                    T_MODE, SW_ROUND, EVEN, BR, BC)
@@ -334,33 +316,9 @@ def swiglu_bwd_amax(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------------------------------- checked calls
-# Rows of a first-call check's torch reference computed at once: its fp32 temporaries (a dozen for the backward's
-# derivatives) stay this many rows tall instead of the whole tensor's (several GiB at 8B-class shapes, on top of the
-# first step's activations)
-CHECK_ROWS = 1024
-
-
-def _row_blocks(m: int) -> list[tuple[int, int]]:
-    return [(r, min(r + CHECK_ROWS, m)) for r in range(0, m, CHECK_ROWS)]
-
-
-def _reference(m: int, cols: int, scale: torch.Tensor, fp8_dtype: torch.dtype, values: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A kernel's torch reference built CHECK_ROWS rows at a time: values(r0, r1) -> fp32 [r1 - r0, cols] ->
-    (the FP8 codes [m, cols] of clamp(values * scale), max |values| as an fp32 scalar; NaN if any is)."""
-    fmax = FP8_MAX[fp8_dtype]
-    ref = torch.empty(m, cols, dtype=fp8_dtype, device=scale.device)
-    amax = torch.zeros((), dtype=torch.float32, device=scale.device)
-    for r0, r1 in _row_blocks(m):
-        v = values(r0, r1)
-        ref[r0:r1] = (v * scale).clamp(-fmax, fmax).to(fp8_dtype)
-        amax = torch.maximum(amax, v.abs().amax().float())
-    return ref, amax
-
-
 def _reference_amax(m: int, values: Any) -> torch.Tensor:
-    """max |values(r0, r1)| over all rows, CHECK_ROWS rows at a time (NaN if any is)."""
-    blocks = [values(r0, r1).abs().amax().float() for r0, r1 in _row_blocks(m)]
+    """max |values(r0, r1)| over all rows, `triton_cast.CHECK_ROWS` rows at a time (NaN if any is)."""
+    blocks = [values(r0, r1).abs().amax().float() for r0, r1 in triton_cast.row_blocks(m)]
     return torch.stack(blocks).amax() if blocks else torch.zeros(())
 
 
@@ -368,9 +326,9 @@ def _codes_close(q: torch.Tensor, ref: torch.Tensor, max_share: float = 1e-3) ->
     """Every FP8 code of q within one step of ref's (FP8 codes are monotone in magnitude within a sign), and at most
     `max_share` of them different at all: the kernel's fp32 value may differ from torch's in the last bit (silu's
     exp), which moves a code only next to a rounding boundary; a wrong rounding moves a large share. Compared
-    CHECK_ROWS rows at a time (the int32 temporaries are 4 bytes an element)."""
+    `triton_cast.CHECK_ROWS` rows at a time (the int32 temporaries are 4 bytes an element)."""
     differ = 0
-    for r0, r1 in _row_blocks(q.shape[0]):
+    for r0, r1 in triton_cast.row_blocks(q.shape[0]):
         a, b = q[r0:r1].view(torch.uint8).int(), ref[r0:r1].view(torch.uint8).int()
         mag_a, mag_b = a & 0x7F, b & 0x7F
         same_sign = ((a ^ b) & 0x80) == 0
@@ -431,7 +389,8 @@ def checked_swiglu_cast(y: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     if found is not None:
         return swiglu_cast(y, scale, fp8_dtype, want_t, amax_out, found[0], sw_round=found[1])
     m, f = y.shape[0], y.shape[1] // 2
-    ref, h_amax = _reference(m, f, scale, fp8_dtype, lambda r0, r1: swiglu_ref(y[r0:r1, :f], y[r0:r1, f:]))
+    ref, h_amax = triton_cast.reference_cast(m, f, scale, fp8_dtype,
+                                             lambda r0, r1: swiglu_ref(y[r0:r1, :f], y[r0:r1, f:]))
     outs = [amax_out] if amax_out is not None else []
     return _first_call(key, lambda mode, sw_round, marker: swiglu_cast(y, scale, fp8_dtype, want_t, amax_out, mode,
                                                                        marker=marker, sw_round=sw_round),
@@ -452,7 +411,8 @@ def checked_swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tens
         return swiglu_bwd_cast(dh, gate, up, scale, fp8_dtype, want_q, want_t, row_scales, amax_out, found[0],
                                sw_round=found[1])
     m, f = dh.shape
-    ref, d_amax = _reference(m, 2 * f, scale, fp8_dtype, lambda r0, r1: _derivatives(dh, gate, up, row_scales, r0, r1))
+    ref, d_amax = triton_cast.reference_cast(m, 2 * f, scale, fp8_dtype,
+                                             lambda r0, r1: _derivatives(dh, gate, up, row_scales, r0, r1))
     return _first_call(key, lambda mode, sw_round, marker: swiglu_bwd_cast(
         dh, gate, up, scale, fp8_dtype, want_q, want_t, row_scales, amax_out, mode, marker=marker, sw_round=sw_round),
         ref, list(amax_out), d_amax)
@@ -476,11 +436,12 @@ def _amax_close(got: torch.Tensor, want: torch.Tensor) -> bool:
 def checked_swiglu_amax(y: torch.Tensor) -> torch.Tensor | None:
     """`swiglu_amax`, checked against torch on its first call per input dtype; None when it is off (the caller
     takes the unfused path)."""
-    if y.is_cuda:  # as for the cast kernels (`_first_call`)
+    key = ("fwd", y.dtype)
+    if y.is_cuda and key not in _state["amax_ok"]:  # before it compiles, as for the cast kernels (`_first_call`)
         triton_cast.use_torch_ptxas()
     f = y.shape[1] // 2
     return triton_cast._checked_once(
-        _state["amax_ok"], ("fwd", y.dtype), lambda: swiglu_amax(y),
+        _state["amax_ok"], key, lambda: swiglu_amax(y),
         lambda: _reference_amax(y.shape[0], lambda r0, r1: swiglu_ref(y[r0:r1, :f], y[r0:r1, f:])),
         f"SwiGLU amax kernel ({y.dtype})", _amax_close)
 
@@ -489,9 +450,8 @@ def checked_swiglu_bwd_amax(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tens
                             row_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """`swiglu_bwd_amax`, checked against torch on its first call per variant; None when it is off."""
     key = ("bwd", dh.dtype, gate.dtype, row_scales is not None)
-    if dh.is_cuda:
+    if dh.is_cuda and key not in _state["amax_ok"]:
         triton_cast.use_torch_ptxas()
-
     return triton_cast._checked_once(
         _state["amax_ok"], key, lambda: swiglu_bwd_amax(dh, gate, up, row_scales),
         lambda: _reference_amax(dh.shape[0], lambda r0, r1: _derivatives(dh, gate, up, row_scales, r0, r1)),

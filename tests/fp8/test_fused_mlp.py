@@ -27,6 +27,7 @@ from megadlms.fp8 import (
     enable_fp8_stats,
     fp8_autocast,
     fp8_step,
+    triton_cast,
     triton_swiglu,
 )
 from megadlms.fp8.fused_mlp import FusedFloat8MLP
@@ -51,7 +52,7 @@ COMMON = textwrap.dedent("""
 
 KERNELS = COMMON + textwrap.dedent("""
     from megadlms.fp8 import triton_cast
-    ts.CHECK_ROWS = triton_cast.CHECK_ROWS = 16  # the first-call references built in several row blocks
+    triton_cast.CHECK_ROWS = 16  # the first-call references built in several row blocks
     torch.manual_seed(0)
     cases = (((40, 48), torch.float8_e4m3fn), ((40, 48), torch.float8_e5m2), ((64, 128), torch.float8_e4m3fn))
     for (m, f), fp8 in cases:
@@ -344,15 +345,15 @@ def test_first_call_references_are_built_in_row_blocks(monkeypatch):
     """The first-call checks build their torch references a few rows at a time (bounded temporaries at 8B-class
     shapes): the same codes and amaxes as the whole-tensor computation, a NaN in a later block kept, and code
     differences counted over every block."""
-    monkeypatch.setattr(triton_swiglu, "CHECK_ROWS", 7)
+    monkeypatch.setattr(triton_cast, "CHECK_ROWS", 7)
     torch.manual_seed(0)
     m, f, fp8 = 40, 24, torch.float8_e4m3fn
     y = (torch.randn(m, 2 * f) * 2).bfloat16()
     dh = torch.randn(m, f).bfloat16()
     scale = torch.tensor(8.0)
     h = triton_swiglu.swiglu_ref(y[:, :f], y[:, f:])
-    ref, amax = triton_swiglu._reference(m, f, scale, fp8, lambda r0, r1: triton_swiglu.swiglu_ref(y[r0:r1, :f],
-                                                                                                  y[r0:r1, f:]))
+    ref, amax = triton_cast.reference_cast(m, f, scale, fp8, lambda r0, r1: triton_swiglu.swiglu_ref(y[r0:r1, :f],
+                                                                                                    y[r0:r1, f:]))
     assert torch.equal(ref.view(torch.uint8), (h * 8).clamp(-448, 448).to(fp8).view(torch.uint8))
     assert torch.equal(amax, h.abs().amax())
     d = torch.cat(triton_swiglu.swiglu_bwd_ref(dh, y[:, :f], y[:, f:]), 1)
