@@ -209,6 +209,10 @@ def report(rows: list[dict]) -> None:
         gib = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
         print(f"{r['variant']:<28}{r['final_train_loss']:>11.4f}{r['eval_loss']:>11.4f}{gap:>+12.2f}%"
               f"{tok:>10}{gib:>6}{r['seconds']:>6.0f}")
+    if any(r.get("peak_gib") for r in rows):
+        print("GiB: peak allocated. FP8 variants record telemetry (--fp8-stats), whose steps run the layers\n"
+              "eagerly with their activations allocated; in other steps (and in BF16) CUDA graphs keep them in the\n"
+              "graphs' pool, which this does not count. Memory against BF16: benchmarks/train_throughput.py.")
     iters = sorted({int(i) for r in rows for i in r["curve"]})
     marks = [i for i in iters if i % 50 == 0] or iters[-6:]
     print("\ntraining loss (mean of the 10 iterations up to)")

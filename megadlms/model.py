@@ -82,11 +82,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+class _SwiGLUFn(torch.autograd.Function):
+    """silu(gate) * up keeping only gate and up for the backward, which recomputes silu(gate). Eager autograd
+    would also keep silu(gate) for the product's backward: one more [tokens, ffn] tensor per layer. The gradients
+    are the ones eager autograd computes, op for op."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
 class SwiGLU(nn.Module):
     """silu(gate) * up. A module so that FP8 conversion can swap in an FP8-storing version."""
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate) * up
+        # compiled graphs choose what to save themselves (inductor recomputes silu); eager calls (no compile, or
+        # an FP8 MLP's unfused path, which runs outside the compiled layer) save only the inputs
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return F.silu(gate) * up
+        return _SwiGLUFn.apply(gate, up)
 
 
 class DotProductAttention(nn.Module):

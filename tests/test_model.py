@@ -84,3 +84,28 @@ def test_rms_norm_of_the_fp32_residual_under_autocast_is_the_autocast_cast_of_it
     with torch.autocast("cpu", dtype=torch.bfloat16):
         norm(x).float().pow(2).sum().backward()
     assert x.grad.dtype == torch.float32 and norm.weight.grad.dtype == torch.float32
+
+
+def test_eager_swiglu_keeps_only_its_inputs_and_gives_autograds_gradients():
+    """Eager autograd of silu(gate) * up would keep silu(gate) too (one more [tokens, ffn] tensor per layer in an
+    FP8 MLP's unfused path, which runs outside the compiled layer); SwiGLU keeps gate and up and recomputes it,
+    with the same outputs and gradients, bit for bit."""
+    import torch.nn.functional as F
+
+    from megadlms.model import SwiGLU
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        gate, up = (torch.randn(48, 80, dtype=dtype, requires_grad=True) for _ in range(2))
+        grad = torch.randn(48, 80, dtype=dtype)
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = SwiGLU()(gate, up)
+        assert len(saved) == 2 and saved[0] is gate and saved[1] is up
+        out.backward(grad)
+        g2, u2 = (t.detach().clone().requires_grad_() for t in (gate, up))
+        ref = F.silu(g2) * u2
+        ref.backward(grad)
+        assert torch.equal(out, ref) and torch.equal(gate.grad, g2.grad) and torch.equal(up.grad, u2.grad)
+    with torch.no_grad():
+        assert torch.equal(SwiGLU()(gate, up), F.silu(gate) * up)

@@ -109,8 +109,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="keep the first/last transformer layers in BF16 (counts below)")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
     g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
-    g.add_argument("--fp8-stats", action=argparse.BooleanOptionalAction, default=True,
-                   help="log FP8 amax / underflow / saturation per tensor role every --log-interval")
+    g.add_argument("--fp8-stats", action=argparse.BooleanOptionalAction, default=False,
+                   help="log FP8 amax / underflow / saturation per tensor role every --log-interval; the steps it "
+                        "records run their layers outside the CUDA graphs (eagerly: slower, and with their "
+                        "activations allocated beside the graphs' memory pool)")
 
     g = p.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval-interval", type=int, default=1000)

@@ -118,6 +118,20 @@ def test_fp8_hybrid_synonym():
     assert parse_train_args(["--fp8-format", "e4m3"]).fp8_format == "e4m3"
 
 
+def test_fp8_telemetry_is_logged_only_when_asked_for():
+    """`--fp8-stats` puts the FP8 casts' amax / underflow / saturation in the log every --log-interval; off by
+    default (its steps run without the CUDA graphs)."""
+    fp8 = SMALL + ["--fp8-format", "hybrid", "--micro-batch-size", "4", "--train-iters", "2"]
+    plain = run(fp8).history
+    assert plain and not any(k.startswith("fp8/") for m in plain for k in m)
+    logged = [m for m in run(fp8 + ["--fp8-stats"]).history if "loss" in m]
+    assert len(logged) == 2
+    keys = {f"fp8/{r}_{k}" for r in ("input", "weight", "grad") for k in ("amax", "underflow", "saturation")}
+    for m in logged:
+        assert keys <= set(m)
+        assert m["fp8/input_amax"] > 0 and m["fp8/grad_amax"] > 0
+
+
 def test_cli_help_and_train_smoke(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "pretrain_difflm.py"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--fp8-format" in out.stdout and "--data-path" in out.stdout
