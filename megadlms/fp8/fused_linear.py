@@ -149,7 +149,8 @@ class FusedFloat8Projection:
         if ready:  # the weights' amaxes (for the histories) come out of the cast itself
             amax_outs = [m.fp8_amax_history[0, WEIGHT] for m in mods] if record else None
             q, t = cast_fp8_cat(ws, scales[WEIGHT], fwd, want_t, amax_outs)
-            scale = None
+            scale_invs = aligned_scalars(scales.reciprocal())[:, 0]
+            scale_inv = scale_invs[WEIGHT]
         else:
             kept = [m.kept_weight_amax() for m in mods]
             amaxes = [a if a is not None else _amax(w) for a, w in zip(kept, ws)]
@@ -157,9 +158,7 @@ class FusedFloat8Projection:
                 torch._foreach_maximum_([m.fp8_amax_history[0, WEIGHT] for m in mods], amaxes)
             scale, scale_inv = current_scale(amaxes, fwd, recipe.margin)
             q, t = cast_fp8_cat(ws, scale, fwd, want_t)
-        scale_invs = aligned_scalars(scales.reciprocal())[:, 0] if ready else None
-        if ready:
-            scale_inv = scale_invs[WEIGHT]
+            scale_invs = None
         member_caches, row = [], 0
         for m, w, key in zip(mods, ws, keys):
             n = w.shape[0]

@@ -441,7 +441,7 @@ def checked_amax(x: torch.Tensor) -> torch.Tensor | None:
     caller uses ATen)."""
     if not x.is_contiguous() or not 0 < x.numel() < 2**31 - 65536 or not enabled(x.device):
         return None
-    return _checked_once(_state["amax_ok"], x.dtype, lambda: amax(x),
+    return checked_once(_state["amax_ok"], x.dtype, lambda: amax(x),
                          lambda: torch.linalg.vector_norm(x, float("inf")).float(), f"amax kernel ({x.dtype})")
 
 
@@ -472,11 +472,11 @@ def checked_current_scale(amaxes: Sequence[torch.Tensor], fp8_dtype: torch.dtype
         scale = amax_to_scale(torch.stack([a.float() for a in amaxes]).amax(), FP8_MAX[fp8_dtype], margin)
         return scale, scale.reciprocal()
 
-    return _checked_once(_state, "scale_ok", lambda: current_scale(amaxes, fp8_dtype, margin), reference,
+    return checked_once(_state, "scale_ok", lambda: current_scale(amaxes, fp8_dtype, margin), reference,
                          "current-scale kernel")
 
 
-def _checked_once(verdicts: dict, key: Any, run: Any, reference: Any, what: str, same: Any = torch.equal) -> Any:
+def checked_once(verdicts: dict, key: Any, run: Any, reference: Any, what: str, same: Any = torch.equal) -> Any:
     """run() where verdicts[key] is True; None where it is False; on the first call (no verdict yet), run() compared
     with reference() (a tensor or a tuple of them; bitwise, or by `same(got, want)`), the verdict recorded and a
     disagreement (or a kernel that fails to run) warned about. None tells the caller to compute it with torch."""

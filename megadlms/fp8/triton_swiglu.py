@@ -433,29 +433,30 @@ def _amax_close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.allclose(got, want, rtol=1e-3, atol=0.0, equal_nan=True))
 
 
+def _checked_amax(key: tuple, x: torch.Tensor, run: Any, values: Any, what: str) -> torch.Tensor | None:
+    """run() (an amax kernel over x's rows), checked on its first call per key against max |values(r0, r1)| over
+    x's rows (`triton_cast.checked_once`); None when it is off."""
+    if x.is_cuda and key not in _state["amax_ok"]:  # before it compiles, as for the cast kernels (`_first_call`)
+        triton_cast.use_torch_ptxas()
+    return triton_cast.checked_once(_state["amax_ok"], key, run, lambda: _reference_amax(x.shape[0], values), what,
+                                    _amax_close)
+
+
 def checked_swiglu_amax(y: torch.Tensor) -> torch.Tensor | None:
     """`swiglu_amax`, checked against torch on its first call per input dtype; None when it is off (the caller
     takes the unfused path)."""
-    key = ("fwd", y.dtype)
-    if y.is_cuda and key not in _state["amax_ok"]:  # before it compiles, as for the cast kernels (`_first_call`)
-        triton_cast.use_torch_ptxas()
     f = y.shape[1] // 2
-    return triton_cast._checked_once(
-        _state["amax_ok"], key, lambda: swiglu_amax(y),
-        lambda: _reference_amax(y.shape[0], lambda r0, r1: swiglu_ref(y[r0:r1, :f], y[r0:r1, f:])),
-        f"SwiGLU amax kernel ({y.dtype})", _amax_close)
+    return _checked_amax(("fwd", y.dtype), y, lambda: swiglu_amax(y),
+                         lambda r0, r1: swiglu_ref(y[r0:r1, :f], y[r0:r1, f:]), f"SwiGLU amax kernel ({y.dtype})")
 
 
 def checked_swiglu_bwd_amax(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                             row_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """`swiglu_bwd_amax`, checked against torch on its first call per variant; None when it is off."""
     key = ("bwd", dh.dtype, gate.dtype, row_scales is not None)
-    if dh.is_cuda and key not in _state["amax_ok"]:
-        triton_cast.use_torch_ptxas()
-    return triton_cast._checked_once(
-        _state["amax_ok"], key, lambda: swiglu_bwd_amax(dh, gate, up, row_scales),
-        lambda: _reference_amax(dh.shape[0], lambda r0, r1: _derivatives(dh, gate, up, row_scales, r0, r1)),
-        f"SwiGLU derivative amax kernel {key}", _amax_close)
+    return _checked_amax(key, dh, lambda: swiglu_bwd_amax(dh, gate, up, row_scales),
+                         lambda r0, r1: _derivatives(dh, gate, up, row_scales, r0, r1),
+                         f"SwiGLU derivative amax kernel {key}")
 
 
 __all__ = ["available", "swiglu_cast", "swiglu_bwd_cast", "checked_swiglu_cast", "checked_swiglu_bwd_cast",

@@ -167,8 +167,8 @@ class StreamingAdamW(torch.optim.AdamW):
         torch._foreach_add_([s["step"] for _, _, s, _ in work], 1.0)
         kept = [self._amax_of.get(p) for p, _, _, _ in work]
         amaxes = [k.value if k is not None else None for k in kept]
-        if any(a is not None for a in amaxes):
-            torch._foreach_zero_([a for a in amaxes if a is not None])
+        if live := [a for a in amaxes if a is not None]:
+            torch._foreach_zero_(live)
         scales: dict[torch.device, torch.Tensor] = {}
         for (p, g, state, group), amax in zip(work, amaxes):
             beta1, beta2 = group["betas"]

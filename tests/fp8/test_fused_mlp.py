@@ -207,6 +207,14 @@ def _train_steps(model: torch.nn.Module, n: int) -> torch.Tensor:
     return logits.detach()
 
 
+def _fused_and_plain(recipe) -> tuple[TransformerLM, TransformerLM, TransformerLM]:
+    """(base model, its FP8 conversion with the fused MLP, without it), from seed 0."""
+    torch.manual_seed(0)
+    base = TransformerLM(_cfg())
+    return base, convert_to_fp8(copy.deepcopy(base), recipe), convert_to_fp8(copy.deepcopy(base), recipe,
+                                                                              fuse_mlp=False)
+
+
 def _torch_kernels(monkeypatch, wrong_fwd: bool = False, wrong_bwd: bool = False, wrong_amax: bool = False) -> None:
     """The kernels' contract computed with torch, optionally wrong, standing in for Triton on the CPU."""
 
@@ -254,10 +262,7 @@ def test_a_kernel_that_fails_its_first_check_is_switched_off_and_training_matche
     """A fused kernel whose first call disagrees with torch is switched off with a warning, the MLP computes the
     same step through the unfused path (BF16 SwiGLU + the layers' own casts), and the amax histories are left as
     if the failed call had not happened."""
-    torch.manual_seed(0)
-    base = TransformerLM(_cfg())
-    plain = convert_to_fp8(copy.deepcopy(base), DelayedScaling(), fuse_mlp=False)
-    fused = convert_to_fp8(copy.deepcopy(base), DelayedScaling())
+    _, fused, plain = _fused_and_plain(DelayedScaling())
     for wrong in ("fwd", "bwd"):
         _torch_kernels(monkeypatch, wrong_fwd=wrong == "fwd", wrong_bwd=wrong == "bwd")
         torch.manual_seed(1)
@@ -276,10 +281,7 @@ def test_fused_path_needs_delayed_scales_and_no_telemetry(monkeypatch):
     """With delayed scaling the first step (no scales yet) and FP8 telemetry steps run the layers one by one; the
     fused path, with torch standing in for the kernels, trains like the unfused."""
     _torch_kernels(monkeypatch)
-    torch.manual_seed(0)
-    base = TransformerLM(_cfg())
-    fused = convert_to_fp8(copy.deepcopy(base), DelayedScaling())
-    plain = convert_to_fp8(copy.deepcopy(base), DelayedScaling(), fuse_mlp=False)
+    _, fused, plain = _fused_and_plain(DelayedScaling())
     mlp_fwd = fused.layers[0].mlp.forward
     assert isinstance(mlp_fwd, FusedFloat8MLP) and "forward" not in plain.layers[0].mlp.__dict__
     torch.manual_seed(1)
@@ -304,10 +306,7 @@ def test_current_scaling_fuses_the_mlp_from_its_first_step(monkeypatch):
     training stays close (the derivative's formula differs from autograd's in its last bits). Rowwise scaling
     keeps the unfused MLP."""
     _torch_kernels(monkeypatch)
-    torch.manual_seed(0)
-    base = TransformerLM(_cfg())
-    fused = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling())
-    plain = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling(), fuse_mlp=False)
+    base, fused, plain = _fused_and_plain(Float8CurrentScaling())
     mlp_fwd = fused.layers[0].mlp.forward
     assert isinstance(mlp_fwd, FusedFloat8MLP)
     tokens = torch.randint(0, 128, (2, 16))
@@ -329,10 +328,7 @@ def test_an_amax_kernel_that_fails_its_first_check_is_switched_off(monkeypatch):
     """A wrong amax of h switches its kernel off with a warning; the MLP then computes h in BF16 and the down
     projection casts it as the unfused layers do: the same output."""
     _torch_kernels(monkeypatch, wrong_amax=True)
-    torch.manual_seed(0)
-    base = TransformerLM(_cfg())
-    fused = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling())
-    plain = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling(), fuse_mlp=False)
+    _, fused, plain = _fused_and_plain(Float8CurrentScaling())
     tokens = torch.randint(0, 128, (2, 16))
     with fp8_autocast(), pytest.warns(RuntimeWarning, match="SwiGLU amax kernel"):
         out = fused(tokens)
