@@ -266,4 +266,9 @@ def build_loaders(cfg: DataConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp
         loaders[n] = None if built is None else StatefulLoader(
             built[0], micro_batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
             num_workers=cfg.num_workers, name=n, fingerprint=built[1])
+    if loaders["train"] is None:  # e.g. an empty .bin/.idx, or documents of zero tokens only
+        held = ", ".join(f"{d.prefix} ({d.num_documents} documents, {int(d.num_tokens)} tokens)"
+                         for d in opened.values())
+        raise DataError(f"no training data: the train split of {held or 'the data'} holds no tokens; check the "
+                        "preprocessing output (empty input, or an empty --json-keys field) and --split")
     return Loaders(train=loaders["train"], valid=loaders["valid"], test=loaders["test"], eod_id=tokenizer.eod_id)

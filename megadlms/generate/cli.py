@@ -95,7 +95,10 @@ def _load_tokenizer(path: str | None) -> Any:
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {name}: CUDA is not available here; use --device cpu")
     return dev
@@ -148,6 +151,18 @@ def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
     return records
 
 
+def _warn_past_positions(batch: list[list[int]], new_tokens: int, cfg: Any, first: int) -> None:
+    """A warning for prompts that, with the tokens to generate, run past the positions the model was built for
+    (RoPE extrapolates beyond them, and the output degrades)."""
+    limit = cfg.max_position_embeddings
+    longest = max((len(ids) for ids in batch), default=0)
+    if longest + new_tokens > limit:
+        n = next(k for k, ids in enumerate(batch) if len(ids) == longest) + first + 1
+        print(f"warning: prompt {n} has {longest} tokens, +{new_tokens} to generate = {longest + new_tokens} "
+              f"positions, past the model's {limit} (max_position_embeddings): expect degraded output; shorten the "
+              "prompt or generate fewer tokens", file=sys.stderr)
+
+
 def _check_args(args: argparse.Namespace) -> None:
     if args.batch_size <= 0:
         raise ConfigError(f"--batch-size {args.batch_size} must be > 0")
@@ -186,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     _check_args(args)
     records = _read_prompts(args)
+    if args.output_file:  # an unwritable path fails now, not after the generation
+        Path(args.output_file).open("a").close()
     device = _device(args.device)
     model, cfg, tok_path = load_model(args, device)
     if args.fuse_projections if args.fuse_projections is not None else device.type == "cuda":
@@ -218,6 +235,7 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     for i in range(0, len(records), args.batch_size):
         batch = [tokenizer.encode(r["prompt"]) for r in records[i:i + args.batch_size]]
+        _warn_past_positions(batch, args.max_new_tokens if causal else args.gen_length, cfg, i)
         ids, attn = prepare_prompts(batch, pad_id=pad_id, device=device, vocab_size=cfg.vocab_size)
         p = ids.shape[1]
         if sampler == "ar":

@@ -461,7 +461,8 @@ def load_model_state(path: str | Path, app_state: dict[str, Any]) -> list[str]:
     if other:
         raise CheckpointError(f"checkpoint {path} has no {other[:3]}{' ...' if len(other) > 3 else ''} "
                               f"({len(other)} tensors of this model missing): it was saved from another "
-                              "architecture; load it with the model flags it was trained with")
+                              "architecture; pass --use-checkpoint-args to take its architecture, or the model "
+                              "flags it was trained with")
     load_app_state(path, app_state, partial=bool(absent))
     return absent
 
