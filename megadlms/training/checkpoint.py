@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import TransformerConfig
 from ..errors import MegaDLMsError
@@ -190,7 +191,7 @@ def _cleanup_on_failure(tmp: Path, final: Path) -> Iterator[None]:
     error: BaseException | None = None
     try:
         yield
-    except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+    except (Exception, CheckpointException) as e:  # re-raised below, after every rank knows (DCP's is a BaseException)
         error = e
     if not _any_rank(error is not None):
         return
@@ -411,7 +412,7 @@ def load_app_state(path: str | Path, app_state: dict[str, Any], *, partial: bool
     try:
         with _single_process_quiet():
             dcp.load(app_state, checkpoint_id=str(path), planner=planner)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         if not isinstance(_root(e), (OSError, EOFError, ValueError, KeyError, RuntimeError, IndexError)):
             raise
         path = Path(path)
@@ -444,7 +445,7 @@ def load_model_state(path: str | Path, app_state: dict[str, Any]) -> list[str]:
     check_loadable(path)
     try:
         saved_meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         raise CheckpointError(f"checkpoint {path}: its DCP .metadata cannot be read ({_root_text(e)}); "
                               f"{_listing(Path(path).parent, _iteration_of(Path(path)))}") from e
     saved = set(saved_meta)
