@@ -151,18 +151,6 @@ def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
     return records
 
 
-def _warn_past_positions(batch: list[list[int]], new_tokens: int, cfg: Any, first: int) -> None:
-    """A warning for prompts that, with the tokens to generate, run past the positions the model was built for
-    (RoPE extrapolates beyond them, and the output degrades)."""
-    limit = cfg.max_position_embeddings
-    longest = max((len(ids) for ids in batch), default=0)
-    if longest + new_tokens > limit:
-        n = next(k for k, ids in enumerate(batch) if len(ids) == longest) + first + 1
-        print(f"warning: prompt {n} has {longest} tokens, +{new_tokens} to generate = {longest + new_tokens} "
-              f"positions, past the model's {limit} (max_position_embeddings): expect degraded output; shorten the "
-              "prompt or generate fewer tokens", file=sys.stderr)
-
-
 def _check_args(args: argparse.Namespace) -> None:
     if args.batch_size <= 0:
         raise ConfigError(f"--batch-size {args.batch_size} must be > 0")
@@ -235,7 +223,6 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     for i in range(0, len(records), args.batch_size):
         batch = [tokenizer.encode(r["prompt"]) for r in records[i:i + args.batch_size]]
-        _warn_past_positions(batch, args.max_new_tokens if causal else args.gen_length, cfg, i)
         ids, attn = prepare_prompts(batch, pad_id=pad_id, device=device, vocab_size=cfg.vocab_size)
         p = ids.shape[1]
         if sampler == "ar":

@@ -320,7 +320,8 @@ def _listing(load_dir: Path, exclude: int | None = None) -> str:
     its = [i for i in complete_iterations(load_dir) if i != exclude]
     if not its:
         return f"no other complete checkpoint in {load_dir}"
-    return f"complete checkpoints in {load_dir}: {', '.join(map(str, its))}; pick one with --ckpt-step N"
+    return (f"complete checkpoints in {load_dir}: {', '.join(map(str, its))}; load one by its number "
+            "(--ckpt-step N; generate and convert: --iteration N)")
 
 
 def find_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path:

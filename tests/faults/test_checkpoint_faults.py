@@ -149,7 +149,7 @@ DAMAGES = {  # id (what is damaged -> what the user sees): (damage, expected mes
     "latest-deleted->lists-1,2": (lambda r: (r / ckpt.LATEST).unlink(), r"latest_checkpointed_iteration.txt is "
                                                                          r"missing.*: 1, 2"),
     "shard-truncated->names-shard-lists-1": (lambda r: _truncate(r / D / "__0_0.distcp", 1000),
-                                             r"damaged: __0_0.distcp has 1000 bytes.*truncated.*: 1; pick one"),
+                                             r"damaged: __0_0.distcp has 1000 bytes.*truncated.*: 1; load one"),
     "shard-bit-flip->checksum-mismatch": (lambda r: _flip(r / D / "__0_0.distcp"),
                                           r"__0_0.distcp does not match its checksum"),
     "shard-deleted->names-shard": (lambda r: (r / D / "__0_0.distcp").unlink(), r"__0_0.distcp is missing"),
@@ -159,7 +159,7 @@ DAMAGES = {  # id (what is damaged -> what the user sees): (damage, expected mes
     "meta-json-other-format->names-format": (lambda r: (r / D / ckpt.META).write_text('{"format": "x"}'),
                                              r"has format 'x'"),
     "meta-json-deleted->incomplete-lists-1": (lambda r: (r / D / ckpt.META).unlink(),
-                                              r"iter_0000002 is missing or incomplete.*: 1; pick one"),
+                                              r"iter_0000002 is missing or incomplete.*: 1; load one by its number"),
     "rank-state-truncated->names-file": (lambda r: _truncate(r / D / "rank_00000.pt", 50),
                                          r"rank_00000.pt has 50 bytes"),
     "checksum-record-garbage->names-record": (lambda r: (r / D / "crc32_00000.json").write_text("]"),
