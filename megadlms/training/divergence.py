@@ -3,8 +3,8 @@
 The test runs on the device every step: `found_inf` (1.0 for a bad step) is computed from the loss and the
 gradients' norm without a host sync and handed to a fused optimizer, whose kernel then leaves parameters, moments
 and step counts as they were (AMP's `found_inf` of torch's fused Adam/AdamW; `StreamingAdamW` takes the same
-attribute). Optimizers without that (the CPU's foreach AdamW, sharded DTensor parameters) read the flag on the
-host instead. Counters stay on the device; the host reads them where it syncs anyway (log lines, saves) or one
+attribute). Other optimizers (the CPU's foreach AdamW) read the flag on the host instead, where nothing runs ahead
+to wait for. Counters stay on the device; the host reads them where it syncs anyway (log lines, saves) or one
 step late (`preemption.RunControl`).
 """
 
@@ -26,11 +26,9 @@ class NonFiniteStateError(MegaDLMsError, FloatingPointError):
 
 
 def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer's kernel skips its update on a device `found_inf` (torch's fused Adam/AdamW on plain
-    tensors, and StreamingAdamW built on it)."""
-    if not (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and optimizer.defaults.get("fused")):
-        return False
-    return not any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
+    """Whether the optimizer's kernel skips its update on a device `found_inf`: torch's fused Adam/AdamW (on plain
+    and DTensor parameters alike) and StreamingAdamW, built on it."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
 
 
 class DivergenceGuard:

@@ -601,7 +601,8 @@ def train(args: argparse.Namespace) -> TrainState:
         state = trainer.run()
     finally:
         trainer.control.uninstall()  # the signal handlers, also when the run stopped on an error
-    if args.generate_sample or (args.generate_sample is None and args.config and args.config.endswith("demo.yaml")):
+    demo = args.generate_sample or (args.generate_sample is None and args.config and args.config.endswith("demo.yaml"))
+    if demo and not trainer.control.reason:  # a run stopped by a signal or the time limit exits at once
         print_sample(trainer)  # on every rank: the forward of a sharded model is collective
     destroy_parallel()
     return state
