@@ -103,17 +103,19 @@ def test_a_second_signal_exits_at_once():
 
 
 def test_sigterm_to_the_command_exits_zero_with_a_checkpoint(tmp_path):
-    """The real command in its own process, as a scheduler would stop it."""
+    """The real command in its own process group, with a data-loading worker, stopped as a scheduler stops a job:
+    SIGTERM to every process of the group."""
     save = tmp_path / "ck"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "megadlms", "train", *TINY, "--train-iters", "100000",
+    argv = [a if a != "0" or TINY[i - 1] != "--num-workers" else "1" for i, a in enumerate(TINY)]
+    proc = subprocess.Popen([sys.executable, "-m", "megadlms", "train", *argv, "--train-iters", "100000",
                              "--save", str(save)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("iter "):
-            proc.send_signal(signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGTERM)
             break
     rest, _ = proc.communicate(timeout=120)
     out = "".join(lines) + rest
