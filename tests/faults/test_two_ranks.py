@@ -1,6 +1,7 @@
 """Two gloo ranks: a SIGTERM that reaches one rank stops both at the same step with one collective save, and the
-resumed run continues the unbroken run's losses bit for bit; a rank killed with SIGKILL mid-save leaves the
-previous checkpoint as `latest`, whole, and it resumes (on one process)."""
+resumed run continues the unbroken run's losses bit for bit; a full disk on one rank fails that save on both, which
+train on (--ckpt-save-failures-ok); a rank killed with SIGKILL mid-save leaves the previous checkpoint as `latest`,
+whole, and it resumes (on one process)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def test_preemption_and_a_killed_rank_on_two_processes(tmp_path):
                        f"; resume with --load {tmp_path / 'preempted'}"], out
     unbroken = logged_losses(tmp_path / "unbroken")
     assert sorted(unbroken) == [1, 2, 3, 4] and logged_losses(tmp_path / "preempted") == unbroken  # bitwise
+
+    for rank in (0, 1):  # a full disk on one rank: every rank drops that save, with one line, and trains on
+        assert f"rank {rank} went on to iteration 4" in out, out
+    assert out.count("training goes on (failed save 1 of the 1 --ckpt-save-failures-ok allows)") == 2, out
+    assert "No space left on device [ENOSPC]" in out and "another rank failed to write its part" in out
+    assert ckpt.complete_iterations(tmp_path / "full") == [2, 3, 4]
 
     killed = tmp_path / "killed"
     assert ckpt.find_checkpoint(killed) == ckpt.iteration_dir(killed, 1)

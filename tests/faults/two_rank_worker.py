@@ -1,6 +1,7 @@
 """Launched by test_two_ranks.py under torchrun (2 gloo ranks): an unbroken run; a run in which only rank 0 gets
-SIGTERM after iteration 2 (both ranks must stop there and save together); its resume; then a run whose rank 1 is
-killed with SIGKILL inside its second save (the launch then fails, as a node failure does)."""
+SIGTERM after iteration 2 (both ranks must stop there and save together); its resume; a run whose rank 1 finds
+its disk full at the first save; then a run whose rank 1 is killed with SIGKILL inside its second save (the launch
+then fails, as a node failure does)."""
 
 import os
 import signal
@@ -36,6 +37,22 @@ t.control.uninstall()
 
 trainer("--save", str(out / "preempted"), "--load", str(out / "preempted")).run()
 print(f"rank {rank} resumed to the end", flush=True)
+
+t = trainer("--save", str(out / "full"), "--save-interval", "1", "--ckpt-save-failures-ok", "1")
+if rank == 1:  # rank 1's disk is full at its first save: both ranks drop that checkpoint and go on
+    import errno
+
+    import torch
+
+    save = torch.save
+
+    def full_once(obj, f, *a, **k):
+        if hasattr(f, "write") and not getattr(full_once, "done", False):
+            full_once.done = True
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, f, *a, **k)
+    torch.save = full_once
+print(f"rank {rank} went on to iteration {t.run().iteration}", flush=True)
 
 t = trainer("--save", str(out / "killed"), "--save-interval", "1")
 if rank == 1:
