@@ -117,3 +117,24 @@ def test_fp8_amax_history_ignores_non_finite_values():
     for m, scale in zip(mods, scales):
         assert torch.isfinite(m.fp8_amax_history).all()
         assert torch.equal(m.fp8_scale, scale)  # the scales stay where the finite history put them
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the host syncs that matter are a GPU's")
+def test_the_every_step_checks_add_no_host_sync_on_a_gpu():
+    from megadlms.training.preemption import RunControl
+
+    dev = torch.device("cuda")
+    p = torch.nn.Parameter(torch.ones(1 << 16, device=dev))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    guard = DivergenceGuard(opt, dev, max_consecutive=3)
+    control = RunControl(dev, distributed=False, guard=guard)
+    p.grad = torch.ones_like(p)
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call in these steps raises
+    try:
+        for it in range(3):
+            loss = p.sum()
+            guard.step(loss, torch.linalg.vector_norm(p.grad))
+            guard.finite_loss(loss)
+            assert control.after_step(it) is None
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
