@@ -27,6 +27,7 @@ def files(tmp_path_factory, saved_run) -> Path:
     (d / "unknown.yaml").write_text("train-itres: 3\n")
     (d / "listvalue.yaml").write_text("train-iters: [1, 2]\n")
     (d / "choice.yaml").write_text("lr-decay-style: wobbly\n")
+    (d / "fraction.yaml").write_text("train-iters: 2.5\n")
     (d / "text.yaml").write_text("lr: fast\n")
     (d / "binary.yaml").write_bytes(b"\xff\xfe\x00\x81")
     (d / "empty.jsonl").write_text("")
@@ -62,6 +63,8 @@ CASES = {
     "train-yaml-unknown-key->names-key": (["train", "--config", "{d}/unknown.yaml"], 2, r"unknown key 'train-itres'"),
     "train-yaml-list-for-int->names-flag": (["train", "--config", "{d}/listvalue.yaml"], 2,
                                             r"\[1, 2\] is not a valid int for --train-iters"),
+    "train-yaml-fraction-for-int->names-flag": (["train", "--config", "{d}/fraction.yaml"], 2,
+                                                r"2.5 is not a valid int for --train-iters"),
     "train-yaml-bad-choice->lists-choices": (["train", "--config", "{d}/choice.yaml"], 2,
                                              r"'wobbly' is not one of \['constant'"),
     "train-yaml-text-for-float->argparse-line": (["train", "--config", "{d}/text.yaml"], 2,
