@@ -8,8 +8,13 @@ alone (`megadlms train: error: ...`, exit status 2), while any other exception, 
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Callable
+
+# file-system errors a path the user gave (or the machine's state) causes, not a bug: reported as one line
+USER_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS,
+                         errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.EIO})
 
 
 class MegaDLMsError(Exception):
@@ -18,9 +23,16 @@ class MegaDLMsError(Exception):
 
 def report_errors(prog: str, run: Callable[[], int | None]) -> int:
     """`run()`'s exit status; a `MegaDLMsError` is printed as argparse prints a bad flag, `PROG: error: MESSAGE`,
-    with status 2 and no traceback. Other exceptions keep theirs."""
+    with status 2 and no traceback; so is an OSError of a named file that the user or the machine causes (no such
+    folder, no permission, a full disk). Other exceptions keep theirs."""
     try:
         return int(run() or 0)
     except MegaDLMsError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in USER_ERRNOS or not e.filename:
+            raise
+        print(f"{prog}: error: {e.filename}: {e.strerror}; check the path, its permissions and the free space",
+              file=sys.stderr)
         return 2

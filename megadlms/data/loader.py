@@ -10,6 +10,7 @@ exactly with any other.
 from __future__ import annotations
 
 import os
+import signal
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,6 +105,16 @@ class _RankPositions(Sampler):
             base += self.mbs * self.dp
 
 
+def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """DataLoader workers ignore SIGINT, SIGTERM and SIGUSR1: a terminal's Ctrl-C and a scheduler's preemption notice
+    reach the whole process group, and the training process, which finishes its step and saves first, decides when
+    they end (a worker whose parent died exits by itself)."""
+    for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 class StatefulLoader:
     """Endless iterator of micro-batches for one data-parallel rank; checkpoint with state_dict().
 
@@ -139,7 +150,8 @@ class StatefulLoader:
         sampler = _RankPositions(self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size)
         loader = DataLoader(_MicroBatches(self.source), sampler=sampler, batch_size=None,
                             num_workers=self.num_workers, pin_memory=self.pin_memory,
-                            prefetch_factor=2 if self.num_workers > 0 else None)
+                            prefetch_factor=2 if self.num_workers > 0 else None,
+                            worker_init_fn=_leave_stop_signals_to_the_trainer if self.num_workers > 0 else None)
         return self._run(iter(loader), generation)
 
     def _run(self, it: Iterator[torch.Tensor], generation: int) -> Iterator[torch.Tensor]:
@@ -266,4 +278,9 @@ def build_loaders(cfg: DataConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp
         loaders[n] = None if built is None else StatefulLoader(
             built[0], micro_batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
             num_workers=cfg.num_workers, name=n, fingerprint=built[1])
+    if loaders["train"] is None:  # e.g. an empty .bin/.idx, or documents of zero tokens only
+        held = ", ".join(f"{d.prefix} ({d.num_documents} documents, {int(d.num_tokens)} tokens)"
+                         for d in opened.values())
+        raise DataError(f"no training data: the train split of {held or 'the data'} holds no tokens; check the "
+                        "preprocessing output (empty input, or an empty --json-keys field) and --split")
     return Loaders(train=loaders["train"], valid=loaders["valid"], test=loaders["test"], eod_id=tokenizer.eod_id)

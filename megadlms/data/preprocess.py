@@ -320,14 +320,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run preprocessing for parsed `args`; prints a summary. Returns 0; bad input raises (a MegaDLMsError)."""
     tokenizer = load_tokenizer(args.tokenizer_model, tokenizer_type=args.tokenizer_type)
-    stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
-                             append_eod=args.append_eod, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
-                             progress=not args.no_progress)
+    try:
+        stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
+                                 append_eod=args.append_eod, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
+                                 progress=not args.no_progress)
+    except OSError as e:  # an unwritable --output-prefix, a full disk, an unreadable input
+        where = f"{e.filename}: " if e.filename else f"--output-prefix {args.output_prefix}: "
+        raise PreprocessError(f"{where}{e.strerror or e}; check the path and the free space") from None
     print(f"{stats.documents:,} documents, {stats.input_bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
           f"({stats.mb_per_s:.1f} MB/s, {stats.documents / max(stats.seconds, 1e-9):,.0f} docs/s, "
           f"{args.workers} worker{'s' if args.workers > 1 else ''})")
     for k, prefix in stats.outputs.items():
         print(f"  {k}: {stats.tokens[k]:,} tokens -> {prefix}.bin / .idx")
+    if not stats.documents or not any(stats.tokens.values()):
+        print(f"warning: the output holds no tokens ({stats.documents} documents): training on it stops with an "
+              "error; check --input and --json-keys", file=sys.stderr)
     if stats.bad_lines:
         print(f"skipped {stats.bad_lines} bad line(s):", file=sys.stderr)
         for ex in stats.bad_examples:

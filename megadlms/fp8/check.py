@@ -68,7 +68,10 @@ def describe_fp8_attention(device: torch.device) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device) if args.device else default_device()
+    try:
+        device = torch.device(args.device) if args.device else default_device()
+    except RuntimeError:
+        raise FP8UnsupportedError(f"--device {args.device!r} is not a device; use cpu, cuda or cuda:N") from None
     print(f"device: {describe_device(device)}")
     try:
         check_fp8_support(device)

@@ -220,7 +220,8 @@ def _update_scales(recipe: DelayedScaling, modules: list[nn.Module]) -> None:
     """
     hists = [m.fp8_amax_history for m in modules]
     scales = [m.fp8_scale for m in modules]
-    h = torch.stack(hists)  # [n, L, roles]
+    # a non-finite amax (a diverging step, skipped by the optimizer) is not kept: 0 leaves that scale as it was
+    h = torch.nan_to_num(torch.stack(hists), nan=0.0, posinf=0.0, neginf=0.0)  # [n, L, roles]
     amax = h[:, 0] if recipe.amax_compute_algo == "most_recent" else h.amax(dim=1)  # [n, roles]
     old = torch.stack(scales)  # [n, roles]
     fmax = _role_maxima(recipe.fp8_format, h.shape[2], modules[0].fp8_bwd_roles, h.device)

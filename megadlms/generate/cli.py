@@ -95,7 +95,10 @@ def _load_tokenizer(path: str | None) -> Any:
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {name}: CUDA is not available here; use --device cpu")
     return dev
@@ -186,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     _check_args(args)
     records = _read_prompts(args)
+    if args.output_file:  # an unwritable path fails now, not after the generation
+        Path(args.output_file).open("a").close()
     device = _device(args.device)
     model, cfg, tok_path = load_model(args, device)
     if args.fuse_projections if args.fuse_projections is not None else device.type == "cuda":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from importlib import resources
-from typing import Sequence
+from typing import Any, Sequence
 
 import yaml
 
@@ -48,6 +48,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--train-iters", type=int, default=1000)
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, if --save) when the iteration is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (if --save) and stop once the run has trained this many minutes (before a job's "
+                        "wall-time limit)")
+    g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=True,
+                   help="on SIGTERM, SIGINT or SIGUSR1 finish the step, save (if --save) and exit 0; a second "
+                        "signal exits at once")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default: micro-batch-size x data-parallel size (no accumulation)")
@@ -63,6 +69,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--max-skipped-steps", type=int, default=10,
+                   help="stop the run after this many consecutive steps skipped for a non-finite loss or gradient "
+                        "norm (0: never stop)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     g.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast (default on GPU)")
@@ -121,6 +130,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--save", default=None, help="checkpoint folder")
     g.add_argument("--save-interval", type=int, default=None, help="default: only at the end")
+    g.add_argument("--ckpt-keep-last", type=int, default=None,
+                   help="keep only the newest N checkpoints (default: all)")
+    g.add_argument("--ckpt-save-failures-ok", type=int, default=0,
+                   help="go on training after up to N failed saves (a full disk, no permission); 0: stop at the "
+                        "first")
     g.add_argument("--load", default=None, help="resume from this checkpoint folder")
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     g.add_argument("--finetune", action="store_true", help="load model weights only; fresh optimizer and iteration")
@@ -146,24 +160,53 @@ def build_parser(prog: str = "megadlms train") -> argparse.ArgumentParser:
 
 def apply_yaml_defaults(p: argparse.ArgumentParser, path: str) -> None:
     """Set parser defaults from a YAML file whose keys are flag names."""
-    with open(path) as f:
-        values = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not a text file (YAML expected)") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {path} is not valid YAML{where}: {problem}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path}: expected a mapping of flag names to values, got {type(values).__name__}")
-    known = {a.dest for a in p._actions}
+    actions = {a.dest: a for a in p._actions}
     defaults = {}
     for key, value in values.items():
         dest = str(key).lstrip("-").replace("-", "_")
-        if dest not in known:
+        if dest not in actions:
             raise ConfigError(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. train-iters)")
+        _check_yaml_value(path, key, value, actions[dest])
+        if actions[dest].type in (int, float) and isinstance(value, (int, float)):
+            value = actions[dest].type(value)  # 3.0 for an int flag is 3; argparse converts only strings
         defaults[dest] = value
     p.set_defaults(**defaults)
+
+
+def _check_yaml_value(path: str, key: Any, value: Any, action: argparse.Action) -> None:
+    """A YAML value of the flag's type (strings are converted by argparse as on the command line)."""
+    if value is None or isinstance(value, str):
+        return
+    typ = action.type
+    bad = isinstance(value, (list, dict)) or (typ in (int, float) and (isinstance(value, bool) or not isinstance(
+        value, (int, float)))) or (typ is int and isinstance(value, float) and not value.is_integer())
+    if bad:
+        raise ConfigError(f"--config {path}: {key}: {value!r} is not a valid {getattr(typ, '__name__', 'value')} "
+                          f"for --{action.dest.replace('_', '-')}")
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"--config {path}: {key}: {value!r} is not one of {list(action.choices)}")
 
 
 # the smallest value each numeric flag takes (0 for an interval or count means "never" / "none")
 AT_LEAST = {"train_iters": 1, "micro_batch_size": 1, "global_batch_size": 1, "log_interval": 1, "lr_decay_iters": 1,
             "lr_warmup_iters": 0, "lr_wsd_decay_iters": 0, "eval_interval": 0, "eval_iters": 0, "save_interval": 0,
-            "exit_interval": 0, "ckpt_step": 0, "loss_chunk_tokens": 0, "num_workers": 0, "seed": 0, "mask_token": 0,
+            "exit_interval": 0, "ckpt_step": 0, "exit_duration_in_mins": 0.0, "max_skipped_steps": 0,
+            "ckpt_keep_last": 1, "ckpt_save_failures_ok": 0, "loss_chunk_tokens": 0, "num_workers": 0, "seed": 0,
+            "mask_token": 0,
             "fp8_margin": 0, "fp8_amax_history_len": 1, "num_layers_at_start_in_bf16": 0,
             "num_layers_at_end_in_bf16": 0, "lr": 0.0, "min_lr": 0.0, "weight_decay": 0.0, "clip_grad": 0.0}
 

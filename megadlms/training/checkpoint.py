@@ -7,19 +7,25 @@ Layout of a save folder:
         rank_00000.pt ...             per-rank state: RNG states, mask sampler, data position
         meta.json                     format, iteration, TransformerConfig, run arguments
         tokenizer/                    the tokenizer files, so the folder is self-contained
+        crc32_00000.json ...          size and CRC-32 of every file each rank wrote (verified at load)
 
 A save goes to `.tmp_iter_*` and is renamed into place only when every file is written; the
 `latest` pointer is replaced after that. A crash at any point leaves either the previous
-checkpoint or the new one, never a half one that a resume would trust.
+checkpoint or the new one, never a half one that a resume would trust. A save that fails (a full
+disk, no permission, an I/O error) removes its temporary folder on every rank and raises
+`CheckpointSaveError`, with `latest` still naming the previous checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -27,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import TransformerConfig
 from ..errors import MegaDLMsError
@@ -38,6 +45,11 @@ META = "meta.json"
 
 class CheckpointError(MegaDLMsError, RuntimeError):
     """A checkpoint is missing, incomplete or does not fit the run; the message names it and the fix."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed for a reason of the file system (no space, no permission, an I/O error); nothing of it is left
+    and `latest` still names the previous checkpoint."""
 
 
 def iteration_dir(save_dir: str | Path, iteration: int) -> Path:
@@ -73,16 +85,18 @@ def _write_atomic(path: Path, text: str) -> None:
 def save_checkpoint(save_dir: str | Path, iteration: int, app_state: dict[str, Any], *,
                     rank_state: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
                     tokenizer_dir: str | Path | None = None,
-                    dcp_save: Callable[..., Any] | None = None) -> Path:
+                    dcp_save: Callable[..., Any] | None = None, keep_last: int | None = None) -> Path:
     """Save `app_state` (a DCP state dict, collective across ranks) and this rank's `rank_state`.
 
-    Every rank calls this. `dcp_save(state, checkpoint_id=...)` defaults to `dcp.save`.
-    Returns the final iteration folder.
+    Every rank calls this. `dcp_save(state, checkpoint_id=...)` defaults to `dcp.save`. keep_last: afterwards delete
+    all but the newest `keep_last` complete checkpoints. Returns the final iteration folder; raises
+    `CheckpointSaveError` (on every rank) when the file system refuses a write.
     """
     tmp, final = _begin_save(save_dir, iteration, rank_state)
-    with _single_process_quiet():
-        (dcp_save or dcp.save)(app_state, checkpoint_id=str(tmp))
-    _commit_save(tmp, final, iteration, meta, tokenizer_dir)
+    with _cleanup_on_failure(tmp, final):
+        with _single_process_quiet():
+            (dcp_save or dcp.save)(app_state, checkpoint_id=str(tmp))
+    _commit_save(tmp, final, iteration, meta, tokenizer_dir, keep_last)
     return final
 
 
@@ -95,21 +109,23 @@ class PendingCheckpoint:
     """
 
     def __init__(self, future: Any, tmp: Path, final: Path, iteration: int, meta: dict[str, Any] | None,
-                 tokenizer_dir: str | Path | None):
+                 tokenizer_dir: str | Path | None, keep_last: int | None = None):
         self.future, self.tmp, self.final, self.iteration = future, tmp, final, iteration
-        self.meta, self.tokenizer_dir = meta, tokenizer_dir
+        self.meta, self.tokenizer_dir, self.keep_last = meta, tokenizer_dir, keep_last
 
     def wait(self) -> Path:
         """Finish the write (re-raising its error) and commit the checkpoint; every rank calls this."""
-        self.future.result()
-        _commit_save(self.tmp, self.final, self.iteration, self.meta, self.tokenizer_dir)
+        with _cleanup_on_failure(self.tmp, self.final):
+            self.future.result()
+        _commit_save(self.tmp, self.final, self.iteration, self.meta, self.tokenizer_dir, self.keep_last)
         return self.final
 
 
 def async_save_checkpoint(save_dir: str | Path, iteration: int, app_state: dict[str, Any], *,
                           rank_state: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
                           tokenizer_dir: str | Path | None = None,
-                          process_group: dist.ProcessGroup | None = None) -> PendingCheckpoint:
+                          process_group: dist.ProcessGroup | None = None,
+                          keep_last: int | None = None) -> PendingCheckpoint:
     """Like `save_checkpoint`, but the DCP write runs in a background thread (`dcp.async_save`).
 
     Returns once `app_state` is copied to host memory (training may then change it). Every rank calls
@@ -122,9 +138,81 @@ def async_save_checkpoint(save_dir: str | Path, iteration: int, app_state: dict[
         raise ValueError("async_save_checkpoint needs a gloo process_group of its own when torch.distributed is "
                          "initialised (e.g. torch.distributed.new_group(backend='gloo'))")
     tmp, final = _begin_save(save_dir, iteration, rank_state)
-    response = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=process_group, no_dist=not distributed)
+    with _cleanup_on_failure(tmp, final):
+        response = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=process_group,
+                                  no_dist=not distributed)
     future = getattr(response, "upload_completion", response)  # AsyncSaveResponse with a staging future
-    return PendingCheckpoint(future, tmp, final, iteration, meta, tokenizer_dir)
+    return PendingCheckpoint(future, tmp, final, iteration, meta, tokenizer_dir, keep_last)
+
+
+def _any_rank(failed: bool) -> bool:
+    """Whether `failed` holds on any rank (collective; a plain bool in one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return failed
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flag = torch.tensor([int(failed)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _file_system_cause(e: BaseException) -> OSError | None:
+    """The OSError behind `e` (DCP wraps its writers' errors in a CheckpointException), or None for other errors."""
+    seen: list[BaseException] = []
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is y for y in seen):
+            continue
+        seen.append(x)
+        if isinstance(x, OSError):
+            return x
+        todo += [x.__cause__, x.__context__]
+        failures = getattr(x, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            for f in failures.values():
+                todo.append(f[0] if isinstance(f, tuple) else f)
+    return None
+
+
+def describe_os_error(e: OSError) -> str:
+    name = errno.errorcode.get(e.errno, "") if e.errno else ""
+    text = e.strerror or str(e)
+    hint = {errno.ENOSPC: "free space or point --save elsewhere", errno.EDQUOT: "free space or raise the quota",
+            errno.EACCES: "make the folder writable or point --save elsewhere",
+            errno.EROFS: "point --save at a writable file system"}.get(e.errno, "check the file system")
+    where = f" ({e.filename})" if e.filename else ""
+    return f"{text}{f' [{name}]' if name else ''}{where}; {hint}"
+
+
+@contextlib.contextmanager
+def _cleanup_on_failure(tmp: Path, final: Path) -> Iterator[None]:
+    """Agree across ranks whether the block failed; if it did on any rank, remove `tmp` and raise
+    `CheckpointSaveError` (a file-system cause) or the error itself (anything else: a bug) on the ranks it hit."""
+    error: BaseException | None = None
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # re-raised below, after every rank knows (DCP's is a BaseException)
+        error = e
+    if not _any_rank(error is not None):
+        return
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    latest = _read_latest(final.parent)
+    keeps = f"latest stays at iteration {latest}" if latest is not None else "no earlier checkpoint"
+    if error is None:
+        raise CheckpointSaveError(f"could not save checkpoint {final}: another rank failed to write its part; {keeps}")
+    cause = _file_system_cause(error)
+    if cause is None:
+        raise error
+    raise CheckpointSaveError(f"could not save checkpoint {final}: {describe_os_error(cause)} ({keeps})") from error
+
+
+def _read_latest(save_dir: Path) -> int | None:
+    try:
+        return int((save_dir / LATEST).read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _begin_save(save_dir: str | Path, iteration: int, rank_state: dict[str, Any] | None) -> tuple[Path, Path]:
@@ -133,39 +221,107 @@ def _begin_save(save_dir: str | Path, iteration: int, rank_state: dict[str, Any]
     final = iteration_dir(save_dir, iteration)
     tmp = save_dir / f".tmp_{final.name}"
     rank = _rank()
-    if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        for stale in save_dir.glob(".tmp_iter_*"):  # left by a crashed save
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
-    if rank_state is not None:
-        torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
+    with _cleanup_on_failure(tmp, final):
+        if rank == 0:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            for stale in save_dir.glob(".tmp_iter_*"):  # left by a crashed save
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+    with _cleanup_on_failure(tmp, final):
+        if rank_state is not None:
+            with open(tmp / f"rank_{rank:05d}.pt", "wb") as f:  # through a file object: a failed write is an OSError
+                torch.save(rank_state, f)
     return tmp, final
 
 
-def _commit_save(tmp: Path, final: Path, iteration: int, meta: dict[str, Any] | None,
-                 tokenizer_dir: str | Path | None) -> None:
-    """After every rank wrote into `tmp`: add meta.json and the tokenizer, rename to `final`, move `latest`."""
-    _barrier()
-    if _rank() == 0:
-        if tokenizer_dir is not None:  # the tokenizer files only, not e.g. the weights of an HF folder
-            from ..interop.hf import copy_tokenizer_files
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
-            copy_tokenizer_files(tokenizer_dir, tmp / "tokenizer")
-        full_meta = {"format": FORMAT, "iteration": iteration,
-                     "world_size": dist.get_world_size() if dist.is_initialized() else 1, **(meta or {})}
-        _write_atomic(tmp / META, json.dumps(full_meta, indent=2, default=str))
-        if final.exists():  # re-saving an iteration: move the old one aside first
-            old = final.parent / f".old_{final.name}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _write_atomic(final.parent / LATEST, f"{iteration}\n")
+
+def _write_checksums(folder: Path, rank: int, names: list[str]) -> None:
+    """Record size and CRC-32 of the files `names` (relative to `folder`) this rank wrote."""
+    sums = {n: {"size": (folder / n).stat().st_size, "crc32": _crc32(folder / n)} for n in sorted(names)}
+    _write_atomic(folder / f"crc32_{rank:05d}.json", json.dumps(sums, indent=1))
+
+
+def _files_of_rank(folder: Path, rank: int) -> list[str]:
+    """The files of `folder` this rank wrote: its DCP shards and per-rank state (rank 0: also the DCP metadata,
+    meta.json and the tokenizer files)."""
+    names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + [p.name for p in folder.glob(f"rank_{rank:05d}.pt")]
+    if rank == 0:
+        names += [n for n in (".metadata", META) if (folder / n).is_file()]
+        tok = folder / "tokenizer"
+        if tok.is_dir():
+            names += [str(p.relative_to(folder)) for p in tok.rglob("*") if p.is_file()]
+    return names
+
+
+def _commit_save(tmp: Path, final: Path, iteration: int, meta: dict[str, Any] | None,
+                 tokenizer_dir: str | Path | None, keep_last: int | None = None) -> None:
+    """After every rank wrote into `tmp`: add meta.json and the tokenizer, rename to `final`, move `latest`."""
+    rank = _rank()
+    with _cleanup_on_failure(tmp, final):
+        if rank != 0:
+            _write_checksums(tmp, rank, _files_of_rank(tmp, rank))
+    with _cleanup_on_failure(tmp, final):
+        if rank == 0:
+            if tokenizer_dir is not None:  # the tokenizer files only, not e.g. the weights of an HF folder
+                from ..interop.hf import copy_tokenizer_files
+
+                copy_tokenizer_files(tokenizer_dir, tmp / "tokenizer")
+            full_meta = {"format": FORMAT, "iteration": iteration,
+                         "world_size": dist.get_world_size() if dist.is_initialized() else 1, **(meta or {})}
+            _write_atomic(tmp / META, json.dumps(full_meta, indent=2, default=str))
+            _write_checksums(tmp, 0, _files_of_rank(tmp, 0))
+            if final.exists():  # re-saving an iteration: move the old one aside first
+                old = final.parent / f".old_{final.name}"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            _write_atomic(final.parent / LATEST, f"{iteration}\n")
+    if rank == 0 and keep_last:
+        prune_checkpoints(final.parent, keep_last)
     _barrier()
+
+
+def complete_iterations(save_dir: str | Path) -> list[int]:
+    """The iterations under `save_dir` whose folder is complete (has its meta.json), oldest first."""
+    its = []
+    for p in Path(save_dir).glob("iter_*"):
+        m = re.fullmatch(r"iter_(\d+)", p.name)
+        if m and (p / META).is_file():
+            its.append(int(m.group(1)))
+    return sorted(its)
+
+
+def prune_checkpoints(save_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints, never the one `latest` names; returns the
+    deleted folders. Runs after a new checkpoint is complete and `latest` names it."""
+    save_dir = Path(save_dir)
+    latest = _read_latest(save_dir)
+    its = complete_iterations(save_dir)
+    doomed = [i for i in its[:max(0, len(its) - keep_last)] if i != latest]
+    for i in doomed:
+        path = iteration_dir(save_dir, i)
+        gone = save_dir / f".del_{path.name}"  # renamed first: a crash mid-delete leaves no half checkpoint
+        os.replace(path, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+    return [iteration_dir(save_dir, i) for i in doomed]
+
+
+def _listing(load_dir: Path, exclude: int | None = None) -> str:
+    its = [i for i in complete_iterations(load_dir) if i != exclude]
+    if not its:
+        return f"no other complete checkpoint in {load_dir}"
+    return (f"complete checkpoints in {load_dir}: {', '.join(map(str, its))}; load one by its number "
+            "(--ckpt-step N; generate and convert: --iteration N)")
 
 
 def find_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path:
@@ -176,31 +332,107 @@ def find_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path:
     load_dir = Path(load_dir)
     if (load_dir / META).is_file():
         return load_dir
+    if not load_dir.is_dir():
+        raise CheckpointError(f"no checkpoint folder {load_dir}: it does not exist or is not a folder")
     if iteration is None:
         pointer = load_dir / LATEST
         if not pointer.is_file():
             raise CheckpointError(f"no checkpoint in {load_dir}: {LATEST} is missing (is this a --save folder "
-                                  "of a run that saved at least once?)")
-        iteration = int(pointer.read_text().strip())
+                                  f"of a run that saved at least once?); {_listing(load_dir)}")
+        text = pointer.read_text(errors="replace").strip()
+        if not re.fullmatch(r"\d+", text):
+            raise CheckpointError(f"{pointer} should hold an iteration number, not {text[:40]!r}; "
+                                  f"{_listing(load_dir)}")
+        iteration = int(text)
     path = iteration_dir(load_dir, iteration)
     if not (path / META).is_file():
         raise CheckpointError(f"checkpoint {path} is missing or incomplete (no {META}); "
-                              f"pick another iteration from {sorted(p.name for p in load_dir.glob('iter_*'))}")
+                              f"{_listing(load_dir, iteration)}")
     return path
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    meta = json.loads((Path(path) / META).read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {meta.get('format')!r}; this version reads {FORMAT!r}")
+    path = Path(path)
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {META} cannot be read ({e}); "
+                              f"{_listing(path.parent, _iteration_of(path))}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{path} has format {got!r}; this version reads {FORMAT!r}")
+    if not isinstance(meta.get("config", {}), dict):
+        raise CheckpointError(f"checkpoint {path}: {META} has no model config; {_listing(path.parent)}")
     return meta
+
+
+def _iteration_of(path: Path) -> int | None:
+    m = re.fullmatch(r"iter_(\d+)", path.name)
+    return int(m.group(1)) if m else None
+
+
+def verify_checkpoint(path: str | Path, files: slice = slice(None)) -> list[str]:
+    """The problems of checkpoint folder `path`: files its checksum records name that are missing, of another size
+    or of another CRC-32 (empty: it is whole). `files` picks a share of the recorded files (ranks split the work)."""
+    path = Path(path)
+    records = sorted(path.glob("crc32_*.json"))
+    if not records:
+        return [] if (path / META).is_file() and (path / ".metadata").is_file() else [
+            f"{path} has no {META} or .metadata (not a complete checkpoint)"]
+    expected: dict[str, dict[str, int]] = {}
+    problems = []
+    for rec in records:
+        try:
+            expected.update(json.loads(rec.read_text()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            problems.append(f"{rec.name} cannot be read ({e})")
+    for name in sorted(expected)[files]:
+        f, want = path / name, expected[name]
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != want["size"]:
+            problems.append(f"{name} has {f.stat().st_size} bytes, {want['size']} were written (truncated?)")
+        elif _crc32(f) != want["crc32"]:
+            problems.append(f"{name} does not match its checksum (corrupted)")
+    return problems
+
+
+def check_loadable(path: str | Path) -> None:
+    """Raise CheckpointError naming the damaged files of `path` (its checksums, each rank a share; collective)."""
+    path = Path(path)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    problems = verify_checkpoint(path, slice(_rank(), None, world))
+    if _any_rank(bool(problems)):
+        what = "; ".join(problems[:3]) if problems else "damaged files (another rank names them)"
+        raise CheckpointError(f"checkpoint {path} is damaged: {what}; {_listing(path.parent, _iteration_of(path))}")
 
 
 def load_app_state(path: str | Path, app_state: dict[str, Any], *, partial: bool = False) -> None:
     """Load a DCP checkpoint into `app_state` in place (collective). `partial`: keys absent are fine."""
     planner = dcp.DefaultLoadPlanner(allow_partial_load=partial)
-    with _single_process_quiet():
-        dcp.load(app_state, checkpoint_id=str(path), planner=planner)
+    try:
+        with _single_process_quiet():
+            dcp.load(app_state, checkpoint_id=str(path), planner=planner)
+    except (Exception, CheckpointException) as e:
+        if not isinstance(_root(e), (OSError, EOFError, ValueError, KeyError, RuntimeError, IndexError)):
+            raise
+        path = Path(path)
+        raise CheckpointError(f"checkpoint {path} cannot be read ({_root_text(e)}); "
+                              f"{_listing(path.parent, _iteration_of(path))}") from e
+
+
+def _root(e: BaseException) -> BaseException:
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        f = next(iter(failures.values()))
+        return _root(f[0] if isinstance(f, tuple) else f)
+    return e
+
+
+def _root_text(e: BaseException) -> str:
+    r = _root(e)
+    text = str(r).strip().splitlines()[0] if str(r).strip() else ""
+    return f"{type(r).__name__}: {text[:200]}" if text else type(r).__name__
 
 
 FP8_STATE_SUFFIXES = (".fp8_amax_history", ".fp8_scale", ".fp8_initialized")
@@ -211,13 +443,28 @@ def load_model_state(path: str | Path, app_state: dict[str, Any]) -> list[str]:
     lacks: a checkpoint saved without FP8, or without FP8 attention, loaded into a run with it. Those tensors keep
     their fresh values (the first step scales from amaxes, as in a new FP8 run); returns their names. Any other
     tensor the checkpoint lacks is an error."""
-    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    check_loadable(path)
+    try:
+        saved_meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"checkpoint {path}: its DCP .metadata cannot be read ({_root_text(e)}); "
+                              f"{_listing(Path(path).parent, _iteration_of(Path(path)))}") from e
+    saved = set(saved_meta)
+    for k, t in app_state["model"].items():
+        entry = saved_meta.get(f"model.{k}")
+        size = getattr(entry, "size", None)
+        if size is not None and isinstance(t, torch.Tensor) and tuple(size) != tuple(t.shape):
+            raise CheckpointError(f"checkpoint {path} does not fit this model: parameter {k} has shape "
+                                  f"{tuple(size)} in the checkpoint and {tuple(t.shape)} here; pass "
+                                  "--use-checkpoint-args to take the checkpoint's architecture, or the model flags "
+                                  "it was trained with")
     absent = [k for k in app_state["model"] if f"model.{k}" not in saved]
     other = [k for k in absent if not k.endswith(FP8_STATE_SUFFIXES)]
     if other:
         raise CheckpointError(f"checkpoint {path} has no {other[:3]}{' ...' if len(other) > 3 else ''} "
                               f"({len(other)} tensors of this model missing): it was saved from another "
-                              "architecture; load it with the model flags it was trained with")
+                              "architecture; pass --use-checkpoint-args to take its architecture, or the model "
+                              "flags it was trained with")
     load_app_state(path, app_state, partial=bool(absent))
     return absent
 
@@ -229,7 +476,13 @@ def load_rank_state(path: str | Path, rank: int | None = None) -> dict[str, Any]
     f = path / f"rank_{rank:05d}.pt"
     if not f.is_file():
         f = path / "rank_00000.pt"
-    return torch.load(f, weights_only=False) if f.is_file() else None
+    if not f.is_file():
+        return None
+    try:
+        return torch.load(f, weights_only=False)
+    except Exception as e:  # a truncated or foreign file: pickle, zip and EOF errors
+        raise CheckpointError(f"checkpoint {path}: {f.name} cannot be read ({type(e).__name__}: "
+                              f"{str(e).strip()[:160]}); {_listing(path.parent, _iteration_of(path))}") from e
 
 
 def save_model_checkpoint(save_dir: str | Path, model: nn.Module, cfg: TransformerConfig, *, iteration: int = 0,

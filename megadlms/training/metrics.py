@@ -54,6 +54,8 @@ def format_log_line(m: dict[str, Any], train_iters: int) -> str:
              f"{m['tflops_per_device']:.3g} TFLOP/s/dev",
              f"MFU {m['mfu'] * 100:.1f}%" if m.get("mfu") is not None else "MFU n/a",
              f"mem {m['memory_gib']:.2f} GiB"]
+    if m.get("skipped_steps"):  # steps whose loss or gradient norm was not finite: the optimizer left them out
+        parts.append(f"skipped {m['skipped_steps']}")
     if "data_wait_share" in m:  # share of the interval the host spent blocked on the data loader
         parts.append(f"data {m['data_wait_share'] * 100:.1f}%")
     fp8 = {k: v for k, v in m.items() if k.startswith("fp8/")}

@@ -40,8 +40,10 @@ from ..model import build_model
 from ..presets import load_model_config
 from . import checkpoint as ckpt
 from .cuda_graphs import LayerGraphs
+from .divergence import DivergenceGuard, check_finite_state
 from .metrics import MetricSinks, bf16_peak_tflops, format_log_line, memory_gib, throughput
 from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_grad_norm, set_lr
+from .preemption import RunControl
 from .triton_adamw import StreamingAdamW
 
 log = logging.getLogger("megadlms")
@@ -201,6 +203,13 @@ class Trainer:
         self._pending_save: ckpt.PendingCheckpoint | None = None  # --async-save: the write in flight
         self._async_group: dist.ProcessGroup | None = None
         self.data_wait_s = 0.0
+        # non-finite steps skipped on the device; preemption signals and the wall-time limit (their own modules)
+        self.guard = DivergenceGuard(self.optimizer, self.device, getattr(args, "max_skipped_steps", 10),
+                                     dist.group.WORLD if ctx.distributed else None)
+        self.control = RunControl(self.device, distributed=ctx.distributed,
+                                  handle_signals=getattr(args, "exit_signal_handler", True),
+                                  exit_duration_mins=getattr(args, "exit_duration_in_mins", None), guard=self.guard)
+        self.save_failures = 0
 
     @property
     def base_model(self) -> nn.Module:
@@ -294,7 +303,7 @@ class Trainer:
         if collect:
             enable_fp8_stats(model, False)
         grad_norm = self._clip_grads()
-        opt.step()  # applies the clipping (see optim.clip_grad_norm)
+        self.guard.step(loss_sum, grad_norm)  # opt.step(), skipped on a non-finite loss or gradient norm
         opt.zero_grad(set_to_none=True)
         if self.fp8:
             from ..fp8 import fp8_step
@@ -305,7 +314,8 @@ class Trainer:
         self.state.iteration += 1
         self.state.consumed_samples += self.global_batch
         self.state.consumed_tokens += tokens
-        return {"loss": loss_sum / self.accum, "grad_norm": grad_norm, "lr": lr, "tokens": tokens}
+        return {"loss": self.guard.finite_loss(loss_sum / self.accum), "grad_norm": grad_norm, "lr": lr,
+                "tokens": tokens}
 
     def _compile_stance(self, length: int) -> contextlib.AbstractContextManager:
         """Tensor-parallel compiled layers run only at the full sequence length; a cut (varilen) micro-batch runs
@@ -371,7 +381,22 @@ class Trainer:
                 "train": {"iteration": self.state.iteration, "consumed_samples": self.state.consumed_samples,
                           "consumed_tokens": self.state.consumed_tokens}}
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Save a checkpoint (collective); None when it failed and --ckpt-save-failures-ok lets the run go on."""
+        check_finite_state(self.model, self.optimizer, self.state.iteration,
+                           dist.group.WORLD if self.ctx.distributed else None)
+        try:
+            return self._save()
+        except ckpt.CheckpointSaveError as e:
+            self.save_failures += 1
+            allowed = getattr(self.args, "ckpt_save_failures_ok", 0)
+            if self.save_failures > allowed:
+                raise
+            log.warning("%s; training goes on (failed save %d of the %d --ckpt-save-failures-ok allows)",
+                        e, self.save_failures, allowed)
+            return None
+
+    def _save(self) -> Path:
         rank_state = {"rng": _rng_state(self.device), "mask_sampler": self.sampler.state_dict(),
                       "data": self.loaders.train.state_dict()}
         meta = {"config": self.cfg.to_dict(), "args": vars(self.args)}
@@ -382,11 +407,13 @@ class Trainer:
                 self._async_group = dist.new_group(backend="gloo")
             self._pending_save = ckpt.async_save_checkpoint(
                 self.args.save, self.state.iteration, self._dcp_state(), rank_state=rank_state, meta=meta,
-                tokenizer_dir=tok_dir, process_group=self._async_group)
+                tokenizer_dir=tok_dir, process_group=self._async_group,
+                keep_last=getattr(self.args, "ckpt_keep_last", None))
             log.info("writing checkpoint %s in the background", self._pending_save.final)
             return self._pending_save.final
         path = ckpt.save_checkpoint(self.args.save, self.state.iteration, self._dcp_state(), rank_state=rank_state,
-                                    meta=meta, tokenizer_dir=tok_dir)
+                                    meta=meta, tokenizer_dir=tok_dir, keep_last=getattr(self.args, "ckpt_keep_last",
+                                                                                        None))
         log.info("saved checkpoint %s", path)
         return path
 
@@ -442,6 +469,7 @@ class Trainer:
             bar = tqdm(total=args.train_iters, initial=self.state.iteration, unit="it", dynamic_ncols=True)
         window_t0, window_tokens, window_loss, window_n = time.perf_counter(), 0, None, 0
         last_saved = None
+        self.control.install()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 0
         while self.state.iteration < args.train_iters:
             step = self.train_step()
             window_tokens += step["tokens"]
@@ -451,7 +479,7 @@ class Trainer:
                 bar.update(1)
             it = self.state.iteration
             if it % args.log_interval == 0 or it == args.train_iters:
-                self._log(step, window_loss / window_n, window_tokens, time.perf_counter() - window_t0, bar)
+                self._log(step, window_loss, window_n, window_tokens, time.perf_counter() - window_t0, bar)
                 window_t0, window_tokens, window_loss, window_n = time.perf_counter(), 0, None, 0
                 self.data_wait_s = 0.0
             paused = time.perf_counter()  # evaluation and saving do not count towards throughput
@@ -460,33 +488,39 @@ class Trainer:
                 self._log_eval(bar)
                 self.data_wait_s = wait
             if args.save and args.save_interval and it % args.save_interval == 0:
-                self.save()
-                last_saved = it
+                if self.save() is not None:
+                    last_saved = it
             window_t0 += time.perf_counter() - paused
             if args.exit_interval and it % args.exit_interval == 0:
                 break
+            if self.control.after_step(it):  # a stop signal or the time limit, agreed by every rank
+                break
+        self.control.uninstall()
         if bar is not None:
             bar.close()
-        if args.eval_iters > 0 and self.state.iteration >= args.train_iters:
+        if args.eval_iters > 0 and self.state.iteration >= args.train_iters and not self.control.reason:
             self._log_eval(None)
-        if args.save and last_saved != self.state.iteration:
-            self.save()
+        if args.save and last_saved != self.state.iteration and self.save() is not None:
+            last_saved = self.state.iteration
         self.finish_save()
         self.sinks.close()
+        self.control.report(self.state.iteration, args.save, last_saved == self.state.iteration, ctx.is_main)
         return self.state
 
-    def _log(self, step: dict[str, Any], loss: torch.Tensor, tokens: int, seconds: float, bar: Any) -> None:
+    def _log(self, step: dict[str, Any], loss_sum: torch.Tensor, steps: int, tokens: int, seconds: float,
+             bar: Any) -> None:
+        skipped = self.guard.end_window(self.state.iteration)  # raises after --max-skipped-steps in a row
+        loss = loss_sum / max(steps - skipped, 1)  # the mean over the steps not skipped
         if self.ctx.distributed:  # the loss of the global batch, not of rank 0's share
             dist.all_reduce(loss, group=self.ctx.dp_group)
             loss = loss / self.ctx.dp_size
-        loss_value = loss.item()
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss is {loss_value} at iteration {self.state.iteration}; lower --lr, "
-                                     "raise --lr-warmup-iters or check the data")
+        loss_value = loss.item() if skipped < steps else float("nan")
         m = {"iteration": self.state.iteration, "loss": loss_value, "lr": step["lr"],
              "grad_norm": float(step["grad_norm"]), "consumed_samples": self.state.consumed_samples,
              **throughput(tokens, seconds, self.flops_per_token, self.ctx.world_size, self.peak),
              "memory_gib": memory_gib(self.device), "data_wait_share": self.data_wait_s / max(seconds, 1e-9)}
+        if skipped:
+            m["skipped_steps"] = skipped
         if self.fp8 and self.args.fp8_stats:
             from ..fp8 import fp8_stats
 
@@ -563,8 +597,12 @@ def setup(args: argparse.Namespace) -> Trainer:
 
 def train(args: argparse.Namespace) -> TrainState:
     trainer = setup(args)
-    state = trainer.run()
-    if args.generate_sample or (args.generate_sample is None and args.config and args.config.endswith("demo.yaml")):
+    try:
+        state = trainer.run()
+    finally:
+        trainer.control.uninstall()  # the signal handlers, also when the run stopped on an error
+    demo = args.generate_sample or (args.generate_sample is None and args.config and args.config.endswith("demo.yaml"))
+    if demo and not trainer.control.reason:  # a run stopped by a signal or the time limit exits at once
         print_sample(trainer)  # on every rank: the forward of a sharded model is collective
     destroy_parallel()
     return state

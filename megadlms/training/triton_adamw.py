@@ -5,11 +5,12 @@ moves an 8B-class model's 4.5B fp32 parameters at 3.0 TB/s (43 ms a step), where
 runs at 4.3 TB/s (benchmarks/adamw_speed.py, benchmarks/RESULTS.md). The update reads p, g, m, v and writes p, m, v
 (28 bytes per parameter), so its time is its traffic: `StreamingAdamW` runs one kernel per large parameter tensor
 with wide loads, within 3% of the copy's time. It is torch's AdamW in everything else: options, parameter groups,
-state (`step`, `exp_avg`, `exp_avg_sq`), checkpoints, and the fused kernel's `grad_scale` divisor (the clipping
-factor of `optim.clip_grad_norm`). Parameters the kernel does not take (small ones, DTensor shards, non-fp32 or
-non-contiguous ones, a group with a tensor learning rate) go through torch's fused kernel in the same step.
-The arithmetic is torch's, so the two agree to fp32 rounding; unlike torch's kernel this one leaves the gradients
-as they are (torch writes the unscaled gradient back).
+state (`step`, `exp_avg`, `exp_avg_sq`), checkpoints, the fused kernel's `grad_scale` divisor (the clipping
+factor of `optim.clip_grad_norm`) and its `found_inf` flag (a device scalar; nonzero: the step leaves parameters,
+moments and step counts as they were, decided on the device). Parameters the kernel does not take (small ones,
+DTensor shards, non-fp32 or non-contiguous ones, a group with a tensor learning rate) go through torch's fused
+kernel in the same step. The arithmetic is torch's, so the two agree to fp32 rounding; unlike torch's kernel
+this one leaves the gradients as they are (torch writes the unscaled gradient back).
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, amax_ptr, n, lr, beta1, beta2, log2_beta1,
-                      log2_beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, HAS_AMAX: tl.constexpr,
-                      BLOCK: tl.constexpr):
+    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, amax_ptr, found_ptr, n, lr, beta1, beta2,
+                      log2_beta1, log2_beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, HAS_AMAX: tl.constexpr,
+                      HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -51,13 +52,19 @@ if triton is not None:
         g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
         if HAS_SCALE:
             g = g / tl.load(scale_ptr)
-        m = tl.load(m_ptr + offs, mask=mask)
-        v = tl.load(v_ptr + offs, mask=mask)
+        m0 = tl.load(m_ptr + offs, mask=mask)
+        v0 = tl.load(v_ptr + offs, mask=mask)
+        p0 = p
         p = p * (1.0 - lr * weight_decay)
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
+        m = beta1 * m0 + (1.0 - beta1) * g
+        v = beta2 * v0 + (1.0 - beta2) * g * g
         denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
         p = p - (lr / bias_correction1) * (m / denom)
+        if HAS_FOUND_INF:  # a skipped step (non-finite loss or gradients) keeps every value as it was
+            skip = tl.load(found_ptr) != 0
+            p = tl.where(skip, p0, p)
+            m = tl.where(skip, m0, m)
+            v = tl.where(skip, v0, v)
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
@@ -67,19 +74,20 @@ if triton is not None:
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   step: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  grad_scale: torch.Tensor | None = None, amax_out: torch.Tensor | None = None, block: int = 1024,
-                  num_warps: int = 4) -> None:
+                  grad_scale: torch.Tensor | None = None, amax_out: torch.Tensor | None = None,
+                  found_inf: torch.Tensor | None = None, block: int = 1024, num_warps: int = 4) -> None:
     """One AdamW update of a contiguous fp32 `param` and its moments, in place. `step`: the fp32 device step count
     including this update; `grad_scale`: an fp32 scalar tensor the gradient is divided by; `amax_out`: an fp32
     scalar tensor, zero before the call, raised to max |param| of the updated values (for finite values the same as
-    an amax pass after the update). The default tile is the fastest of those measured on the H200
+    an amax pass after the update); `found_inf`: an fp32 scalar tensor, nonzero to keep param and moments as they
+    are (the caller keeps `step` too). The default tile is the fastest of those measured on the H200
     (benchmarks/adamw_speed.py)."""
     n = param.numel()
     _adamw_kernel[(triton.cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, step, grad_scale if grad_scale is not None else step,
-        amax_out if amax_out is not None else step, n, lr, beta1, beta2, math.log2(beta1), math.log2(beta2), eps,
-        weight_decay, HAS_SCALE=grad_scale is not None, HAS_AMAX=amax_out is not None, BLOCK=block,
-        num_warps=num_warps)
+        amax_out if amax_out is not None else step, found_inf if found_inf is not None else step, n, lr, beta1,
+        beta2, math.log2(beta1), math.log2(beta2), eps, weight_decay, HAS_SCALE=grad_scale is not None,
+        HAS_AMAX=amax_out is not None, HAS_FOUND_INF=found_inf is not None, BLOCK=block, num_warps=num_warps)
 
 
 class StreamingAdamW(torch.optim.AdamW):
@@ -131,11 +139,12 @@ class StreamingAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        if closure is not None or getattr(self, "found_inf", None) is not None:
+        if closure is not None:
             out = _torch_adamw_step(self, closure)
             self._refresh_amaxes(self._amax_of)
             return out
         grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)  # torch's kernel below reads it too
         work = []
         kernel_on: dict[torch.device, bool] = {}  # available(), asked once per device and step
         for group in self.param_groups:
@@ -164,7 +173,13 @@ class StreamingAdamW(torch.optim.AdamW):
             self._refresh_amaxes(p for p in self._amax_of if p.grad is not None and p not in streamed)
         if not work:
             return None
-        torch._foreach_add_([s["step"] for _, _, s, _ in work], 1.0)
+        steps = [s["step"] for _, _, s, _ in work]
+        torch._foreach_add_(steps, 1.0)
+        founds: dict[torch.device, torch.Tensor] = {}
+        if found_inf is not None:  # a skipped step does not count (as in torch's fused kernel)
+            for st in steps:
+                founds.setdefault(st.device, found_inf.to(st.device, torch.float32))
+            torch._foreach_sub_(steps, [founds[st.device] for st in steps])
         kept = [self._amax_of.get(p) for p, _, _, _ in work]
         amaxes = [k.value if k is not None else None for k in kept]
         if live := [a for a in amaxes if a is not None]:
@@ -175,7 +190,8 @@ class StreamingAdamW(torch.optim.AdamW):
             scale = None if grad_scale is None else scales.setdefault(p.device, grad_scale.to(p.device, torch.float32))
             adamw_update_(p, g, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=float(group["lr"]),
                           beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                          weight_decay=float(group["weight_decay"]), grad_scale=scale, amax_out=amax)
+                          weight_decay=float(group["weight_decay"]), grad_scale=scale, amax_out=amax,
+                          found_inf=founds.get(p.device))
         for (p, _, _, _), k in zip(work, kept):
             if k is not None:  # the kernel's writes leave the version counter as it was
                 k.version = p._version

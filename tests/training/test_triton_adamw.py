@@ -77,6 +77,19 @@ SCRIPT = textwrap.dedent("""
         for pa, pb in zip(after[0], other):
             torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-7)
 
+    # found_inf (a skipped step): parameters, moments and step counts stay as they were, streamed or not
+    before = [p.detach().clone() for p in ours.parameters()]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in ours.parameters()]
+    for p in ours.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    opt.found_inf = torch.ones(())
+    opt.step()
+    opt.found_inf = None
+    for p, b, s in zip(ours.parameters(), before, states):
+        assert torch.equal(p, b)
+        for k, v in s.items():
+            assert torch.equal(opt.state[p][k], v), k
+
     # the optimizer tests of test_optim, every weight streamed
     triton_adamw.StreamingAdamW.min_numel = 1
     triton_adamw.adamw_update_ = kernel
