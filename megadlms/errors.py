@@ -8,8 +8,10 @@ alone (`megadlms train: error: ...`, exit status 2), while any other exception, 
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
+from types import ModuleType
 
 
 class MegaDLMsError(Exception):
@@ -24,3 +26,19 @@ def report_errors(prog: str, run: Callable[[], int | None]) -> int:
     except MegaDLMsError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+
+
+class MissingExtraError(MegaDLMsError, ImportError):
+    """An optional dependency is not installed; the message names the pip extra that brings it."""
+
+
+def import_extra(module: str, extra: str, feature: str) -> ModuleType:
+    """`importlib.import_module(module)`, or a one-line `MissingExtraError` naming `pip install megadlms[EXTRA]`."""
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if e.name is not None and e.name.split(".")[0] != module.split(".")[0]:
+            raise  # the package is there but one of its own imports failed: keep the traceback
+        raise MissingExtraError(f"{feature} needs the {module.split('.')[0]!r} package: pip install "
+                                f"'megadlms[{extra}]'") from e
