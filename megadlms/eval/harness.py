@@ -214,9 +214,11 @@ class MegaDLMsLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         windows, owner = [], []
+        # an AR window's input is its tokens but the last; a diffusion window holds all of them
+        span = self.max_length if self.causal else self.max_length - 1
         for n, req in enumerate(requests):
             tokens = self.tok_encode(req.args[0])
-            for w in get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, context_len=1):
+            for w in get_rolling_token_windows(tokens, self.prefix_token_id, span, context_len=1):
                 windows.append(make_disjoint_window(w))
                 owner.append(n)
         totals = [0.0] * len(requests)
