@@ -93,22 +93,30 @@ def _run(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- harness tasks
 
 
-def task_manager(include_path: str | None) -> Any:
-    """lm_eval's TaskManager with `include_path` added (checked first)."""
+def task_manager(include_path: str | None, names: list[str]) -> Any:
+    """lm_eval's TaskManager holding `names`: the --include-path tasks alone when they are all there (indexing the
+    harness's own thousands of tasks takes a while), else those plus the harness's."""
     import_extra("lm_eval", "eval", "megadlms eval")
     from lm_eval.tasks import TaskManager
 
-    if include_path is not None and not Path(include_path).is_dir():
-        raise ConfigError(f"--include-path {include_path} is not a folder; pass the folder holding the task YAMLs")
-    return TaskManager(include_path=include_path)
-
-
-def check_tasks(manager: Any, names: list[str]) -> None:
-    known = set(manager.all_tasks)
-    unknown = [n for n in names if n not in known and not manager.match_tasks([n])]
+    if include_path is not None:
+        if not Path(include_path).is_dir():
+            raise ConfigError(f"--include-path {include_path} is not a folder; pass the folder holding the task "
+                             "YAMLs")
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if not _unknown(local, names):
+            return local
+    manager = TaskManager(include_path=include_path)
+    unknown = _unknown(manager, names)
     if unknown:
         raise ConfigError(f"unknown task(s) {unknown}; `lm_eval ls tasks` lists the harness's tasks, and "
                          "--include-path DIR adds the YAML tasks of a folder")
+    return manager
+
+
+def _unknown(manager: Any, names: list[str]) -> list[str]:
+    known = set(manager.all_tasks)
+    return [n for n in names if n not in known and not manager.match_tasks([n])]
 
 
 def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,9 +132,8 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_harness(args: argparse.Namespace) -> int:
-    manager = task_manager(args.include_path)
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    check_tasks(manager, names)
+    manager = task_manager(args.include_path, names)
     import lm_eval
     from lm_eval.utils import make_table
 

@@ -1,6 +1,7 @@
 """Shared tiny checkpoints (bundled tokenizer) and local harness tasks over jsonl files: no download."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -9,6 +10,9 @@ from megadlms.config import TransformerConfig
 from megadlms.data import default_tokenizer_path
 from megadlms.model import TransformerLM
 from megadlms.training.checkpoint import save_model_checkpoint
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files: never ask the hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TASKS = {
     "tiny_mc": {"output_type": "multiple_choice", "doc_to_text": "{{context}}", "doc_to_choice": "{{choices}}",
