@@ -1,7 +1,9 @@
 """The lm-evaluation-harness model class end to end on local tasks (multiple choice, perplexity, generation)."""
 
+import json
 import math
 import re
+import shutil
 import threading
 
 import lm_eval
@@ -12,6 +14,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from megadlms.config import ConfigError
+from megadlms.data import default_tokenizer_path
 from megadlms.diffusion.sampler import generate
 from megadlms.eval import likelihood as lk
 from megadlms.eval.harness import MegaDLMsLM
@@ -171,3 +174,20 @@ def test_bad_inputs_are_one_line_errors(eval_files):
             lm.loglikelihood(_reqs([("a", "b")]))
     finally:
         model.config.mask_token_id = 1
+
+
+def test_chat_template_from_the_tokenizer_folder(eval_files, tmp_path):
+    folder = tmp_path / "tok"
+    shutil.copytree(default_tokenizer_path(), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    model = eval_files["models"]["dlm"]
+    lm = MegaDLMsLM(model=model, tokenizer=str(folder), device="cpu")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert lm.apply_chat_template(chat) == "<|system|>Be brief.<|endoftext|><|user|>Hi<|endoftext|><|assistant|>"
+    assert lm.apply_chat_template(chat, add_generation_prompt=False).endswith("Hi<|endoftext|>")
+    plain = MegaDLMsLM(model=model, tokenizer=str(default_tokenizer_path()), device="cpu")
+    with pytest.raises(ConfigError, match="has no chat_template"):
+        plain.apply_chat_template(chat)
