@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from ..config import ConfigError
 from ..diffusion.fast_sampler import CACHE_MODES, fast_generate_tokens
-from ..diffusion.sampler import REMASKING, check_sampling_args, generate_tokens, prepare_prompts
+from ..diffusion.sampler import REMASKING, check_sampling_args, generate_tokens, model_device, prepare_prompts
 from ..generate.ar import ar_generate_tokens
 from .likelihood import (
     DEFAULT_RATIOS,
@@ -44,6 +44,13 @@ from .loading import load_model
 
 GREEDY_CHECKS = ("decode", "argmax", "off")
 SAMPLERS = ("reference", "fast")
+
+
+def _number(name: str, value: Any, kind: type) -> Any:
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name}={value!r} is not {'an integer' if kind is int else 'a number'}") from e
 
 
 def _flag(value: Any) -> bool:
@@ -79,6 +86,19 @@ class MegaDLMsLM(TemplateLM):
         super().__init__()
         from ..distributed.init import init_parallel
 
+        # the settings first: a bad one stops before a large model loads
+        self.batch_size = 8 if str(batch_size).startswith("auto") else _number("batch_size", batch_size, int)
+        self.seed, self.mc_num = _number("seed", seed, int), _number("mc_num", mc_num, int)
+        self.cfg, self.temperature = _number("cfg", cfg, float), _number("temperature", temperature, float)
+        self.greedy, self.elbo_ratios = greedy, _number("elbo_ratios", elbo_ratios, int)
+        self.sampler, self.remasking = sampler, remasking
+        self.gen_length, self.block_length = _number("gen_length", gen_length, int), _number(
+            "block_length", block_length, int)
+        self.steps = None if steps is None else _number("steps", steps, int)
+        self.threshold = _number("threshold", threshold, float)
+        self.cache = None if cache in ("none", None) else cache
+        self.progress = _flag(progress)
+        self._check()
         ctx = init_parallel(None if device == "auto" else device)
         self._rank, self._world_size, self._device = ctx.rank, ctx.world_size, ctx.device
         if model is None:
@@ -86,23 +106,22 @@ class MegaDLMsLM(TemplateLM):
                                                  iteration=iteration, device=self._device, dtype=dtype)
         else:
             cfg_obj, tok_dir = model.config, None
-            model = model.eval()
+            model, self._device = model.eval(), model_device(model)
         self.model, self.config = model, cfg_obj
         self.tokenizer = self._tokenizer(tokenizer if tokenizer is not None else tok_dir)
         self.tokenizer_dir = getattr(self.tokenizer, "source_dir", None)
         self.causal = cfg_obj.attn_mask_type == "causal"
-        self.batch_size = int(str(batch_size).split(":")[0]) if str(batch_size) != "auto" else 8
-        self.seed, self.mc_num, self.cfg = int(seed), int(mc_num), float(cfg)
-        self.greedy, self.elbo_ratios = greedy, int(elbo_ratios)
-        self.sampler, self.gen_length, self.block_length = sampler, int(gen_length), int(block_length)
-        self.steps = None if steps is None else int(steps)
-        self.threshold, self.temperature = float(threshold), float(temperature)
-        self.cache, self.remasking = None if cache in ("none", None) else cache, remasking
-        self.max_length = int(max_length) if max_length is not None else cfg_obj.max_position_embeddings
-        self.progress = _flag(progress) and self._rank == 0
+        self.max_length = (_number("max_length", max_length, int) if max_length is not None
+                           else cfg_obj.max_position_embeddings)
+        if self.max_length < 2:
+            raise ConfigError(f"max_length={self.max_length} must be >= 2")
+        self.progress = self.progress and self._rank == 0
         self.mask_id = mask_token if mask_token is not None else (
             cfg_obj.mask_token_id if cfg_obj.mask_token_id is not None else getattr(self.tokenizer, "mask_id", None))
-        self._check()
+        if not self.causal:  # the sampler's own checks (gen_length, block_length, steps, ...)
+            check_sampling_args(gen_length=self.gen_length, block_length=self.block_length,
+                                steps=self.steps if self.sampler == "reference" else None,
+                                temperature=self.temperature, remasking=self.remasking, cfg_scale=self.cfg)
 
     # ------------------------------------------------------------------ setup
     @staticmethod
@@ -129,12 +148,6 @@ class MegaDLMsLM(TemplateLM):
             raise ConfigError(f"cache={self.cache!r} is not one of dual, prefix, none")
         if self.remasking not in REMASKING:
             raise ConfigError(f"remasking={self.remasking!r} is not one of {list(REMASKING)}")
-        if not self.causal:
-            check_sampling_args(gen_length=self.gen_length, block_length=self.block_length,
-                                steps=self.steps if self.sampler == "reference" else None,
-                                temperature=self.temperature, remasking=self.remasking, cfg_scale=self.cfg)
-        if self.max_length < 2:
-            raise ConfigError(f"max_length={self.max_length} must be >= 2")
 
     def _need_mask(self, what: str) -> int:
         if self.mask_id is None:
