@@ -191,3 +191,22 @@ def test_chat_template_from_the_tokenizer_folder(eval_files, tmp_path):
     plain = MegaDLMsLM(model=model, tokenizer=str(default_tokenizer_path()), device="cpu")
     with pytest.raises(ConfigError, match="has no chat_template"):
         plain.apply_chat_template(chat)
+
+
+def test_fp8_checkpoint_keeps_its_fp8_layers(eval_files, tmp_path):
+    from megadlms.fp8 import fp8_modules
+    from megadlms.model import build_model
+    from megadlms.training.checkpoint import save_model_checkpoint
+
+    bf16 = eval_files["models"]["dlm"]
+    cfg = type(bf16.config).from_dict({**bf16.config.to_dict(), "fp8": True})
+    fp8 = build_model(cfg)
+    fp8.load_state_dict(bf16.state_dict(), strict=False)  # same weights; FP8 state starts fresh
+    save_model_checkpoint(tmp_path / "fp8", fp8, cfg, tokenizer_dir=default_tokenizer_path())
+    lm = MegaDLMsLM(load=str(tmp_path / "fp8"), **{**ARGS, "greedy": "off"})
+    assert len(list(fp8_modules(lm.model))) > 0
+    ref = MegaDLMsLM(model=bf16, tokenizer=lm.tokenizer, **{**ARGS, "greedy": "off"})
+    pairs = [("The cat sat", " on the mat"), ("Tom", " had a toy")]
+    got, want = lm.loglikelihood(_reqs(pairs)), ref.loglikelihood(_reqs(pairs))
+    assert [g for g, _ in got] == pytest.approx([w for w, _ in want], rel=0.05)  # FP8 rounding only
+    assert [g for g, _ in got] != [w for w, _ in want]
