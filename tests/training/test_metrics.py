@@ -2,6 +2,7 @@
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -20,9 +21,13 @@ def test_wandb_offline_run_logs_the_tensorboard_scalars(tmp_path, monkeypatch):
     sinks.write(10, {"iteration": 10, "loss": 2.5, "tokens_per_s": 1234.0, "mfu": None, "fp8/input_amax": 3.0})
     sinks.write(20, {"iteration": 20, "loss": 1.75}, prefix="valid")
     sinks.close()
-    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 1
-    blob = runs[0].read_bytes()  # the run's protobuf records hold the keys and values as text
+    deadline, blob = time.monotonic() + 30, b""
+    while b"valid/loss" not in blob and time.monotonic() < deadline:
+        # W&B's service writes the offline run file in the background, also after finish() returns
+        runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(runs) <= 1
+        blob = runs[0].read_bytes() if runs else b""  # protobuf records: keys and values appear as text
+        time.sleep(0.05)
     for key in (b"train/loss", b"train/tokens_per_s", b"train/fp8/input_amax", b"valid/loss", b"1.75", b"tiny-run"):
         assert key in blob
     assert b"train/mfu" not in blob and b"train/iteration" not in blob
