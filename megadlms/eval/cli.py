@@ -197,37 +197,36 @@ def validation_windows(args: argparse.Namespace, tokenizer: Any, seq_length: int
 
 
 def score_windows(model: Any, cfg: Any, windows: list[list[int]], *, seq_length: int, ratios: list[float],
-                  mask_id: int | None, seed: int, batch_size: int) -> list[float] | None:
-    """Mean loss per mask ratio (nats per token) over the windows; None for a causal model (no ratios)."""
+                  mask_id: int | None, seed: int, batch_size: int) -> torch.Tensor:
+    """Summed loss over the windows' tokens, fp64: per mask ratio [R] for a masked-diffusion model (each entry
+    (L / k) x CE over k masked tokens, summed over windows), or the exact NLL [1] for a causal model."""
     if cfg.attn_mask_type == "causal":
-        return None
+        pairs = [(w[:1], w[1:seq_length + 1]) for w in windows]
+        return torch.tensor([-sum(lp for lp, _ in ar_loglikelihood(model, pairs, batch_size=batch_size))],
+                            dtype=torch.float64)
     if mask_id is None:
         raise ConfigError("the ELBO of a masked-diffusion model needs its [MASK] id: the checkpoint config has no "
                          "mask_token_id; pass --mask-token ID")
     pairs = [([], w[:seq_length]) for w in windows]
-    nll = elbo_nll(model, pairs, mask_id=mask_id, ratios=ratios, seed=seed, batch_size=batch_size)
-    return (nll.sum(0) / (len(windows) * seq_length)).tolist()
-
-
-def _ar_nll(model: Any, windows: list[list[int]], seq_length: int, batch_size: int) -> float:
-    pairs = [(w[:1], w[1:seq_length + 1]) for w in windows]
-    return -sum(lp for lp, _ in ar_loglikelihood(model, pairs, batch_size=batch_size)) / (len(pairs) * seq_length)
+    return elbo_nll(model, pairs, mask_id=mask_id, ratios=ratios, seed=seed, batch_size=batch_size).sum(0)
 
 
 def _run_ppl(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
     from ..data import load_tokenizer
-    from ..distributed.init import pick_device
+    from ..distributed.init import init_parallel
     from .loading import load_model
 
     ratios = _ratios(args.mask_ratios)
-    device = pick_device(None if args.device == "auto" else args.device, 0)
+    ctx = init_parallel(None if args.device == "auto" else args.device)
     model, cfg, tok_dir = load_model(load=args.load, hf_model=args.hf_model, fp8_export=args.fp8_export,
-                                     iteration=args.iteration, device=device, dtype=args.dtype)
+                                     iteration=args.iteration, device=ctx.device, dtype=args.dtype)
     models = [(args.load or args.hf_model or args.fp8_export, model, cfg)]
     if args.compare:
         hf = (Path(args.compare) / "config.json").is_file()
         other, other_cfg, _ = load_model(load=None if hf else args.compare, hf_model=args.compare if hf else None,
-                                         device=device, dtype=args.dtype)
+                                         device=ctx.device, dtype=args.dtype)
         models.append((args.compare, other, other_cfg))
     tokenizer = load_tokenizer(args.tokenizer or tok_dir)
     seq_length = args.seq_length or cfg.seq_length
@@ -235,20 +234,26 @@ def _run_ppl(args: argparse.Namespace) -> int:
         if seq_length > c.max_position_embeddings:
             raise ConfigError(f"--seq-length {seq_length} exceeds max_position_embeddings={c.max_position_embeddings}")
     windows = validation_windows(args, tokenizer, seq_length)
+    mine = windows[ctx.rank::ctx.world_size]  # under torchrun each rank scores its share; the sums are reduced
     report: dict[str, Any] = {"data_path": args.data_path, "windows": len(windows), "seq_length": seq_length,
                               "mask_ratios": ratios, "models": {}}
     for name, m, c in models:
         mask_id = args.mask_token if args.mask_token is not None else c.mask_token_id
         with torch.no_grad():
-            per_ratio = score_windows(m, c, windows, seq_length=seq_length, ratios=ratios, mask_id=mask_id,
-                                      seed=args.seed, batch_size=args.batch_size)
-        if per_ratio is None:
-            nll = _ar_nll(m, windows, seq_length, args.batch_size)
-            report["models"][name] = {"mode": "autoregressive", "nll": nll, "ppl": math.exp(min(nll, 50))}
+            total = score_windows(m, c, mine, seq_length=seq_length, ratios=ratios, mask_id=mask_id,
+                                  seed=args.seed, batch_size=args.batch_size).to(ctx.device)
+        if ctx.world_size > 1:
+            dist.all_reduce(total)
+        per_token = (total / (len(windows) * seq_length)).tolist()
+        if c.attn_mask_type == "causal":
+            report["models"][name] = {"mode": "autoregressive", "nll": per_token[0],
+                                      "ppl": math.exp(min(per_token[0], 50))}
         else:
-            elbo = sum(per_ratio) / len(per_ratio)
-            report["models"][name] = {"mode": "masked diffusion", "loss_per_ratio": per_ratio, "elbo": elbo,
+            elbo = sum(per_token) / len(per_token)
+            report["models"][name] = {"mode": "masked diffusion", "loss_per_ratio": per_token, "elbo": elbo,
                                       "elbo_ppl": math.exp(min(elbo, 50))}
+    if ctx.rank != 0:
+        return 0
     table = format_ppl_table(report)
     print(table)
     if args.output_path:

@@ -83,3 +83,11 @@ def test_ppl_compares_two_checkpoints_per_mask_ratio(eval_files, tmp_path, capsy
         assert f"{got['elbo_ppl']:.3f}" in out
     a, b = (report["models"][k]["loss_per_ratio"] for k in report["models"])
     assert a != b and "| 0.25 | " in out and "perplexity (upper bound" in out
+    # an autoregressive checkpoint reports its exact NLL beside the masked-diffusion bound
+    argv[argv.index("--compare") + 1] = str(eval_files["ar"])
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    ar = json.loads((tmp_path / "out" / "ppl.json").read_text())["models"][str(eval_files["ar"])]
+    exact = lk.ar_loglikelihood(eval_files["models"]["ar"], [(w[:1], w[1:17]) for w in windows])
+    assert ar["mode"] == "autoregressive" and ar["nll"] == pytest.approx(-sum(lp for lp, _ in exact) / 48, rel=1e-6)
+    assert "| 0.25 | " in out and f"{ar['ppl']:.3f}" in out
