@@ -210,3 +210,16 @@ def test_fp8_checkpoint_keeps_its_fp8_layers(eval_files, tmp_path):
     got, want = lm.loglikelihood(_reqs(pairs)), ref.loglikelihood(_reqs(pairs))
     assert [g for g, _ in got] == pytest.approx([w for w, _ in want], rel=0.05)  # FP8 rounding only
     assert [g for g, _ in got] != [w for w, _ in want]
+
+
+def test_long_contexts_lose_their_oldest_tokens(eval_files):
+    lm = MegaDLMsLM(load=str(eval_files["dlm"]), **{**ARGS, "greedy": "off"})
+    context = " ".join(f"word{i}" for i in range(80))  # far beyond max_position_embeddings=48
+    ctx, cont = lm._encode_pair(context, " end")
+    assert len(ctx) + len(cont) > 48
+    got = lm.loglikelihood(_reqs([(context, " end")]))[0][0]
+    kept = ctx[-(48 - len(cont)):]
+    assert got == pytest.approx(lk.mc_loglikelihood(lm.model, [(kept, cont)], mask_id=1, mc_num=3, seed=1234)[0],
+                                rel=1e-5)
+    out = lm.generate_until(_reqs([(context, {"until": ["\n"]})], "generate_until"))
+    assert len(out) == 1 and isinstance(out[0], str)
