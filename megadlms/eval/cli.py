@@ -10,6 +10,7 @@ Under torchrun the harness splits the documents across ranks and rank 0 prints a
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -139,7 +140,12 @@ def _run_harness(args: argparse.Namespace) -> int:
 
     from .harness import MegaDLMsLM
 
-    lm = MegaDLMsLM(**model_kwargs(args))
+    kwargs = model_kwargs(args)
+    known = set(inspect.signature(MegaDLMsLM.__init__).parameters) - {"self", "model"}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ConfigError(f"unknown --model-args key(s) {unknown}; the keys are {sorted(known)}")
+    lm = MegaDLMsLM(**kwargs)
     results = lm_eval.simple_evaluate(
         model=lm, tasks=names, task_manager=manager, num_fewshot=args.num_fewshot, limit=args.limit,
         apply_chat_template=args.apply_chat_template, log_samples=args.log_samples, random_seed=args.seed,

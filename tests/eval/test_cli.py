@@ -36,6 +36,8 @@ def test_eval_writes_the_results_table(eval_files, tmp_path, capsys):
     (["--ppl"], "--ppl needs --data-path PREFIX"),
     (["--ppl", "--data-path", "x", "--mask-ratios", "0.5,2"], "every ratio must be in (0, 1]"),
     (["--tasks", "tiny_mc", "--model-args", "mc_num=0"], "mc_num=0 must be a positive integer"),
+    (["--tasks", "tiny_mc", "--model-args", "mcnum=3"], "unknown --model-args key(s) ['mcnum']; the keys are"),
+    (["--tasks", "tiny_mc", "--model-args", "gen_length=10,block_length=4"], "gen_length=10 is not divisible"),
 ])
 def test_bad_input_is_one_line(eval_files, capsys, monkeypatch, argv, message):
     import lm_eval.tasks
