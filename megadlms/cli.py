@@ -1,4 +1,4 @@
-"""`megadlms <command>`: train | preprocess | generate | convert | export | fp8-check | ckpt.
+"""`megadlms <command>`: train | preprocess | generate | convert | export | fp8-check | ckpt | eval | plot.
 
 Each command lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`
 (train takes the Megatron-style flags of `megadlms.training.args`); this file only dispatches.
@@ -21,6 +21,8 @@ COMMANDS = {
     "export": ("megadlms.fp8.export", "export inference weights (BF16 or FP8) as safetensors"),
     "fp8-check": ("megadlms.fp8.check", "check FP8 support of this device and run one FP8 GEMM"),
     "ckpt": ("megadlms.training.ckpt_command", "check checkpoint folders against their checksums (ckpt verify DIR)"),
+    "eval": ("megadlms.eval.cli", "evaluate: lm-evaluation-harness tasks, or the validation ELBO (--ppl)"),
+    "plot": ("megadlms.eval.plot", "draw training curves (loss, validation ELBO, tokens/s, FP8) of runs"),
 }
 
 

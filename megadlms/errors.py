@@ -9,8 +9,10 @@ alone (`megadlms train: error: ...`, exit status 2), while any other exception, 
 from __future__ import annotations
 
 import errno
+import importlib
 import sys
 from collections.abc import Callable
+from types import ModuleType
 
 # file-system errors a path the user gave (or the machine's state) causes, not a bug: reported as one line
 USER_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS,
@@ -36,3 +38,19 @@ def report_errors(prog: str, run: Callable[[], int | None]) -> int:
         print(f"{prog}: error: {e.filename}: {e.strerror}; check the path, its permissions and the free space",
               file=sys.stderr)
         return 2
+
+
+class MissingExtraError(MegaDLMsError, ImportError):
+    """An optional dependency is not installed; the message names the pip extra that brings it."""
+
+
+def import_extra(module: str, extra: str, feature: str) -> ModuleType:
+    """`importlib.import_module(module)`, or a one-line `MissingExtraError` naming `pip install megadlms[EXTRA]`."""
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if e.name is not None and e.name.split(".")[0] != module.split(".")[0]:
+            raise  # the package is there but one of its own imports failed: keep the traceback
+        raise MissingExtraError(f"{feature} needs the {module.split('.')[0]!r} package: pip install "
+                                f"'megadlms[{extra}]'") from e

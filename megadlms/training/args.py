@@ -128,6 +128,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--wandb-project", default=None, help="log what TensorBoard gets to this Weights & Biases "
+                   "project (pip install 'megadlms[wandb]'; WANDB_MODE=offline works without a network)")
+    g.add_argument("--wandb-exp-name", default=None, help="the W&B run name (default: W&B's)")
+    g.add_argument("--wandb-save-dir", default=None, help="folder for W&B's files (default: --save, else ./wandb)")
     g.add_argument("--save", default=None, help="checkpoint folder")
     g.add_argument("--save-interval", type=int, default=None, help="default: only at the end")
     g.add_argument("--ckpt-keep-last", type=int, default=None,

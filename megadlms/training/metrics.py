@@ -1,14 +1,17 @@
-"""Throughput accounting (tokens/s, TFLOP/s, MFU), memory, and metric sinks (log, TensorBoard, jsonl)."""
+"""Throughput accounting (tokens/s, TFLOP/s, MFU), memory, and metric sinks (TensorBoard, W&B, jsonl)."""
 
 from __future__ import annotations
 
 import json
 import resource
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..errors import import_extra
 
 # Dense BF16 tensor-core peak (TFLOP/s) by device-name substring, most specific first.
 # MFU is always reported against the BF16 peak; with FP8 on this is the BF16-equivalent MFU.
@@ -64,14 +67,44 @@ def format_log_line(m: dict[str, Any], train_iters: int) -> str:
     return " | ".join(parts)
 
 
-class MetricSinks:
-    """TensorBoard (if a dir is given) and an append-only metrics.jsonl (if a dir is given); rank 0 only."""
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging (Megatron's flag names); off without a project. WANDB_MODE=offline writes the run
+    to `save_dir` for a later `wandb sync`."""
 
-    def __init__(self, tensorboard_dir: str | None, jsonl_dir: str | None, enabled: bool = True):
+    project: str | None = None
+    exp_name: str | None = None
+    save_dir: str | None = None
+    run_config: dict[str, Any] = field(default_factory=dict)  # recorded with the run (the run's arguments)
+
+    @classmethod
+    def from_args(cls, args: Any) -> WandbConfig:
+        run_config = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+        return cls(args.wandb_project, args.wandb_exp_name, args.wandb_save_dir or args.save, run_config)
+
+
+def start_wandb(cfg: WandbConfig) -> Any:
+    """A started wandb run for `cfg` (None when cfg.project is None)."""
+    if cfg.project is None:
+        return None
+    wandb = import_extra("wandb", "wandb", "--wandb-project")
+    save_dir = Path(cfg.save_dir or ".")
+    save_dir.mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=cfg.project, name=cfg.exp_name, dir=str(save_dir), config=cfg.run_config)
+
+
+class MetricSinks:
+    """TensorBoard (if a dir is given), W&B (if a project is given) and an append-only metrics.jsonl (if a dir
+    is given); rank 0 only. TensorBoard and W&B get the same scalars, named `{prefix}/{key}`."""
+
+    def __init__(self, tensorboard_dir: str | None, jsonl_dir: str | None, enabled: bool = True,
+                 wandb: WandbConfig | None = None):
         self.tb = None
         self.jsonl = None
+        self.wandb = None
         if not enabled:
             return
+        self.wandb = start_wandb(wandb or WandbConfig())
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -81,10 +114,13 @@ class MetricSinks:
             self.jsonl = open(Path(jsonl_dir) / "metrics.jsonl", "a")
 
     def write(self, step: int, metrics: dict[str, Any], prefix: str = "train") -> None:
+        scalars = {f"{prefix}/{k}": v for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"}
         if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and k != "iteration":
-                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"split": prefix, **metrics}) + "\n")
             self.jsonl.flush()
@@ -92,5 +128,8 @@ class MetricSinks:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
         if self.jsonl is not None:
             self.jsonl.close()

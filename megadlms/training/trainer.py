@@ -41,7 +41,7 @@ from ..presets import load_model_config
 from . import checkpoint as ckpt
 from .cuda_graphs import LayerGraphs
 from .divergence import DivergenceGuard, check_finite_state
-from .metrics import MetricSinks, bf16_peak_tflops, format_log_line, memory_gib, throughput
+from .metrics import MetricSinks, WandbConfig, bf16_peak_tflops, format_log_line, memory_gib, throughput
 from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_grad_norm, set_lr
 from .preemption import RunControl
 from .triton_adamw import StreamingAdamW
@@ -183,7 +183,8 @@ class Trainer:
         self.state = TrainState()
         self.flops_per_token = cfg.flops_per_token(cfg.seq_length)
         self.peak = bf16_peak_tflops(self.device)
-        self.sinks = MetricSinks(args.tensorboard_dir, args.save or args.tensorboard_dir, enabled=ctx.is_main)
+        self.sinks = MetricSinks(args.tensorboard_dir, args.save or args.tensorboard_dir, enabled=ctx.is_main,
+                                 wandb=WandbConfig.from_args(args))
         self.fp8 = bool(cfg.fp8)
         # the Float8Linears whose weight cache is off for training and back on for evaluation (same weights)
         self._fp8_uncached: list[nn.Module] = []

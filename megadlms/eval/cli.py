@@ -1,0 +1,294 @@
+"""`megadlms eval`: benchmarks through lm-evaluation-harness, or the validation ELBO per mask ratio (--ppl).
+
+    megadlms eval --load runs/tiny --tasks hellaswag,arc_easy --num-fewshot 0 --model-args mc_num=128
+    megadlms eval --load runs/tiny --tasks my_task --include-path tasks/ --output-path results/
+    megadlms eval --ppl --load runs/fp8 --compare runs/bf16 --data-path data/corpus_text_document
+
+Under torchrun the harness splits the documents across ranks and rank 0 prints and writes the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ConfigError
+from ..errors import import_extra, report_errors
+from .likelihood import DEFAULT_RATIOS, ar_loglikelihood, elbo_nll
+
+HELP = "evaluate a model: lm-evaluation-harness tasks, or the validation ELBO per mask ratio (--ppl)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = p.add_argument_group("model")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--load", metavar="DIR", help="a megadlms checkpoint folder (as written by `megadlms train`)")
+    src.add_argument("--hf-model", metavar="DIR", help="a Hugging Face model folder (e.g. `megadlms convert` output)")
+    src.add_argument("--fp8-export", metavar="DIR", help="a model exported with FP8 weights (`megadlms export`)")
+    g.add_argument("--iteration", type=int, default=None, help="with --load: this iteration (default: the latest)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the one stored with the model)")
+    g.add_argument("--mask-token", type=int, default=None, help="the [MASK] id (default: the model config's)")
+    g.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available), cpu, cuda, cuda:N")
+    g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="weights dtype: auto = bf16 on GPU, fp32 on CPU (FP8 models keep their FP8 layers)")
+    g.add_argument("--batch-size", type=int, default=8, help="rows per forward")
+    g.add_argument("--seed", type=int, default=1234, help="seeds the Monte-Carlo masks, samplers and few-shot draws")
+    g.add_argument("--output-path", metavar="DIR", default=None, help="write results.json (and the table) here")
+
+    g = p.add_argument_group("lm-evaluation-harness")
+    g.add_argument("--tasks", default=None, help="comma-separated task names (harness tasks or --include-path ones)")
+    g.add_argument("--include-path", metavar="DIR", default=None, help="a folder of task YAML files to add")
+    g.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt")
+    g.add_argument("--limit", type=float, default=None, help="documents per task (a fraction when < 1)")
+    g.add_argument("--apply-chat-template", action="store_true",
+                   help="render prompts with the tokenizer's chat_template (instruction-tuned models)")
+    g.add_argument("--model-args", default="",
+                   help="k=v,... for the model class: mc_num, cfg, greedy, elbo_ratios, sampler, gen_length, "
+                        "block_length, steps, threshold, cache, remasking, temperature, max_length")
+    g.add_argument("--log-samples", action="store_true", help="with --output-path: also write every sample")
+
+    g = p.add_argument_group("validation ELBO (--ppl)")
+    g.add_argument("--ppl", action="store_true", help="the deterministic ELBO per mask ratio on --data-path's "
+                                                      "validation split instead of harness tasks")
+    g.add_argument("--data-path", metavar="PREFIX", default=None, help="a Megatron dataset prefix (.bin/.idx)")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions (the validation part is used)")
+    g.add_argument("--data-cache-path", default=None, help="folder for the cached sample index")
+    g.add_argument("--eval-samples", type=int, default=64, help="validation windows to score")
+    g.add_argument("--seq-length", type=int, default=None, help="window length (default: the model's seq_length)")
+    g.add_argument("--mask-ratios", default=",".join(map(str, DEFAULT_RATIOS)), help="comma-separated ratios")
+    g.add_argument("--compare", metavar="DIR", default=None,
+                   help="a second checkpoint (or Hugging Face folder) scored on the same windows and masks")
+    return p
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `eval` on an argparse subparsers object; the parser's `run` default runs it."""
+    p = subparsers.add_parser("eval", help=HELP, description=HELP)
+    add_arguments(p)
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `megadlms eval`; returns the exit code (2 on bad input, printed as one line)."""
+    return report_errors("megadlms eval", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+    if args.ppl:
+        return _run_ppl(args)
+    if not args.tasks:
+        raise ConfigError("no tasks: pass --tasks NAME[,NAME...] (or --ppl --data-path PREFIX for the ELBO)")
+    return _run_harness(args)
+
+
+# --------------------------------------------------------------------------- harness tasks
+
+
+def task_manager(include_path: str | None, names: list[str]) -> Any:
+    """lm_eval's TaskManager holding `names`: the --include-path tasks alone when they are all there (indexing the
+    harness's own thousands of tasks takes a while), else those plus the harness's."""
+    import_extra("lm_eval", "eval", "megadlms eval")
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        if not Path(include_path).is_dir():
+            raise ConfigError(f"--include-path {include_path} is not a folder; pass the folder holding the task "
+                             "YAMLs")
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if not _unknown(local, names):
+            return local
+    manager = TaskManager(include_path=include_path)
+    unknown = _unknown(manager, names)
+    if unknown:
+        raise ConfigError(f"unknown task(s) {unknown}; `lm_eval ls tasks` lists the harness's tasks, and "
+                         "--include-path DIR adds the YAML tasks of a folder")
+    return manager
+
+
+def _unknown(manager: Any, names: list[str]) -> list[str]:
+    known = set(manager.all_tasks)
+    return [n for n in names if n not in known and not manager.match_tasks([n])]
+
+
+def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from lm_eval.utils import simple_parse_args_string
+
+    kwargs: dict[str, Any] = simple_parse_args_string(args.model_args)
+    for name in ("load", "hf_model", "fp8_export", "iteration", "tokenizer", "mask_token"):
+        value = getattr(args, name)
+        if value is not None:
+            kwargs[name] = value
+    kwargs.update(device=args.device, dtype=args.dtype, batch_size=args.batch_size, seed=args.seed)
+    return kwargs
+
+
+def _run_harness(args: argparse.Namespace) -> int:
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    manager = task_manager(args.include_path, names)
+    import lm_eval
+    from lm_eval.utils import make_table
+
+    from .harness import MegaDLMsLM
+
+    kwargs = model_kwargs(args)
+    known = set(inspect.signature(MegaDLMsLM.__init__).parameters) - {"self", "model"}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ConfigError(f"unknown --model-args key(s) {unknown}; the keys are {sorted(known)}")
+    lm = MegaDLMsLM(**kwargs)
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=names, task_manager=manager, num_fewshot=args.num_fewshot, limit=args.limit,
+        apply_chat_template=args.apply_chat_template, log_samples=args.log_samples, random_seed=args.seed,
+        numpy_random_seed=args.seed, torch_random_seed=args.seed, fewshot_random_seed=args.seed,
+        bootstrap_iters=0 if args.limit else 1000)
+    if results is None:  # not rank 0
+        return 0
+    table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
+    print(table)
+    if args.output_path:
+        out = Path(args.output_path)
+        out.mkdir(parents=True, exist_ok=True)
+        samples = results.pop("samples", None)
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        (out / "results.md").write_text(table + "\n")
+        if samples:
+            for task, rows in samples.items():
+                with open(out / f"samples_{task}.jsonl", "w") as f:
+                    for row in rows:
+                        f.write(json.dumps(row, default=str) + "\n")
+        print(f"wrote {out / 'results.json'}", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------- --ppl
+
+
+def _ratios(text: str) -> list[float]:
+    try:
+        ratios = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ConfigError(f"--mask-ratios {text!r} is not a comma-separated list of numbers, e.g. 0.1,0.5,1.0") from e
+    if not ratios or any(not 0.0 < r <= 1.0 for r in ratios):
+        raise ConfigError(f"--mask-ratios {text!r}: every ratio must be in (0, 1], e.g. 0.1,0.2,...,1.0")
+    return ratios
+
+
+def validation_windows(args: argparse.Namespace, tokenizer: Any, seq_length: int) -> list[list[int]]:
+    """The first --eval-samples windows [seq_length + 1] of --data-path's validation split."""
+    from ..data import DataConfig, build_loaders
+
+    if not args.data_path:
+        raise ConfigError("--ppl needs --data-path PREFIX (a Megatron .bin/.idx dataset, from `megadlms preprocess`)")
+    if args.eval_samples < 1:
+        raise ConfigError(f"--eval-samples {args.eval_samples} must be >= 1")
+    cfg = DataConfig(data_path=[args.data_path], split=args.split, data_cache_path=args.data_cache_path,
+                     seq_length=seq_length, micro_batch_size=1, seed=args.seed, num_workers=0,
+                     eval_samples=args.eval_samples)
+    valid = build_loaders(cfg, tokenizer).valid
+    if valid is None:
+        raise ConfigError(f"--split {args.split} leaves no validation documents in {args.data_path}; give the "
+                         "validation part a share, e.g. --split 98,2,0")
+    it = iter(valid)
+    return [next(it)[0].tolist() for _ in range(args.eval_samples)]
+
+
+def score_windows(model: Any, cfg: Any, windows: list[list[int]], *, seq_length: int, ratios: list[float],
+                  mask_id: int | None, seed: int, batch_size: int) -> torch.Tensor:
+    """Summed loss over the windows' tokens, fp64: per mask ratio [R] for a masked-diffusion model (each entry
+    (L / k) x CE over k masked tokens, summed over windows), or the exact NLL [1] for a causal model."""
+    if cfg.attn_mask_type == "causal":
+        pairs = [(w[:1], w[1:seq_length + 1]) for w in windows]
+        return torch.tensor([-sum(lp for lp, _ in ar_loglikelihood(model, pairs, batch_size=batch_size))],
+                            dtype=torch.float64)
+    if mask_id is None:
+        raise ConfigError("the ELBO of a masked-diffusion model needs its [MASK] id: the checkpoint config has no "
+                         "mask_token_id; pass --mask-token ID")
+    pairs = [([], w[:seq_length]) for w in windows]
+    return elbo_nll(model, pairs, mask_id=mask_id, ratios=ratios, seed=seed, batch_size=batch_size).sum(0)
+
+
+def _run_ppl(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from ..data import load_tokenizer
+    from ..distributed.init import init_parallel
+    from .loading import load_model
+
+    ratios = _ratios(args.mask_ratios)
+    ctx = init_parallel(None if args.device == "auto" else args.device)
+    model, cfg, tok_dir = load_model(load=args.load, hf_model=args.hf_model, fp8_export=args.fp8_export,
+                                     iteration=args.iteration, device=ctx.device, dtype=args.dtype)
+    models = [(args.load or args.hf_model or args.fp8_export, model, cfg)]
+    if args.compare:
+        hf = (Path(args.compare) / "config.json").is_file()
+        other, other_cfg, _ = load_model(load=None if hf else args.compare, hf_model=args.compare if hf else None,
+                                         device=ctx.device, dtype=args.dtype)
+        models.append((args.compare, other, other_cfg))
+    tokenizer = load_tokenizer(args.tokenizer or tok_dir)
+    seq_length = args.seq_length or cfg.seq_length
+    for _, _, c in models:
+        if seq_length > c.max_position_embeddings:
+            raise ConfigError(f"--seq-length {seq_length} exceeds max_position_embeddings={c.max_position_embeddings}")
+    windows = validation_windows(args, tokenizer, seq_length)
+    mine = windows[ctx.rank::ctx.world_size]  # under torchrun each rank scores its share; the sums are reduced
+    report: dict[str, Any] = {"data_path": args.data_path, "windows": len(windows), "seq_length": seq_length,
+                              "mask_ratios": ratios, "models": {}}
+    for name, m, c in models:
+        mask_id = args.mask_token if args.mask_token is not None else c.mask_token_id
+        with torch.no_grad():
+            total = score_windows(m, c, mine, seq_length=seq_length, ratios=ratios, mask_id=mask_id,
+                                  seed=args.seed, batch_size=args.batch_size).to(ctx.device)
+        if ctx.world_size > 1:
+            dist.all_reduce(total)
+        per_token = (total / (len(windows) * seq_length)).tolist()
+        if c.attn_mask_type == "causal":
+            report["models"][name] = {"mode": "autoregressive", "nll": per_token[0],
+                                      "ppl": math.exp(min(per_token[0], 50))}
+        else:
+            elbo = sum(per_token) / len(per_token)
+            report["models"][name] = {"mode": "masked diffusion", "loss_per_ratio": per_token, "elbo": elbo,
+                                      "elbo_ppl": math.exp(min(elbo, 50))}
+    if ctx.rank != 0:
+        return 0
+    table = format_ppl_table(report)
+    print(table)
+    if args.output_path:
+        out = Path(args.output_path)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ppl.json").write_text(json.dumps(report, indent=2))
+        (out / "ppl.md").write_text(table + "\n")
+    return 0
+
+
+def format_ppl_table(report: dict[str, Any]) -> str:
+    """A markdown table: the loss per mask ratio per model, then the ELBO and its perplexity bound."""
+    names = list(report["models"])
+    lines = [f"validation ELBO: {report['windows']} windows x {report['seq_length']} tokens of {report['data_path']}",
+             "", "| mask ratio | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for j, r in enumerate(report["mask_ratios"]):
+        cells = [f"{m['loss_per_ratio'][j]:.4f}" if "loss_per_ratio" in m else "-" for m in report["models"].values()]
+        lines.append(f"| {r:g} | " + " | ".join(cells) + " |")
+    bound = [f"{m.get('elbo', m.get('nll')):.4f}" for m in report["models"].values()]
+    ppl = [f"{m.get('elbo_ppl', m.get('ppl')):.3f}" for m in report["models"].values()]
+    lines.append("| ELBO (nats/token; AR: exact NLL) | " + " | ".join(bound) + " |")
+    lines.append("| perplexity (upper bound; AR: exact) | " + " | ".join(ppl) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="megadlms eval", description=HELP))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
