@@ -233,13 +233,15 @@ def _build_source(parts: list[tuple[IndexedDataset, int, int, float]], num_sampl
     return blend, blend.order_key
 
 
-def build_loaders(cfg: DataConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_size: int = 1) -> Loaders:
+def build_loaders(cfg: DataConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_size: int = 1,
+                  require_train: bool = True) -> Loaders:
     """Build the train / valid / test loaders for data-parallel rank `dp_rank` of `dp_size`.
 
     Sources: `cfg.data_path` (one prefix, several, or 'w1 p1 w2 p2 ...') split into contiguous document ranges
     by `cfg.split`; or `cfg.{train,valid,test}_data_path` used whole; or, with neither, the bundled demo
     corpus. Train covers `cfg.train_samples` samples, valid/test `cfg.eval_samples` (0: one epoch); all
-    three loop forever. Missing files raise naming the path tried."""
+    three loop forever. Missing files raise naming the path tried; so does an empty train split unless
+    `require_train` is False (evaluation reads only the validation split)."""
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank {dp_rank} is outside [0, dp_size={dp_size})")
     opened: dict[str, IndexedDataset] = {}
@@ -278,7 +280,7 @@ def build_loaders(cfg: DataConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp
         loaders[n] = None if built is None else StatefulLoader(
             built[0], micro_batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
             num_workers=cfg.num_workers, name=n, fingerprint=built[1])
-    if loaders["train"] is None:  # e.g. an empty .bin/.idx, or documents of zero tokens only
+    if loaders["train"] is None and require_train:  # e.g. an empty .bin/.idx, or documents of zero tokens only
         held = ", ".join(f"{d.prefix} ({d.num_documents} documents, {int(d.num_tokens)} tokens)"
                          for d in opened.values())
         raise DataError(f"no training data: the train split of {held or 'the data'} holds no tokens; check the "

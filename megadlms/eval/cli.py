@@ -194,7 +194,7 @@ def validation_windows(args: argparse.Namespace, tokenizer: Any, seq_length: int
     cfg = DataConfig(data_path=[args.data_path], split=args.split, data_cache_path=args.data_cache_path,
                      seq_length=seq_length, micro_batch_size=1, seed=args.seed, num_workers=0,
                      eval_samples=args.eval_samples)
-    valid = build_loaders(cfg, tokenizer).valid
+    valid = build_loaders(cfg, tokenizer, require_train=False).valid
     if valid is None:
         raise ConfigError(f"--split {args.split} leaves no validation documents in {args.data_path}; give the "
                          "validation part a share, e.g. --split 98,2,0")
