@@ -1,7 +1,7 @@
 """Masked-diffusion objective and samplers."""
 
 from .fast_sampler import fast_generate, fast_generate_tokens
-from .kv_cache import AppendCache, DualCache, PrefixCache
+from .kv_cache import AppendCache, BlockCache, DualCache, PrefixCache
 from .objective import (
     BatchNoise,
     MaskSampler,
@@ -15,4 +15,4 @@ from .sampler import generate, generate_tokens, get_num_transfer_tokens
 
 __all__ = ["BatchNoise", "MaskSampler", "ObjectiveConfig", "chunked_weighted_cross_entropy", "mask_tokens",
            "prepare_batch", "weighted_cross_entropy", "fast_generate", "fast_generate_tokens", "AppendCache",
-           "DualCache", "PrefixCache", "generate", "generate_tokens", "get_num_transfer_tokens"]
+           "BlockCache", "DualCache", "PrefixCache", "generate", "generate_tokens", "get_num_transfer_tokens"]

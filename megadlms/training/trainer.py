@@ -22,10 +22,12 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError, TransformerConfig
+from ..diffusion import bd3lm
 from ..diffusion.objective import (
     MaskSampler,
     ObjectiveConfig,
@@ -72,7 +74,17 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
             overrides["vocab_size"] = vocab_size  # the tiny preset takes the tokenizer's vocabulary
         if "seq_length" in overrides and "max_position_embeddings" not in overrides:
             overrides["max_position_embeddings"] = None  # re-derived below if the preset's is too small
-    overrides["attn_mask_type"] = "bidirectional" if args.model_running_mode == "difflm-noshift" else "causal"
+    overrides["attn_mask_type"] = "causal" if args.model_running_mode == "vanilla" else "bidirectional"
+    # block diffusion: the block size is part of the model (its sampler and exports need it)
+    if args.block_size is not None and args.model_running_mode != "bd3lm":
+        raise ConfigError(f"--block-size {args.block_size} is only used with --model-running-mode bd3lm; drop it")
+    if args.model_running_mode == "bd3lm":
+        if args.block_size is None and (base is None or base.block_size is None):
+            raise ConfigError("--model-running-mode bd3lm needs --block-size B (a divisor of --seq-length, e.g. 4)")
+        if args.block_size is not None:
+            overrides["block_size"] = args.block_size
+    elif base is not None:
+        overrides["block_size"] = None
     overrides.update(
         fp8=args.fp8_format is not None, fp8_format=args.fp8_format or "hybrid", fp8_recipe=args.fp8_recipe,
         fp8_margin=args.fp8_margin, fp8_amax_history_len=args.fp8_amax_history_len,
@@ -91,9 +103,12 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
         cfg_dict = {**base.to_dict(), **overrides}
     mask = args.mask_token if args.mask_token is not None else (mask_id if mask_id is not None
                                                                 else cfg_dict.get("mask_token_id"))
-    if args.model_running_mode == "difflm-noshift" and mask is None:
+    if args.model_running_mode != "vanilla" and mask is None:
         raise ConfigError("no mask token: pass --mask-token ID (the tokenizer has no <|mask|> and the preset none)")
     cfg_dict["mask_token_id"] = mask
+    if args.model_running_mode == "bd3lm":  # the flag-named errors before the config's own
+        bd3lm.Bd3lmConfig(block_size=cfg_dict["block_size"], seq_length=cfg_dict["seq_length"],
+                          clip_min=args.bd3lm_clip_min, clip_max=args.bd3lm_clip_max, noise_per=args.bd3lm_noise_per)
     cfg = TransformerConfig.from_dict(cfg_dict)
     if vocab_size is not None and vocab_size > cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
@@ -163,6 +178,13 @@ class Trainer:
                                          eps=args.difflm_eps, pmask=args.difflm_pmask,
                                          varilen_prob=args.difflm_varilen_prob)
         self.sampler = MaskSampler(args.seed + 1, device=self.device)
+        # block diffusion: its own noise and inputs, one forward over x_t (+) x_0 under the block-diffusion mask
+        self.bd3lm = None if args.model_running_mode != "bd3lm" else bd3lm.Bd3lmConfig(
+            block_size=cfg.block_size, seq_length=cfg.seq_length, mask_token_id=cfg.mask_token_id,
+            clip_min=args.bd3lm_clip_min, clip_max=args.bd3lm_clip_max, noise_per=args.bd3lm_noise_per,
+            eval_eps=args.difflm_eps)
+        # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
+        self._flex = self.device.type == "cuda" and bool(args.compile)
         self.optimizer = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
                                          betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         allocate_optimizer_state(self.optimizer)  # before any activation: the state gets segments of its own
@@ -180,6 +202,8 @@ class Trainer:
         self.autocast_dtype = compute_dtype(args, self.device)  # bf16, or None for fp32
         self.state = TrainState()
         self.flops_per_token = cfg.flops_per_token(cfg.seq_length)
+        if self.bd3lm is not None:
+            self.flops_per_token = bd3lm.flops_per_token(cfg, self.bd3lm.block_size)
         self.peak = bf16_peak_tflops(self.device)
         self.sinks = MetricSinks(args.tensorboard_dir, args.save or args.tensorboard_dir, enabled=ctx.is_main)
         self.fp8 = bool(cfg.fp8)
@@ -241,6 +265,14 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
               rows: _HostCount | None = None) -> torch.Tensor:
         with self._autocast():
+            if self.bd3lm is not None:  # x_t (+) x_0 in, the hidden states of x_t scored
+                kwargs = bd3lm.forward_kwargs(self.bd3lm, inputs.device, self._flex)
+                hidden = self.model(inputs, output_hidden=True, **kwargs)[:, :targets.shape[1]]
+                if not self.loss_chunk_tokens:
+                    return weighted_cross_entropy(F.linear(hidden, self._output_weight()), targets, weights)
+                return chunked_weighted_cross_entropy(hidden, self._output_weight(), targets, weights,
+                                                      self.loss_chunk_tokens,
+                                                      num_rows=rows.get() if rows is not None else None)
             if self.loss_chunk_tokens:
                 hidden = self.model(inputs, output_hidden=True)
                 return chunked_weighted_cross_entropy(hidden, self._output_weight(), targets, weights,
@@ -265,7 +297,10 @@ class Trainer:
             sample = sample.to(self.device, non_blocking=True)
             rows = slice(m * dp * self.mbs + r * self.mbs, m * dp * self.mbs + (r + 1) * self.mbs)
             length = int(noise.lengths[m])
-            batch = prepare_batch(sample, (noise.t[rows], noise.u[rows]), length, self.objective)
+            if self.bd3lm is not None:
+                batch = bd3lm.prepare_batch(sample, (noise.t[rows], noise.u[rows]), self.bd3lm)
+            else:
+                batch = prepare_batch(sample, (noise.t[rows], noise.u[rows]), length, self.objective)
             counted = _HostCount(batch[2]) if self.loss_chunk_tokens else None
             yield batch, length, counted
 
@@ -281,7 +316,7 @@ class Trainer:
 
             enable_fp8_stats(model, True)
         set_lr(opt, lr)
-        noise = self.sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, self.objective.varilen_prob)
+        noise = self._draw_noise(self.sampler)
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         for m, ((inputs, targets, weights), length, rows) in enumerate(
@@ -306,6 +341,14 @@ class Trainer:
         self.state.consumed_samples += self.global_batch
         self.state.consumed_tokens += tokens
         return {"loss": loss_sum / self.accum, "grad_norm": grad_norm, "lr": lr, "tokens": tokens}
+
+    def _draw_noise(self, sampler: MaskSampler, evaluation: bool = False):
+        """One global batch's noise. Block diffusion trains on whole windows (no varilen cut): every block is
+        already predicted from clean prefixes of every length that is a multiple of the block size."""
+        if self.bd3lm is not None:
+            return bd3lm.draw_noise(sampler, self.global_batch, self.accum, self.bd3lm, evaluation=evaluation)
+        varilen = 0.0 if evaluation else self.objective.varilen_prob
+        return sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, varilen)
 
     def _compile_stance(self, length: int) -> contextlib.AbstractContextManager:
         """Tensor-parallel compiled layers run only at the full sequence length; a cut (varilen) micro-batch runs
@@ -345,7 +388,7 @@ class Trainer:
         n = 0
         with self._fp8_eval_weights():  # every batch sees the same weights: cast them once
             for _ in range(self.args.eval_iters):
-                noise = sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, 0.0)
+                noise = self._draw_noise(sampler, evaluation=True)
                 for (inputs, targets, weights), _, rows in self._micro_batches(it, noise, self.accum):
                     total += self._loss(inputs, targets, weights, rows)
                     n += 1
