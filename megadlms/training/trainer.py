@@ -596,7 +596,8 @@ def setup(args: argparse.Namespace) -> Trainer:
         log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention%s | device %s%s | "
                  "world %d (dp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
                  args.model_path, n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
-                 cfg.attn_mask_type, f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
+                 cfg.attn_mask_type + (f" block-diffusion (blocks of {cfg.block_size})" if cfg.block_size else ""),
+                 f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
                  ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
                  ctx.dp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
     if args.load:
@@ -627,6 +628,10 @@ def print_sample(trainer: Trainer, prompt: str = "Once upon a time", gen_length:
             from ..generate.ar import ar_generate
 
             out = ar_generate(model, [ids], max_new_tokens=gen_length, eos_id=tok.eod_id)[0]
+        elif cfg.block_size is not None:
+            from ..diffusion.bd3lm_sampler import bd3lm_generate
+
+            out = bd3lm_generate(model, [ids], max_new_tokens=gen_length, eos_id=tok.eod_id)[0]
         else:
             out = generate(model, [ids], mask_id=cfg.mask_token_id, gen_length=gen_length, block_length=gen_length // 2,
                            steps=gen_length, eos_id=tok.eod_id)[0]
