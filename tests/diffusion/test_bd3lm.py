@@ -45,6 +45,20 @@ def test_flex_block_mask_skips_the_empty_tiles():
     assert int(tiles.sum()) == 8  # of 16: x_0 -> x_t never, x_t -> x_t only on the diagonal, both triangles
 
 
+@torch.no_grad()
+def test_the_model_runs_the_block_mask_through_flex_attention():
+    # the forward only: FlexAttention has no CPU backward (torch 2.13), which is why training on the CPU takes the
+    # dense mask; on the GPU the same BlockMask runs inside the compiled layers
+    n, b = 16, 4
+    model = tiny(n=n, b=b)
+    cfg = bd3lm.Bd3lmConfig(block_size=b, seq_length=n, mask_token_id=MASK)
+    tokens, t, u = noise(2, n, n // b)
+    inputs, _, _ = bd3lm.prepare_batch(torch.cat([tokens, tokens[:, :1]], dim=1), (t, u), cfg)
+    dense = model(inputs, **bd3lm.forward_kwargs(cfg, torch.device("cpu"), flex=False))
+    flex = model(inputs, **bd3lm.forward_kwargs(cfg, torch.device("cpu"), flex=True))
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
+
+
 def tiny(causal=False, n=16, b=4):
     torch.manual_seed(0)
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -227,3 +241,11 @@ def test_bad_flags_are_one_line_errors(extra, match):
 
     with pytest.raises(ConfigError, match=match):
         setup(parse_train_args(SMALL + extra + ["--train-iters", "4"]))
+
+
+def test_fp8_linears_and_activation_recompute_train_the_same_objective():
+    base = SMALL + ["--train-iters", "3", "--lr-warmup-iters", "1"]
+    plain = _losses(_train(base))
+    assert _losses(_train(base + ["--recompute-granularity", "full"])) == plain  # recompute: the same numbers
+    fp8 = _losses(_train(base + ["--fp8-format", "hybrid"]))
+    torch.testing.assert_close(torch.tensor(fp8), torch.tensor(plain), rtol=0.03, atol=0.0)
