@@ -138,8 +138,8 @@ def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None =
         attn_mask_type=attn_mask_type, extra=extra)
     if mask_token_id is not None:
         overrides["mask_token_id"] = mask_token_id
-    block = hf.get("block_size")
-    if block:  # a block-diffusion (bd3lm) export; its windows hold whole blocks
+    block = hf.get("block_size") if hf.get("model_running_mode") == "bd3lm" else None
+    if block:  # a block-diffusion export; its windows hold whole blocks
         overrides.update(block_size=block, seq_length=min(4096, max_pos) // block * block)
     try:
         return config_from_hf(dict(hf), **overrides)
