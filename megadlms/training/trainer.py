@@ -247,6 +247,8 @@ class Trainer:
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
         if getattr(self.args, "recompute_granularity", None):
             blockers.append("activation checkpointing (--recompute-granularity) re-runs the forward in backward")
+        if self.bd3lm is not None:
+            blockers.append("block diffusion (bd3lm) runs the layers under an attention mask")
         if mode == "on" and blockers:
             raise ConfigError(f"--cuda-graphs on is not possible here: {'; '.join(blockers)}. "
                              "Use --cuda-graphs auto or off.")

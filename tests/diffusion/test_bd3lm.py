@@ -249,3 +249,11 @@ def test_activation_recompute_and_fp8_linears_train_the_same_objective():
     assert _losses(_train(base + ["--recompute-granularity", "full"])) == plain  # bitwise
     fp8 = _losses(_train(base + ["--fp8-format", "hybrid", "--recompute-granularity", "full"]))
     torch.testing.assert_close(torch.tensor(fp8), torch.tensor(plain), rtol=0.03, atol=0.0)
+
+
+def test_cuda_graphs_on_is_refused_with_the_reason():
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.trainer import setup
+
+    with pytest.raises(ConfigError, match="block diffusion \\(bd3lm\\) runs the layers under an attention mask"):
+        setup(parse_train_args(SMALL + ["--train-iters", "4", "--cuda-graphs", "on"]))
