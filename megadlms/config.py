@@ -41,6 +41,7 @@ class TransformerConfig:
     init_method_std: float = 0.02
     attn_mask_type: str = "bidirectional"  # DLM: bidirectional; AR (vanilla): causal
     mask_token_id: int | None = None  # the diffusion [MASK] id, recorded for export / sampling
+    block_size: int | None = None  # block diffusion (BD3-LM): tokens per block; None for other models
 
     # --- FP8 (Transformer Engine / Megatron-Core semantics) ---
     fp8: bool | str = False  # True, or Megatron's string form "e4m3" | "hybrid"
@@ -106,6 +107,9 @@ class TransformerConfig:
             raise ConfigError(
                 f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
                 "use a token id of the tokenizer (e.g. its <|mask|> token) or enlarge vocab_size")
+        if self.block_size is not None and (self.block_size <= 0 or self.seq_length % self.block_size):
+            raise ConfigError(f"block_size={self.block_size} must be a positive divisor of "
+                              f"seq_length={self.seq_length}")
         _choice("fp8_format", self.fp8_format, FP8_FORMATS)
         _choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
         _choice("fp8_amax_compute_algo", self.fp8_amax_compute_algo, FP8_AMAX_ALGOS)

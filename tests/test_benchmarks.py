@@ -29,6 +29,7 @@ SMOKES = {
     # the count's wait is timed: on the CPU the count is ready at once
     "host_sync_probe": (["--smoke", "--fp8"], "host ms waiting for the count:   0.0"),
     "fp8_attention": (["--smoke"], "tiny | "),
+    "bd3lm_likelihood": (["--smoke"], "ordering AR <= B=4 <= B=16 <= MDLM: "),
 }
 
 

@@ -5,6 +5,9 @@ The attention of layer i calls `cache.update(i, k, v)` with this forward's keys 
 query positions as `position_ids` and an `attention_mask` [B, T] that covers the returned keys.
 
 - `AppendCache`: the standard autoregressive cache (keys appended forward after forward).
+- `BlockCache`: block diffusion's cache of clean blocks. A forward attends to the kept blocks and to
+  itself; only its first `keep` positions (a block just completed) are kept, the rest (the block being
+  denoised) are overwritten by the next forward. Exact: the kept keys/values are those of final tokens.
 - `PrefixCache`: Fast-dLLM's prefix cache. One full forward per block stores the keys/values of
   the committed prefix [0, start); the following steps run only positions >= start.
 - `DualCache`: Fast-dLLM's DualCache. One full forward per block stores the keys/values of every
@@ -56,8 +59,27 @@ class AppendCache:
         kb, vb = self._k[layer_idx], self._v[layer_idx]
         kb[:, :, start:start + s] = k
         vb[:, :, start:start + s] = v
-        self._len[layer_idx] = start + s
+        self._len[layer_idx] = start + self._kept(s)
         return kb[:, :, :start + s], vb[:, :, :start + s]
+
+    def _kept(self, s: int) -> int:
+        """How many of a forward's s positions stay cached."""
+        return s
+
+
+class BlockCache(AppendCache):
+    """Block diffusion's cache: each forward's keys/values are written after the kept ones and attended to;
+    the first `keep` of them stay (set `keep` before each forward: the clean block the forward completes,
+    or 0 for a denoising step), the others are scratch overwritten by the next forward. Capacity: the
+    prompt, the generated blocks and one block being denoised.
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.keep = 0
+
+    def _kept(self, s: int) -> int:
+        return min(self.keep, s)
 
 
 class PrefixCache:

@@ -22,13 +22,13 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 
-RUNNING_MODES = ("difflm-noshift", "vanilla")
+RUNNING_MODES = ("difflm-noshift", "vanilla", "bd3lm")  # bd3lm: block diffusion (megadlms.diffusion.bd3lm)
 PMASK_MODES = ("sampled", "actual")
 
 
 @dataclass
 class ObjectiveConfig:
-    mode: str = "difflm-noshift"  # difflm-noshift (masked diffusion) | vanilla (autoregressive)
+    mode: str = "difflm-noshift"  # difflm-noshift (masked diffusion) | vanilla (autoregressive) | bd3lm
     mask_token_id: int = 0
     eps: float = 1e-3  # p = (1 - eps) * t + eps
     pmask: str = "sampled"  # sampled: weight by the drawn p; actual: by the row's masked fraction

@@ -1,7 +1,8 @@
 """`megadlms generate`: sample text from a checkpoint, an exported Hugging Face folder or an FP8 export.
 
 Diffusion models (bidirectional) use the fast sampler on GPU and LLaDA's reference sampler on
-CPU unless --sampler says otherwise; causal (vanilla) models decode autoregressively.
+CPU unless --sampler says otherwise; block-diffusion (bd3lm) models decode block by block with a
+KV cache of the finished blocks; causal (vanilla) models decode autoregressively.
 
     megadlms generate --load runs/tiny --prompt "Once upon a time" --gen-length 64 --block-length 32
     megadlms generate --hf-model export/ --prompt-file in.jsonl --output-file out.jsonl --sampler fast
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
+from ..diffusion.bd3lm_sampler import bd3lm_generate_tokens, generated_rows
 from ..diffusion.fast_sampler import fast_generate_tokens
 from ..diffusion.sampler import REMASKING, generate_tokens, prepare_prompts
 from ..errors import report_errors
@@ -51,17 +53,21 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     g = p.add_argument_group("diffusion sampling")
-    g.add_argument("--sampler", choices=("reference", "fast"), default=None,
+    g.add_argument("--sampler", choices=("reference", "fast", "bd3lm"), default=None,
                    help="reference: LLaDA's sampler; fast: KV cache + parallel decoding (default: fast on GPU, "
-                        "reference on CPU)")
+                        "reference on CPU); bd3lm: block diffusion, variable length up to --max-new-tokens "
+                        "(the default for a model trained with --model-running-mode bd3lm)")
     g.add_argument("--gen-length", type=int, default=128)
     g.add_argument("--block-length", type=int, default=32)
     g.add_argument("--steps", type=int, default=None, help="reference sampler steps (default: --gen-length)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--remasking", choices=REMASKING, default="low_confidence")
     g.add_argument("--cfg-scale", type=float, default=0.0)
-    g.add_argument("--threshold", type=float, default=0.9,
-                   help="fast sampler: commit every position above this confidence (at least one per step)")
+    g.add_argument("--threshold", type=float, default=None,
+                   help="fast sampler (default 0.9) and bd3lm (default: --block-steps): commit every position "
+                        "above this confidence (at least one per step)")
+    g.add_argument("--block-steps", type=int, default=None,
+                   help="bd3lm sampler: denoising steps per block (default: the block size, one token a step)")
     g.add_argument("--cache", choices=("dual", "prefix", "none"), default="dual", help="fast sampler KV cache")
     g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the sampler's fixed-shape forwards in CUDA graphs (default: on for GPU)")
@@ -73,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--mask-token", type=int, default=None,
                    help="the [MASK] id (default: the model config's mask_token_id, else the tokenizer's)")
 
-    g = p.add_argument_group("autoregressive models (attn_mask_type causal)")
+    g = p.add_argument_group("autoregressive and block-diffusion models")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--top-p", type=float, default=1.0)
     return p
@@ -210,7 +216,8 @@ def _run(args: argparse.Namespace) -> int:
         if mask_id is None:
             raise ConfigError("no mask token id: the model config has no mask_token_id and the tokenizer no mask "
                              "token; pass --mask-token ID (the id the model was trained with)")
-    sampler = "ar" if causal else args.sampler or ("fast" if device.type == "cuda" else "reference")
+    sampler = "ar" if causal else args.sampler or ("bd3lm" if cfg.block_size else
+                                                   "fast" if device.type == "cuda" else "reference")
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
     pad_id = getattr(tokenizer, "pad_id", None)
     pad_id = pad_id if pad_id is not None else (eos if eos is not None else 0)
@@ -231,6 +238,17 @@ def _run(args: argparse.Namespace) -> int:
                                          temperature=args.temperature, top_p=args.top_p, eos_id=eos,
                                          generator=generator, progress=progress)
             forwards += out.shape[1] - p
+        elif sampler == "bd3lm":
+            x, start, nfe = bd3lm_generate_tokens(model, ids, attn, mask_id=mask_id, max_new_tokens=args.max_new_tokens,
+                                                  steps=args.block_steps, threshold=args.threshold,
+                                                  temperature=args.temperature, remasking=args.remasking, eos_id=eos,
+                                                  generator=generator, progress=progress)
+            forwards += nfe
+            for row in generated_rows(x, start, args.max_new_tokens, eos_id=None, mask_id=mask_id):
+                produced += len(row) if eos is None or eos not in row else row.index(eos) + 1
+                row = row[:row.index(eos)] if eos is not None and eos in row else row
+                completions.append((tokenizer.decode(row), len(row)))
+            continue
         elif sampler == "reference":
             counter.start(args.steps or args.gen_length)
             try:
@@ -243,7 +261,8 @@ def _run(args: argparse.Namespace) -> int:
                 counter.close()
         else:
             out, nfe = fast_generate_tokens(model, ids, attn, mask_id=mask_id, gen_length=args.gen_length,
-                                            block_length=args.block_length, threshold=args.threshold,
+                                            block_length=args.block_length,
+                                            threshold=0.9 if args.threshold is None else args.threshold,
                                             cache=None if args.cache == "none" else args.cache,
                                             temperature=args.temperature, remasking=args.remasking,
                                             cfg_scale=args.cfg_scale, eos_id=eos, generator=generator,

@@ -138,6 +138,9 @@ def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None =
         attn_mask_type=attn_mask_type, extra=extra)
     if mask_token_id is not None:
         overrides["mask_token_id"] = mask_token_id
+    block = hf.get("block_size") if hf.get("model_running_mode") == "bd3lm" else None
+    if block:  # a block-diffusion export; its windows hold whole blocks
+        overrides.update(block_size=block, seq_length=min(4096, max_pos) // block * block)
     try:
         return config_from_hf(dict(hf), **overrides)
     except ConfigError as e:
@@ -156,7 +159,8 @@ def hf_architecture(cfg: TransformerConfig) -> str:
 
 def megadlms_config_to_hf(cfg: TransformerConfig, *, dtype: torch.dtype = torch.float32,
                           token_ids: Mapping[str, int | None] | None = None) -> dict[str, Any]:
-    """The config.json dict of the stock architecture for `cfg` (plus `mask_token_id`, `attn_mask_type`).
+    """The config.json dict of the stock architecture for `cfg` (plus `mask_token_id`, `attn_mask_type`, and for a
+    block-diffusion model `model_running_mode: bd3lm` and `block_size`).
 
     A bidirectional model also gets `is_causal: false`, which transformers >= 5 honours when building
     the attention mask, so `AutoModelForCausalLM.from_pretrained` runs it bidirectionally as saved.
@@ -186,6 +190,8 @@ def megadlms_config_to_hf(cfg: TransformerConfig, *, dtype: torch.dtype = torch.
     }
     if cfg.attn_mask_type == "bidirectional":
         hf["is_causal"] = False
+    if cfg.block_size is not None:  # block diffusion: its sampler needs the block size
+        hf.update(model_running_mode="bd3lm", block_size=cfg.block_size)
     if family in ("qwen3", "qwen2"):
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=n,
                   layer_types=["full_attention"] * n)

@@ -37,12 +37,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("diffusion objective")
     g.add_argument("--model-running-mode", choices=RUNNING_MODES, default="difflm-noshift",
-                   help="difflm-noshift: masked diffusion, bidirectional; vanilla: autoregressive, causal")
+                   help="difflm-noshift: masked diffusion, bidirectional; vanilla: autoregressive, causal; "
+                        "bd3lm: block diffusion (blocks of --block-size, AR across blocks)")
     g.add_argument("--mask-token", type=int, default=None,
                    help="mask token id (default: the tokenizer's <|mask|>, else the preset's)")
     g.add_argument("--difflm-eps", type=float, default=1e-3)
     g.add_argument("--difflm-pmask", choices=PMASK_MODES, default="sampled")
     g.add_argument("--difflm-varilen-prob", type=float, default=0.01)
+    # block diffusion (--model-running-mode bd3lm; megadlms.diffusion.bd3lm)
+    g.add_argument("--block-size", type=int, default=None, help="bd3lm: tokens per block (divides --seq-length)")
+    g.add_argument("--bd3lm-clip-min", type=float, default=1e-3, help="bd3lm: training t ~ U[min, max]")
+    g.add_argument("--bd3lm-clip-max", type=float, default=1.0, help="bd3lm: (1e-3, 1: the linear schedule)")
+    g.add_argument("--bd3lm-noise-per", choices=("block", "sequence"), default="block",
+                   help="bd3lm: one noise level t per block or per sequence")
 
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=1000)

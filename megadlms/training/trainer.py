@@ -22,10 +22,12 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError, TransformerConfig
+from ..diffusion import bd3lm
 from ..diffusion.objective import (
     MaskSampler,
     ObjectiveConfig,
@@ -74,7 +76,17 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
             overrides["vocab_size"] = vocab_size  # the tiny preset takes the tokenizer's vocabulary
         if "seq_length" in overrides and "max_position_embeddings" not in overrides:
             overrides["max_position_embeddings"] = None  # re-derived below if the preset's is too small
-    overrides["attn_mask_type"] = "bidirectional" if args.model_running_mode == "difflm-noshift" else "causal"
+    overrides["attn_mask_type"] = "causal" if args.model_running_mode == "vanilla" else "bidirectional"
+    # block diffusion: the block size is part of the model (its sampler and exports need it)
+    if args.block_size is not None and args.model_running_mode != "bd3lm":
+        raise ConfigError(f"--block-size {args.block_size} is only used with --model-running-mode bd3lm; drop it")
+    if args.model_running_mode == "bd3lm":
+        if args.block_size is None and (base is None or base.block_size is None):
+            raise ConfigError("--model-running-mode bd3lm needs --block-size B (a divisor of --seq-length, e.g. 4)")
+        if args.block_size is not None:
+            overrides["block_size"] = args.block_size
+    elif base is not None:
+        overrides["block_size"] = None
     overrides.update(
         fp8=args.fp8_format is not None, fp8_format=args.fp8_format or "hybrid", fp8_recipe=args.fp8_recipe,
         fp8_margin=args.fp8_margin, fp8_amax_history_len=args.fp8_amax_history_len,
@@ -93,9 +105,12 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
         cfg_dict = {**base.to_dict(), **overrides}
     mask = args.mask_token if args.mask_token is not None else (mask_id if mask_id is not None
                                                                 else cfg_dict.get("mask_token_id"))
-    if args.model_running_mode == "difflm-noshift" and mask is None:
+    if args.model_running_mode != "vanilla" and mask is None:
         raise ConfigError("no mask token: pass --mask-token ID (the tokenizer has no <|mask|> and the preset none)")
     cfg_dict["mask_token_id"] = mask
+    if args.model_running_mode == "bd3lm":  # the flag-named errors before the config's own
+        bd3lm.Bd3lmConfig(block_size=cfg_dict["block_size"], seq_length=cfg_dict["seq_length"],
+                          clip_min=args.bd3lm_clip_min, clip_max=args.bd3lm_clip_max, noise_per=args.bd3lm_noise_per)
     cfg = TransformerConfig.from_dict(cfg_dict)
     if vocab_size is not None and vocab_size > cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
@@ -165,6 +180,13 @@ class Trainer:
                                          eps=args.difflm_eps, pmask=args.difflm_pmask,
                                          varilen_prob=args.difflm_varilen_prob)
         self.sampler = MaskSampler(args.seed + 1, device=self.device)
+        # block diffusion: its own noise and inputs, one forward over x_t (+) x_0 under the block-diffusion mask
+        self.bd3lm = None if args.model_running_mode != "bd3lm" else bd3lm.Bd3lmConfig(
+            block_size=cfg.block_size, seq_length=cfg.seq_length, mask_token_id=cfg.mask_token_id,
+            clip_min=args.bd3lm_clip_min, clip_max=args.bd3lm_clip_max, noise_per=args.bd3lm_noise_per,
+            eval_eps=args.difflm_eps)
+        # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
+        self._flex = self.device.type == "cuda" and bool(args.compile)
         self.optimizer = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
                                          betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         allocate_optimizer_state(self.optimizer)  # before any activation: the state gets segments of its own
@@ -182,6 +204,8 @@ class Trainer:
         self.autocast_dtype = compute_dtype(args, self.device)  # bf16, or None for fp32
         self.state = TrainState()
         self.flops_per_token = cfg.flops_per_token(cfg.seq_length)
+        if self.bd3lm is not None:
+            self.flops_per_token = bd3lm.flops_per_token(cfg, self.bd3lm.block_size)
         self.peak = bf16_peak_tflops(self.device)
         self.sinks = MetricSinks(args.tensorboard_dir, args.save or args.tensorboard_dir, enabled=ctx.is_main,
                                  wandb=WandbConfig.from_args(args))
@@ -233,6 +257,8 @@ class Trainer:
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
         if getattr(self.args, "recompute_granularity", None):
             blockers.append("activation checkpointing (--recompute-granularity) re-runs the forward in backward")
+        if self.bd3lm is not None:
+            blockers.append("block diffusion (bd3lm) runs the layers under an attention mask")
         if mode == "on" and blockers:
             raise ConfigError(f"--cuda-graphs on is not possible here: {'; '.join(blockers)}. "
                              "Use --cuda-graphs auto or off.")
@@ -251,6 +277,14 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
               rows: _HostCount | None = None) -> torch.Tensor:
         with self._autocast():
+            if self.bd3lm is not None:  # x_t (+) x_0 in, the hidden states of x_t scored
+                kwargs = bd3lm.forward_kwargs(self.bd3lm, inputs.device, self._flex)
+                hidden = self.model(inputs, output_hidden=True, **kwargs)[:, :targets.shape[1]]
+                if not self.loss_chunk_tokens:
+                    return weighted_cross_entropy(F.linear(hidden, self._output_weight()), targets, weights)
+                return chunked_weighted_cross_entropy(hidden, self._output_weight(), targets, weights,
+                                                      self.loss_chunk_tokens,
+                                                      num_rows=rows.get() if rows is not None else None)
             if self.loss_chunk_tokens:
                 hidden = self.model(inputs, output_hidden=True)
                 return chunked_weighted_cross_entropy(hidden, self._output_weight(), targets, weights,
@@ -275,7 +309,10 @@ class Trainer:
             sample = sample.to(self.device, non_blocking=True)
             rows = slice(m * dp * self.mbs + r * self.mbs, m * dp * self.mbs + (r + 1) * self.mbs)
             length = int(noise.lengths[m])
-            batch = prepare_batch(sample, (noise.t[rows], noise.u[rows]), length, self.objective)
+            if self.bd3lm is not None:
+                batch = bd3lm.prepare_batch(sample, (noise.t[rows], noise.u[rows]), self.bd3lm)
+            else:
+                batch = prepare_batch(sample, (noise.t[rows], noise.u[rows]), length, self.objective)
             counted = _HostCount(batch[2]) if self.loss_chunk_tokens else None
             yield batch, length, counted
 
@@ -291,7 +328,7 @@ class Trainer:
 
             enable_fp8_stats(model, True)
         set_lr(opt, lr)
-        noise = self.sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, self.objective.varilen_prob)
+        noise = self._draw_noise(self.sampler)
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         for m, ((inputs, targets, weights), length, rows) in enumerate(
@@ -317,6 +354,14 @@ class Trainer:
         self.state.consumed_tokens += tokens
         return {"loss": self.guard.finite_loss(loss_sum / self.accum), "grad_norm": grad_norm, "lr": lr,
                 "tokens": tokens}
+
+    def _draw_noise(self, sampler: MaskSampler, evaluation: bool = False):
+        """One global batch's noise. Block diffusion trains on whole windows (no varilen cut): every block is
+        already predicted from clean prefixes of every length that is a multiple of the block size."""
+        if self.bd3lm is not None:
+            return bd3lm.draw_noise(sampler, self.global_batch, self.accum, self.bd3lm, evaluation=evaluation)
+        varilen = 0.0 if evaluation else self.objective.varilen_prob
+        return sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, varilen)
 
     def _compile_stance(self, length: int) -> contextlib.AbstractContextManager:
         """Tensor-parallel compiled layers run only at the full sequence length; a cut (varilen) micro-batch runs
@@ -356,7 +401,7 @@ class Trainer:
         n = 0
         with self._fp8_eval_weights():  # every batch sees the same weights: cast them once
             for _ in range(self.args.eval_iters):
-                noise = sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, 0.0)
+                noise = self._draw_noise(sampler, evaluation=True)
                 for (inputs, targets, weights), _, rows in self._micro_batches(it, noise, self.accum):
                     total += self._loss(inputs, targets, weights, rows)
                     n += 1
@@ -588,7 +633,8 @@ def setup(args: argparse.Namespace) -> Trainer:
         log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention%s | device %s%s | "
                  "world %d (dp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
                  args.model_path, n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
-                 cfg.attn_mask_type, f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
+                 cfg.attn_mask_type + (f" block-diffusion (blocks of {cfg.block_size})" if cfg.block_size else ""),
+                 f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
                  ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
                  ctx.dp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
     if args.load:
@@ -623,6 +669,10 @@ def print_sample(trainer: Trainer, prompt: str = "Once upon a time", gen_length:
             from ..generate.ar import ar_generate
 
             out = ar_generate(model, [ids], max_new_tokens=gen_length, eos_id=tok.eod_id)[0]
+        elif cfg.block_size is not None:
+            from ..diffusion.bd3lm_sampler import bd3lm_generate
+
+            out = bd3lm_generate(model, [ids], max_new_tokens=gen_length, eos_id=tok.eod_id)[0]
         else:
             out = generate(model, [ids], mask_id=cfg.mask_token_id, gen_length=gen_length, block_length=gen_length // 2,
                            steps=gen_length, eos_id=tok.eod_id)[0]

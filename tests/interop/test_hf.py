@@ -185,6 +185,18 @@ def test_export_sharded_and_reloaded(tmp_path):
     assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
 
 
+def test_bd3lm_export_records_the_block_size_and_mode(tmp_path):
+    ours, cfg = _our_model("qwen3", True, "bidirectional")
+    cfg = cfg.replace(block_size=8)
+    out = save_hf_model(ours, cfg, tmp_path / "hf")
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model_running_mode"] == "bd3lm" and saved["block_size"] == 8 and saved["is_causal"] is False
+    model, back = load_hf_model(out)
+    assert back.block_size == 8 and back.seq_length % 8 == 0 and back.attn_mask_type == "bidirectional"
+    ids = torch.randint(0, VOCAB, (1, 16))
+    torch.testing.assert_close(model(ids), ours(ids))
+
+
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 * 2**20
     assert parse_size("1234") == 1234 and parse_size(77) == 77 and parse_size("1.5kb") == 1500

@@ -1,0 +1,221 @@
+"""Sampling from a block-diffusion (BD3-LM) model: blocks left to right, each denoised in parallel.
+
+The text is cut into blocks of the model's block size, aligned on positions as in training (block j holds
+positions [j*B, (j+1)*B) of each row). A prompt fills whole blocks and possibly the start of one more: that
+partial block is the first one generated, its prompt tokens fixed. Each block starts fully masked and is
+denoised by `steps` forwards (its masked count spread evenly over them, the most confident positions
+committed first) or, with `threshold`, by forwards that commit every position whose confidence exceeds it
+(at least one) until none is masked. The model sees what it saw in training: the block being denoised
+attends to itself and to the clean blocks before it; clean blocks attend block-causally.
+
+KV cache (`BlockCache`): the clean blocks' keys and values are computed once, when their block is done, and
+reused by every step of the later blocks. The forward that caches a finished block is also the first
+step of the next block (one forward over both, the finished block's queries not seeing the next): a block
+costs its step count in forwards. `use_cache=False` runs every step over the whole prefix instead (the same
+tokens, for checking the cache).
+
+Generation is variable-length: blocks are generated until every row holds an EOS (a block is final once
+done, so nothing before that EOS changes later) or `max_new_tokens` are reached. Batches of prompts of any
+lengths are left-padded by whole blocks, so every row's block boundaries fall on the same columns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from .bd3lm import block_causal_mask
+from .kv_cache import BlockCache
+from .sampler import (
+    REMASKING,
+    Progress,
+    ProgressBar,
+    Prompts,
+    get_num_transfer_tokens,
+    model_device,
+    prepare_prompts,
+    propose,
+)
+
+
+def check_bd3lm_args(*, block_size: int, max_new_tokens: int, steps: int | None, threshold: float | None,
+                     temperature: float, remasking: str) -> None:
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ConfigError(f"block_size={block_size!r} must be a positive integer (the model's, from training)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+    if steps is not None and threshold is not None:
+        raise ConfigError("pass steps per block (--block-steps) or a confidence threshold (--threshold), not both")
+    if steps is not None and (not isinstance(steps, int) or not 1 <= steps <= block_size):
+        raise ConfigError(f"steps={steps!r} per block must be in [1, block_size={block_size}] (a step commits at "
+                          "least one token when the block has masks)")
+    if threshold is not None and not 0.0 < threshold <= 1.0:
+        raise ConfigError(f"threshold={threshold} must be in (0, 1], e.g. 0.9")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"temperature={temperature} must be >= 0 (0 = greedy argmax)")
+    if remasking not in REMASKING:
+        raise ConfigError(f"remasking={remasking!r} is not one of {list(REMASKING)}")
+
+
+def _block_size_of(model: nn.Module, block_size: int | None) -> int:
+    if block_size is not None:
+        return block_size
+    found = getattr(getattr(model, "config", None), "block_size", None)
+    if found is None:
+        raise ConfigError("the model has no block_size (not trained with --model-running-mode bd3lm); pass "
+                          "block_size= or use a block-diffusion checkpoint")
+    return found
+
+
+def _commit(x_blk: torch.Tensor, open_: torch.Tensor, x0: torch.Tensor, score: torch.Tensor, count: torch.Tensor | None,
+            threshold: float | None) -> None:
+    """Commit in place, per row, the `count` most confident open positions, or every open position above
+    `threshold` (at least the most confident one)."""
+    confidence = torch.where(open_, score, -math.inf)
+    if count is not None:
+        ranks = confidence.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
+        chosen = open_ & (ranks < count[:, None])
+    else:
+        best = torch.zeros_like(open_).scatter_(1, confidence.argmax(dim=1, keepdim=True), True)
+        chosen = open_ & ((confidence > threshold) | best)
+    x_blk.copy_(torch.where(chosen, x0, x_blk))
+
+
+@torch.no_grad()
+def bd3lm_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                          mask_id: int, block_size: int | None = None, max_new_tokens: int = 128,
+                          steps: int | None = None, threshold: float | None = None, temperature: float = 0.0,
+                          remasking: str = "low_confidence", eos_id: int | None = None,
+                          generator: torch.Generator | None = None, use_cache: bool = True,
+                          progress: Progress = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Block-diffusion decoding of left-padded prompts.
+
+    input_ids long [B, P], attention_mask bool [B, P] (True = real) or None. block_size: the model's by
+    default. steps: denoising steps per block (default: the block size, one token per step) unless
+    `threshold` is given. Returns (x long [B, W]: each row's prompt right-aligned to block boundaries, then
+    the generated blocks; start long [B]: the column where each row's generation begins; forwards run).
+    Columns never generated (after an EOS stop) hold mask_id.
+    """
+    block = _block_size_of(model, block_size)
+    if steps is None and threshold is None:
+        steps = block
+    check_bd3lm_args(block_size=block, max_new_tokens=max_new_tokens, steps=steps, threshold=threshold,
+                     temperature=temperature, remasking=remasking)
+    device = input_ids.device
+    b, p = input_ids.shape
+    real_in = (torch.ones(b, p, dtype=torch.bool, device=device) if attention_mask is None
+               else attention_mask.to(device=device, dtype=torch.bool))
+    lengths = real_in.sum(1)
+    full, tail = lengths // block, lengths % block
+    prefix_blocks = int(full.max())
+    num_blocks = -(-(max_new_tokens + int(tail.max())) // block)
+    width = (prefix_blocks + num_blocks) * block
+    pad = (prefix_blocks - full) * block  # whole blocks of left padding: block boundaries on shared columns
+    cfg = getattr(model, "config", None)
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    last_pos = int((width - 1 - pad).max())
+    if max_pos is not None and last_pos >= max_pos:
+        raise ConfigError(f"the longest prompt ({int(lengths.max())} tokens) plus {max_new_tokens} new tokens in "
+                          f"blocks of {block} needs {last_pos + 1} positions, more than the model's "
+                          f"max_position_embeddings={max_pos}; shorten the prompt or lower max_new_tokens")
+    cols = torch.arange(width, device=device)
+    start = pad + lengths
+    x = torch.full((b, width), mask_id, dtype=torch.long, device=device)
+    real = cols[None] >= pad[:, None]
+    prompt_cols = real & (cols[None] < start[:, None])
+    x[prompt_cols] = input_ids[real_in]
+    pos = (cols[None] - pad[:, None]).clamp(min=0)
+    fixed = ~real | prompt_cols  # never decoded: pads and prompt tokens
+    padded = not bool(real.all())
+
+    cache = BlockCache(width) if use_cache else None
+    pre = prefix_blocks * block
+    forwards = 0
+
+    def run(c0: int, c1: int, keep: int) -> torch.Tensor:
+        """Forward over columns [c0, c1) (the cache holds [0, c0)); returns the last block's logits."""
+        nonlocal forwards
+        queries = c1 - c0
+        mask = None
+        if queries > block or padded:  # several blocks (block-causal) or pads among the keys
+            mask = block_causal_mask(real[:, :c1], block, queries=queries)
+        if cache is not None:
+            cache.keep = keep
+        hidden = model(x[:, c0:c1], attention_mask=mask, position_ids=pos[:, c0:c1], kv_cache=cache,
+                       output_hidden=True)
+        forwards += 1
+        return model.logits(hidden[:, -block:])
+
+    if cache is not None and pre:
+        run(0, pre, pre)  # the prompt's whole blocks, cached once
+    bar = ProgressBar(progress, num_blocks * (steps or block), "step")
+    try:
+        for j in range(num_blocks):
+            c = pre + j * block
+            blk = x[:, c:c + block]
+            open_ = ~fixed[:, c:c + block]
+            schedule = None if steps is None else get_num_transfer_tokens(open_, steps)
+            step = 0
+            while bool(open_.any()):
+                if cache is None:
+                    logits = run(0, c + block, 0)
+                elif step == 0 and j > 0:  # cache the finished block and denoise this one in one forward
+                    logits = run(c - block, c + block, block)
+                else:
+                    logits = run(c, c + block, 0)
+                noise = rand = None
+                if temperature > 0:
+                    noise = torch.rand(logits.shape, dtype=torch.float64, device=device, generator=generator)
+                if remasking == "random":
+                    rand = torch.rand(blk.shape, device=device, generator=generator)
+                x0, score = propose(logits, temperature=temperature, remasking=remasking, noise=noise,
+                                    random_scores=rand, forbid=mask_id)
+                _commit(blk, open_, x0, score, None if schedule is None else schedule[:, step], threshold)
+                open_ = open_ & (blk == mask_id)
+                step += 1
+                bar.update(1)
+            fixed[:, c:c + block] = True
+            if eos_id is not None and bool(((x[:, :c + block] == eos_id) & (cols[:c + block] >= start[:, None])
+                                            ).any(1).all()):
+                break
+    finally:
+        bar.close()
+    return x, start, forwards
+
+
+def bd3lm_generate(model: nn.Module, prompts: Prompts, *, mask_id: int | None = None, block_size: int | None = None,
+                   max_new_tokens: int = 128, steps: int | None = None, threshold: float | None = None,
+                   temperature: float = 0.0, remasking: str = "low_confidence", eos_id: int | None = None,
+                   pad_id: int = 0, generator: torch.Generator | None = None, use_cache: bool = True,
+                   progress: Progress = None) -> list[list[int]]:
+    """Generate from a block-diffusion model; returns each prompt's new tokens (at most max_new_tokens), cut
+    before the first EOS. prompts: token-id lists of any lengths, or a long tensor [B, P]. mask_id and
+    block_size default to the model config's. See `bd3lm_generate_tokens`."""
+    cfg = getattr(model, "config", None)
+    mask_id = mask_id if mask_id is not None else getattr(cfg, "mask_token_id", None)
+    if mask_id is None:
+        raise ConfigError("mask_id is not given and model.config.mask_token_id is None; pass mask_id=")
+    ids, attn = prepare_prompts(prompts, pad_id=pad_id, device=model_device(model),
+                                vocab_size=getattr(cfg, "vocab_size", None))
+    x, start, _ = bd3lm_generate_tokens(model, ids, attn, mask_id=mask_id, block_size=block_size,
+                                        max_new_tokens=max_new_tokens, steps=steps, threshold=threshold,
+                                        temperature=temperature, remasking=remasking, eos_id=eos_id,
+                                        generator=generator, use_cache=use_cache, progress=progress)
+    return generated_rows(x, start, max_new_tokens, eos_id=eos_id, mask_id=mask_id)
+
+
+def generated_rows(x: torch.Tensor, start: torch.Tensor, max_new_tokens: int, *, eos_id: int | None,
+                   mask_id: int) -> list[list[int]]:
+    """Each row's generated tokens: from its start, at most max_new_tokens, cut before EOS (and before
+    positions left masked by an early stop)."""
+    out = []
+    for row, s in zip(x.tolist(), start.tolist()):
+        new = row[s:s + max_new_tokens]
+        for stop in (eos_id, mask_id):
+            if stop is not None and stop in new:
+                new = new[:new.index(stop)]
+        out.append(new)
+    return out

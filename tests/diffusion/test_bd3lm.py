@@ -1,0 +1,259 @@
+"""Block diffusion: the mask against the paper's definition, the vectorised loss against the block-by-block
+definition, its AR (B = 1) and masked-diffusion (B = L) limits, the noise, the config checks."""
+
+import math
+
+import pytest
+import torch
+
+from megadlms.config import ConfigError, TransformerConfig
+from megadlms.diffusion import bd3lm
+from megadlms.diffusion.kv_cache import BlockCache
+from megadlms.diffusion.objective import MaskSampler, mask_tokens, weighted_cross_entropy
+from megadlms.model import TransformerLM
+
+MASK = 3
+V = 48
+
+
+def paper_mask(n: int, b: int) -> torch.Tensor:
+    """M = [[M_BD, M_OBC], [0, M_BC]] entry by entry (Arriola et al., sec. 3.3), block index = position // b."""
+    m = torch.zeros(2 * n, 2 * n, dtype=torch.bool)
+    for i in range(n):
+        for j in range(n):
+            m[i, j] = i // b == j // b  # M_BD: block-diagonal, within the noised sequence
+            m[i, n + j] = j // b < i // b  # M_OBC: offset block-causal, noised block -> earlier clean blocks
+            m[n + i, n + j] = j // b <= i // b  # M_BC: block-causal among clean blocks
+    return m
+
+
+@pytest.mark.parametrize("n,b", [(8, 1), (8, 2), (12, 3), (16, 4), (16, 16)])
+def test_mask_is_the_papers_definition(n, b):
+    dense = bd3lm.dense_block_diffusion_mask(n, b)
+    assert dense.shape == (1, 1, 2 * n, 2 * n)
+    assert torch.equal(dense[0, 0], paper_mask(n, b))
+    assert int(dense.sum()) == n * bd3lm.allowed_pairs_per_token(n, b)
+
+
+def test_flex_block_mask_skips_the_empty_tiles():
+    # 2L = 512 in 128-tiles (4 x 4): a tile is computed iff the dense mask has an allowed score in it
+    n, b = 256, 16
+    block_mask = bd3lm.flex_block_diffusion_mask(n, b, "cpu")
+    tiles = block_mask.to_dense()[0, 0].bool()
+    dense = bd3lm.dense_block_diffusion_mask(n, b)[0, 0]
+    assert torch.equal(tiles, dense.view(4, 128, 4, 128).any(dim=3).any(dim=1))
+    assert int(tiles.sum()) == 8  # of 16: x_0 -> x_t never, x_t -> x_t only on the diagonal, both triangles
+
+
+@torch.no_grad()
+def test_the_model_runs_the_block_mask_through_flex_attention():
+    # the forward only: FlexAttention has no CPU backward (torch 2.13), which is why training on the CPU takes the
+    # dense mask; on the GPU the same BlockMask runs inside the compiled layers
+    n, b = 16, 4
+    model = tiny(n=n, b=b)
+    cfg = bd3lm.Bd3lmConfig(block_size=b, seq_length=n, mask_token_id=MASK)
+    tokens, t, u = noise(2, n, n // b)
+    inputs, _, _ = bd3lm.prepare_batch(torch.cat([tokens, tokens[:, :1]], dim=1), (t, u), cfg)
+    dense = model(inputs, **bd3lm.forward_kwargs(cfg, torch.device("cpu"), flex=False))
+    flex = model(inputs, **bd3lm.forward_kwargs(cfg, torch.device("cpu"), flex=True))
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
+
+
+def tiny(causal=False, n=16, b=4):
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=64, vocab_size=V, seq_length=n, mask_token_id=MASK,
+                            attn_mask_type="causal" if causal else "bidirectional", block_size=None if causal else b)
+    return TransformerLM(cfg).eval()
+
+
+def noise(rows, n, blocks, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, V, (rows, n), generator=g)
+    t = 0.05 + 0.9 * torch.rand(rows, blocks, generator=g)
+    u = torch.rand(rows, n, generator=g)
+    return tokens, t, u
+
+
+def vectorised_loss(model, tokens, t, u, b):
+    n = tokens.shape[1]
+    cfg = bd3lm.Bd3lmConfig(block_size=b, seq_length=n, mask_token_id=MASK)
+    sample = torch.cat([tokens, tokens[:, :1]], dim=1)  # the loader's [B, L+1]
+    inputs, targets, weights = bd3lm.prepare_batch(sample, (t, u), cfg)
+    hidden = model(inputs, output_hidden=True, **bd3lm.forward_kwargs(cfg, tokens.device, flex=False))[:, :n]
+    return weighted_cross_entropy(model.logits(hidden), targets, weights), weights
+
+
+@torch.no_grad()
+def test_vectorised_loss_equals_the_block_by_block_definition():
+    n, b = 16, 4
+    model = tiny(n=n, b=b)
+    tokens, t, u = noise(3, n, n // b)
+    loss, weights = vectorised_loss(model, tokens, t, u, b)
+    noisy, _ = bd3lm.mask_blocks(tokens, t, u, block_size=b, mask_token_id=MASK)
+    # the definition: block j is denoised from its noised tokens, attending to the cached clean blocks < j
+    cache, total = BlockCache(n + b), 0.0
+    for j in range(n // b):
+        sl, pos = slice(j * b, (j + 1) * b), torch.arange(j * b, (j + 1) * b)
+        cache.keep = 0
+        logits = model(noisy[:, sl], position_ids=pos, kv_cache=cache)
+        total += weighted_cross_entropy(logits, tokens[:, sl], weights[:, sl]) * b / n
+        cache.keep = b  # then clean block j joins the cache (attending to itself and the blocks before it)
+        model(tokens[:, sl], position_ids=pos, kv_cache=cache)
+    assert len(cache) == n
+    torch.testing.assert_close(loss, torch.as_tensor(total), rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+def test_block_size_one_is_the_autoregressive_loss():
+    # B = 1: a noised token sees only the clean tokens before it and itself, so its CE is the AR CE of
+    # p(x_i | x_<i) read at a [MASK] query placed at position i (a causal pass over x_<i, [MASK]). The loss is
+    # that AR CE weighted by 1{masked}/t_i, whose expectation over t ~ U and the masks is 1: every token masked
+    # (t = 1) is the AR loss exactly; any noise gives the same CEs with these weights.
+    n = 8
+    model = tiny(n=n, b=1)
+    tokens, t, u = noise(2, n, n)
+    ar = tiny(causal=True, n=n)
+    ar.load_state_dict(model.state_dict())
+    ar_ce = torch.stack([torch.nn.functional.cross_entropy(
+        ar(torch.cat([tokens[:, :i], torch.full((2, 1), MASK)], dim=1))[:, -1], tokens[:, i], reduction="none")
+        for i in range(n)], dim=1)
+    loss, weights = vectorised_loss(model, tokens, t, u, 1)
+    torch.testing.assert_close(loss, (ar_ce * weights).sum() / tokens.numel(), rtol=1e-5, atol=1e-6)
+    every, ones = vectorised_loss(model, tokens, torch.ones(2, n), u, 1)
+    assert torch.equal(ones, torch.ones(2, n))
+    torch.testing.assert_close(every, ar_ce.mean(), rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+def test_block_size_l_is_the_masked_diffusion_loss():
+    # B = L: one noised block attending only to itself; no clean block is before it. With the masked-diffusion
+    # level p = (1 - eps) t + eps as BD3-LM's t and the same uniforms, the masks and the 1/p weights are the
+    # masked-diffusion objective's (where its at-least-one-mask rule does not fire: a row with a masked token)
+    n = 16
+    model = tiny(n=n, b=n)
+    tokens, t, u = noise(3, n, 1)
+    eps = 1e-3
+    noisy, w = mask_tokens(tokens, t, u, mask_token_id=MASK, eps=eps)
+    p = (1 - eps) * t + eps
+    assert ((u < p).sum(1) > 0).all()
+    mdlm = weighted_cross_entropy(model(noisy), tokens, w)
+    loss, weights = vectorised_loss(model, tokens, p, u, n)
+    torch.testing.assert_close(weights, w)
+    torch.testing.assert_close(loss, mdlm, rtol=1e-5, atol=1e-6)
+
+
+def test_noise_is_clipped_per_block_and_deterministic():
+    cfg = bd3lm.Bd3lmConfig(block_size=4, seq_length=32, clip_min=0.3, clip_max=0.8)
+    a = bd3lm.draw_noise(MaskSampler(5), 64, 2, cfg)
+    b = bd3lm.draw_noise(MaskSampler(5), 64, 2, cfg)
+    assert a.t.shape == (64, 8) and a.u.shape == (64, 32) and a.lengths.tolist() == [32, 32]
+    assert torch.equal(a.t, b.t) and torch.equal(a.u, b.u)
+    assert 0.3 <= float(a.t.min()) and float(a.t.max()) <= 0.8 and float(a.t.max() - a.t.min()) > 0.4
+    ev = bd3lm.draw_noise(MaskSampler(5), 64, 1, cfg, evaluation=True)
+    assert float(ev.t.min()) < 0.3 and float(ev.t.max()) > 0.8  # evaluation: the whole linear schedule
+    seq = bd3lm.draw_noise(MaskSampler(5), 64, 1, bd3lm.Bd3lmConfig(4, 32, noise_per="sequence"))
+    assert seq.t.shape == (64, 1)
+    tokens = torch.randint(4, V, (64, 32))
+    noisy, w = bd3lm.mask_blocks(tokens, a.t, a.u, block_size=4, mask_token_id=MASK)
+    t_tok = a.t.repeat_interleave(4, dim=1)
+    assert torch.equal(noisy == MASK, a.u < t_tok)
+    torch.testing.assert_close(w, (a.u < t_tok).float() / t_tok)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_size=5, seq_length=32), "--block-size 5 does not divide --seq-length 32"),
+    (dict(block_size=0, seq_length=32), "--block-size 0 must be a positive integer"),
+    (dict(block_size=4, seq_length=32, clip_min=0.9, clip_max=0.5), "--bd3lm-clip-min 0.9"),
+    (dict(block_size=4, seq_length=32, noise_per="token"), "--bd3lm-noise-per 'token'"),
+])
+def test_config_errors_name_the_flag(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        bd3lm.Bd3lmConfig(**kwargs)
+
+
+@torch.no_grad()
+def test_nelbo_is_deterministic_and_matches_the_training_loss():
+    n, b = 16, 4
+    model = tiny(n=n, b=b)
+    tokens = torch.randint(4, V, (2, n), generator=torch.Generator().manual_seed(3))
+    a = bd3lm.nelbo(model, tokens, block_size=b, mask_token_id=MASK, generator=torch.Generator().manual_seed(1))
+    again = bd3lm.nelbo(model, tokens, block_size=b, mask_token_id=MASK, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, again) and a.shape == (2,)
+    g = torch.Generator().manual_seed(1)
+    t = 1e-3 + (1 - 1e-3) * torch.rand(2, n // b, generator=g)
+    u = torch.rand(2, n, generator=g)
+    loss, _ = vectorised_loss(model, tokens, t, u, b)
+    torch.testing.assert_close(a.mean().float(), loss, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the training mode
+
+SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--ffn-hidden-size", "64", "--seq-length", "16", "--device", "cpu", "--no-compile", "--num-workers", "0",
+         "--eval-iters", "0", "--log-interval", "1", "--no-progress", "--lr", "3e-3", "--lr-warmup-iters", "2",
+         "--no-generate-sample", "--model-running-mode", "bd3lm", "--block-size", "4", "--micro-batch-size", "4"]
+
+
+def _train(argv):
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.trainer import train
+
+    return train(parse_train_args(argv))
+
+
+def _losses(state):
+    return [m["loss"] for m in state.history if "loss" in m and "eval_loss" not in m]
+
+
+def test_training_resumes_exactly_and_records_the_block_size(tmp_path):
+    from megadlms.training import checkpoint as ckpt
+
+    common = SMALL + ["--global-batch-size", "8", "--bd3lm-clip-min", "0.3", "--bd3lm-clip-max", "0.8",
+                      "--train-iters", "6"]
+    straight = _train(common + ["--save", str(tmp_path / "a")])
+    _train(common + ["--save", str(tmp_path / "b"), "--save-interval", "3", "--exit-interval", "3"])
+    resumed = _train(common + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")])
+    assert _losses(resumed) == _losses(straight)[3:]  # bitwise
+    (wa, cfg, _), (wb, _, _) = (ckpt.load_model_from_checkpoint(tmp_path / d) for d in "ab")
+    assert cfg.block_size == 4 and cfg.attn_mask_type == "bidirectional"
+    for k, v in wa.state_dict().items():
+        assert torch.equal(v, wb.state_dict()[k]), k
+
+
+def test_validation_reports_the_nelbo_with_the_same_noise_every_time():
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.trainer import setup
+
+    trainer = setup(parse_train_args(SMALL + ["--eval-iters", "2", "--train-iters", "4"]))
+    first, second = trainer.evaluate(), trainer.evaluate()
+    log_vocab = math.log(trainer.cfg.vocab_size)  # a masked token's CE at init; E[1{masked} / t] = 1
+    assert first == second and 0.7 * log_vocab < first < 1.5 * log_vocab
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--block-size", "5"], "--block-size 5 does not divide --seq-length 16"),
+    (["--model-running-mode", "difflm-noshift"], "--block-size 4 is only used with --model-running-mode bd3lm"),
+])
+def test_bad_flags_are_one_line_errors(extra, match):
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.trainer import setup
+
+    with pytest.raises(ConfigError, match=match):
+        setup(parse_train_args(SMALL + extra + ["--train-iters", "4"]))
+
+
+def test_activation_recompute_and_fp8_linears_train_the_same_objective():
+    base = SMALL + ["--train-iters", "2", "--lr-warmup-iters", "1"]
+    plain = _losses(_train(base))
+    assert _losses(_train(base + ["--recompute-granularity", "full"])) == plain  # bitwise
+    fp8 = _losses(_train(base + ["--fp8-format", "hybrid", "--recompute-granularity", "full"]))
+    torch.testing.assert_close(torch.tensor(fp8), torch.tensor(plain), rtol=0.03, atol=0.0)
+
+
+def test_cuda_graphs_on_is_refused_with_the_reason():
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.trainer import setup
+
+    with pytest.raises(ConfigError, match="block diffusion \\(bd3lm\\) runs the layers under an attention mask"):
+        setup(parse_train_args(SMALL + ["--train-iters", "4", "--cuda-graphs", "on"]))
