@@ -14,6 +14,7 @@ import inspect
 import json
 import math
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -213,8 +214,28 @@ def score_windows(model: Any, cfg: Any, windows: list[list[int]], *, seq_length:
     if mask_id is None:
         raise ConfigError("the ELBO of a masked-diffusion model needs its [MASK] id: the checkpoint config has no "
                          "mask_token_id; pass --mask-token ID")
+    if cfg.block_size is not None:  # block diffusion: its own NELBO (noise per block), not a per-ratio ELBO
+        return torch.tensor([bd3lm_nelbo_sum(model, windows, seq_length=seq_length, block_size=cfg.block_size,
+                                             mask_id=mask_id, seed=seed)], dtype=torch.float64)
     pairs = [([], w[:seq_length]) for w in windows]
     return elbo_nll(model, pairs, mask_id=mask_id, ratios=ratios, seed=seed, batch_size=batch_size).sum(0)
+
+
+def bd3lm_nelbo_sum(model: Any, windows: list[list[int]], *, seq_length: int, block_size: int, mask_id: int,
+                    seed: int) -> float:
+    """The BD3-LM NELBO summed over the windows' tokens (nats). Each window draws its noise from a generator seeded by
+    `seed` and its own tokens, so a score does not depend on the order or on how ranks split the windows."""
+    from ..diffusion.bd3lm import nelbo
+
+    if seq_length % block_size:
+        raise ConfigError(f"--seq-length {seq_length} must be a multiple of the checkpoint's block size {block_size}")
+    device = next(model.parameters()).device
+    total = 0.0
+    for w in windows:
+        g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(str(w[:seq_length]).encode()))
+        tokens = torch.tensor([w[:seq_length]], device=device)
+        total += float(nelbo(model, tokens, block_size=block_size, mask_token_id=mask_id, generator=g)[0]) * seq_length
+    return total
 
 
 def _run_ppl(args: argparse.Namespace) -> int:
@@ -251,7 +272,10 @@ def _run_ppl(args: argparse.Namespace) -> int:
         if ctx.world_size > 1:
             dist.all_reduce(total)
         per_token = (total / (len(windows) * seq_length)).tolist()
-        if c.attn_mask_type == "causal":
+        if c.block_size is not None:
+            report["models"][name] = {"mode": f"block diffusion (block {c.block_size})", "nelbo": per_token[0],
+                                      "elbo": per_token[0], "elbo_ppl": math.exp(min(per_token[0], 50))}
+        elif c.attn_mask_type == "causal":
             report["models"][name] = {"mode": "autoregressive", "nll": per_token[0],
                                       "ppl": math.exp(min(per_token[0], 50))}
         else:
@@ -280,7 +304,7 @@ def format_ppl_table(report: dict[str, Any]) -> str:
         lines.append(f"| {r:g} | " + " | ".join(cells) + " |")
     bound = [f"{m.get('elbo', m.get('nll')):.4f}" for m in report["models"].values()]
     ppl = [f"{m.get('elbo_ppl', m.get('ppl')):.3f}" for m in report["models"].values()]
-    lines.append("| ELBO (nats/token; AR: exact NLL) | " + " | ".join(bound) + " |")
+    lines.append("| ELBO (nats/token; AR: exact NLL; BD3-LM: its NELBO) | " + " | ".join(bound) + " |")
     lines.append("| perplexity (upper bound; AR: exact) | " + " | ".join(ppl) + " |")
     return "\n".join(lines)
 

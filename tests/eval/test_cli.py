@@ -2,12 +2,17 @@
 
 import json
 import sys
+import zlib
 
 import pytest
+import torch
 
-from megadlms.data import load_tokenizer, preprocess_jsonl
+from megadlms.config import TransformerConfig
+from megadlms.data import default_tokenizer_path, load_tokenizer, preprocess_jsonl
 from megadlms.eval import cli
 from megadlms.eval import likelihood as lk
+from megadlms.model import TransformerLM
+from megadlms.training.checkpoint import save_model_checkpoint
 
 
 def run_cli(argv, capsys):
@@ -93,3 +98,33 @@ def test_ppl_compares_two_checkpoints_per_mask_ratio(eval_files, tmp_path, capsy
     exact = lk.ar_loglikelihood(eval_files["models"]["ar"], [(w[:1], w[1:17]) for w in windows])
     assert ar["mode"] == "autoregressive" and ar["nll"] == pytest.approx(-sum(lp for lp, _ in exact) / 48, rel=1e-6)
     assert "| 0.25 | " in out and f"{ar['ppl']:.3f}" in out
+
+
+def test_ppl_of_a_block_diffusion_checkpoint_is_its_nelbo(tmp_path, capsys):
+    from megadlms.diffusion.bd3lm import nelbo
+
+    tok = load_tokenizer()
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=64, vocab_size=4096, seq_length=16, init_method_std=0.2, mask_token_id=1,
+                            block_size=4)
+    model = TransformerLM(cfg).eval()
+    save_model_checkpoint(tmp_path / "bd3lm", model, cfg, tokenizer_dir=default_tokenizer_path())
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"Tom saw {i} red birds in the tall green tree."}) + "\n"
+                            for i in range(8)))
+    preprocess_jsonl(docs, tmp_path / "corpus", tok, append_eod=True, progress=False)
+    argv = ["--ppl", "--load", str(tmp_path / "bd3lm"), "--data-path", str(tmp_path / "corpus_text_document"),
+            "--split", "0,1,0", "--eval-samples", "2", "--seq-length", "16", "--device", "cpu",
+            "--output-path", str(tmp_path / "out"), "--data-cache-path", str(tmp_path / "cache")]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "ppl.json").read_text())["models"][str(tmp_path / "bd3lm")]
+    assert report["mode"] == "block diffusion (block 4)" and "NELBO" in out
+    windows = cli.validation_windows(cli.add_arguments(cli.argparse.ArgumentParser()).parse_args(argv), tok, 16)
+    expect = 0.0
+    for w in windows:  # each window's noise from the seed and its own tokens
+        g = torch.Generator().manual_seed(1234 * 1_000_003 + zlib.crc32(str(w[:16]).encode()))
+        with torch.no_grad():
+            expect += float(nelbo(model, torch.tensor([w[:16]]), block_size=4, mask_token_id=1, generator=g)[0])
+    assert report["nelbo"] == pytest.approx(expect / len(windows), rel=1e-6)
