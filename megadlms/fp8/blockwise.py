@@ -2,7 +2,8 @@
 
 Every tile/block has its own fp32 scale, taken from the values being cast: scale = fp8_max / amax (optionally
 rounded down to a power of two, so that dequantising is exact), q = cast(clamp(x * scale, -fp8_max, fp8_max)),
-x ~= q * scale_inv with scale_inv = 1 / scale. E4M3 everywhere by default; E5M2 for gradients under hybrid.
+x ~= q * scale_inv with scale_inv = 1 / scale. The casts take E4M3 or E5M2, but torch's blockwise GEMM takes
+E4M3 operands only, so the recipe is E4M3 everywhere (as DeepSeek-V3 trained).
 
 How it plugs into the FP8 core: a `blockwise` quantizer kind calls `quantize_tiles` for inputs and output
 gradients (with `transpose=True` where the operand also feeds the weight-gradient GEMM) and `quantize_blocks`
@@ -170,15 +171,14 @@ def _check_gemm_operands(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Te
     if a_q.dim() != 2 or b_q.dim() != 2 or a_q.shape[1] != b_q.shape[1]:
         raise ValueError(f"blockwise_gemm: a {tuple(a_q.shape)} and b {tuple(b_q.shape)} must be [M, K] and [N, K]")
     for name, t in (("a", a_q), ("b", b_q)):
-        if t.dtype not in (E4M3, E5M2):
-            raise ValueError(f"blockwise_gemm: {name} must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+        if t.dtype != E4M3:  # torch's SM90 blockwise kernels reject E5M2 ("Invalid scaling configuration")
+            raise ValueError(f"blockwise_gemm: {name} is {t.dtype}, but the blockwise GEMM takes E4M3 operands only; "
+                             "quantize gradients to E4M3 too (--fp8-format e4m3 with --fp8-recipe blockwise)")
         if not t.is_contiguous():
             raise ValueError(f"blockwise_gemm: {name} must be row-major (K-contiguous), got strides {t.stride()}")
         if t.shape[0] % 16 or t.shape[1] % BLOCK:
             raise ValueError(f"blockwise_gemm: {name} {tuple(t.shape)} needs rows a multiple of 16 and K a multiple "
                              "of 128 (quantize_tiles / quantize_blocks pad to 128)")
-    if a_q.dtype == E5M2 and b_q.dtype == E5M2:
-        raise ValueError("blockwise_gemm: E5M2 x E5M2 is not supported by the GPU kernels; one operand must be E4M3")
     for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
         if s.dtype != torch.float32:
             raise ValueError(f"blockwise_gemm: {name} must be fp32, got {s.dtype}")
@@ -218,7 +218,7 @@ def blockwise_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, 
                    out_dtype: torch.dtype) -> torch.Tensor:
     """(a_q * a_scale) @ (b_q * b_scale)^T accumulated in fp32 -> [M, N] in out_dtype.
 
-    a_q: fp8 [M, K] row-major with 1x128 tile scales [M, K/128] column-major. b_q: fp8 [N, K] row-major with
+    a_q: E4M3 [M, K] row-major with 1x128 tile scales [M, K/128] column-major. b_q: E4M3 [N, K] row-major with
     1x128 tile scales [N, K/128] column-major, or 128x128 block scales (the [N/128, L4] buffer). M, N multiples
     of 16, K of 128. CUDA: torch's blockwise scaled GEMM (SM90); CPU: dequantise-then-matmul emulation."""
     b_blocks = _check_gemm_operands(a_q, a_scale, b_q, b_scale)
