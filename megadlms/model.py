@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention_masks import BlockMask, run_flex_attention
 from .config import TransformerConfig
 
 
@@ -115,7 +116,10 @@ class DotProductAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                 is_causal: bool) -> torch.Tensor:
-        """q [B, N, S, D], k and v [B, G, T, D] -> [B, N, S, D]. attn_mask: None or bool [B, 1, S, T]."""
+        """q [B, N, S, D], k and v [B, G, T, D] -> [B, N, S, D]. attn_mask: None, bool [B, 1, S, T], or a
+        FlexAttention BlockMask (megadlms.attention_masks), which runs flex_attention."""
+        if isinstance(attn_mask, BlockMask):
+            return run_flex_attention(q, k, v, attn_mask)
         # grouped K/V as they are: on torch 2.11 + H200 SDPA picks cuDNN attention for this call
         # (measured: expanding K/V to every head was 0.2 ms slower per 8B-class layer, benchmarks/RESULTS.md)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
@@ -260,8 +264,9 @@ class TransformerLM(nn.Module):
                 output_hidden: bool = False) -> torch.Tensor:
         """
         input_ids: long [B, S].
-        attention_mask: None, bool [B, T] (True = a real key; pads are never attended), or a ready
-            bool [B, 1, S, T] mask (True = attend). T = S without a cache.
+        attention_mask: None, bool [B, T] (True = a real key; pads are never attended), a ready
+            bool [B, 1, S, T] mask (True = attend), or a FlexAttention BlockMask (document-level attention of
+            packed sequences and other rules, megadlms.attention_masks). T = S without a cache.
         position_ids: long [B, S] or [S]; default 0..S-1.
         Returns logits [B, S, V] in the compute dtype, or the final hidden states [B, S, H] with
         output_hidden=True (for a fused/chunked LM head + loss).
@@ -298,6 +303,8 @@ class TransformerLM(nn.Module):
                 raise ValueError("a causal forward with a KV cache and several new tokens needs an "
                                  "attention_mask [B, T] covering the cached and the new keys")
             return None  # SDPA's fast paths: no mask, or is_causal
+        if isinstance(attention_mask, BlockMask):
+            return attention_mask
         if attention_mask.dim() == 4:
             return attention_mask.bool()
         if attention_mask.dim() != 2:
