@@ -41,6 +41,7 @@ class TransformerConfig:
     init_method_std: float = 0.02
     attn_mask_type: str = "bidirectional"  # DLM: bidirectional; AR (vanilla): causal
     mask_token_id: int | None = None  # the diffusion [MASK] id, recorded for export / sampling
+    diffusion_shift: bool = False  # difflm-shift (Dream): the logits at position i predict token i + 1
 
     # --- FP8 (Transformer Engine / Megatron-Core semantics) ---
     fp8: bool | str = False  # True, or Megatron's string form "e4m3" | "hybrid"

@@ -115,6 +115,7 @@ def _special_tokens(folder: Path | None) -> dict[str, str]:
 def _compile_template(source: str) -> Any:
     """A jinja2 template compiled in the environment transformers uses for chat templates."""
     import jinja2
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:

@@ -391,6 +391,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.workers} worker{'s' if args.workers > 1 else ''})")
     for k, prefix in stats.outputs.items():
         print(f"  {k}: {stats.tokens[k]:,} tokens -> {prefix}.bin / .idx")
+        if args.chat:
+            print(f"  loss masks (assistant tokens) -> {loss_mask_prefix(prefix)}.bin / .idx")
     if stats.bad_lines:
         print(f"skipped {stats.bad_lines} bad line(s):", file=sys.stderr)
         for ex in stats.bad_examples:

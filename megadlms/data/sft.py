@@ -90,6 +90,8 @@ class PackedChatDataset:
             epoch_sizes.append(len(windows))
             e += 1
         self.num_epochs = e
+        self.key = _hash({"order": self.order_key, "epochs": e})  # what a blend's cached index depends on
+        self.cache_stem = f"{os.path.basename(indexed.prefix)}-sft-{name}-{self.key[:24]}"
 
     def _pack_epoch(self, epoch: int) -> list[np.ndarray]:
         order = _permutation(len(self.lengths), self.seed, 2, epoch)

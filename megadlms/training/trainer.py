@@ -31,6 +31,7 @@ from ..diffusion.objective import (
     ObjectiveConfig,
     chunked_weighted_cross_entropy,
     prepare_batch,
+    prepare_sft_batch,
     weighted_cross_entropy,
 )
 from ..distributed.data_parallel import grad_sync_context
@@ -40,6 +41,7 @@ from ..model import build_model
 from ..presets import load_model_config
 from . import checkpoint as ckpt
 from .cuda_graphs import LayerGraphs
+from .documents import AttentionPlan
 from .metrics import MetricSinks, bf16_peak_tflops, format_log_line, memory_gib, throughput
 from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_grad_norm, set_lr
 from .triton_adamw import StreamingAdamW
@@ -72,7 +74,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
             overrides["vocab_size"] = vocab_size  # the tiny preset takes the tokenizer's vocabulary
         if "seq_length" in overrides and "max_position_embeddings" not in overrides:
             overrides["max_position_embeddings"] = None  # re-derived below if the preset's is too small
-    overrides["attn_mask_type"] = "bidirectional" if args.model_running_mode == "difflm-noshift" else "causal"
+    overrides["attn_mask_type"] = "causal" if args.model_running_mode == "vanilla" else "bidirectional"
+    overrides["diffusion_shift"] = args.model_running_mode == "difflm-shift"
     overrides.update(
         fp8=args.fp8_format is not None, fp8_format=args.fp8_format or "hybrid", fp8_recipe=args.fp8_recipe,
         fp8_margin=args.fp8_margin, fp8_amax_history_len=args.fp8_amax_history_len,
@@ -91,7 +94,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
         cfg_dict = {**base.to_dict(), **overrides}
     mask = args.mask_token if args.mask_token is not None else (mask_id if mask_id is not None
                                                                 else cfg_dict.get("mask_token_id"))
-    if args.model_running_mode == "difflm-noshift" and mask is None:
+    if args.model_running_mode != "vanilla" and mask is None:
         raise ConfigError("no mask token: pass --mask-token ID (the tokenizer has no <|mask|> and the preset none)")
     cfg_dict["mask_token_id"] = mask
     cfg = TransformerConfig.from_dict(cfg_dict)
@@ -122,6 +125,21 @@ class _HostCount:
         if self._ready is not None:
             self._ready.synchronize()
         return int(self._host)
+
+
+def _attention_plan(args: argparse.Namespace, cfg: TransformerConfig, eod_id: int | None,
+                    device: torch.device) -> AttentionPlan:
+    """The AttentionPlan of the flags: document-level attention and position resets default on with --sft."""
+    sft = bool(getattr(args, "sft", False))
+    reset_mask = getattr(args, "reset_attention_mask", None)
+    reset_pos = getattr(args, "reset_position_ids", None)
+    anneal = getattr(args, "attention_anneal_iters", 0) or 0
+    if anneal and cfg.causal:
+        raise ConfigError(f"--attention-anneal-iters {anneal} anneals causal attention into bidirectional "
+                          "attention; use --model-running-mode difflm-shift or difflm-noshift, not vanilla")
+    return AttentionPlan(reset_attention_mask=sft if reset_mask is None else reset_mask,
+                         reset_position_ids=sft if reset_pos is None else reset_pos, anneal_iters=anneal,
+                         causal=cfg.causal, eod_id=eod_id, seed=args.seed + 3, device=device)
 
 
 def _seed_all(seed: int) -> None:
@@ -163,6 +181,8 @@ class Trainer:
                                          eps=args.difflm_eps, pmask=args.difflm_pmask,
                                          varilen_prob=args.difflm_varilen_prob)
         self.sampler = MaskSampler(args.seed + 1, device=self.device)
+        self.sft = bool(getattr(args, "sft", False))
+        self.attention = _attention_plan(args, cfg, getattr(loaders, "eod_id", None), self.device)
         self.optimizer = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
                                          betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         allocate_optimizer_state(self.optimizer)  # before any activation: the state gets segments of its own
@@ -223,10 +243,15 @@ class Trainer:
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
         if getattr(self.args, "recompute_granularity", None):
             blockers.append("activation checkpointing (--recompute-granularity) re-runs the forward in backward")
+        if self.attention.reset_attention_mask:
+            blockers.append("document-level attention (--sft / --reset-attention-mask) gives every batch its own "
+                            "attention mask")
         if mode == "on" and blockers:
             raise ConfigError(f"--cuda-graphs on is not possible here: {'; '.join(blockers)}. "
                              "Use --cuda-graphs auto or off.")
         if blockers or (mode == "auto" and self.ctx.dp_size > 1):
+            if blockers and self.ctx.is_main and self.device.type == "cuda":
+                log.info("CUDA graphs off: %s", "; ".join(blockers))
             return None
         # with accumulation the FP8 weights are cast once per step outside the graphs, not on every replay
         return LayerGraphs(self.base_model, emulate=emulate, strict=mode == "on", fp8_weights_per_step=self.accum > 1)
@@ -239,14 +264,20 @@ class Trainer:
 
     # ----------------------------------------------------------------- step
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-              rows: _HostCount | None = None) -> torch.Tensor:
+              rows: _HostCount | None = None, attention_mask: Any = None, position_ids: torch.Tensor | None = None,
+              denominator: torch.Tensor | None = None) -> torch.Tensor:
+        """attention_mask / position_ids: from the AttentionPlan (None: the model's defaults); denominator: the SFT
+        loss's (None: B * L)."""
+        kw = {} if attention_mask is None and position_ids is None else {
+            "attention_mask": attention_mask, "position_ids": position_ids}
         with self._autocast():
             if self.loss_chunk_tokens:
-                hidden = self.model(inputs, output_hidden=True)
+                hidden = self.model(inputs, output_hidden=True, **kw)
                 return chunked_weighted_cross_entropy(hidden, self._output_weight(), targets, weights,
                                                       self.loss_chunk_tokens,
-                                                      num_rows=rows.get() if rows is not None else None)
-            return weighted_cross_entropy(self.model(inputs), targets, weights)
+                                                      num_rows=rows.get() if rows is not None else None,
+                                                      denominator=denominator)
+            return weighted_cross_entropy(self.model(inputs, **kw), targets, weights, denominator)
 
     def _output_weight(self) -> torch.Tensor:
         w = self.base_model.output_weight
@@ -254,9 +285,13 @@ class Trainer:
         return w.full_tensor() if isinstance(w, DTensor) else w
 
     def _micro_batches(self, it: Iterator[torch.Tensor], noise, count: int):
-        """Yield ((inputs, targets, weights), length, rows) for this rank's `count` micro-batches of one global
-        batch; rows: with the fused LM head, the number of weighted tokens on its way to the host, so that the
-        loss can select them without a device sync after the forward."""
+        """Yield ((inputs, targets, weights), length, rows, extra) for this rank's `count` micro-batches of one
+        global batch; rows: with the fused LM head, the number of weighted tokens on its way to the host, so that
+        the loss can select them without a device sync after the forward; extra: the loss's keyword arguments
+        (attention mask, position ids, SFT denominator)."""
+        if self.sft:
+            yield from self._sft_micro_batches(it, noise, count)
+            return
         dp, r = self.ctx.dp_size, self.ctx.dp_rank
         for m in range(count):
             t0 = time.perf_counter()
@@ -267,7 +302,34 @@ class Trainer:
             length = int(noise.lengths[m])
             batch = prepare_batch(sample, (noise.t[rows], noise.u[rows]), length, self.objective)
             counted = _HostCount(batch[2]) if self.loss_chunk_tokens else None
-            yield batch, length, counted
+            extra = {}
+            if self.attention.needs_masks() or self.attention.reset_position_ids:
+                extra["attention_mask"], extra["position_ids"] = self.attention.for_batch(sample[:, :length], None)
+            yield batch, length, counted, extra
+
+    def _sft_micro_batches(self, it: Iterator[torch.Tensor], noise, count: int):
+        """Packed chat windows: all `count` micro-batches are read first, so that the loss can be divided by the
+        global batch's conversations (summed over the data-parallel ranks): the step's loss is then the mean over
+        every conversation of the global batch, however they fall into micro-batches and ranks."""
+        dp, r = self.ctx.dp_size, self.ctx.dp_rank
+        batches = []
+        for m in range(count):
+            t0 = time.perf_counter()
+            sample = next(it)
+            self.data_wait_s += time.perf_counter() - t0
+            sample = sample.to(self.device, non_blocking=True)
+            rows = slice(m * dp * self.mbs + r * self.mbs, m * dp * self.mbs + (r + 1) * self.mbs)
+            batches.append(prepare_sft_batch(sample, (noise.t[rows], noise.u[rows]), self.objective))
+        total = torch.stack([b.conversations for b in batches]).sum().float()
+        if self.ctx.distributed and dp > 1:
+            dist.all_reduce(total, group=self.ctx.dp_group)
+        denominator = (total / (count * dp)).clamp(min=1.0)
+        length = self.cfg.seq_length
+        for b in batches:
+            mask, positions = self.attention.for_batch(b.inputs, b.segment_ids)
+            counted = _HostCount(b.weights) if self.loss_chunk_tokens else None
+            yield (b.inputs, b.targets, b.weights), length, counted, {
+                "attention_mask": mask, "position_ids": positions, "denominator": denominator}
 
     def train_step(self) -> dict[str, Any]:
         model, opt = self.model, self.optimizer
@@ -281,13 +343,15 @@ class Trainer:
 
             enable_fp8_stats(model, True)
         set_lr(opt, lr)
-        noise = self.sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, self.objective.varilen_prob)
+        noise = self.sampler.draw(self.global_batch, self.cfg.seq_length, self.accum,
+                                  0.0 if self.sft else self.objective.varilen_prob, per_token_t=self.sft)
+        self.attention.begin_step(it, self.cfg.seq_length)
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
-        for m, ((inputs, targets, weights), length, rows) in enumerate(
+        for m, ((inputs, targets, weights), length, rows, extra) in enumerate(
                 self._micro_batches(self._train_iter, noise, self.accum)):
             with self._grad_sync(last=m == self.accum - 1), self._compile_stance(length):
-                loss = self._loss(inputs, targets, weights, rows)
+                loss = self._loss(inputs, targets, weights, rows, **extra)
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
             tokens += length * self.mbs * self.ctx.dp_size
@@ -345,9 +409,10 @@ class Trainer:
         n = 0
         with self._fp8_eval_weights():  # every batch sees the same weights: cast them once
             for _ in range(self.args.eval_iters):
-                noise = sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, 0.0)
-                for (inputs, targets, weights), _, rows in self._micro_batches(it, noise, self.accum):
-                    total += self._loss(inputs, targets, weights, rows)
+                noise = sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, 0.0, per_token_t=self.sft)
+                self.attention.begin_step(self.args.train_iters, self.cfg.seq_length)  # the final attention
+                for (inputs, targets, weights), _, rows, extra in self._micro_batches(it, noise, self.accum):
+                    total += self._loss(inputs, targets, weights, rows, **extra)
                     n += 1
         if self.ctx.distributed:
             dist.all_reduce(total, group=self.ctx.dp_group)
@@ -373,7 +438,7 @@ class Trainer:
 
     def save(self) -> Path:
         rank_state = {"rng": _rng_state(self.device), "mask_sampler": self.sampler.state_dict(),
-                      "data": self.loaders.train.state_dict()}
+                      "data": self.loaders.train.state_dict(), "attention": self.attention.state_dict()}
         meta = {"config": self.cfg.to_dict(), "args": vars(self.args)}
         tok_dir = getattr(self.tokenizer, "source_dir", None)
         self.finish_save()  # one checkpoint in flight at a time
@@ -428,6 +493,8 @@ class Trainer:
         if rank_state:
             _set_rng_state(rank_state["rng"], self.device)
             self.sampler.load_state_dict(rank_state["mask_sampler"])
+            if "attention" in rank_state:
+                self.attention.load_state_dict(rank_state["attention"])
         log.info("resumed from %s at iteration %d", path, self.state.iteration)
 
     # ----------------------------------------------------------------- loop
