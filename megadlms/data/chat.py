@@ -189,6 +189,14 @@ class ChatRenderer:
         mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc.offsets]
         return list(enc.ids), mask
 
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Ids of a single user turn followed by the assistant's generation prompt (for sampling a response)."""
+        if self._jinja is None:
+            text = self.prompt_template.format(prompt=prompt)
+        else:
+            text = self.render_text([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return self.tokenizer.backend.encode(text, add_special_tokens=False).ids
+
     def _encode_plain(self, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
         tok = self.tokenizer
         ids: list[int] = []

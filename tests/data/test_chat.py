@@ -96,3 +96,13 @@ def test_preprocess_chat_writes_tokens_and_masks_with_the_same_documents(tmp_pat
     assert main(["--chat", "--input", str(tmp_path), "--output-prefix", str(tmp_path / "cli"), "--tokenizer-model",
                  str(chat_tokenizer_dir), "--skip-bad-lines", "--no-progress"]) == 0
     assert "loss masks" in capsys.readouterr().out
+
+
+def test_prompts_for_sampling_end_with_the_generation_prompt(chat_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(chat_tokenizer_dir))
+    ref = hf.apply_chat_template([{"role": "user", "content": "Reverse abc"}], tokenize=True,
+                                 add_generation_prompt=True)
+    ref = list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+    assert ChatRenderer(load_tokenizer(chat_tokenizer_dir)).encode_prompt("Reverse abc") == ref
