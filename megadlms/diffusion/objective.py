@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..attention_masks import segment_positions
 from ..config import ConfigError
 
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
@@ -176,8 +177,6 @@ def _per_segment(values: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tenso
 
 def _segment_start(segment_ids: torch.Tensor) -> torch.Tensor:
     """Index of the first position of each position's segment: long [B, L]."""
-    from ..attention_masks import segment_positions
-
     idx = torch.arange(segment_ids.shape[1], device=segment_ids.device)
     return idx - segment_positions(segment_ids)
 
