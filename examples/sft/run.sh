@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # SFT of a tiny masked-diffusion LM on the CPU, scored on held-out prompts before and after.
-#   bash examples/sft/run.sh [WORK_DIR]        (a few minutes on 2 CPU cores)
+#   bash examples/sft/run.sh [WORK_DIR]                      (a few minutes on 2 idle CPU cores)
+#   CONTINUE_ITERS=600 bash examples/sft/run.sh [WORK_DIR]   (then resumes the SFT run to 600 iterations)
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 WORK="${1:-/tmp/megadlms_sft_example}"
@@ -29,5 +30,16 @@ $MEGADLMS train "${MODEL[@]}" --load "$WORK/base" --finetune --sft --data-path "
     --log-interval 25 --eval-interval 125 --eval-iters 2 --save "$WORK/sft"
 $MEGADLMS generate --load "$WORK/sft" "${GEN[@]}" --output-file "$WORK/after.jsonl"
 
-# 4. held-out exact match, before and after SFT
-$PY "$HERE/score.py" "$WORK/before.jsonl" "$WORK/after.jsonl"
+# 4. optional (CONTINUE_ITERS=600): resume the SFT run up to that many iterations (optimizer and data position
+#    kept; the cosine schedule is re-planned over the new total) and score it again
+OUTPUTS=("$WORK/before.jsonl" "$WORK/after.jsonl")
+if [[ -n "${CONTINUE_ITERS:-}" ]]; then
+  $MEGADLMS train "${MODEL[@]}" --load "$WORK/sft" --sft --data-path "$WORK/data/reverse_chat_document" \
+      --split 98,2,0 --micro-batch-size 16 --train-iters "$CONTINUE_ITERS" --lr 3e-3 --lr-warmup-iters 20 \
+      --weight-decay 0.01 --log-interval 50 --eval-interval 175 --eval-iters 2 --save "$WORK/sft"
+  $MEGADLMS generate --load "$WORK/sft" "${GEN[@]}" --output-file "$WORK/after_$CONTINUE_ITERS.jsonl"
+  OUTPUTS+=("$WORK/after_$CONTINUE_ITERS.jsonl")
+fi
+
+# 5. held-out scores, before and after SFT
+$PY "$HERE/score.py" "${OUTPUTS[@]}"
