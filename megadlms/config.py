@@ -42,6 +42,7 @@ class TransformerConfig:
     attn_mask_type: str = "bidirectional"  # DLM: bidirectional; AR (vanilla): causal
     mask_token_id: int | None = None  # the diffusion [MASK] id, recorded for export / sampling
     block_size: int | None = None  # block diffusion (BD3-LM): tokens per block; None for other models
+    diffusion_shift: bool = False  # difflm-shift (Dream): the logits at position i predict token i + 1
 
     # --- FP8 (Transformer Engine / Megatron-Core semantics) ---
     fp8: bool | str = False  # True, or Megatron's string form "e4m3" | "hybrid"

@@ -17,8 +17,8 @@ from typing import Callable, ContextManager, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from .attention_masks import BlockMask, run_flex_attention
 from .config import TransformerConfig
 
 
@@ -116,10 +116,10 @@ class DotProductAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                 is_causal: bool) -> torch.Tensor:
-        """q [B, N, S, D], k and v [B, G, T, D] -> [B, N, S, D]. attn_mask: None, bool [B, 1, S, T] or a
-        FlexAttention BlockMask (sparse: its empty tiles are skipped; needs torch.compile to be fast)."""
+        """q [B, N, S, D], k and v [B, G, T, D] -> [B, N, S, D]. attn_mask: None, bool [B, 1, S, T], or a
+        FlexAttention BlockMask (megadlms.attention_masks), which runs flex_attention."""
         if isinstance(attn_mask, BlockMask):
-            return flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=q.shape[1] != k.shape[1])
+            return run_flex_attention(q, k, v, attn_mask)
         # grouped K/V as they are: on torch 2.11 + H200 SDPA picks cuDNN attention for this call
         # (measured: expanding K/V to every head was 0.2 ms slower per 8B-class layer, benchmarks/RESULTS.md)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
@@ -265,7 +265,8 @@ class TransformerLM(nn.Module):
         """
         input_ids: long [B, S].
         attention_mask: None, bool [B, T] (True = a real key; pads are never attended), a ready
-            bool [B, 1, S, T] mask (True = attend), or a FlexAttention BlockMask. T = S without a cache.
+            bool [B, 1, S, T] mask (True = attend), or a FlexAttention BlockMask (document-level attention of
+            packed sequences and other rules, megadlms.attention_masks). T = S without a cache.
         position_ids: long [B, S] or [S]; default 0..S-1.
         Returns logits [B, S, V] in the compute dtype, or the final hidden states [B, S, H] with
         output_hidden=True (for a fused/chunked LM head + loss).

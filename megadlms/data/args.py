@@ -29,6 +29,21 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", default=None,
                    help="tokenizer.json or a folder holding one (default: the bundled 4096-token BPE)")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank")
+    g = parser.add_argument_group("supervised fine-tuning (packed chat data)")
+    g.add_argument("--sft", action="store_true",
+                   help="fine-tune on chat datasets (`megadlms preprocess --chat`): conversations packed into "
+                        "--seq-length windows, loss on assistant tokens only, prompts never masked")
+    g.add_argument("--sft-pad", choices=("eos", "ignore"), default="eos",
+                   help="the tail of a window: eos = EOD tokens trained on as the last response's end (LLaDA); "
+                        "ignore = pads carry no loss and are not attended")
+    g.add_argument("--truncate", action="store_true",
+                   help="cut conversations longer than --seq-length to their first --seq-length tokens (default: "
+                        "such a conversation is an error)")
+    g.add_argument("--reset-attention-mask", action=argparse.BooleanOptionalAction, default=None,
+                   help="document-level attention: a token attends only inside its own document / conversation "
+                        "(default: on with --sft; in pre-training documents end at the EOD token)")
+    g.add_argument("--reset-position-ids", action=argparse.BooleanOptionalAction, default=None,
+                   help="positions restart at 0 at each document / conversation (default: on with --sft)")
 
 
 def data_config_from_args(args: argparse.Namespace, *, seq_length: int, micro_batch_size: int, seed: int,
@@ -38,4 +53,5 @@ def data_config_from_args(args: argparse.Namespace, *, seq_length: int, micro_ba
                       train_data_path=args.train_data_path or None, valid_data_path=args.valid_data_path or None,
                       test_data_path=args.test_data_path or None, data_cache_path=args.data_cache_path,
                       seq_length=seq_length, micro_batch_size=micro_batch_size, seed=seed,
-                      num_workers=args.num_workers, train_samples=train_samples, eval_samples=eval_samples)
+                      num_workers=args.num_workers, train_samples=train_samples, eval_samples=eval_samples,
+                      sft=args.sft, sft_pad=args.sft_pad, truncate=args.truncate)

@@ -33,6 +33,7 @@ from .dataset import (
     user_cache_dir,
 )
 from .indexed import IndexedDataset
+from .sft import SFT_PADS, PackedChatDataset, is_chat_dataset
 from .tokenizer import Tokenizer
 
 DEFAULT_SPLIT = "969,30,1"
@@ -64,6 +65,9 @@ class DataConfig:
     num_workers: int = 2
     train_samples: int = 0  # samples the whole training run will consume (train_iters * global_batch)
     eval_samples: int = 0  # samples per valid/test pass budget (eval_iters * global_batch * number of evals)
+    sft: bool = False  # chat datasets packed into windows with loss masks (megadlms.data.sft)
+    sft_pad: str = "eos"  # eos: pad with EOD and train on it; ignore: pads carry no loss and are not attended
+    truncate: bool = False  # SFT: cut conversations longer than seq_length instead of refusing them
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "micro_batch_size"):
@@ -80,6 +84,11 @@ class DataConfig:
         if self.data_path and per_split:
             raise DataError("give either --data-path (split by --split) or --train/valid/test-data-path, not both")
         parse_split(self.split)  # validate early
+        if self.sft_pad not in SFT_PADS:
+            raise DataError(f"--sft-pad {self.sft_pad!r} is not one of {list(SFT_PADS)}")
+        if self.sft and not (self.data_path or per_split):
+            raise DataError("--sft needs chat data: pass --data-path PREFIX_chat_document (made by "
+                            "`megadlms preprocess --chat`); the bundled corpus is plain text")
 
 
 class _MicroBatches(Dataset):
@@ -118,7 +127,8 @@ def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
 class StatefulLoader:
     """Endless iterator of micro-batches for one data-parallel rank; checkpoint with state_dict().
 
-    `iter(loader)` yields int64 tensors [micro_batch_size, seq_length + 1] (pinned when CUDA is available);
+    `iter(loader)` yields int64 tensors [micro_batch_size, seq_length + 1] ([micro_batch_size, 3, seq_length + 1]
+    for packed SFT windows: tokens, loss mask, segment ids) (pinned when CUDA is available);
     each `next` advances the global `consumed_samples` by micro_batch_size * dp_size. A new `iter()`
     (or one after `load_state_dict`) starts at `consumed_samples`; older iterators stop working.
     Sample positions wrap around `num_samples` (one pass over the cached index), looping epochs forever.
@@ -203,30 +213,42 @@ class Loaders:
                 getattr(self, n).load_state_dict(state[n])
 
 
-def _open(prefix: str, tokenizer: Tokenizer, opened: dict[str, IndexedDataset]) -> IndexedDataset:
+def _open(prefix: str, tokenizer: Tokenizer, opened: dict[str, IndexedDataset], sft: bool = False
+          ) -> IndexedDataset:
     if prefix not in opened:
+        chat = is_chat_dataset(prefix)
+        if chat and not sft:
+            raise DataError(f"{prefix!r} is a chat dataset (loss masks beside it): add --sft to fine-tune on it")
+        if sft and not chat:
+            raise DataError(f"--sft needs chat datasets but {prefix!r} has no loss masks beside it; preprocess it "
+                            "with `megadlms preprocess --chat`, or drop --sft to pre-train on it")
         ds = IndexedDataset(prefix)
-        check_tokens(ds, tokenizer.vocab_size, tokenizer.eod_id)
+        check_tokens(ds, tokenizer.vocab_size, None if sft else tokenizer.eod_id)
         opened[prefix] = ds
     return opened[prefix]
 
 
 def _build_source(parts: list[tuple[IndexedDataset, int, int, float]], num_samples: int, cfg: DataConfig,
-                  cache_dir: Path, name: str) -> tuple[SampleSource, str] | None:
+                  cache_dir: Path, name: str, eod_id: int | None = None) -> tuple[SampleSource, str] | None:
     """One dataset or a blend of (indexed, doc_start, doc_end, weight); None when no part has documents."""
     parts = [p for p in parts if p[2] > p[1] and p[3] > 0 and int(p[0].document_lengths[p[1]:p[2]].sum()) > 0]
     if not parts:
         return None
+    if cfg.sft:
+        def child(ds: IndexedDataset, a: int, b: int, n: int) -> PackedChatDataset:
+            return PackedChatDataset(ds, a, b, seq_length=cfg.seq_length, num_samples=n, seed=cfg.seed,
+                                     eod_id=eod_id, pad=cfg.sft_pad, truncate=cfg.truncate, name=name)
+    else:
+        def child(ds: IndexedDataset, a: int, b: int, n: int) -> GPTDataset:
+            return GPTDataset(ds, a, b, seq_length=cfg.seq_length, num_samples=n, seed=cfg.seed,
+                              cache_dir=cache_dir, name=name)
     if len(parts) == 1:
         ds, a, b, _ = parts[0]
-        g = GPTDataset(ds, a, b, seq_length=cfg.seq_length, num_samples=num_samples, seed=cfg.seed,
-                       cache_dir=cache_dir, name=name)
+        g = child(ds, a, b, num_samples)
         return g, g.order_key
     total = sum(p[3] for p in parts)
     weights = [p[3] / total for p in parts]
-    children = [GPTDataset(ds, a, b, seq_length=cfg.seq_length,
-                           num_samples=int(np.ceil(w * num_samples * _BLEND_MARGIN)) + 1 if num_samples else 0,
-                           seed=cfg.seed, cache_dir=cache_dir, name=name)
+    children = [child(ds, a, b, int(np.ceil(w * num_samples * _BLEND_MARGIN)) + 1 if num_samples else 0)
                 for (ds, a, b, _), w in zip(parts, weights)]
     size = num_samples if num_samples else sum(len(c) for c in children)
     blend = BlendedDataset(children, weights, size, cache_dir=cache_dir, name=name)
@@ -253,7 +275,7 @@ def build_loaders(cfg: DataConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp
         cache_dir = resolve_cache_dir(cfg.data_cache_path, first)
         for n in SPLIT_NAMES:
             prefixes, weights = parse_blend(per_split[n])
-            opened_n = [_open(p, tokenizer, opened) for p in prefixes]
+            opened_n = [_open(p, tokenizer, opened, cfg.sft) for p in prefixes]
             weights = weights or [float(d.num_tokens) for d in opened_n]
             plans[n] = [(d, 0, d.num_documents, w) for d, w in zip(opened_n, weights)]
     else:
@@ -268,7 +290,7 @@ def build_loaders(cfg: DataConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp
             split = BUNDLED_SPLIT if cfg.split == DEFAULT_SPLIT else cfg.split
             cache_dir = resolve_cache_dir(cfg.data_cache_path, prefixes[0])
         fractions = parse_split(split)
-        datasets = [_open(p, tokenizer, opened) for p in prefixes]
+        datasets = [_open(p, tokenizer, opened, cfg.sft) for p in prefixes]
         ranges = [split_ranges(d.num_documents, fractions) for d in datasets]
         for si, n in enumerate(SPLIT_NAMES):
             # Unweighted prefixes are mixed in proportion to their tokens in this split.
@@ -276,7 +298,7 @@ def build_loaders(cfg: DataConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp
             plans[n] = [(d, r[si][0], r[si][1], w) for d, r, w in zip(datasets, ranges, ws)]
     loaders = {}
     for n in SPLIT_NAMES:
-        built = _build_source(plans.get(n, []), budgets[n], cfg, cache_dir, n)
+        built = _build_source(plans.get(n, []), budgets[n], cfg, cache_dir, n, tokenizer.eod_id)
         loaders[n] = None if built is None else StatefulLoader(
             built[0], micro_batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
             num_workers=cfg.num_workers, name=n, fingerprint=built[1])

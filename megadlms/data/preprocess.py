@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MegaDLMsError, report_errors
+from .chat import CHAT_KEY, BadRecord, ChatRenderer, record_messages
 from .indexed import IndexedDatasetBuilder, dataset_exists, optimal_dtype
+from .sft import loss_mask_prefix
 from .tokenizer import ASSETS_DIR, SUPPORTED_TOKENIZER_TYPES, Tokenizer, load_tokenizer
 
 CHUNK_BYTES = 1 << 18  # ~256 KB of input per task: small enough to balance workers, big enough to amortize IPC
@@ -181,27 +183,70 @@ def _encode_chunk(task: tuple[str, int, list[bytes]]) -> dict:
     return {"path": path, "keys": result, "bad": bad, "bytes": nbytes, "docs": ndocs}
 
 
-def _init_pool_worker(*initargs) -> None:
+def _init_chat_worker(renderer: ChatRenderer, dtype: str) -> None:
+    _WORKER.update(renderer=renderer, dtype=np.dtype(dtype))
+
+
+def _encode_chat_chunk(task: tuple[str, int, list[bytes]]) -> dict:
+    """Render one chunk of chat records: the tokens and the loss masks (one document per conversation), plus
+    the bad lines as (line number, reason)."""
+    path, first, lines = task
+    renderer: ChatRenderer = _WORKER["renderer"]
+    toks, masks, lens = array.array("i"), array.array("b"), array.array("i")
+    bad: list[tuple[int, str]] = []
+    nbytes = ndocs = 0
+    for i, raw in enumerate(lines):
+        lineno = first + i
+        nbytes += len(raw)
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
+        except UnicodeDecodeError as e:
+            bad.append((lineno, f"not valid UTF-8 (byte {e.start})"))
+            continue
+        except json.JSONDecodeError as e:
+            bad.append((lineno, f"not valid JSON ({e.msg} at column {e.colno})"))
+            continue
+        try:
+            ids, mask = renderer.encode(record_messages(obj))
+        except BadRecord as e:
+            bad.append((lineno, str(e)))
+            continue
+        toks.extend(ids)
+        masks.extend(mask)
+        lens.append(len(ids))
+        ndocs += 1
+    dtype = _WORKER["dtype"]
+    ones = np.ones(len(lens), dtype=np.int32)
+    result = {CHAT_KEY: (np.frombuffer(toks, dtype=np.int32).astype(dtype), np.frombuffer(lens, dtype=np.int32), ones),
+              "mask": (np.frombuffer(masks, dtype=np.int8).astype(np.uint8), np.frombuffer(lens, dtype=np.int32),
+                       ones)}
+    return {"path": path, "keys": result, "bad": bad, "bytes": nbytes, "docs": ndocs}
+
+
+def _init_pool_worker(init, *initargs) -> None:
     # One core per worker: the Rust tokenizer must not start its own thread pool inside each process.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _init_worker(*initargs)
+    init(*initargs)
 
 
-def _results(files: list[Path], workers: int, initargs: tuple) -> Iterator[dict]:
+def _results(files: list[Path], workers: int, initargs: tuple, init=_init_worker, encode=_encode_chunk
+             ) -> Iterator[dict]:
     """Encoded chunks in input order; at most a few chunks per worker are in flight (bounded memory)."""
     tasks = _chunks(files)
     if workers <= 1:
-        _init_worker(*initargs)
+        init(*initargs)
         for t in tasks:
-            yield _encode_chunk(t)
+            yield encode(t)
         return
     # fork shares the loaded tokenizer for free; spawn would re-import torch in every worker.
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-    pool = ctx.Pool(workers, initializer=_init_pool_worker, initargs=initargs)
+    pool = ctx.Pool(workers, initializer=_init_pool_worker, initargs=(init, *initargs))
     try:
         pending: collections.deque = collections.deque()
         for t in tasks:
-            pending.append(pool.apply_async(_encode_chunk, (t,)))
+            pending.append(pool.apply_async(encode, (t,)))
             if len(pending) >= 4 * workers:
                 yield pending.popleft().get()
         while pending:
@@ -214,24 +259,35 @@ def _results(files: list[Path], workers: int, initargs: tuple) -> Iterator[dict]
 
 def preprocess_jsonl(inputs: str | os.PathLike | Sequence[str | os.PathLike], output_prefix: str | os.PathLike,
                tokenizer: Tokenizer, *, json_keys: Sequence[str] = ("text",), append_eod: bool = False,
-               workers: int = 1, skip_bad_lines: bool = False, progress: bool = True) -> PreprocessStats:
+               workers: int = 1, skip_bad_lines: bool = False, progress: bool = True,
+               chat: bool = False, prompt_template: str | None = None) -> PreprocessStats:
     """Tokenize jsonl `inputs` into one indexed dataset per key, `{output_prefix}_{key}_document`.
+
+    chat=True: the records are conversations (`megadlms.data.chat`); writes `{output_prefix}_chat_document`
+    (tokens, one document per conversation) and beside it the uint8 loss masks with the same documents
+    (`loss_mask_prefix`); `json_keys` and `append_eod` do not apply.
 
     Token dtype: uint16 if tokenizer.vocab_size < 65500 else int32. A bad line (not UTF-8, not JSON, missing a
     key) raises PreprocessError naming file and line, unless `skip_bad_lines`, which counts and reports them.
     Outputs appear only when complete (temporary files are renamed at the end)."""
     if workers < 1:
         raise PreprocessError(f"--workers must be at least 1, got {workers}")
-    keys = tuple(json_keys)
+    keys = (CHAT_KEY,) if chat else tuple(json_keys)
     if not keys or len(set(keys)) != len(keys):
         raise PreprocessError(f"--json-keys must name distinct keys, got {list(keys)}")
     files = resolve_inputs(inputs)
     dtype = optimal_dtype(tokenizer.vocab_size)
     stats = PreprocessStats(tokens={k: 0 for k in keys},
                             outputs={k: output_prefix_for(output_prefix, k) for k in keys})
-    initargs = (tokenizer, keys, append_eod, dtype.str)
+    if chat:
+        renderer = ChatRenderer(tokenizer, prompt_template=prompt_template)
+        work = dict(initargs=(renderer, dtype.str), init=_init_chat_worker, encode=_encode_chat_chunk)
+    else:
+        work = dict(initargs=(tokenizer, keys, append_eod, dtype.str))
     total = None if any(f.name.endswith(".gz") for f in files) else sum(f.stat().st_size for f in files)
     builders = {k: IndexedDatasetBuilder(stats.outputs[k], dtype) for k in keys}
+    if chat:
+        builders["mask"] = IndexedDatasetBuilder(loss_mask_prefix(stats.outputs[CHAT_KEY]), np.uint8)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -239,7 +295,7 @@ def preprocess_jsonl(inputs: str | os.PathLike | Sequence[str | os.PathLike], ou
                    mininterval=1.0, file=sys.stderr, dynamic_ncols=True)
     t0 = time.perf_counter()
     try:
-        for r in _results(files, workers, initargs):
+        for r in _results(files, workers, **work):
             for lineno, reason in r["bad"]:
                 where = f"{r['path']}, line {lineno}: {reason}"
                 if not skip_bad_lines:
@@ -249,7 +305,8 @@ def preprocess_jsonl(inputs: str | os.PathLike | Sequence[str | os.PathLike], ou
                     stats.bad_examples.append(where)
             for k, (toks, lens, per_doc) in r["keys"].items():
                 builders[k].add_documents(toks, lens, per_doc)
-                stats.tokens[k] += int(toks.size)
+                if k in stats.tokens:
+                    stats.tokens[k] += int(toks.size)
             stats.documents += r["docs"]
             stats.input_bytes += r["bytes"]
             if bar is not None:
@@ -301,6 +358,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-bad-lines", action="store_true",
                    help="skip lines that are not UTF-8 / JSON or lack a key (counted and reported) instead of "
                         "stopping at the first")
+    g.add_argument("--chat", action="store_true",
+                   help="the lines are conversations ('messages' or 'prompt'/'response'): write "
+                        "{prefix}_chat_document with per-token loss masks (assistant tokens) for `train --sft`")
+    g.add_argument("--prompt-template", default=None,
+                   help="with --chat, for tokenizers without a chat template: the text around each user turn, "
+                        "e.g. 'User: {prompt}\\nAssistant: ' (assistant turns are followed by the EOD token)")
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="HuggingFaceTokenizer",
                    help=f"tokenizer kind; supported: {', '.join(SUPPORTED_TOKENIZER_TYPES)} (a tokenizer.json)")
@@ -323,7 +386,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
                                  append_eod=args.append_eod, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
-                                 progress=not args.no_progress)
+                                 progress=not args.no_progress, chat=args.chat,
+                                 prompt_template=args.prompt_template)
     except OSError as e:  # an unwritable --output-prefix, a full disk, an unreadable input
         where = f"{e.filename}: " if e.filename else f"--output-prefix {args.output_prefix}: "
         raise PreprocessError(f"{where}{e.strerror or e}; check the path and the free space") from None
@@ -332,6 +396,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.workers} worker{'s' if args.workers > 1 else ''})")
     for k, prefix in stats.outputs.items():
         print(f"  {k}: {stats.tokens[k]:,} tokens -> {prefix}.bin / .idx")
+        if args.chat:
+            print(f"  loss masks (assistant tokens) -> {loss_mask_prefix(prefix)}.bin / .idx")
     if not stats.documents or not any(stats.tokens.values()):
         print(f"warning: the output holds no tokens ({stats.documents} documents): training on it stops with an "
               "error; check --input and --json-keys", file=sys.stderr)

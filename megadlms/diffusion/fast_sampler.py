@@ -39,6 +39,7 @@ from .sampler import (
     get_num_transfer_tokens,
     guided_logits,
     initial_sequence,
+    logits_shift,
     model_device,
     position_ids_from_mask,
     prepare_prompts,
@@ -114,6 +115,7 @@ def fast_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_ma
                         temperature=temperature, remasking=remasking, cfg_scale=cfg_scale)
     x, real = initial_sequence(model, input_ids, attention_mask, mask_id=mask_id, gen_length=gen_length)
     b, p = input_ids.shape
+    shift = logits_shift(model, p)  # difflm-shift: the block's logits come from the positions one to the left
     total = p + gen_length
     device = input_ids.device
     reps = 2 if cfg_scale > 0 else 1
@@ -186,15 +188,15 @@ def fast_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_ma
                 count = None if schedule is None else schedule[step]
                 if step == 0 or kv is None:
                     if isinstance(kv, PrefixCache):
-                        kv.refresh(start)
-                    hidden = run_full(full_input())[:, start:end]
+                        kv.refresh(start - shift)
+                    hidden = run_full(full_input())[:, start - shift:end - shift]
                     if isinstance(kv, DualCache):
-                        kv.set_block(torch.arange(start, end, device=device))
+                        kv.set_block(torch.arange(start - shift, end, device=device))
                 else:
                     q_end = end if isinstance(kv, DualCache) else total
-                    q_ids = x[:, start:q_end].repeat(reps, 1)
-                    q_pos = (torch.arange(start, q_end, device=device) if pos_full is None
-                             else pos_full[:, start:q_end])
+                    q_ids = x[:, start - shift:q_end].repeat(reps, 1)
+                    q_pos = (torch.arange(start - shift, q_end, device=device) if pos_full is None
+                             else pos_full[:, start - shift:q_end])
                     hidden = run_block(q_ids, q_pos)[:, :block_length]
                 logits = model.logits(hidden)
                 if reps == 2:

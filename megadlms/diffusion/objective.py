@@ -4,7 +4,14 @@ Both are expressed as `prepare(tokens) -> (inputs, targets, weights)` followed b
 `weighted_cross_entropy(logits, targets, weights)`:
 - masked diffusion: inputs are the tokens with a random subset replaced by the mask token,
   weights = 1/p on masked positions and 0 elsewhere, normalised by B*L (the ELBO);
-- autoregressive (`vanilla`): inputs x[:-1], targets x[1:], weights 1.
+- autoregressive (`vanilla`): inputs x[:-1], targets x[1:], weights 1;
+- shifted masked diffusion (`difflm-shift`, Dream): masked as above, but the logits at position i predict
+  token i + 1, keeping an AR model's head alignment (the first position is never masked).
+
+Supervised fine-tuning (`prepare_sft_batch`) runs the same functions on packed chat windows with a loss mask
+and segment ids (LLaDA's SFT): prompt tokens are never masked; each conversation draws its own t; a masked
+response token weighs 1 / (p * n) with n the response tokens of its conversation; the loss is the sum of
+weighted CE over the conversations of the batch divided by their number (the mean over conversations).
 
 Randomness comes from one `MaskSampler` with its own `torch.Generator` (checkpointed). It draws
 the noise for a whole global batch at once and every rank slices its rows, so the masks a sample
@@ -20,15 +27,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..attention_masks import segment_positions
 from ..config import ConfigError
 
-RUNNING_MODES = ("difflm-noshift", "vanilla", "bd3lm")  # bd3lm: block diffusion (megadlms.diffusion.bd3lm)
+RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla", "bd3lm")  # bd3lm: megadlms.diffusion.bd3lm
 PMASK_MODES = ("sampled", "actual")
 
 
 @dataclass
 class ObjectiveConfig:
-    mode: str = "difflm-noshift"  # difflm-noshift (masked diffusion) | vanilla (autoregressive) | bd3lm
+    mode: str = "difflm-noshift"  # difflm-noshift (masked diffusion) | difflm-shift (Dream) | vanilla (AR) | bd3lm
     mask_token_id: int = 0
     eps: float = 1e-3  # p = (1 - eps) * t + eps
     pmask: str = "sampled"  # sampled: weight by the drawn p; actual: by the row's masked fraction
@@ -46,14 +54,19 @@ class ObjectiveConfig:
 
     @property
     def diffusion(self) -> bool:
-        return self.mode == "difflm-noshift"
+        return self.mode != "vanilla"
+
+    @property
+    def shift(self) -> bool:
+        """Logits at position i predict token i + 1 (vanilla and difflm-shift)."""
+        return self.mode != "difflm-noshift"
 
 
 @dataclass
 class BatchNoise:
     """Noise for one global batch: rows in global sample order, plus per-micro-step lengths."""
 
-    t: torch.Tensor  # [G, 1] fp32, t ~ U(0, 1)
+    t: torch.Tensor  # [G, 1] fp32, t ~ U(0, 1) ([G, L] for SFT: per conversation, read at its first position)
     u: torch.Tensor  # [G, L] fp32, a token is masked where u < p
     lengths: torch.Tensor  # [M] int64 on the CPU, sequence length used by each global micro-step
 
@@ -72,9 +85,11 @@ class MaskSampler:
         self.length_generator = torch.Generator()
         self.length_generator.manual_seed(seed + 1)
 
-    def draw(self, global_batch: int, seq_len: int, micro_steps: int, varilen_prob: float) -> BatchNoise:
+    def draw(self, global_batch: int, seq_len: int, micro_steps: int, varilen_prob: float,
+             per_token_t: bool = False) -> BatchNoise:
+        """per_token_t: t drawn per position ([G, L], SFT: a conversation takes the t of its first position)."""
         g, gl = self.generator, self.length_generator
-        t = torch.rand(global_batch, 1, generator=g, device=self.device)
+        t = torch.rand(global_batch, seq_len if per_token_t else 1, generator=g, device=self.device)
         u = torch.rand(global_batch, seq_len, generator=g, device=self.device)
         cut = torch.rand(micro_steps, generator=gl) < varilen_prob
         short = torch.randint(2, seq_len + 1, (micro_steps,), generator=gl)
@@ -90,17 +105,22 @@ class MaskSampler:
 
 
 def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, mask_token_id: int,
-                eps: float = 1e-3, pmask: str = "sampled") -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float = 1e-3, pmask: str = "sampled", maskable: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward diffusion: mask each token with probability p = (1 - eps) t + eps.
 
-    tokens: long [B, L]; t: [B, 1]; u: [B, L] uniform noise.
+    tokens: long [B, L]; t: [B, 1] (or [B, L], a t per token); u: [B, L] uniform noise.
     Returns (noisy long [B, L], weights fp32 [B, L] = 1/p on masked positions, 0 elsewhere).
-    Every row has at least one masked token (the position of its smallest u).
+    maskable None: every row has at least one masked token (the position of its smallest u). maskable bool
+    [B, L] (SFT: the response tokens): only those may be masked, and none is forced.
     """
-    p = (1.0 - eps) * t + eps  # [B, 1]
+    p = (1.0 - eps) * t + eps  # [B, 1] or [B, L]
     masked = u < p
-    at_least_one = F.one_hot(u.argmin(dim=1), u.shape[1]).bool()
-    masked = masked | at_least_one
+    if maskable is None:
+        at_least_one = F.one_hot(u.argmin(dim=1), u.shape[1]).bool()
+        masked = masked | at_least_one
+    else:
+        masked = masked & maskable
     if pmask == "actual":  # MegaDLMs' variant: weight by the fraction actually masked
         p = masked.float().mean(dim=1, keepdim=True)
     noisy = torch.where(masked, torch.full_like(tokens, mask_token_id), tokens)
@@ -119,27 +139,102 @@ def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Te
         length = length or tokens.shape[1]
         tokens = tokens[:, :length]
         t, u = noise_rows
-        noisy, weights = mask_tokens(tokens, t, u[:, :length], mask_token_id=cfg.mask_token_id,
+        u = u[:, :length]
+        if cfg.shift:  # position 0 has no position before it to predict it
+            u = torch.cat([torch.full_like(u[:, :1], 2.0), u[:, 1:]], dim=1)
+        noisy, weights = mask_tokens(tokens, t, u, mask_token_id=cfg.mask_token_id,
                                      eps=cfg.eps, pmask=cfg.pmask)
+        if cfg.shift:  # logits at i predict token i + 1
+            return noisy, sample[:, 1:length + 1], shift_left(weights)
         return noisy, tokens, weights
     length = length or sample.shape[1] - 1
     inputs, targets = sample[:, :length], sample[:, 1:length + 1]
     return inputs, targets, torch.ones(targets.shape, dtype=torch.float32, device=targets.device)
 
 
-def weighted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_i w_i * CE(logits_i, targets_i) / (B * L), CE in fp32.
+def shift_left(x: torch.Tensor) -> torch.Tensor:
+    """[B, L] -> [B, L]: x[:, i + 1] at i, zero at the last position (a target's weight moved to its predictor)."""
+    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+
+
+@dataclass
+class SFTBatch:
+    """One micro-batch of packed chat windows, ready for the model and the loss."""
+
+    inputs: torch.Tensor  # long [B, L]
+    targets: torch.Tensor  # long [B, L]
+    weights: torch.Tensor  # fp32 [B, L]: 1/(p n) on masked response tokens (diffusion), 1/n on response targets (AR)
+    segment_ids: torch.Tensor  # long [B, L], the conversation of each input position (0: padding)
+    conversations: torch.Tensor  # long scalar: conversations with at least one response token in the batch
+
+
+def _per_segment(values: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """Sum of values over each position's segment, broadcast back: [B, L] -> [B, L] (same dtype)."""
+    sums = torch.zeros(values.shape[0], values.shape[1] + 1, dtype=values.dtype, device=values.device)
+    sums.scatter_add_(1, segment_ids, values)
+    return sums.gather(1, segment_ids)
+
+
+def _segment_start(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Index of the first position of each position's segment: long [B, L]."""
+    idx = torch.arange(segment_ids.shape[1], device=segment_ids.device)
+    return idx - segment_positions(segment_ids)
+
+
+def prepare_sft_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Tensor] | None,
+                      cfg: ObjectiveConfig) -> SFTBatch:
+    """Packed windows long [B, 3, L+1] (tokens, loss mask, segment ids; megadlms.data.sft) -> SFTBatch.
+
+    noise_rows: (t [B, L], u [B, L]) for these rows (diffusion only); each conversation uses the t at its first
+    position, so its masks do not depend on where it was packed. Prompt tokens (loss mask 0) are never masked.
+    A response token whose predictor (the position before it, in the shifted modes) lies in another conversation
+    is treated as prompt. Loss: `weighted_cross_entropy(..., denominator=conversations)` is LLaDA's SFT loss,
+    the mean over conversations of sum(CE / p over masked response tokens) / response length.
+    """
+    tokens, loss_mask, seg = sample[:, 0], sample[:, 1].bool(), sample[:, 2]
+    length = tokens.shape[1] - 1
+    x, lm, s = tokens[:, :length], loss_mask[:, :length], seg[:, :length]
+    if cfg.shift:  # the target at i is token i + 1: it must be a response token of the same conversation
+        lm_next = loss_mask[:, 1:] & (seg[:, 1:] == s)  # [B, L], indexed by the predicting position
+        if cfg.diffusion:  # the masked token is i + 1; as a token position, shift right
+            lm = torch.cat([torch.zeros_like(lm[:, :1]), lm_next[:, :-1]], dim=1)
+    if not cfg.diffusion:
+        n = _per_segment(lm_next.float(), s)
+        weights = torch.where(lm_next, 1.0 / n.clamp(min=1.0), torch.zeros_like(n))
+        return SFTBatch(x, tokens[:, 1:], weights, s, _count_segments(lm_next, s))
+    t, u = noise_rows
+    t_tok = t.gather(1, _segment_start(s))
+    noisy, w = mask_tokens(x, t_tok, u[:, :length], mask_token_id=cfg.mask_token_id, eps=cfg.eps, maskable=lm)
+    n = _per_segment(lm.float(), s)
+    w = w / n.clamp(min=1.0)
+    if cfg.shift:
+        return SFTBatch(noisy, tokens[:, 1:], shift_left(w), s, _count_segments(lm, s))
+    return SFTBatch(noisy, x, w, s, _count_segments(lm, s))
+
+
+def _count_segments(has_response: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """Number of distinct (row, segment) pairs holding at least one response position."""
+    hit = torch.zeros(segment_ids.shape[0], segment_ids.shape[1] + 1, dtype=torch.long, device=segment_ids.device)
+    hit.scatter_add_(1, segment_ids, has_response.long())
+    return (hit > 0).sum()
+
+
+def weighted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                           denominator: float | torch.Tensor | None = None) -> torch.Tensor:
+    """sum_i w_i * CE(logits_i, targets_i) / denominator (default B * L), CE in fp32.
 
     logits [B, L, V] (any float dtype); targets long [B, L]; weights fp32 [B, L]. Returns a scalar.
-    With diffusion weights this is the masked-diffusion ELBO; with unit weights the mean AR loss.
+    With diffusion weights this is the masked-diffusion ELBO; with unit weights the mean AR loss; with SFT
+    weights and denominator = conversations, LLaDA's SFT loss.
     """
     ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
-    return (ce * weights.flatten()).sum() / targets.numel()
+    return (ce * weights.flatten()).sum() / (targets.numel() if denominator is None else denominator)
 
 
 def chunked_weighted_cross_entropy(hidden: torch.Tensor, output_weight: torch.Tensor, targets: torch.Tensor,
                                    weights: torch.Tensor, chunk_tokens: int = 8192,
-                                   num_rows: int | None = None) -> torch.Tensor:
+                                   num_rows: int | None = None,
+                                   denominator: float | torch.Tensor | None = None) -> torch.Tensor:
     """The LM head fused with the loss, over token chunks, so the [B*L, V] logits never exist at once.
 
     hidden [B, L, H]; output_weight [V, H]; targets long [B, L]; weights [B, L] -> fp32 scalar, the
@@ -172,7 +267,7 @@ def chunked_weighted_cross_entropy(hidden: torch.Tensor, output_weight: torch.Te
             sl = slice(start, start + chunk_tokens)
             hc = h[sl].to(dtype)
             total = total + _ce_kernel(hc)(hc @ wt.t(), y[sl], w[sl], grad=False)[0]
-    return total / targets.numel()
+    return total / (targets.numel() if denominator is None else denominator)
 
 
 def _ce_loss_and_grad(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor,

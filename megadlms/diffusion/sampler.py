@@ -161,6 +161,16 @@ def initial_sequence(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     return x, real
 
 
+def logits_shift(model: nn.Module, prompt_length: int) -> int:
+    """1 for a difflm-shift model (the logits at position i predict token i + 1), else 0. Such a model needs a
+    prompt: the first generated token is predicted from the last prompt position."""
+    shift = int(bool(getattr(getattr(model, "config", None), "diffusion_shift", False)))
+    if shift and prompt_length < 1:
+        raise ConfigError("a difflm-shift model predicts each token from the position before it: give a prompt of "
+                          "at least one token")
+    return shift
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """bool [B, T] (True = real) -> long [B, T]: 0 at each row's first real token (pads get 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -372,6 +382,7 @@ def generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
                         remasking=remasking, cfg_scale=cfg_scale)
     x, real = initial_sequence(model, input_ids, attention_mask, mask_id=mask_id, gen_length=gen_length)
     b, p = input_ids.shape
+    shift = logits_shift(model, p)  # difflm-shift: the logits of position i come from position i - 1
     total = p + gen_length
     device = input_ids.device
     rows = 2 * b if cfg_scale > 0 else b
@@ -411,10 +422,10 @@ def generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
             # the first one (masked prompt tokens, or earlier positions whose x0 was the mask token)
             left = (x[:, :start] == mask_id) if real is None else (x[:, :start] == mask_id) & real[:, :start]
             cols = left.any(0).nonzero()
-            w0 = int(cols[0]) if cols.numel() else start
+            w0 = max(int(cols[0]) if cols.numel() else start, shift)
             for i in range(steps_per_block):
                 hidden = run(model_input())
-                logits = model.logits(hidden[:, w0:end])
+                logits = model.logits(hidden[:, w0 - shift:end - shift])
                 if cfg_scale > 0:
                     logits = guided_logits(logits, cfg_scale)
                 noise = rand = None

@@ -44,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("prompts")
     g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     g.add_argument("--prompt-file", metavar="FILE.jsonl", help='one JSON object per line with a "prompt" key')
+    g.add_argument("--chat", action="store_true",
+                   help="render each prompt as a user turn with the tokenizer's chat template and its generation "
+                        "prompt (as the conversations of `preprocess --chat`), or with --prompt-template")
+    g.add_argument("--prompt-template", default=None,
+                   help="with --chat, for tokenizers without a chat template: e.g. 'User: {prompt}\\nAssistant: '")
     g.add_argument("--output-file", metavar="FILE.jsonl",
                    help='write each input record plus "completion" and "num_tokens" as jsonl')
     g.add_argument("--batch-size", type=int, default=8)
@@ -228,8 +233,13 @@ def _run(args: argparse.Namespace) -> int:
     completions: list[tuple[str, int]] = []
     produced = forwards = 0
     t0 = time.perf_counter()
+    encode = tokenizer.encode
+    if args.chat:
+        from ..data.chat import ChatRenderer
+
+        encode = ChatRenderer(tokenizer, prompt_template=args.prompt_template).encode_prompt
     for i in range(0, len(records), args.batch_size):
-        batch = [tokenizer.encode(r["prompt"]) for r in records[i:i + args.batch_size]]
+        batch = [encode(r["prompt"]) for r in records[i:i + args.batch_size]]
         ids, attn = prepare_prompts(batch, pad_id=pad_id, device=device, vocab_size=cfg.vocab_size)
         p = ids.shape[1]
         if sampler == "ar":

@@ -1,6 +1,7 @@
 """`megadlms convert`: Hugging Face <-> MegaDLMs checkpoints.
 
-    megadlms convert hf-to-megadlms --hf-model DIR --save DIR [--mask-token ID] [--attn-mask-type T] [--verify]
+    megadlms convert hf-to-megadlms --hf-model DIR --save DIR [--mask-token ID | --add-mask-token [TOKEN]]
+                                    [--attn-mask-type T] [--verify]
     megadlms convert megadlms-to-hf --load DIR --save DIR [--max-shard-size 5GB] [--verify]
     megadlms convert verify --load DIR --hf-model DIR       (compare an existing pair)
 
@@ -32,6 +33,7 @@ from .hf import (
     save_hf_model,
     tokenizer_vocab_size,
 )
+from .mask_token import DEFAULT_MASK_TOKEN, VOCAB_MULTIPLE, add_mask_rows, add_token_to_tokenizer, source_rows
 from .verify import DEFAULT_TOLERANCE, VerifyResult, verify_against_folder
 
 
@@ -49,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     imp.add_argument("--mask-token", default=None, metavar="ID",
                      help="diffusion [MASK] id (or a token string of the tokenizer); default: config.json's "
                           "mask_token_id, if any")
+    imp.add_argument("--add-mask-token", nargs="?", const=DEFAULT_MASK_TOKEN, default=None, metavar="TOKEN",
+                     help=f"AR-to-DLM adaptation: add TOKEN (default {DEFAULT_MASK_TOKEN}) to the tokenizer as the "
+                          "mask token, with an embedding (and head) row initialised to the mean embedding; the "
+                          f"vocabulary grows to a multiple of {VOCAB_MULTIPLE} rows when the id has no row")
     imp.add_argument("--attn-mask-type", choices=ATTN_MASK_TYPES, default=None,
                      help="attention of the imported model; default: as config.json records it, else causal")
     imp.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
@@ -121,10 +127,19 @@ def _hf_to_megadlms(args: argparse.Namespace) -> int:
 
     src = Path(args.hf_model)
     dtype = DTYPES[args.dtype]
+    add_token = getattr(args, "add_mask_token", None)
+    if add_token is not None and args.mask_token is not None:
+        raise InteropError(f"--mask-token {args.mask_token} and --add-mask-token {add_token} both name the mask "
+                           "token; pass one of them")
     model, cfg = load_hf_model(src, dtype=dtype, attn_mask_type=args.attn_mask_type, mask_token_id=args.mask_token)
     cfg.extra["hf_source"] = str(src.resolve())
     with tempfile.TemporaryDirectory() as staging:  # only the tokenizer files, not the weights next to them
         copied = copy_tokenizer_files(src, staging)
+        if add_token is not None:
+            mask_id = add_token_to_tokenizer(staging, add_token)
+            sd, cfg = add_mask_rows(plain_state_dict(model, cfg), cfg, mask_id, add_token, tokenizer_ids=mask_id)
+            model = model_from_state_dict(cfg, sd, dtype=dtype)
+            print(f"added {add_token!r} as id {mask_id} (embedding rows: {cfg.vocab_size})")
         out = save_model_checkpoint(args.save, model, cfg, iteration=args.iteration,
                                     tokenizer_dir=staging if copied else None)
     n_params = sum(p.numel() for p in model.parameters())
@@ -139,7 +154,10 @@ def _hf_to_megadlms(args: argparse.Namespace) -> int:
         return 0
     del model
     saved, saved_cfg, _ = load_model_from_checkpoint(args.save, iteration=args.iteration)
-    ours = model_from_state_dict(saved_cfg, plain_state_dict(saved, saved_cfg), dtype=torch.float32)
+    weights = plain_state_dict(saved, saved_cfg)
+    if add_token is not None:  # compare everything but the added row with the source, at its vocabulary size
+        weights, saved_cfg = source_rows(weights, saved_cfg, src, mask_id)
+    ours = model_from_state_dict(saved_cfg, weights, dtype=torch.float32)
     result = verify_against_folder(ours, saved_cfg, src, tolerance=args.verify_tol,
                                    vocab_limit=tokenizer_vocab_size(src), round_to=dtype)
     return _report(result)

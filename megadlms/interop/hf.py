@@ -141,6 +141,8 @@ def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None =
     block = hf.get("block_size") if hf.get("model_running_mode") == "bd3lm" else None
     if block:  # a block-diffusion export; its windows hold whole blocks
         overrides.update(block_size=block, seq_length=min(4096, max_pos) // block * block)
+    if hf.get("model_running_mode") == "difflm-shift":  # written by our export: keep the logits' alignment
+        overrides["diffusion_shift"] = True
     try:
         return config_from_hf(dict(hf), **overrides)
     except ConfigError as e:
@@ -187,6 +189,8 @@ def megadlms_config_to_hf(cfg: TransformerConfig, *, dtype: torch.dtype = torch.
         "pad_token_id": ids.get("pad_token_id"),
         "dtype": str(dtype).removeprefix("torch."),
         "mask_token_id": cfg.mask_token_id, "attn_mask_type": cfg.attn_mask_type,
+        "model_running_mode": "vanilla" if cfg.causal else ("difflm-shift" if cfg.diffusion_shift
+                                                            else "difflm-noshift"),
     }
     if cfg.attn_mask_type == "bidirectional":
         hf["is_causal"] = False

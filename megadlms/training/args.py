@@ -37,8 +37,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("diffusion objective")
     g.add_argument("--model-running-mode", choices=RUNNING_MODES, default="difflm-noshift",
-                   help="difflm-noshift: masked diffusion, bidirectional; vanilla: autoregressive, causal; "
+                   help="difflm-noshift: masked diffusion, bidirectional; difflm-shift: masked diffusion whose "
+                        "logits at position i predict token i + 1 (Dream; keeps an AR model's head alignment); "
+                        "vanilla: autoregressive, causal; "
                         "bd3lm: block diffusion (blocks of --block-size, AR across blocks)")
+    g.add_argument("--attention-anneal-iters", type=int, default=0,
+                   help="adapting an AR model: anneal causal attention into bidirectional over this many "
+                        "iterations (each future key open with probability (i + 1) / N at iteration i; DiffuLLaMA)")
     g.add_argument("--mask-token", type=int, default=None,
                    help="mask token id (default: the tokenizer's <|mask|>, else the preset's)")
     g.add_argument("--difflm-eps", type=float, default=1e-3)
@@ -217,7 +222,7 @@ AT_LEAST = {"train_iters": 1, "micro_batch_size": 1, "global_batch_size": 1, "lo
             "lr_warmup_iters": 0, "lr_wsd_decay_iters": 0, "eval_interval": 0, "eval_iters": 0, "save_interval": 0,
             "exit_interval": 0, "ckpt_step": 0, "exit_duration_in_mins": 0.0, "max_skipped_steps": 0,
             "ckpt_keep_last": 1, "ckpt_save_failures_ok": 0, "loss_chunk_tokens": 0, "num_workers": 0, "seed": 0,
-            "mask_token": 0,
+            "mask_token": 0, "attention_anneal_iters": 0,
             "fp8_margin": 0, "fp8_amax_history_len": 1, "num_layers_at_start_in_bf16": 0,
             "num_layers_at_end_in_bf16": 0, "lr": 0.0, "min_lr": 0.0, "weight_decay": 0.0, "clip_grad": 0.0}
 

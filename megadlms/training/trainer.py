@@ -33,6 +33,7 @@ from ..diffusion.objective import (
     ObjectiveConfig,
     chunked_weighted_cross_entropy,
     prepare_batch,
+    prepare_sft_batch,
     weighted_cross_entropy,
 )
 from ..distributed.data_parallel import grad_sync_context
@@ -43,6 +44,7 @@ from ..presets import load_model_config
 from . import checkpoint as ckpt
 from .cuda_graphs import LayerGraphs
 from .divergence import DivergenceGuard, check_finite_state
+from .documents import AttentionPlan
 from .metrics import MetricSinks, WandbConfig, bf16_peak_tflops, format_log_line, memory_gib, throughput
 from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_grad_norm, set_lr
 from .preemption import RunControl
@@ -87,6 +89,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
             overrides["block_size"] = args.block_size
     elif base is not None:
         overrides["block_size"] = None
+    overrides["diffusion_shift"] = args.model_running_mode == "difflm-shift"
     overrides.update(
         fp8=args.fp8_format is not None, fp8_format=args.fp8_format or "hybrid", fp8_recipe=args.fp8_recipe,
         fp8_margin=args.fp8_margin, fp8_amax_history_len=args.fp8_amax_history_len,
@@ -141,6 +144,24 @@ class _HostCount:
         return int(self._host)
 
 
+def _attention_plan(args: argparse.Namespace, cfg: TransformerConfig, eod_id: int | None,
+                    device: torch.device) -> AttentionPlan:
+    """The AttentionPlan of the flags: document-level attention and position resets default on with --sft."""
+    sft = bool(getattr(args, "sft", False))
+    reset_mask = getattr(args, "reset_attention_mask", None)
+    reset_pos = getattr(args, "reset_position_ids", None)
+    anneal = getattr(args, "attention_anneal_iters", 0) or 0
+    if cfg.block_size is not None and (sft or reset_mask or reset_pos or anneal):
+        raise ConfigError("--model-running-mode bd3lm runs under its own block-diffusion attention mask: drop --sft, "
+                          "--reset-attention-mask, --reset-position-ids and --attention-anneal-iters")
+    if anneal and cfg.causal:
+        raise ConfigError(f"--attention-anneal-iters {anneal} anneals causal attention into bidirectional "
+                          "attention; use --model-running-mode difflm-shift or difflm-noshift, not vanilla")
+    return AttentionPlan(reset_attention_mask=sft if reset_mask is None else reset_mask,
+                         reset_position_ids=sft if reset_pos is None else reset_pos, anneal_iters=anneal,
+                         causal=cfg.causal, eod_id=eod_id, seed=args.seed + 3, device=device)
+
+
 def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -187,6 +208,8 @@ class Trainer:
             eval_eps=args.difflm_eps)
         # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
         self._flex = self.device.type == "cuda" and bool(args.compile)
+        self.sft = bool(getattr(args, "sft", False))
+        self.attention = _attention_plan(args, cfg, getattr(loaders, "eod_id", None), self.device)
         self.optimizer = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
                                          betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         allocate_optimizer_state(self.optimizer)  # before any activation: the state gets segments of its own
@@ -259,10 +282,15 @@ class Trainer:
             blockers.append("activation checkpointing (--recompute-granularity) re-runs the forward in backward")
         if self.bd3lm is not None:
             blockers.append("block diffusion (bd3lm) runs the layers under an attention mask")
+        if self.attention.reset_attention_mask:
+            blockers.append("document-level attention (--sft / --reset-attention-mask) gives every batch its own "
+                            "attention mask")
         if mode == "on" and blockers:
             raise ConfigError(f"--cuda-graphs on is not possible here: {'; '.join(blockers)}. "
                              "Use --cuda-graphs auto or off.")
         if blockers or (mode == "auto" and self.ctx.dp_size > 1):
+            if blockers and self.ctx.is_main and self.device.type == "cuda":
+                log.info("CUDA graphs off: %s", "; ".join(blockers))
             return None
         # with accumulation the FP8 weights are cast once per step outside the graphs, not on every replay
         return LayerGraphs(self.base_model, emulate=emulate, strict=mode == "on", fp8_weights_per_step=self.accum > 1)
@@ -275,7 +303,12 @@ class Trainer:
 
     # ----------------------------------------------------------------- step
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-              rows: _HostCount | None = None) -> torch.Tensor:
+              rows: _HostCount | None = None, attention_mask: Any = None, position_ids: torch.Tensor | None = None,
+              denominator: torch.Tensor | None = None) -> torch.Tensor:
+        """attention_mask / position_ids: from the AttentionPlan (None: the model's defaults); denominator: the SFT
+        loss's (None: B * L)."""
+        kw = {} if attention_mask is None and position_ids is None else {
+            "attention_mask": attention_mask, "position_ids": position_ids}
         with self._autocast():
             if self.bd3lm is not None:  # x_t (+) x_0 in, the hidden states of x_t scored
                 kwargs = bd3lm.forward_kwargs(self.bd3lm, inputs.device, self._flex)
@@ -286,11 +319,12 @@ class Trainer:
                                                       self.loss_chunk_tokens,
                                                       num_rows=rows.get() if rows is not None else None)
             if self.loss_chunk_tokens:
-                hidden = self.model(inputs, output_hidden=True)
+                hidden = self.model(inputs, output_hidden=True, **kw)
                 return chunked_weighted_cross_entropy(hidden, self._output_weight(), targets, weights,
                                                       self.loss_chunk_tokens,
-                                                      num_rows=rows.get() if rows is not None else None)
-            return weighted_cross_entropy(self.model(inputs), targets, weights)
+                                                      num_rows=rows.get() if rows is not None else None,
+                                                      denominator=denominator)
+            return weighted_cross_entropy(self.model(inputs, **kw), targets, weights, denominator)
 
     def _output_weight(self) -> torch.Tensor:
         w = self.base_model.output_weight
@@ -298,9 +332,13 @@ class Trainer:
         return w.full_tensor() if isinstance(w, DTensor) else w
 
     def _micro_batches(self, it: Iterator[torch.Tensor], noise, count: int):
-        """Yield ((inputs, targets, weights), length, rows) for this rank's `count` micro-batches of one global
-        batch; rows: with the fused LM head, the number of weighted tokens on its way to the host, so that the
-        loss can select them without a device sync after the forward."""
+        """Yield ((inputs, targets, weights), length, rows, extra) for this rank's `count` micro-batches of one
+        global batch; rows: with the fused LM head, the number of weighted tokens on its way to the host, so that
+        the loss can select them without a device sync after the forward; extra: the loss's keyword arguments
+        (attention mask, position ids, SFT denominator)."""
+        if self.sft:
+            yield from self._sft_micro_batches(it, noise, count)
+            return
         dp, r = self.ctx.dp_size, self.ctx.dp_rank
         for m in range(count):
             t0 = time.perf_counter()
@@ -314,7 +352,34 @@ class Trainer:
             else:
                 batch = prepare_batch(sample, (noise.t[rows], noise.u[rows]), length, self.objective)
             counted = _HostCount(batch[2]) if self.loss_chunk_tokens else None
-            yield batch, length, counted
+            extra = {}
+            if self.attention.needs_masks() or self.attention.reset_position_ids:
+                extra["attention_mask"], extra["position_ids"] = self.attention.for_batch(sample[:, :length], None)
+            yield batch, length, counted, extra
+
+    def _sft_micro_batches(self, it: Iterator[torch.Tensor], noise, count: int):
+        """Packed chat windows: all `count` micro-batches are read first, so that the loss can be divided by the
+        global batch's conversations (summed over the data-parallel ranks): the step's loss is then the mean over
+        every conversation of the global batch, however they fall into micro-batches and ranks."""
+        dp, r = self.ctx.dp_size, self.ctx.dp_rank
+        batches = []
+        for m in range(count):
+            t0 = time.perf_counter()
+            sample = next(it)
+            self.data_wait_s += time.perf_counter() - t0
+            sample = sample.to(self.device, non_blocking=True)
+            rows = slice(m * dp * self.mbs + r * self.mbs, m * dp * self.mbs + (r + 1) * self.mbs)
+            batches.append(prepare_sft_batch(sample, (noise.t[rows], noise.u[rows]), self.objective))
+        total = torch.stack([b.conversations for b in batches]).sum().float()
+        if self.ctx.distributed and dp > 1:
+            dist.all_reduce(total, group=self.ctx.dp_group)
+        denominator = (total / (count * dp)).clamp(min=1.0)
+        length = self.cfg.seq_length
+        for b in batches:
+            mask, positions = self.attention.for_batch(b.inputs, b.segment_ids)
+            counted = _HostCount(b.weights) if self.loss_chunk_tokens else None
+            yield (b.inputs, b.targets, b.weights), length, counted, {
+                "attention_mask": mask, "position_ids": positions, "denominator": denominator}
 
     def train_step(self) -> dict[str, Any]:
         model, opt = self.model, self.optimizer
@@ -329,12 +394,13 @@ class Trainer:
             enable_fp8_stats(model, True)
         set_lr(opt, lr)
         noise = self._draw_noise(self.sampler)
+        self.attention.begin_step(it, self.cfg.seq_length)
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
-        for m, ((inputs, targets, weights), length, rows) in enumerate(
+        for m, ((inputs, targets, weights), length, rows, extra) in enumerate(
                 self._micro_batches(self._train_iter, noise, self.accum)):
             with self._grad_sync(last=m == self.accum - 1), self._compile_stance(length):
-                loss = self._loss(inputs, targets, weights, rows)
+                loss = self._loss(inputs, targets, weights, rows, **extra)
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
             tokens += length * self.mbs * self.ctx.dp_size
@@ -360,8 +426,8 @@ class Trainer:
         already predicted from clean prefixes of every length that is a multiple of the block size."""
         if self.bd3lm is not None:
             return bd3lm.draw_noise(sampler, self.global_batch, self.accum, self.bd3lm, evaluation=evaluation)
-        varilen = 0.0 if evaluation else self.objective.varilen_prob
-        return sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, varilen)
+        varilen = 0.0 if evaluation or self.sft else self.objective.varilen_prob  # SFT: whole packed windows
+        return sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, varilen, per_token_t=self.sft)
 
     def _compile_stance(self, length: int) -> contextlib.AbstractContextManager:
         """Tensor-parallel compiled layers run only at the full sequence length; a cut (varilen) micro-batch runs
@@ -402,8 +468,9 @@ class Trainer:
         with self._fp8_eval_weights():  # every batch sees the same weights: cast them once
             for _ in range(self.args.eval_iters):
                 noise = self._draw_noise(sampler, evaluation=True)
-                for (inputs, targets, weights), _, rows in self._micro_batches(it, noise, self.accum):
-                    total += self._loss(inputs, targets, weights, rows)
+                self.attention.begin_step(self.args.train_iters, self.cfg.seq_length)  # the final attention
+                for (inputs, targets, weights), _, rows, extra in self._micro_batches(it, noise, self.accum):
+                    total += self._loss(inputs, targets, weights, rows, **extra)
                     n += 1
         if self.ctx.distributed:
             dist.all_reduce(total, group=self.ctx.dp_group)
@@ -444,7 +511,7 @@ class Trainer:
 
     def _save(self) -> Path:
         rank_state = {"rng": _rng_state(self.device), "mask_sampler": self.sampler.state_dict(),
-                      "data": self.loaders.train.state_dict()}
+                      "data": self.loaders.train.state_dict(), "attention": self.attention.state_dict()}
         meta = {"config": self.cfg.to_dict(), "args": vars(self.args)}
         tok_dir = getattr(self.tokenizer, "source_dir", None)
         self.finish_save()  # one checkpoint in flight at a time
@@ -501,6 +568,8 @@ class Trainer:
         if rank_state:
             _set_rng_state(rank_state["rng"], self.device)
             self.sampler.load_state_dict(rank_state["mask_sampler"])
+            if "attention" in rank_state:
+                self.attention.load_state_dict(rank_state["attention"])
         log.info("resumed from %s at iteration %d", path, self.state.iteration)
 
     # ----------------------------------------------------------------- loop

@@ -27,3 +27,30 @@ def make_corpus(tmp_path):
         return prefix
 
     return make
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def write_chat_tokenizer(folder, template: str | None = CHAT_TEMPLATE):
+    """The bundled BPE plus <|im_start|> / <|im_end|>, saved by transformers with `template` as its chat
+    template (None: no template)."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from megadlms.data.tokenizer import default_tokenizer_path
+
+    t = Tokenizer.from_file(str(default_tokenizer_path() / "tokenizer.json"))
+    t.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|endoftext|>", pad_token="<|pad|>",
+                                   mask_token="<|mask|>")
+    if template is not None:
+        fast.chat_template = template
+    fast.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer_dir(tmp_path_factory):
+    return write_chat_tokenizer(tmp_path_factory.mktemp("chat_tok"))

@@ -2,13 +2,16 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from megadlms.attention_masks import build_attention_mask, document_mask_mod, segment_positions
 from megadlms.diffusion.objective import (
     MaskSampler,
     ObjectiveConfig,
     chunked_weighted_cross_entropy,
     mask_tokens,
     prepare_batch,
+    prepare_sft_batch,
     weighted_cross_entropy,
 )
 
@@ -105,3 +108,119 @@ def test_chunked_head_loss_equals_plain():
 def test_objective_config_errors(kw, msg):
     with pytest.raises(ValueError, match=msg):
         ObjectiveConfig(**kw)
+
+
+# --------------------------------------------------------------------------- supervised fine-tuning
+
+
+
+def _window(convs, length, pad_eos=False, eod=0):
+    """Pack [(tokens, loss_mask)] into one [3, length+1] window (megadlms.data.sft's layout)."""
+    w = torch.zeros(3, length + 1, dtype=torch.long)
+    w[0] = eod
+    pos = 0
+    for s, (tok, lm) in enumerate(convs, 1):
+        n = len(tok)
+        w[0, pos:pos + n], w[1, pos:pos + n], w[2, pos:pos + n] = torch.tensor(tok), torch.tensor(lm), s
+        pos += n
+    if pad_eos:
+        w[1, pos:length], w[2, pos:length] = 1, len(convs)
+    return w
+
+
+@pytest.mark.parametrize("mode", ["difflm-noshift", "difflm-shift", "vanilla"])
+def test_sft_prompt_tokens_never_masked_nor_weighted(mode):
+    g = torch.Generator().manual_seed(0)
+    convs = [([3 + i for i in range(9)], [0] * 5 + [1] * 4), ([20 + i for i in range(6)], [0, 0, 1, 1, 1, 1])]
+    sample = torch.stack([_window(convs, 16), _window(convs[::-1], 16)])
+    t = torch.full((2, 16), 0.999)  # p ~ 1: every maskable token is masked
+    u = torch.rand(2, 16, generator=g)
+    b = prepare_sft_batch(sample, (t, u), ObjectiveConfig(mode=mode, mask_token_id=99))
+    tokens, lm = sample[:, 0, :16], sample[:, 1, :16].bool()
+    assert torch.equal(b.inputs[~lm], tokens[~lm])  # prompts and pads as they are
+    if mode != "vanilla":
+        assert torch.equal(b.inputs[lm], torch.full_like(tokens[lm], 99))
+    target_is_response = sample[:, 1, 1:].bool() if mode != "difflm-noshift" else lm
+    assert (b.weights[~target_is_response] == 0).all() and (b.weights[target_is_response] > 0).all()
+    assert int(b.conversations) == 4
+
+
+def test_sft_loss_equals_llada_formula():
+    # LLaDA GUIDELINES.md, transcribed: one conversation per row padded with EOS; the pads count as answer
+    torch.manual_seed(0)
+    eps, mask_id, vocab, length = 1e-3, 31, 32, 12
+    rows = [([5, 6, 7, 8, 9, 10, 11], 3), ([12, 13, 14, 15, 16], 2)]  # (tokens, prompt length)
+    input_ids = torch.zeros(2, length, dtype=torch.long)
+    prompt_index = torch.zeros(2, length, dtype=torch.bool)
+    for r, (tok, plen) in enumerate(rows):
+        input_ids[r, :len(tok)] = torch.tensor(tok)
+        prompt_index[r, :plen] = True
+    t, u = torch.rand(2, 1), torch.rand(2, length)
+    logits = torch.randn(2, length, vocab)
+    p_mask = ((1 - eps) * t + eps).expand(2, length)
+    noisy = torch.where(u < p_mask, mask_id, input_ids)
+    noisy[prompt_index] = input_ids[prompt_index]
+    answer_lengths = (~prompt_index).long().sum(-1, keepdim=True).repeat(1, length)
+    masked = noisy == mask_id
+    token_loss = F.cross_entropy(logits[masked], input_ids[masked], reduction="none") / p_mask[masked]
+    llada = torch.sum(token_loss / answer_lengths[masked]) / input_ids.shape[0]
+
+    sample = torch.stack([_window([(tok, [0] * plen + [1] * (len(tok) - plen))], length, pad_eos=True)
+                          for tok, plen in rows])
+    b = prepare_sft_batch(sample, (t.expand(2, length), u), ObjectiveConfig(mask_token_id=mask_id, eps=eps))
+    assert torch.equal(b.inputs, noisy)
+    ours = weighted_cross_entropy(logits, b.targets, b.weights, b.conversations)
+    torch.testing.assert_close(ours, llada, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["difflm-noshift", "difflm-shift", "vanilla"])
+def test_packing_changes_no_token_loss(mode):
+    from megadlms.config import TransformerConfig
+    from megadlms.model import TransformerLM
+
+    torch.manual_seed(0)
+    length, vocab = 16, 40
+    model = TransformerLM(TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=vocab,
+                                            seq_length=length, attn_mask_type="causal" if mode == "vanilla"
+                                            else "bidirectional")).eval()
+    cfg = ObjectiveConfig(mode=mode, mask_token_id=39, eps=0.3)
+    a = ([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 1, 1, 1, 1])
+    b = ([8, 9, 10, 11, 12, 13], [0, 0, 1, 1, 1, 1])
+    g = torch.Generator().manual_seed(1)
+    ta, tb = 0.5, 0.8
+    ua, ub = torch.rand(7, generator=g), torch.rand(6, generator=g)
+
+    def token_losses(convs, t_vals, u_vals):
+        sample = _window(convs, length)[None]
+        t = torch.zeros(1, length)
+        u = torch.ones(1, length)
+        pos = 0
+        for (tok, _), tv, uv in zip(convs, t_vals, u_vals):
+            t[0, pos], u[0, pos:pos + len(tok)] = tv, uv
+            pos += len(tok)
+        batch = prepare_sft_batch(sample, (t, u), cfg)
+        seg = batch.segment_ids
+        mask = build_attention_mask(document_mask_mod(seg, causal=mode == "vanilla"), 1, length, length, "cpu")
+        with torch.no_grad():
+            logits = model(batch.inputs, attention_mask=mask, position_ids=segment_positions(seg))
+        ce = F.cross_entropy(logits[0], batch.targets[0], reduction="none")
+        return ce * batch.weights[0], batch.conversations
+
+    packed, n = token_losses([a, b], [ta, tb], [ua, ub])
+    alone_a, _ = token_losses([a], [ta], [ua])
+    alone_b, _ = token_losses([b], [tb], [ub])
+    assert int(n) == 2 and packed.sum() > 0
+    torch.testing.assert_close(packed[:7], alone_a[:7], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[7:13], alone_b[:6], atol=1e-5, rtol=1e-5)
+
+
+def test_shifted_diffusion_predicts_the_next_token():
+    g = torch.Generator().manual_seed(0)
+    sample = torch.randint(10, 100, (3, 9), generator=g)
+    t, u = torch.full((3, 1), 0.6), torch.rand(3, 8, generator=g)
+    noisy, targets, weights = prepare_batch(sample, (t, u), None, ObjectiveConfig(mode="difflm-shift",
+                                                                                  mask_token_id=MASK))
+    assert torch.equal(targets, sample[:, 1:]) and (noisy[:, 0] == sample[:, 0]).all()  # position 0 never masked
+    masked = noisy == MASK
+    # the weight of a masked token sits on the position before it; the last position predicts nothing masked
+    assert torch.equal(weights[:, :-1] > 0, masked[:, 1:]) and (weights[:, -1] == 0).all()

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megadlms.config import TransformerConfig
+from megadlms.config import ConfigError, TransformerConfig
 from megadlms.diffusion.sampler import (
     check_sampling_args,
     generate,
@@ -270,3 +270,38 @@ def test_window_noise_is_seeded_and_differs_from_llada_stream():
     a, b, exact = (generate_tokens(model, PROMPT, generator=torch.Generator().manual_seed(0), exact_noise=e, **kw)
                    for e in (False, False, True))
     assert torch.equal(a, b) and not torch.equal(a, exact) and not (a == MASK).any()
+
+
+class _ShiftOracle(torch.nn.Module):
+    """A difflm-shift 'model' whose hidden state at position i names token (i + 1) * 3 % 31 + 1: decoding it
+    right yields exactly that sequence."""
+
+    def __init__(self):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(diffusion_shift=True, mask_token_id=0, vocab_size=32)
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids, attention_mask=None, position_ids=None, kv_cache=None, output_hidden=False):
+        pos = torch.arange(ids.shape[1]) if position_ids is None else position_ids
+        pos = pos.expand(ids.shape) if pos.dim() == 1 else pos
+        return torch.nn.functional.one_hot((pos + 1) * 3 % 31 + 1, 32).float()
+
+    def logits(self, hidden):
+        return hidden * 10.0
+
+
+def test_shift_models_decode_the_next_position():
+    from megadlms.diffusion.fast_sampler import fast_generate_tokens
+    from megadlms.diffusion.sampler import generate_tokens
+
+    model = _ShiftOracle()
+    prompt = torch.tensor([[5, 6, 7]])
+    want = [(j * 3) % 31 + 1 for j in range(3, 11)]
+    out = generate_tokens(model, prompt, mask_id=0, gen_length=8, block_length=4, steps=8)
+    assert out[0, 3:].tolist() == want
+    fast, _ = fast_generate_tokens(model, prompt, mask_id=0, gen_length=8, block_length=4, cache=None)
+    assert fast[0, 3:].tolist() == want
+    with pytest.raises(ConfigError, match="prompt"):
+        generate_tokens(model, prompt[:, :0], mask_id=0, gen_length=8)
