@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..build import build_model
 from ..config import ConfigError, TransformerConfig
 from ..diffusion.objective import (
     MaskSampler,
@@ -36,7 +37,6 @@ from ..diffusion.objective import (
 from ..distributed.data_parallel import grad_sync_context
 from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
 from ..distributed.parallelize import compute_dtype, parallelize_model
-from ..model import build_model
 from ..presets import load_model_config
 from . import checkpoint as ckpt
 from .cuda_graphs import LayerGraphs
@@ -68,8 +68,6 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
             "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
             "seq_length", "max_position_embeddings", "rotary_base", "norm_epsilon", "init_method_std",
             "qk_layernorm", "untie_embeddings_and_output_weights") if getattr(args, k) is not None}
-        if args.model_path == "tiny" and vocab_size is not None:
-            overrides["vocab_size"] = vocab_size  # the tiny preset takes the tokenizer's vocabulary
         if "seq_length" in overrides and "max_position_embeddings" not in overrides:
             overrides["max_position_embeddings"] = None  # re-derived below if the preset's is too small
     overrides["attn_mask_type"] = "bidirectional" if args.model_running_mode == "difflm-noshift" else "causal"
@@ -83,7 +81,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mas
         num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16 if args.first_last_layers_bf16 else 0,
         num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16 if args.first_last_layers_bf16 else 0)
     if base is None:
-        preset = load_model_config(args.model_path).to_dict()
+        preset = load_model_config(args.model_path, tokenizer_vocab_size=vocab_size).to_dict()
         if overrides.get("max_position_embeddings", 0) is None:
             overrides["max_position_embeddings"] = max(preset["max_position_embeddings"], overrides["seq_length"])
         cfg_dict = {**preset, **overrides}

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megadlms.build import build_model
 from megadlms.config import ConfigError, TransformerConfig
 from megadlms.fp8 import (
     DelayedScaling,
@@ -24,7 +25,7 @@ from megadlms.fp8.attention import (
     FP8AttentionUnsupportedError,
     check_fp8_attention_support,
 )
-from megadlms.model import DotProductAttention, TransformerLM, build_model
+from megadlms.model import DotProductAttention, TransformerLM
 from megadlms.training.args import parse_train_args
 
 from .helpers import rel

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from megadlms.build import build_model
 from megadlms.config import TransformerConfig
 from megadlms.fp8 import (
     DelayedScaling,
@@ -25,7 +26,7 @@ from megadlms.fp8 import (
     convert_to_fp8,
     fp8_step,
 )
-from megadlms.model import SwiGLU, TransformerLM, build_model
+from megadlms.model import SwiGLU, TransformerLM
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")

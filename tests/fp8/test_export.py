@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from megadlms.build import build_model
 from megadlms.config import TransformerConfig
 from megadlms.fp8 import Float8Linear
 from megadlms.fp8.export import Float8InferenceLinear, export_model, load_fp8_export, quantize_weight
-from megadlms.model import build_model
 
 from .helpers import ref_fake_quant, rel
 
