@@ -21,6 +21,7 @@ DEMO_CONFIG = "demo.yaml"
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--config", metavar="FILE.yaml", help="YAML file of flag values (keys = flag names)")
 
     g = p.add_argument_group("model")
@@ -184,8 +185,12 @@ def check_ranges(args: argparse.Namespace) -> None:
         raise ConfigError(f"--adam-eps {args.adam_eps} must be > 0, e.g. 1e-8")
 
 
-def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train") -> argparse.Namespace:
-    p = build_parser(prog)
+def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train",
+                     parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse the flags of `megadlms train`, with `--config FILE.yaml` (or, with no flags, the demo) as defaults.
+
+    parser: one that `add_train_arguments` has filled (default: a new one named `prog`)."""
+    p = parser if parser is not None else build_parser(prog)
     argv = list(argv or [])
     config = None
     if "--config" in argv:

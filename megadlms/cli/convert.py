@@ -18,7 +18,7 @@ import torch
 
 from ..config import ATTN_MASK_TYPES
 from ..errors import report_errors
-from .hf import (
+from ..interop.hf import (
     DEFAULT_MAX_SHARD_SIZE,
     DTYPES,
     InteropError,
@@ -32,7 +32,7 @@ from .hf import (
     save_hf_model,
     tokenizer_vocab_size,
 )
-from .verify import DEFAULT_TOLERANCE, VerifyResult, verify_against_folder
+from ..interop.verify import DEFAULT_TOLERANCE, VerifyResult, verify_against_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -187,7 +187,7 @@ def _verify_pair(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m megadlms.interop.convert ...` (the same as `megadlms convert ...`)."""
+    """`python -m megadlms.cli.convert ...` (the same as `megadlms convert ...`)."""
     parser = argparse.ArgumentParser(prog="megadlms convert", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
