@@ -9,6 +9,7 @@ import argparse
 from typing import Sequence
 
 from ..training.args import add_train_arguments, parse_train_args
+from ..training.config import RunConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,13 +17,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_train_arguments(parser)
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """The flags over `--config FILE.yaml` defaults (no flags at all: the bundled demo config)."""
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> RunConfig:
+    """The run's configuration: the flags over `--config FILE.yaml` defaults (no flags: the bundled demo)."""
     return parse_train_args(argv, parser=parser)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(config: RunConfig) -> int:
     from ..training.trainer import train
 
-    train(args)
+    train(config)
     return 0

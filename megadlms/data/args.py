@@ -1,9 +1,13 @@
-"""Training-data command-line flags (Megatron-LM names) and their mapping to `DataConfig`."""
+"""Training-data command-line flags (Megatron-LM names), `DataSourceConfig` (their dests as fields) and its
+mapping to the loader's `DataConfig`."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Any
 
+from ..config import ConfigError
 from .loader import DEFAULT_SPLIT, DataConfig
 from .tokenizer import SUPPORTED_TOKENIZER_TYPES
 
@@ -31,9 +35,34 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank")
 
 
-def data_config_from_args(args: argparse.Namespace, *, seq_length: int, micro_batch_size: int, seed: int,
+@dataclass
+class DataSourceConfig:
+    """Where a run's tokens come from: dataset prefixes and split, tokenizer, index cache, loader workers.
+    No data path: the bundled demo corpus."""
+
+    data_path: list[str] | None = None  # prefixes, or "w1 prefix1 w2 prefix2 ..." tokens
+    split: str = DEFAULT_SPLIT
+    train_data_path: list[str] | None = None
+    valid_data_path: list[str] | None = None
+    test_data_path: list[str] | None = None
+    data_cache_path: str | None = None
+    tokenizer_type: str = "HuggingFaceTokenizer"
+    tokenizer_model: str | None = None  # None: the bundled 4096-token BPE
+    num_workers: int = 2
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError(f"--num-workers {self.num_workers} must be >= 0")
+
+    def loader_config(self, *, seq_length: int, micro_batch_size: int, seed: int, train_samples: int,
+                      eval_samples: int) -> DataConfig:
+        return data_config_from_args(self, seq_length=seq_length, micro_batch_size=micro_batch_size, seed=seed,
+                                     train_samples=train_samples, eval_samples=eval_samples)
+
+
+def data_config_from_args(args: argparse.Namespace | Any, *, seq_length: int, micro_batch_size: int, seed: int,
                           train_samples: int, eval_samples: int) -> DataConfig:
-    """The DataConfig for parsed flags; sizes and seed come from the trainer's own arguments."""
+    """The DataConfig for parsed flags (or a DataSourceConfig); sizes and seed come from the trainer's settings."""
     return DataConfig(data_path=args.data_path or None, split=args.split,
                       train_data_path=args.train_data_path or None, valid_data_path=args.valid_data_path or None,
                       test_data_path=args.test_data_path or None, data_cache_path=args.data_cache_path,

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
+from megadlms.distributed.config import ParallelConfig
 from megadlms.distributed.data_parallel import grad_sync_context, resolve_strategy
 from megadlms.training.args import parse_train_args
 
 
-def args(*flags: str) -> argparse.Namespace:
-    return parse_train_args(["--device", "cpu", *flags])
+def args(*flags: str) -> ParallelConfig:
+    return parse_train_args(["--device", "cpu", *flags]).parallel
 
 
 @pytest.mark.parametrize("flags, strategy", [
