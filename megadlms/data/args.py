@@ -4,8 +4,8 @@ mapping to the loader's `DataConfig`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from ..config import ConfigError
 from .loader import DEFAULT_SPLIT, DataConfig
@@ -56,15 +56,15 @@ class DataSourceConfig:
 
     def loader_config(self, *, seq_length: int, micro_batch_size: int, seed: int, train_samples: int,
                       eval_samples: int) -> DataConfig:
-        return data_config_from_args(self, seq_length=seq_length, micro_batch_size=micro_batch_size, seed=seed,
-                                     train_samples=train_samples, eval_samples=eval_samples)
+        """The loaders' DataConfig; sizes and seed come from the run's model and training settings."""
+        return DataConfig(data_path=self.data_path or None, split=self.split,
+                          train_data_path=self.train_data_path or None, valid_data_path=self.valid_data_path or None,
+                          test_data_path=self.test_data_path or None, data_cache_path=self.data_cache_path,
+                          seq_length=seq_length, micro_batch_size=micro_batch_size, seed=seed,
+                          num_workers=self.num_workers, train_samples=train_samples, eval_samples=eval_samples)
 
 
-def data_config_from_args(args: argparse.Namespace | Any, *, seq_length: int, micro_batch_size: int, seed: int,
-                          train_samples: int, eval_samples: int) -> DataConfig:
-    """The DataConfig for parsed flags (or a DataSourceConfig); sizes and seed come from the trainer's settings."""
-    return DataConfig(data_path=args.data_path or None, split=args.split,
-                      train_data_path=args.train_data_path or None, valid_data_path=args.valid_data_path or None,
-                      test_data_path=args.test_data_path or None, data_cache_path=args.data_cache_path,
-                      seq_length=seq_length, micro_batch_size=micro_batch_size, seed=seed,
-                      num_workers=args.num_workers, train_samples=train_samples, eval_samples=eval_samples)
+def data_config_from_args(args: argparse.Namespace, **sizes: int) -> DataConfig:
+    """The DataConfig for flags parsed by `add_data_arguments`; `sizes`: as `DataSourceConfig.loader_config`'s."""
+    source = DataSourceConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DataSourceConfig)})
+    return source.loader_config(**sizes)

@@ -10,6 +10,7 @@ flag needs a field of the same name in one section, nothing else. Each section v
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -230,10 +231,8 @@ class RunConfig:
     @classmethod
     def sections(cls) -> dict[str, type]:
         """Section name -> its dataclass."""
-        hints = {"model": ModelConfig, "objective": DiffusionConfig, "train": TrainConfig, "fp8": FP8Config,
-                 "checkpoint": CheckpointConfig, "parallel": ParallelConfig, "data": DataSourceConfig}
-        assert set(hints) == {f.name for f in dataclasses.fields(cls)}, "a RunConfig section is missing above"
-        return hints
+        hints = typing.get_type_hints(cls)
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
     @classmethod
     def section_of(cls) -> dict[str, str]:
