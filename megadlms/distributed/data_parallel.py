@@ -28,14 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .config import ParallelConfig
-
 FSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
-
-
-def resolve_strategy(parallel: ParallelConfig) -> str:
-    """The sharding strategy of a ParallelConfig (--use-distributed-optimizer turns no_shard into optim)."""
-    return parallel.sharding_strategy
 
 
 def mixed_precision_policy(param_dtype: torch.dtype | None):
