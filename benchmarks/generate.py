@@ -32,11 +32,11 @@ import time
 
 import torch
 
+from megadlms.build import build_model
 from megadlms.diffusion.fast_sampler import fast_generate_tokens
 from megadlms.diffusion.sampler import generate_tokens
 from megadlms.distributed.parallelize import apply_compile
 from megadlms.generate.fuse import fuse_projections
-from megadlms.model import build_model
 from megadlms.presets import preset_config
 from megadlms.training.checkpoint import load_model_from_checkpoint
 

@@ -195,7 +195,7 @@ def worker(spec: dict) -> None:
            "setup_s": setup_s, "warmup_s": warmup_s, "gpu_step_ms": gpu_step_ms, "host_step_ms": host_ms,
            "gc_ms": gc_ms[0], "data_wait_ms": trainer.data_wait_s * 1e3,
            "params_m": sum(p.numel() for p in trainer.model.parameters()) / 1e6,
-           "loss_chunk_tokens": trainer.loss_chunk_tokens, "compile": bool(trainer.args.compile),
+           "loss_chunk_tokens": trainer.loss_chunk_tokens, "compile": trainer.compiled,
            "fp8": f"{trainer.cfg.fp8_format}/{trainer.cfg.fp8_recipe}" if trainer.cfg.fp8 else "off",
            "cuda_graphs": trainer.layer_graphs is not None and trainer.layer_graphs.num_replays > 0}
     if cuda:

@@ -173,3 +173,23 @@ def _positive(name: str, value: int) -> None:
 def _choice(name: str, value: str, choices: tuple[str, ...], hint: str = "") -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not one of {list(choices)} {hint}".rstrip())
+
+
+def flag_name(field_name: str) -> str:
+    """The command-line spelling of a run-config field: fields are named after their flags' dests."""
+    return "--" + field_name.replace("_", "-")
+
+
+def check_at_least(obj: Any, lows: dict[str, int | float]) -> None:
+    """ConfigError naming the flag, the value and the bound for the first field of `obj` below its bound
+    (None is "unset" and passes; `not >=` also catches nan)."""
+    for name, low in lows.items():
+        value = getattr(obj, name)
+        if value is not None and not value >= low:
+            raise ConfigError(f"{flag_name(name)} {value} must be >= {low}")
+
+
+def check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        raise ConfigError(f"{flag_name(name)} {value!r} is not one of {list(choices)}")

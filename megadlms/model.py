@@ -316,24 +316,3 @@ class TransformerLM(nn.Module):
             mask = mask & (torch.arange(t, device=mask.device)[None, :] <= q_pos)
         # A query row with no key to attend (a pad query) would give NaN: let it see itself/anything.
         return mask | ~mask.any(dim=-1, keepdim=True)
-
-
-def build_model(cfg: TransformerConfig, device: torch.device | str | None = None) -> TransformerLM:
-    """Build the model for `cfg` (on `device`), converted to FP8 when `cfg.fp8` is set.
-
-    FP8 is a transformation applied after construction (`megadlms.fp8.convert_to_fp8`); the
-    converted model enters FP8 autocast around its transformer layers in its own forward.
-    """
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        model = TransformerLM(cfg)
-    if cfg.fp8:
-        from .fp8 import convert_to_fp8, recipe_from_config
-
-        model = convert_to_fp8(model, recipe_from_config(cfg),
-                               num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
-                               num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16,
-                               activation_func_fp8_input_store=cfg.activation_func_fp8_input_store,
-                               fp8_wgrad=cfg.fp8_wgrad, fuse_projections=cfg.fp8_fuse_projections,
-                               fuse_mlp=cfg.fp8_fuse_mlp, fprop_fast_accum=cfg.fp8_fprop_fast_accum,
-                               dot_product_attention=cfg.fp8_dot_product_attention)
-    return model

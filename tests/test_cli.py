@@ -41,7 +41,8 @@ def test_out_of_range_flags_are_named(flags, message):
 def test_zero_means_never_for_intervals_and_counts():
     args = parse_train_args(["--eval-interval", "0", "--save-interval", "0", "--exit-interval", "0", "--eval-iters",
                              "0", "--loss-chunk-tokens", "0", "--weight-decay", "0", "--clip-grad", "0", "--seed", "0"])
-    assert args.eval_interval == args.save_interval == args.exit_interval == args.loss_chunk_tokens == 0
+    t = args.train
+    assert t.eval_interval == args.checkpoint.save_interval == t.exit_interval == t.loss_chunk_tokens == 0
 
 
 def test_every_error_class_keeps_its_builtin_base():

@@ -1,9 +1,13 @@
-"""Training-data command-line flags (Megatron-LM names) and their mapping to `DataConfig`."""
+"""Training-data command-line flags (Megatron-LM names), `DataSourceConfig` (their dests as fields) and its
+mapping to the loader's `DataConfig`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from dataclasses import dataclass
 
+from ..config import ConfigError
 from .loader import DEFAULT_SPLIT, DataConfig
 from .tokenizer import SUPPORTED_TOKENIZER_TYPES
 
@@ -46,12 +50,44 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
                    help="positions restart at 0 at each document / conversation (default: on with --sft)")
 
 
-def data_config_from_args(args: argparse.Namespace, *, seq_length: int, micro_batch_size: int, seed: int,
-                          train_samples: int, eval_samples: int) -> DataConfig:
-    """The DataConfig for parsed flags; sizes and seed come from the trainer's own arguments."""
-    return DataConfig(data_path=args.data_path or None, split=args.split,
-                      train_data_path=args.train_data_path or None, valid_data_path=args.valid_data_path or None,
-                      test_data_path=args.test_data_path or None, data_cache_path=args.data_cache_path,
-                      seq_length=seq_length, micro_batch_size=micro_batch_size, seed=seed,
-                      num_workers=args.num_workers, train_samples=train_samples, eval_samples=eval_samples,
-                      sft=args.sft, sft_pad=args.sft_pad, truncate=args.truncate)
+@dataclass
+class DataSourceConfig:
+    """Where a run's tokens come from: dataset prefixes and split, tokenizer, index cache, loader workers.
+    No data path: the bundled demo corpus."""
+
+    data_path: list[str] | None = None  # prefixes, or "w1 prefix1 w2 prefix2 ..." tokens
+    split: str = DEFAULT_SPLIT
+    train_data_path: list[str] | None = None
+    valid_data_path: list[str] | None = None
+    test_data_path: list[str] | None = None
+    data_cache_path: str | None = None
+    tokenizer_type: str = "HuggingFaceTokenizer"
+    tokenizer_model: str | None = None  # None: the bundled 4096-token BPE
+    num_workers: int = 2
+    sft: bool = False  # packed chat data (`megadlms preprocess --chat`), loss on assistant tokens
+    sft_pad: str = "eos"  # a window's tail: "eos" (trained on) | "ignore" (no loss, not attended)
+    truncate: bool = False  # cut conversations longer than seq_length instead of an error
+    reset_attention_mask: bool | None = None  # document-level attention; None: on with sft
+    reset_position_ids: bool | None = None  # positions restart per document; None: on with sft
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError(f"--num-workers {self.num_workers} must be >= 0")
+        if self.sft_pad not in ("eos", "ignore"):
+            raise ConfigError(f"--sft-pad {self.sft_pad!r} must be eos or ignore")
+
+    def loader_config(self, *, seq_length: int, micro_batch_size: int, seed: int, train_samples: int,
+                      eval_samples: int) -> DataConfig:
+        """The loaders' DataConfig; sizes and seed come from the run's model and training settings."""
+        return DataConfig(data_path=self.data_path or None, split=self.split,
+                          train_data_path=self.train_data_path or None, valid_data_path=self.valid_data_path or None,
+                          test_data_path=self.test_data_path or None, data_cache_path=self.data_cache_path,
+                          seq_length=seq_length, micro_batch_size=micro_batch_size, seed=seed,
+                          num_workers=self.num_workers, train_samples=train_samples, eval_samples=eval_samples,
+                          sft=self.sft, sft_pad=self.sft_pad, truncate=self.truncate)
+
+
+def data_config_from_args(args: argparse.Namespace, **sizes: int) -> DataConfig:
+    """The DataConfig for flags parsed by `add_data_arguments`; `sizes`: as `DataSourceConfig.loader_config`'s."""
+    source = DataSourceConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DataSourceConfig)})
+    return source.loader_config(**sizes)

@@ -1,10 +1,10 @@
-"""Parallelism flags (Megatron-LM names)."""
+"""Parallelism flags (Megatron-LM names); their dests are the fields of `ParallelConfig`."""
 
 from __future__ import annotations
 
 import argparse
 
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+from .config import BACKENDS, SHARDING_STRATEGIES
 
 
 def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,5 +30,5 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background; each one is committed (renamed into place, "
                         "latest pointer updated) at the next save or at the end of training")
-    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+    g.add_argument("--distributed-backend", choices=BACKENDS, default=None,
                    help="default: nccl on GPUs, gloo on CPU")

@@ -21,7 +21,6 @@ names, so a checkpoint of one strategy / world size loads into any other.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from typing import Iterator
 
@@ -29,24 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config import ConfigError
-from .args import SHARDING_STRATEGIES
-
 FSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
-
-
-def resolve_strategy(args: argparse.Namespace) -> str:
-    """The sharding strategy of the flags: --use-distributed-optimizer turns no_shard into optim (Megatron)."""
-    strategy = args.data_parallel_sharding_strategy
-    if strategy not in SHARDING_STRATEGIES:
-        raise ConfigError(f"--data-parallel-sharding-strategy {strategy!r} is not one of {list(SHARDING_STRATEGIES)}")
-    if getattr(args, "use_distributed_optimizer", False) and strategy == "no_shard":
-        strategy = "optim"
-    if getattr(args, "overlap_param_gather", False) and strategy == "no_shard":
-        raise ConfigError("--overlap-param-gather overlaps the all-gather of sharded parameters, and "
-                         "--data-parallel-sharding-strategy no_shard has none; add --use-distributed-optimizer or "
-                         "pick optim, optim_grads or optim_grads_params")
-    return strategy
 
 
 def mixed_precision_policy(param_dtype: torch.dtype | None):

@@ -1,19 +1,24 @@
-"""Transformations applied to a built model, in a fixed order:
-tensor parallel -> activation checkpointing -> torch.compile -> FSDP2 / DDP.
+"""The model-transformation pipeline, in one fixed order (`build_parallel_model`):
 
-(FP8 conversion comes first of all, in `build_model`.) Each step is a function of its own.
+    construct (plain single-device model) -> FP8 conversion -> tensor parallel -> activation checkpointing
+    -> torch.compile -> FSDP2 / DDP
+
+Each step is a function of its own. (The trainer captures the layers in CUDA graphs afterwards, once its
+optimizer exists: `megadlms.training.cuda_graphs`.)
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .data_parallel import apply_ddp, apply_fsdp, resolve_strategy
+from ..build import apply_fp8, construct_model
+from ..config import TransformerConfig
+from .config import ParallelConfig
+from .data_parallel import apply_ddp, apply_fsdp
 from .init import ParallelContext
 from .tensor_parallel import apply_tensor_parallel
 
@@ -29,7 +34,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     from torch.distributed._composable import checkpoint
 
     kwargs = {}
-    if getattr(model.config, "fp8", False):
+    if model.config.fp8:
         from ..fp8 import fp8_checkpoint_context_fn
 
         kwargs["context_fn"] = fp8_checkpoint_context_fn
@@ -42,15 +47,6 @@ def apply_compile(model: nn.Module) -> None:
     compilation is reused; the FP8 autocast context around the layers stays in eager Python)."""
     for layer in model.layers:
         layer.compile()
-
-
-def compute_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype | None:
-    """The dtype the trainer computes in: bf16 (default on GPU, --bf16 on CPU) or None (--fp32: fp32)."""
-    if getattr(args, "fp32", False):
-        return None
-    if getattr(args, "bf16", None) or device.type == "cuda":
-        return torch.bfloat16
-    return None
 
 
 def _meshes(ctx: ParallelContext, strategy: str) -> tuple[DeviceMesh | None, DeviceMesh | None]:
@@ -66,30 +62,42 @@ def _meshes(ctx: ParallelContext, strategy: str) -> tuple[DeviceMesh | None, Dev
     return ctx.mesh["tp"], ctx.mesh["dp"]
 
 
-def parallelize_model(model: nn.Module, ctx: ParallelContext, args: argparse.Namespace) -> nn.Module:
-    """Apply tensor parallelism, activation checkpointing, compile and data parallelism from the flags.
+def build_parallel_model(cfg: TransformerConfig, ctx: ParallelContext, parallel: ParallelConfig, *,
+                         activation_checkpointing: bool = False, compile: bool = False,
+                         param_dtype: torch.dtype | None = None) -> nn.Module:
+    """The whole pipeline: the model of `cfg` on `ctx.device`, in FP8 when `cfg.fp8`, then parallelized."""
+    model = construct_model(cfg, device=ctx.device)
+    model = apply_fp8(model, cfg)
+    return parallelize_model(model, ctx, parallel, activation_checkpointing=activation_checkpointing,
+                             compile=compile, param_dtype=param_dtype)
 
+
+def parallelize_model(model: nn.Module, ctx: ParallelContext, parallel: ParallelConfig, *,
+                      activation_checkpointing: bool = False, compile: bool = False,
+                      param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Apply tensor parallelism, activation checkpointing, compile and data parallelism to a (converted) model.
+
+    param_dtype: FSDP2's compute dtype (the autocast dtype; None keeps the parameters' own).
     Returns the model to train (a DDP wrapper for no_shard without TP, else `model` itself) and records
     the strategy in ctx.dp_strategy / ctx.sequence_parallel for the trainer.
     """
-    strategy = resolve_strategy(args)
-    sequence_parallel = bool(getattr(args, "sequence_parallel", False)) and ctx.tp_size > 1
+    strategy = parallel.sharding_strategy
+    sequence_parallel = parallel.sequence_parallel and ctx.tp_size > 1
     tp_mesh, dp_mesh = _meshes(ctx, strategy)
     if ctx.tp_size > 1:
         apply_tensor_parallel(model, tp_mesh, sequence_parallel)
-    if getattr(args, "recompute_granularity", None) == "full":
+    if activation_checkpointing:
         apply_activation_checkpointing(model)
-    if args.compile:
+    if compile:
         apply_compile(model)
     ctx.sequence_parallel = sequence_parallel
     ctx.dp_strategy = strategy if ctx.dp_size > 1 else "none"
     if ctx.dp_size > 1 and strategy == "no_shard" and ctx.tp_size == 1:
         model = apply_ddp(model, ctx.dp_group, ctx.device)
     elif ctx.dp_size > 1:
-        apply_fsdp(model, dp_mesh, reshard_after_forward=strategy == "optim_grads_params",
-                   param_dtype=compute_dtype(args, ctx.device),
-                   prefetch=bool(getattr(args, "overlap_param_gather", False)))
-        if strategy in ("optim_grads", "optim_grads_params") and getattr(model.config, "fp8", False):
+        apply_fsdp(model, dp_mesh, reshard_after_forward=strategy == "optim_grads_params", param_dtype=param_dtype,
+                   prefetch=parallel.overlap_param_gather)
+        if strategy in ("optim_grads", "optim_grads_params") and model.config.fp8:
             # these strategies free gathered weights between micro-batches; an FP8 weight cache would keep them
             from ..fp8 import fp8_modules
 

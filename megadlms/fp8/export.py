@@ -1,23 +1,22 @@
-"""`megadlms export`: inference weights as safetensors, optionally with FP8 linear weights.
+"""Inference export: weights as safetensors, optionally with FP8 linear weights (`megadlms export` writes one).
 
 Layout of an export folder:
     model.safetensors   tensors named as in `TransformerLM.state_dict()` (no "model." prefix)
     config.json         the TransformerConfig as a dict (`TransformerConfig.from_dict`)
     tokenizer files     copied from the checkpoint's tokenizer folder, when it has one
 
-With --fp8, each FP8 linear (the Float8Linear layers of an FP8 model; for a BF16 model the
+With fp8=True (--fp8), each FP8 linear (the Float8Linear layers of an FP8 model; for a BF16 model the
 linears `convert_to_fp8` would convert) is stored as
     <name>.weight            float8_e4m3fn [out, in]
-    <name>.weight_scale_inv  float32 [1] (--fp8-scaling tensor) or [out, 1] (row): the dequantization
+    <name>.weight_scale_inv  float32 [1] (scaling "tensor") or [out, 1] ("row"): the dequantization
                              factor, weight ~= weight.float() * weight_scale_inv
-and every other tensor (embedding, norms, LM head, biases, BF16 layers) in bfloat16; without --fp8
+and every other tensor (embedding, norms, LM head, biases, BF16 layers) in bfloat16; without fp8
 everything is bfloat16. The safetensors header metadata records "megadlms.fp8" ("tensor", "row" or
 "none"). `load_fp8_export` builds a model that runs those FP8 weights directly in `torch._scaled_mm`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -42,15 +41,6 @@ SCALINGS = ("tensor", "row")
 
 class ExportFolderError(MegaDLMsError, FileNotFoundError):
     """A folder given as an export is not one; the message says what it lacks and how to write one."""
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--load", required=True, help="a MegaDLMs checkpoint (a --save folder or one iter_* folder)")
-    parser.add_argument("--save", required=True, help="output folder")
-    parser.add_argument("--fp8", action="store_true", help="store the FP8 linears' weights as float8_e4m3fn + scales")
-    parser.add_argument("--fp8-scaling", choices=SCALINGS, default="tensor",
-                        help="one scale per weight tensor (default) or per output channel")
-    parser.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default: the latest)")
 
 
 def fp8_linear_names(model: nn.Module) -> list[str]:
@@ -104,23 +94,6 @@ def export_model(model: TransformerLM, cfg: TransformerConfig, save_dir: str | P
                 shutil.copy2(f, save_dir / f.name)
     return {"path": str(path), "bytes": path.stat().st_size, "bf16_bytes": bf16_bytes,
             "fp8_tensors": len(fp8_names)}
-
-
-def run(args: argparse.Namespace) -> int:
-    from ..training.checkpoint import load_model_from_checkpoint
-
-    model, cfg, meta = load_model_from_checkpoint(args.load, device="cpu", iteration=args.ckpt_step)
-    info = export_model(model, cfg, args.save, fp8=args.fp8, scaling=args.fp8_scaling,
-                        tokenizer_dir=meta.get("tokenizer_dir"))
-    mib = 1024 ** 2
-    kind = f"FP8 E4M3 linears ({info['fp8_tensors']}, per-{args.fp8_scaling} scales), BF16 rest" if args.fp8 \
-        else "BF16"
-    print(f"wrote {info['path']}: {info['bytes'] / mib:.1f} MiB ({kind})")
-    print(f"a BF16 export: {info['bf16_bytes'] / mib:.1f} MiB; this export is "
-          f"{info['bytes'] / info['bf16_bytes']:.2f}x of it")
-    note = "" if meta.get("tokenizer_dir") else " (the checkpoint has no tokenizer)"
-    print(f"config: {Path(args.save) / CONFIG}{note}")
-    return 0
 
 
 class Float8InferenceLinear(nn.Module):

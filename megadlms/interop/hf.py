@@ -19,25 +19,22 @@ import shutil
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..config import ConfigError, TransformerConfig
-from ..errors import MegaDLMsError
+from ..config import TransformerConfig
 from ..model import RotaryEmbedding, TransformerLM
-from ..presets import config_from_hf
-
-# HF class -> our family name; the family decides the config fields and the bias layout.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
-_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
-# transformers' class defaults for fields that a config.json may leave out
-_FAMILY_DEFAULTS = {"qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
-                    "qwen2": {"max_position_embeddings": 32768},
-                    "llama": {"max_position_embeddings": 2048}}
+from ..presets import (  # noqa: F401  (the config translation, re-exported: part of this module's API)
+    SUPPORTED_ARCHITECTURES,
+    InteropError,
+    hf_architecture,
+    hf_config_to_megadlms,
+    hf_family,
+    megadlms_config_to_hf,
+    read_hf_config,
+)
 
 # Files a transformers tokenizer is made of (whichever the folder has are copied).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -51,159 +48,6 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _DERIVED_KEYS = ("rotary_emb.inv_freq",)  # buffers older checkpoints stored; recomputed from the config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class InteropError(MegaDLMsError, ValueError):
-    """A Hugging Face checkpoint and the architecture disagree; the message names the tensor/field and the fix."""
-
-
-# --------------------------------------------------------------------------------------------- config
-
-
-def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The config.json of a Hugging Face model folder (or the file itself) as a dict."""
-    p = Path(path)
-    f = p / "config.json" if p.is_dir() else p
-    if not f.is_file():
-        raise InteropError(f"no config.json in {str(p)!r}; pass a local Hugging Face model folder (hub names "
-                           "are not fetched: download it first, e.g. `hf download NAME --local-dir DIR`)")
-    try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise InteropError(f"{f} is not valid JSON: {e}") from e
-
-
-def hf_family(hf: Mapping[str, Any]) -> str:
-    """'qwen3' | 'qwen2' | 'llama' for a supported config dict; InteropError otherwise."""
-    archs = hf.get("architectures") or []
-    if archs:
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise InteropError(f"unsupported Hugging Face architecture {arch!r} (config.json 'architectures'); "
-                               f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        return SUPPORTED_ARCHITECTURES[arch]
-    model_type = hf.get("model_type")
-    if model_type not in _MODEL_TYPES:
-        raise InteropError(f"unsupported Hugging Face model_type {model_type!r} and no 'architectures' in "
-                           f"config.json; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    return model_type
-
-
-def _check_supported_features(hf: Mapping[str, Any], family: str) -> None:
-    """Refuse config features the stock families allow but our model does not implement."""
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise InteropError(f"hidden_act={act!r} is not supported; the MLP is SwiGLU (hidden_act 'silu')")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else rope
-    if rope_type not in (None, "default"):
-        raise InteropError(f"RoPE scaling {rope_type!r} (config.json rope_parameters/rope_scaling) is not "
-                           "supported; only plain RoPE ('default') is implemented")
-    prf = (rope.get("partial_rotary_factor") if isinstance(rope, Mapping) else None) or hf.get("partial_rotary_factor")
-    if prf not in (None, 1, 1.0):
-        raise InteropError(f"partial_rotary_factor={prf} is not supported; RoPE covers the whole head (1.0)")
-    if family in ("qwen3", "llama") and hf.get("attention_bias", False):
-        raise InteropError(f"attention_bias=true in a {family} config puts a bias on o_proj too, which is not "
-                           "supported (only q/k/v biases, as Qwen2 has)")
-    if hf.get("mlp_bias", False):
-        raise InteropError("mlp_bias=true is not supported; the MLP projections have no bias")
-    if family in ("qwen3", "qwen2") and hf.get("use_sliding_window", False):
-        layer_types = hf.get("layer_types")
-        n = hf["num_hidden_layers"]
-        sliding = ("sliding_attention" in layer_types) if layer_types else n > hf.get("max_window_layers", n)
-        if sliding:
-            raise InteropError("use_sliding_window=true with sliding-window layers is not supported; every layer "
-                               "attends to the full sequence (set use_sliding_window false if it was never used)")
-
-
-def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None = None,
-                          mask_token_id: int | None = None) -> TransformerConfig:
-    """A TransformerConfig for a Qwen3 / Qwen2 / Llama config.json dict.
-
-    attn_mask_type: None -> the config's own record (`attn_mask_type`, or `is_causal: false`), else causal.
-    The original bos/eos/pad ids and architecture are kept in `cfg.extra` for a faithful export.
-    """
-    family = hf_family(hf)
-    _check_supported_features(hf, family)
-    defaults = _FAMILY_DEFAULTS[family]
-    if attn_mask_type is None:
-        attn_mask_type = hf.get("attn_mask_type") or ("bidirectional" if hf.get("is_causal") is False else "causal")
-    heads = hf["num_attention_heads"]
-    max_pos = hf.get("max_position_embeddings") or defaults["max_position_embeddings"]
-    extra = {"hf_architecture": _MODEL_TYPES[family],
-             "hf_token_ids": {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}}
-    overrides: dict[str, Any] = dict(
-        kv_channels=hf.get("head_dim") or defaults.get("head_dim") or hf["hidden_size"] // heads,
-        max_position_embeddings=max_pos, seq_length=min(4096, max_pos),
-        attn_mask_type=attn_mask_type, extra=extra)
-    if mask_token_id is not None:
-        overrides["mask_token_id"] = mask_token_id
-    block = hf.get("block_size") if hf.get("model_running_mode") == "bd3lm" else None
-    if block:  # a block-diffusion export; its windows hold whole blocks
-        overrides.update(block_size=block, seq_length=min(4096, max_pos) // block * block)
-    if hf.get("model_running_mode") == "difflm-shift":  # written by our export: keep the logits' alignment
-        overrides["diffusion_shift"] = True
-    try:
-        return config_from_hf(dict(hf), **overrides)
-    except ConfigError as e:
-        raise InteropError(f"config.json does not give a valid model: {e}") from e
-
-
-def hf_architecture(cfg: TransformerConfig) -> str:
-    """The stock transformers class that computes exactly what `cfg` does."""
-    if cfg.qk_layernorm and cfg.add_qkv_bias:
-        raise InteropError("qk_layernorm=True together with add_qkv_bias=True has no stock transformers "
-                           "architecture (Qwen3 has QK norm without biases, Qwen2 biases without QK norm)")
-    if cfg.qk_layernorm:
-        return "Qwen3ForCausalLM"
-    return "Qwen2ForCausalLM" if cfg.add_qkv_bias else "LlamaForCausalLM"
-
-
-def megadlms_config_to_hf(cfg: TransformerConfig, *, dtype: torch.dtype = torch.float32,
-                          token_ids: Mapping[str, int | None] | None = None) -> dict[str, Any]:
-    """The config.json dict of the stock architecture for `cfg` (plus `mask_token_id`, `attn_mask_type`, and for a
-    block-diffusion model `model_running_mode: bd3lm` and `block_size`).
-
-    A bidirectional model also gets `is_causal: false`, which transformers >= 5 honours when building
-    the attention mask, so `AutoModelForCausalLM.from_pretrained` runs it bidirectionally as saved.
-    Token ids: those recorded at import (`cfg.extra['hf_token_ids']`, e.g. Llama 3's list of eos ids)
-    win; `token_ids` (bos/eos/pad resolved from the tokenizer) fill the ones not recorded.
-    """
-    arch = hf_architecture(cfg)
-    family = SUPPORTED_ARCHITECTURES[arch]
-    ids = {k: v for k, v in (token_ids or {}).items() if v is not None}
-    ids.update({k: v for k, v in ((cfg.extra or {}).get("hf_token_ids") or {}).items() if v is not None})
-    n = cfg.num_layers
-    hf: dict[str, Any] = {
-        "architectures": [arch], "model_type": family,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-        "num_hidden_layers": n, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.kv_channels, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings, "initializer_range": cfg.init_method_std,
-        "rms_norm_eps": cfg.norm_epsilon, "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
-        # rope_parameters for transformers 5, rope_theta for 4.x readers
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
-        "rope_theta": float(cfg.rotary_base),
-        "attention_dropout": 0.0, "use_cache": True,
-        "bos_token_id": ids.get("bos_token_id"), "eos_token_id": ids.get("eos_token_id"),
-        "pad_token_id": ids.get("pad_token_id"),
-        "dtype": str(dtype).removeprefix("torch."),
-        "mask_token_id": cfg.mask_token_id, "attn_mask_type": cfg.attn_mask_type,
-        "model_running_mode": "vanilla" if cfg.causal else ("difflm-shift" if cfg.diffusion_shift
-                                                            else "difflm-noshift"),
-    }
-    if cfg.attn_mask_type == "bidirectional":
-        hf["is_causal"] = False
-    if cfg.block_size is not None:  # block diffusion: its sampler needs the block size
-        hf.update(model_running_mode="bd3lm", block_size=cfg.block_size)
-    if family in ("qwen3", "qwen2"):
-        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=n,
-                  layer_types=["full_attention"] * n)
-    if family in ("qwen3", "llama"):
-        hf["attention_bias"] = False
-    if family == "llama":
-        hf.update(mlp_bias=False, pretraining_tp=1)
-    return hf
 
 
 # --------------------------------------------------------------------------------------- state dicts

@@ -1,8 +1,9 @@
 """Command-line flags of `megadlms train` / `pretrain_difflm.py`, with Megatron-LM names.
 
-A thin skin: flags build the same config objects the Python API takes; no logic hides here.
-`--config FILE.yaml` supplies defaults (keys = flag names, dashes or underscores); flags given on
-the command line win. With no flags at all the bundled demo config is used.
+A thin skin: the flags build the `RunConfig` the Python API takes (each flag's dest is the name of a field
+in one of its sections, `megadlms.training.config`); no logic hides here. `--config FILE.yaml` supplies
+defaults (keys = flag names, dashes or underscores); flags given on the command line win. With no flags
+at all the bundled demo config is used.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import yaml
 
 from ..config import FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, ConfigError
 from ..diffusion.objective import PMASK_MODES, RUNNING_MODES
+from .config import RunConfig
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
 
 DEMO_CONFIG = "demo.yaml"
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--config", metavar="FILE.yaml", help="YAML file of flag values (keys = flag names)")
 
     g = p.add_argument_group("model")
@@ -207,6 +210,10 @@ def _check_yaml_value(path: str, key: Any, value: Any, action: argparse.Action) 
     """A YAML value of the flag's type (strings are converted by argparse as on the command line)."""
     if value is None or isinstance(value, str):
         return
+    if isinstance(value, list) and action.nargs in ("+", "*"):  # a list flag (--data-path A B): each item checked
+        for item in value:
+            _check_yaml_value(path, key, item, action)
+        return
     typ = action.type
     bad = isinstance(value, (list, dict)) or (typ in (int, float) and (isinstance(value, bool) or not isinstance(
         value, (int, float)))) or (typ is int and isinstance(value, float) and not value.is_integer())
@@ -217,34 +224,21 @@ def _check_yaml_value(path: str, key: Any, value: Any, action: argparse.Action) 
         raise ConfigError(f"--config {path}: {key}: {value!r} is not one of {list(action.choices)}")
 
 
-# the smallest value each numeric flag takes (0 for an interval or count means "never" / "none")
-AT_LEAST = {"train_iters": 1, "micro_batch_size": 1, "global_batch_size": 1, "log_interval": 1, "lr_decay_iters": 1,
-            "lr_warmup_iters": 0, "lr_wsd_decay_iters": 0, "eval_interval": 0, "eval_iters": 0, "save_interval": 0,
-            "exit_interval": 0, "ckpt_step": 0, "exit_duration_in_mins": 0.0, "max_skipped_steps": 0,
-            "ckpt_keep_last": 1, "ckpt_save_failures_ok": 0, "loss_chunk_tokens": 0, "num_workers": 0, "seed": 0,
-            "mask_token": 0, "attention_anneal_iters": 0,
-            "fp8_margin": 0, "fp8_amax_history_len": 1, "num_layers_at_start_in_bf16": 0,
-            "num_layers_at_end_in_bf16": 0, "lr": 0.0, "min_lr": 0.0, "weight_decay": 0.0, "clip_grad": 0.0}
+# dests that steer parsing and are no RunConfig field
+PARSE_ONLY = ("help", "config", "fp8_hybrid")
 
 
-def check_ranges(args: argparse.Namespace) -> None:
-    """Reject numeric flag values outside their range before anything is built (ConfigError names the flag)."""
-    for dest, low in AT_LEAST.items():
-        value = getattr(args, dest, None)
-        if value is not None and not value >= low:  # `not >=` also catches nan
-            raise ConfigError(f"--{dest.replace('_', '-')} {value} must be >= {low}")
-    if args.seed >= 2**32:
-        raise ConfigError(f"--seed {args.seed} must be below 2**32 (numpy's seed range)")
-    for dest in ("adam_beta1", "adam_beta2"):
-        value = getattr(args, dest)
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"--{dest.replace('_', '-')} {value} must be in [0, 1), e.g. 0.9 / 0.95")
-    if not args.adam_eps > 0.0:
-        raise ConfigError(f"--adam-eps {args.adam_eps} must be > 0, e.g. 1e-8")
+def run_config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig of parsed flags: each dest goes to the section field of the same name."""
+    return RunConfig.from_flat({k: v for k, v in vars(args).items() if k not in PARSE_ONLY})
 
 
-def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train") -> argparse.Namespace:
-    p = build_parser(prog)
+def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train",
+                     parser: argparse.ArgumentParser | None = None) -> RunConfig:
+    """Parse the flags of `megadlms train`, with `--config FILE.yaml` (or, with no flags, the demo) as defaults.
+
+    parser: one that `add_train_arguments` has filled (default: a new one named `prog`)."""
+    p = parser if parser is not None else build_parser(prog)
     argv = list(argv or [])
     config = None
     if "--config" in argv:
@@ -256,7 +250,6 @@ def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train") -
     if config:
         apply_yaml_defaults(p, config)
     args = p.parse_args(argv)
-    args.config = config
     if args.fp8_hybrid:
         if args.fp8_format not in (None, "hybrid"):
             p.error(f"--fp8-hybrid conflicts with --fp8-format {args.fp8_format}; pass one of them")
@@ -264,5 +257,6 @@ def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train") -
     if args.fp8_dot_product_attention and args.fp8_format is None:
         p.error("--fp8-dot-product-attention runs attention in FP8 inside the FP8 layers; add --fp8-format "
                 "hybrid (or e4m3), or drop it")
-    check_ranges(args)
-    return args
+    if args.generate_sample is None:  # on for the demo
+        args.generate_sample = bool(config and config.endswith(DEMO_CONFIG))
+    return run_config_from_args(args)

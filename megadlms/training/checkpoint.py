@@ -499,7 +499,7 @@ def load_model_from_checkpoint(load_dir: str | Path, *, device: torch.device | s
 
     Returns (model, config, meta); meta['tokenizer_dir'] is the checkpoint's tokenizer folder or None.
     """
-    from ..model import build_model
+    from ..build import build_model
 
     path = find_checkpoint(load_dir, iteration)
     meta = read_meta(path)

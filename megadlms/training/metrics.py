@@ -78,9 +78,11 @@ class WandbConfig:
     run_config: dict[str, Any] = field(default_factory=dict)  # recorded with the run (the run's arguments)
 
     @classmethod
-    def from_args(cls, args: Any) -> WandbConfig:
-        run_config = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
-        return cls(args.wandb_project, args.wandb_exp_name, args.wandb_save_dir or args.save, run_config)
+    def from_run(cls, config: Any) -> WandbConfig:
+        """From a RunConfig: its flag-named settings are the W&B run's config."""
+        flat = config.to_flat()
+        run_config = {k: v for k, v in flat.items() if isinstance(v, (str, int, float, bool, type(None)))}
+        return cls(flat["wandb_project"], flat["wandb_exp_name"], flat["wandb_save_dir"] or flat["save"], run_config)
 
 
 def start_wandb(cfg: WandbConfig) -> Any:

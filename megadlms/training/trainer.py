@@ -1,4 +1,4 @@
-"""The training loop: build everything from the arguments, then step, log, evaluate and checkpoint.
+"""The training loop: build everything from a `RunConfig`, then step, log, evaluate and checkpoint.
 
 One iteration = one global batch = micro-batches x data-parallel ranks, with gradient
 accumulation over the micro-batches of this rank. Masking noise is drawn per global batch
@@ -7,7 +7,6 @@ accumulation over the micro-batches of this rank. Masking noise is drawn per glo
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
@@ -30,7 +29,6 @@ from ..config import ConfigError, TransformerConfig
 from ..diffusion import bd3lm
 from ..diffusion.objective import (
     MaskSampler,
-    ObjectiveConfig,
     chunked_weighted_cross_entropy,
     prepare_batch,
     prepare_sft_batch,
@@ -38,10 +36,10 @@ from ..diffusion.objective import (
 )
 from ..distributed.data_parallel import grad_sync_context
 from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
-from ..distributed.parallelize import compute_dtype, parallelize_model
-from ..model import build_model
+from ..distributed.parallelize import build_parallel_model
 from ..presets import load_model_config
 from . import checkpoint as ckpt
+from .config import RunConfig
 from .cuda_graphs import LayerGraphs
 from .divergence import DivergenceGuard, check_finite_state
 from .documents import AttentionPlan
@@ -61,59 +59,41 @@ class TrainState:
     history: list[dict[str, Any]] = field(default_factory=list)  # logged metrics of this process's run
 
 
-def model_config_from_args(args: argparse.Namespace, vocab_size: int | None, mask_id: int | None) -> TransformerConfig:
-    """The TransformerConfig for `args`: preset / HF config, flag overrides, objective and FP8 settings."""
-    if args.use_checkpoint_args:
-        if not args.load:
-            raise ConfigError("--use-checkpoint-args needs --load DIR")
-        base = TransformerConfig.from_dict(ckpt.read_meta(ckpt.find_checkpoint(args.load, args.ckpt_step))["config"])
-        overrides: dict[str, Any] = {}
+def resolve_model_config(config: RunConfig, vocab_size: int | None, mask_id: int | None) -> TransformerConfig:
+    """The TransformerConfig of a run: the preset / HF config with the model overrides (or, with
+    use_checkpoint_args, the checkpoint's architecture), the objective's attention mask, the FP8 settings and the
+    mask token (the flag's, else the tokenizer's, else the model config's)."""
+    ck = config.checkpoint
+    if ck.use_checkpoint_args:
+        base = ckpt.read_meta(ckpt.find_checkpoint(ck.load, ck.ckpt_step))["config"]
     else:
-        base = None
-        overrides = {k: getattr(args, k) for k in (
-            "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
-            "seq_length", "max_position_embeddings", "rotary_base", "norm_epsilon", "init_method_std",
-            "qk_layernorm", "untie_embeddings_and_output_weights") if getattr(args, k) is not None}
-        if args.model_path == "tiny" and vocab_size is not None:
-            overrides["vocab_size"] = vocab_size  # the tiny preset takes the tokenizer's vocabulary
-        if "seq_length" in overrides and "max_position_embeddings" not in overrides:
-            overrides["max_position_embeddings"] = None  # re-derived below if the preset's is too small
-    overrides["attn_mask_type"] = "causal" if args.model_running_mode == "vanilla" else "bidirectional"
+        base = load_model_config(config.model.model_path, tokenizer_vocab_size=vocab_size).to_dict()
+        arch = config.model.overrides()
+        if "seq_length" in arch and "max_position_embeddings" not in arch:
+            arch["max_position_embeddings"] = max(base["max_position_embeddings"], arch["seq_length"])
+        base.update(arch)
+    obj = config.objective
+    cfg_dict = {**base, "attn_mask_type": obj.attn_mask_type, **config.fp8.model_fields(),
+                "diffusion_shift": obj.model_running_mode == "difflm-shift"}
     # block diffusion: the block size is part of the model (its sampler and exports need it)
-    if args.block_size is not None and args.model_running_mode != "bd3lm":
-        raise ConfigError(f"--block-size {args.block_size} is only used with --model-running-mode bd3lm; drop it")
-    if args.model_running_mode == "bd3lm":
-        if args.block_size is None and (base is None or base.block_size is None):
+    if obj.block_size is not None and obj.model_running_mode != "bd3lm":
+        raise ConfigError(f"--block-size {obj.block_size} is only used with --model-running-mode bd3lm; drop it")
+    if obj.model_running_mode == "bd3lm":
+        if obj.block_size is None and base.get("block_size") is None:
             raise ConfigError("--model-running-mode bd3lm needs --block-size B (a divisor of --seq-length, e.g. 4)")
-        if args.block_size is not None:
-            overrides["block_size"] = args.block_size
-    elif base is not None:
-        overrides["block_size"] = None
-    overrides["diffusion_shift"] = args.model_running_mode == "difflm-shift"
-    overrides.update(
-        fp8=args.fp8_format is not None, fp8_format=args.fp8_format or "hybrid", fp8_recipe=args.fp8_recipe,
-        fp8_margin=args.fp8_margin, fp8_amax_history_len=args.fp8_amax_history_len,
-        fp8_amax_compute_algo=args.fp8_amax_compute_algo, fp8_wgrad=args.fp8_wgrad,
-        activation_func_fp8_input_store=args.activation_func_fp8_input_store,
-        fp8_fuse_projections=args.fp8_fuse_projections, fp8_fuse_mlp=args.fp8_fuse_mlp,
-        fp8_fprop_fast_accum=args.fp8_fprop_fast_accum, fp8_dot_product_attention=args.fp8_dot_product_attention,
-        num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16 if args.first_last_layers_bf16 else 0,
-        num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16 if args.first_last_layers_bf16 else 0)
-    if base is None:
-        preset = load_model_config(args.model_path).to_dict()
-        if overrides.get("max_position_embeddings", 0) is None:
-            overrides["max_position_embeddings"] = max(preset["max_position_embeddings"], overrides["seq_length"])
-        cfg_dict = {**preset, **overrides}
+        if obj.block_size is not None:
+            cfg_dict["block_size"] = obj.block_size
     else:
-        cfg_dict = {**base.to_dict(), **overrides}
-    mask = args.mask_token if args.mask_token is not None else (mask_id if mask_id is not None
-                                                                else cfg_dict.get("mask_token_id"))
-    if args.model_running_mode != "vanilla" and mask is None:
+        cfg_dict["block_size"] = None
+    mask = obj.mask_token
+    if mask is None:
+        mask = mask_id if mask_id is not None else cfg_dict.get("mask_token_id")
+    if obj.model_running_mode != "vanilla" and mask is None:
         raise ConfigError("no mask token: pass --mask-token ID (the tokenizer has no <|mask|> and the preset none)")
     cfg_dict["mask_token_id"] = mask
-    if args.model_running_mode == "bd3lm":  # the flag-named errors before the config's own
+    if obj.model_running_mode == "bd3lm":  # the flag-named errors before the config's own
         bd3lm.Bd3lmConfig(block_size=cfg_dict["block_size"], seq_length=cfg_dict["seq_length"],
-                          clip_min=args.bd3lm_clip_min, clip_max=args.bd3lm_clip_max, noise_per=args.bd3lm_noise_per)
+                          clip_min=obj.bd3lm_clip_min, clip_max=obj.bd3lm_clip_max, noise_per=obj.bd3lm_noise_per)
     cfg = TransformerConfig.from_dict(cfg_dict)
     if vocab_size is not None and vocab_size > cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
@@ -144,13 +124,12 @@ class _HostCount:
         return int(self._host)
 
 
-def _attention_plan(args: argparse.Namespace, cfg: TransformerConfig, eod_id: int | None,
+def _attention_plan(config: RunConfig, cfg: TransformerConfig, eod_id: int | None,
                     device: torch.device) -> AttentionPlan:
-    """The AttentionPlan of the flags: document-level attention and position resets default on with --sft."""
-    sft = bool(getattr(args, "sft", False))
-    reset_mask = getattr(args, "reset_attention_mask", None)
-    reset_pos = getattr(args, "reset_position_ids", None)
-    anneal = getattr(args, "attention_anneal_iters", 0) or 0
+    """The AttentionPlan of the run: document-level attention and position resets default on with --sft."""
+    sft = config.data.sft
+    reset_mask, reset_pos = config.data.reset_attention_mask, config.data.reset_position_ids
+    anneal = config.objective.attention_anneal_iters
     if cfg.block_size is not None and (sft or reset_mask or reset_pos or anneal):
         raise ConfigError("--model-running-mode bd3lm runs under its own block-diffusion attention mask: drop --sft, "
                           "--reset-attention-mask, --reset-position-ids and --attention-anneal-iters")
@@ -159,7 +138,7 @@ def _attention_plan(args: argparse.Namespace, cfg: TransformerConfig, eod_id: in
                           "attention; use --model-running-mode difflm-shift or difflm-noshift, not vanilla")
     return AttentionPlan(reset_attention_mask=sft if reset_mask is None else reset_mask,
                          reset_position_ids=sft if reset_pos is None else reset_pos, anneal_iters=anneal,
-                         causal=cfg.causal, eod_id=eod_id, seed=args.seed + 3, device=device)
+                         causal=cfg.causal, eod_id=eod_id, seed=config.train.seed + 3, device=device)
 
 
 def _seed_all(seed: int) -> None:
@@ -186,32 +165,35 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 class Trainer:
     """Owns the model, optimizer, schedule, data and objective of one run."""
 
-    def __init__(self, args: argparse.Namespace, ctx: ParallelContext, cfg: TransformerConfig, model: nn.Module,
+    def __init__(self, config: RunConfig, ctx: ParallelContext, cfg: TransformerConfig, model: nn.Module,
                  loaders: Any, tokenizer: Any | None = None):
-        self.args, self.ctx, self.cfg, self.model = args, ctx, cfg, model
+        """config: the run's settings; cfg: the model's architecture (`resolve_model_config`); model: built by
+        `build_parallel_model`; loaders: `megadlms.data.build_loaders`'s."""
+        self.config, self.ctx, self.cfg, self.model = config, ctx, cfg, model
         self.loaders, self.tokenizer = loaders, tokenizer
         self.device = ctx.device
-        self.mbs = args.micro_batch_size
-        self.global_batch = args.global_batch_size or self.mbs * ctx.dp_size
+        t = config.train
+        self.compiled = t.compile_on(self.device)
+        self.mbs = t.micro_batch_size
+        self.global_batch = t.global_batch_size or self.mbs * ctx.dp_size
         if self.global_batch % (self.mbs * ctx.dp_size):
             raise ConfigError(f"--global-batch-size {self.global_batch} is not divisible by --micro-batch-size "
                              f"{self.mbs} x data-parallel size {ctx.dp_size}")
         self.accum = self.global_batch // (self.mbs * ctx.dp_size)
-        self.objective = ObjectiveConfig(mode=args.model_running_mode, mask_token_id=cfg.mask_token_id or 0,
-                                         eps=args.difflm_eps, pmask=args.difflm_pmask,
-                                         varilen_prob=args.difflm_varilen_prob)
-        self.sampler = MaskSampler(args.seed + 1, device=self.device)
+        obj = config.objective
+        self.objective = obj.objective(cfg.mask_token_id)
+        self.sampler = MaskSampler(t.seed + 1, device=self.device)
         # block diffusion: its own noise and inputs, one forward over x_t (+) x_0 under the block-diffusion mask
-        self.bd3lm = None if args.model_running_mode != "bd3lm" else bd3lm.Bd3lmConfig(
+        self.bd3lm = None if obj.model_running_mode != "bd3lm" else bd3lm.Bd3lmConfig(
             block_size=cfg.block_size, seq_length=cfg.seq_length, mask_token_id=cfg.mask_token_id,
-            clip_min=args.bd3lm_clip_min, clip_max=args.bd3lm_clip_max, noise_per=args.bd3lm_noise_per,
-            eval_eps=args.difflm_eps)
+            clip_min=obj.bd3lm_clip_min, clip_max=obj.bd3lm_clip_max, noise_per=obj.bd3lm_noise_per,
+            eval_eps=obj.difflm_eps)
         # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
-        self._flex = self.device.type == "cuda" and bool(args.compile)
-        self.sft = bool(getattr(args, "sft", False))
-        self.attention = _attention_plan(args, cfg, getattr(loaders, "eod_id", None), self.device)
-        self.optimizer = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
-                                         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        self._flex = self.device.type == "cuda" and self.compiled
+        self.sft = config.data.sft
+        self.attention = _attention_plan(config, cfg, getattr(loaders, "eod_id", None), self.device)
+        self.optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay,
+                                         betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
         allocate_optimizer_state(self.optimizer)  # before any activation: the state gets segments of its own
         if cfg.fp8 and isinstance(self.optimizer, StreamingAdamW):
             # current scaling: each weight's amax comes out of the optimizer's update, not a pass before its cast
@@ -219,19 +201,19 @@ class Trainer:
             from ..fp8 import attach_weight_amaxes
 
             self.optimizer.publish_amaxes(attach_weight_amaxes(model))
-        self.schedule = LRSchedule(lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
-                                   decay_iters=args.lr_decay_iters or args.train_iters, decay_style=args.lr_decay_style,
-                                   wsd_decay_iters=args.lr_wsd_decay_iters or max(1, (args.lr_decay_iters
-                                                                                     or args.train_iters) // 10),
-                                   wsd_decay_style=args.lr_wsd_decay_style)
-        self.autocast_dtype = compute_dtype(args, self.device)  # bf16, or None for fp32
+        decay_iters = t.lr_decay_iters or t.train_iters
+        self.schedule = LRSchedule(lr=t.lr, min_lr=t.min_lr, warmup_iters=t.lr_warmup_iters, decay_iters=decay_iters,
+                                   decay_style=t.lr_decay_style,
+                                   wsd_decay_iters=t.lr_wsd_decay_iters or max(1, decay_iters // 10),
+                                   wsd_decay_style=t.lr_wsd_decay_style)
+        self.autocast_dtype = t.compute_dtype(self.device)  # bf16, or None for fp32
         self.state = TrainState()
         self.flops_per_token = cfg.flops_per_token(cfg.seq_length)
         if self.bd3lm is not None:
             self.flops_per_token = bd3lm.flops_per_token(cfg, self.bd3lm.block_size)
         self.peak = bf16_peak_tflops(self.device)
-        self.sinks = MetricSinks(args.tensorboard_dir, args.save or args.tensorboard_dir, enabled=ctx.is_main,
-                                 wandb=WandbConfig.from_args(args))
+        self.sinks = MetricSinks(t.tensorboard_dir, config.checkpoint.save or t.tensorboard_dir, enabled=ctx.is_main,
+                                 wandb=WandbConfig.from_run(config))
         self.fp8 = bool(cfg.fp8)
         # the Float8Linears whose weight cache is off for training and back on for evaluation (same weights)
         self._fp8_uncached: list[nn.Module] = []
@@ -244,7 +226,7 @@ class Trainer:
             for m in self._fp8_uncached:
                 m.cache_weight = False
         # large vocabularies: the fused, masked-rows-only LM head + loss (the [tokens, V] logits dominate memory)
-        chunk = getattr(args, "loss_chunk_tokens", None)
+        chunk = t.loss_chunk_tokens
         self.loss_chunk_tokens = (8192 if cfg.vocab_size >= 32768 else 0) if chunk is None else chunk
         self.layer_graphs = self._layer_graphs()
         self._train_iter: Iterator[torch.Tensor] | None = None
@@ -252,11 +234,10 @@ class Trainer:
         self._async_group: dist.ProcessGroup | None = None
         self.data_wait_s = 0.0
         # non-finite steps skipped on the device; preemption signals and the wall-time limit (their own modules)
-        self.guard = DivergenceGuard(self.optimizer, self.device, getattr(args, "max_skipped_steps", 10),
+        self.guard = DivergenceGuard(self.optimizer, self.device, t.max_skipped_steps,
                                      dist.group.WORLD if ctx.distributed else None)
-        self.control = RunControl(self.device, distributed=ctx.distributed,
-                                  handle_signals=getattr(args, "exit_signal_handler", True),
-                                  exit_duration_mins=getattr(args, "exit_duration_in_mins", None), guard=self.guard)
+        self.control = RunControl(self.device, distributed=ctx.distributed, handle_signals=t.exit_signal_handler,
+                                  exit_duration_mins=t.exit_duration_in_mins, guard=self.guard)
         self.save_failures = 0
 
     @property
@@ -266,7 +247,7 @@ class Trainer:
 
     def _layer_graphs(self) -> LayerGraphs | None:
         """CUDA graphs of the layers (--cuda-graphs), or None where they are off or cannot apply."""
-        mode = getattr(self.args, "cuda_graphs", "off")
+        mode = self.config.train.cuda_graphs
         if mode == "off":
             return None
         # tests on CPU: the same replay logic with EmulatedGraph standing in for CUDA graphs
@@ -278,7 +259,7 @@ class Trainer:
             blockers.append("tensor parallelism (DTensor parameters)")
         if self.ctx.dp_strategy not in ("none", "no_shard"):
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
-        if getattr(self.args, "recompute_granularity", None):
+        if self.config.train.recompute_granularity:
             blockers.append("activation checkpointing (--recompute-granularity) re-runs the forward in backward")
         if self.bd3lm is not None:
             blockers.append("block diffusion (bd3lm) runs the layers under an attention mask")
@@ -386,8 +367,9 @@ class Trainer:
         it = self.state.iteration
         lr = self.schedule(it)
         # FP8 telemetry is recorded (on device) only in the iteration that ends a log interval
-        collect = self.fp8 and self.args.fp8_stats and ((it + 1) % self.args.log_interval == 0
-                                                        or it + 1 == self.args.train_iters)
+        t = self.config.train
+        collect = self.fp8 and self.config.fp8.fp8_stats and ((it + 1) % t.log_interval == 0
+                                                              or it + 1 == t.train_iters)
         if collect:
             from ..fp8 import enable_fp8_stats
 
@@ -432,7 +414,7 @@ class Trainer:
     def _compile_stance(self, length: int) -> contextlib.AbstractContextManager:
         """Tensor-parallel compiled layers run only at the full sequence length; a cut (varilen) micro-batch runs
         eagerly, since DTensor graphs with dynamic shapes recompile for every length or fail to compile."""
-        if self.args.compile and self.ctx.tp_size > 1 and length != self.cfg.seq_length:
+        if self.compiled and self.ctx.tp_size > 1 and length != self.cfg.seq_length:
             return torch.compiler.set_stance("force_eager")
         return contextlib.nullcontext()
 
@@ -442,14 +424,15 @@ class Trainer:
 
     def _clip_grads(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.args.clip_grad if self.args.clip_grad > 0 else float("inf")
+        clip = self.config.train.clip_grad
+        max_norm = clip if clip > 0 else float("inf")
         norm = clip_grad_norm(self.optimizer, params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def _amax_group(self) -> dist.ProcessGroup | None:
         if not self.ctx.distributed:
             return None
-        if getattr(self.args, "tp_only_amax_red", False):
+        if self.config.parallel.tp_only_amax_red:
             return self.ctx.tp_group
         return dist.group.WORLD  # data-parallel x tensor-parallel: every rank uses the same scales
 
@@ -457,18 +440,19 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float | None:
         loader = self.loaders.valid
-        if loader is None or self.args.eval_iters <= 0:
+        eval_iters = self.config.train.eval_iters
+        if loader is None or eval_iters <= 0:
             return None
         self.model.eval()
         loader.load_state_dict({"consumed_samples": 0})  # the same batches every evaluation
         it = iter(loader)
-        sampler = MaskSampler(self.args.seed + 2, device=self.device)  # the same masks every evaluation
+        sampler = MaskSampler(self.config.train.seed + 2, device=self.device)  # the same masks every evaluation
         total = torch.zeros((), device=self.device)
         n = 0
         with self._fp8_eval_weights():  # every batch sees the same weights: cast them once
-            for _ in range(self.args.eval_iters):
+            for _ in range(eval_iters):
                 noise = self._draw_noise(sampler, evaluation=True)
-                self.attention.begin_step(self.args.train_iters, self.cfg.seq_length)  # the final attention
+                self.attention.begin_step(self.config.train.train_iters, self.cfg.seq_length)  # the final attention
                 for (inputs, targets, weights), _, rows, extra in self._micro_batches(it, noise, self.accum):
                     total += self._loss(inputs, targets, weights, rows, **extra)
                     n += 1
@@ -502,7 +486,7 @@ class Trainer:
             return self._save()
         except ckpt.CheckpointSaveError as e:
             self.save_failures += 1
-            allowed = getattr(self.args, "ckpt_save_failures_ok", 0)
+            allowed = self.config.checkpoint.ckpt_save_failures_ok
             if self.save_failures > allowed:
                 raise
             log.warning("%s; training goes on (failed save %d of the %d --ckpt-save-failures-ok allows)",
@@ -512,21 +496,20 @@ class Trainer:
     def _save(self) -> Path:
         rank_state = {"rng": _rng_state(self.device), "mask_sampler": self.sampler.state_dict(),
                       "data": self.loaders.train.state_dict(), "attention": self.attention.state_dict()}
-        meta = {"config": self.cfg.to_dict(), "args": vars(self.args)}
+        meta = {"config": self.cfg.to_dict(), "args": self.config.to_flat()}
         tok_dir = getattr(self.tokenizer, "source_dir", None)
         self.finish_save()  # one checkpoint in flight at a time
-        if getattr(self.args, "async_save", False):
+        save_dir = self.config.checkpoint.save
+        if self.config.checkpoint.async_save:
             if self.ctx.distributed and self._async_group is None:  # the background write's own collectives
                 self._async_group = dist.new_group(backend="gloo")
             self._pending_save = ckpt.async_save_checkpoint(
-                self.args.save, self.state.iteration, self._dcp_state(), rank_state=rank_state, meta=meta,
-                tokenizer_dir=tok_dir, process_group=self._async_group,
-                keep_last=getattr(self.args, "ckpt_keep_last", None))
+                save_dir, self.state.iteration, self._dcp_state(), rank_state=rank_state, meta=meta,
+                tokenizer_dir=tok_dir, process_group=self._async_group, keep_last=self.config.checkpoint.ckpt_keep_last)
             log.info("writing checkpoint %s in the background", self._pending_save.final)
             return self._pending_save.final
-        path = ckpt.save_checkpoint(self.args.save, self.state.iteration, self._dcp_state(), rank_state=rank_state,
-                                    meta=meta, tokenizer_dir=tok_dir, keep_last=getattr(self.args, "ckpt_keep_last",
-                                                                                        None))
+        path = ckpt.save_checkpoint(save_dir, self.state.iteration, self._dcp_state(), rank_state=rank_state,
+                                    meta=meta, tokenizer_dir=tok_dir, keep_last=self.config.checkpoint.ckpt_keep_last)
         log.info("saved checkpoint %s", path)
         return path
 
@@ -574,18 +557,18 @@ class Trainer:
 
     # ----------------------------------------------------------------- loop
     def run(self) -> TrainState:
-        args, ctx = self.args, self.ctx
+        t, save, ctx = self.config.train, self.config.checkpoint, self.ctx
         self.model.train()
         self._train_iter = iter(self.loaders.train)
         bar = None
-        if ctx.is_main and not args.no_progress and sys.stderr.isatty():
+        if ctx.is_main and not t.no_progress and sys.stderr.isatty():
             from tqdm import tqdm
 
-            bar = tqdm(total=args.train_iters, initial=self.state.iteration, unit="it", dynamic_ncols=True)
+            bar = tqdm(total=t.train_iters, initial=self.state.iteration, unit="it", dynamic_ncols=True)
         window_t0, window_tokens, window_loss, window_n = time.perf_counter(), 0, None, 0
         last_saved = None
         self.control.install()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 0
-        while self.state.iteration < args.train_iters:
+        while self.state.iteration < t.train_iters:
             step = self.train_step()
             window_tokens += step["tokens"]
             window_loss = step["loss"] if window_loss is None else window_loss + step["loss"]
@@ -593,33 +576,33 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
             it = self.state.iteration
-            if it % args.log_interval == 0 or it == args.train_iters:
+            if it % t.log_interval == 0 or it == t.train_iters:
                 self._log(step, window_loss, window_n, window_tokens, time.perf_counter() - window_t0, bar)
                 window_t0, window_tokens, window_loss, window_n = time.perf_counter(), 0, None, 0
                 self.data_wait_s = 0.0
             paused = time.perf_counter()  # evaluation and saving do not count towards throughput
-            if args.eval_interval and it % args.eval_interval == 0 and it < args.train_iters:
+            if t.eval_interval and it % t.eval_interval == 0 and it < t.train_iters:
                 wait = self.data_wait_s
                 self._log_eval(bar)
                 self.data_wait_s = wait
-            if args.save and args.save_interval and it % args.save_interval == 0:
+            if save.save and save.save_interval and it % save.save_interval == 0:
                 if self.save() is not None:
                     last_saved = it
             window_t0 += time.perf_counter() - paused
-            if args.exit_interval and it % args.exit_interval == 0:
+            if t.exit_interval and it % t.exit_interval == 0:
                 break
             if self.control.after_step(it):  # a stop signal or the time limit, agreed by every rank
                 break
         self.control.uninstall()
         if bar is not None:
             bar.close()
-        if args.eval_iters > 0 and self.state.iteration >= args.train_iters and not self.control.reason:
+        if t.eval_iters > 0 and self.state.iteration >= t.train_iters and not self.control.reason:
             self._log_eval(None)
-        if args.save and last_saved != self.state.iteration and self.save() is not None:
+        if save.save and last_saved != self.state.iteration and self.save() is not None:
             last_saved = self.state.iteration
         self.finish_save()
         self.sinks.close()
-        self.control.report(self.state.iteration, args.save, last_saved == self.state.iteration, ctx.is_main)
+        self.control.report(self.state.iteration, save.save, last_saved == self.state.iteration, ctx.is_main)
         return self.state
 
     def _log(self, step: dict[str, Any], loss_sum: torch.Tensor, steps: int, tokens: int, seconds: float,
@@ -636,13 +619,13 @@ class Trainer:
              "memory_gib": memory_gib(self.device), "data_wait_share": self.data_wait_s / max(seconds, 1e-9)}
         if skipped:
             m["skipped_steps"] = skipped
-        if self.fp8 and self.args.fp8_stats:
+        if self.fp8 and self.config.fp8.fp8_stats:
             from ..fp8 import fp8_stats
 
             m.update({f"fp8/{k}": v for k, v in fp8_stats(self.model).items()})
         self.state.history.append(m)
         if self.ctx.is_main:
-            line = format_log_line(m, self.args.train_iters)
+            line = format_log_line(m, self.config.train.train_iters)
             (bar.write if bar is not None else print)(line)
             self.sinks.write(self.state.iteration, m)
 
@@ -659,17 +642,17 @@ class Trainer:
             self.sinks.write(self.state.iteration, m, prefix="valid")
 
 
-def setup(args: argparse.Namespace) -> Trainer:
-    """Everything a run needs, built from the arguments (also used by benchmarks and tests)."""
+def setup(config: RunConfig) -> Trainer:
+    """Everything a run needs, built from its configuration (also used by benchmarks and tests)."""
     from ..data import build_loaders, load_tokenizer
-    from ..data.args import data_config_from_args
 
-    ctx = init_parallel(args.device, args.tensor_model_parallel_size, args.distributed_backend)
+    t, data = config.train, config.data
+    ctx = init_parallel(t.device, config.parallel.tensor_model_parallel_size, config.parallel.distributed_backend)
     if not ctx.is_main:
         logging.getLogger("megadlms").setLevel(logging.WARNING)
-    _seed_all(args.seed)
-    tokenizer = load_tokenizer(args.tokenizer_model, tokenizer_type=args.tokenizer_type)
-    cfg = model_config_from_args(args, tokenizer.vocab_size, tokenizer.mask_id)
+    _seed_all(t.seed)
+    tokenizer = load_tokenizer(data.tokenizer_model, tokenizer_type=data.tokenizer_type)
+    cfg = resolve_model_config(config, tokenizer.vocab_size, tokenizer.mask_id)
     if cfg.fp8:
         from ..fp8 import check_fp8_support
         from ..fp8.hardware import fp8_backend_note
@@ -682,43 +665,42 @@ def setup(args: argparse.Namespace) -> Trainer:
             how = "cuDNN's FP8 flash attention" if ctx.device.type == "cuda" else "emulated on the CPU (for tests)"
             log.warning("FP8 attention (--fp8-dot-product-attention): %s; it lowers model quality against FP8 "
                         "linears alone (README, FP8 training)", how)
-    if args.compile is None:
-        args.compile = ctx.device.type == "cuda"
-    model = build_model(cfg, device=ctx.device)
-    model = parallelize_model(model, ctx, args)
-    global_batch = args.global_batch_size or args.micro_batch_size * ctx.dp_size
-    n_evals = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
-    data_cfg = data_config_from_args(args, seq_length=cfg.seq_length, micro_batch_size=args.micro_batch_size,
-                                     seed=args.seed, train_samples=args.train_iters * global_batch,
-                                     eval_samples=args.eval_iters * global_batch * n_evals)
+    model = build_parallel_model(cfg, ctx, config.parallel,
+                                 activation_checkpointing=t.recompute_granularity == "full",
+                                 compile=t.compile_on(ctx.device), param_dtype=t.compute_dtype(ctx.device))
+    global_batch = t.global_batch_size or t.micro_batch_size * ctx.dp_size
+    n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
+    data_cfg = data.loader_config(seq_length=cfg.seq_length, micro_batch_size=t.micro_batch_size, seed=t.seed,
+                                  train_samples=t.train_iters * global_batch,
+                                  eval_samples=t.eval_iters * global_batch * n_evals)
     if ctx.distributed and not ctx.is_main:  # rank 0 tokenizes / indexes into the caches first, the others reuse them
         dist.barrier()
     loaders = build_loaders(data_cfg, tokenizer, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
     if ctx.distributed and ctx.is_main:
         dist.barrier()
-    trainer = Trainer(args, ctx, cfg, model, loaders, tokenizer)
+    trainer = Trainer(config, ctx, cfg, model, loaders, tokenizer)
     if ctx.is_main:
         n_params = sum(p.numel() for p in model.parameters())
         log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention%s | device %s%s | "
                  "world %d (dp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
-                 args.model_path, n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
+                 config.model.model_path, n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
                  cfg.attn_mask_type + (f" block-diffusion (blocks of {cfg.block_size})" if cfg.block_size else ""),
                  f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
                  ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
                  ctx.dp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
-    if args.load:
-        trainer.load(args.load, args.ckpt_step, finetune=args.finetune)
+    if config.checkpoint.load:
+        trainer.load(config.checkpoint.load, config.checkpoint.ckpt_step, finetune=config.checkpoint.finetune)
     return trainer
 
 
-def train(args: argparse.Namespace) -> TrainState:
-    trainer = setup(args)
+def train(config: RunConfig) -> TrainState:
+    """Train from `config` (from flags: `megadlms.training.args.parse_train_args`); returns the final state."""
+    trainer = setup(config)
     try:
         state = trainer.run()
     finally:
         trainer.control.uninstall()  # the signal handlers, also when the run stopped on an error
-    demo = args.generate_sample or (args.generate_sample is None and args.config and args.config.endswith("demo.yaml"))
-    if demo and not trainer.control.reason:  # a run stopped by a signal or the time limit exits at once
+    if config.train.generate_sample and not trainer.control.reason:  # a run stopped by a signal exits at once
         print_sample(trainer)  # on every rank: the forward of a sharded model is collective
     destroy_parallel()
     return state

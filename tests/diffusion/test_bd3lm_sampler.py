@@ -92,7 +92,7 @@ class ByteTokenizer:
 
 
 def test_generate_cli_defaults_to_the_bd3lm_sampler(tmp_path, capsys, monkeypatch):
-    from megadlms.generate import cli
+    from megadlms.cli import generate as cli
     from megadlms.training.checkpoint import save_model_checkpoint
 
     monkeypatch.setitem(sys.modules, "megadlms.data", types.SimpleNamespace(load_tokenizer=lambda p: ByteTokenizer()))

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from megadlms.distributed.data_parallel import grad_sync_context, resolve_strategy
+from megadlms.distributed.config import ParallelConfig
+from megadlms.distributed.data_parallel import grad_sync_context
 from megadlms.training.args import parse_train_args
 
 
-def args(*flags: str) -> argparse.Namespace:
-    return parse_train_args(["--device", "cpu", *flags])
+def args(*flags: str) -> ParallelConfig:
+    return parse_train_args(["--device", "cpu", *flags]).parallel
 
 
 @pytest.mark.parametrize("flags, strategy", [
@@ -21,13 +20,13 @@ def args(*flags: str) -> argparse.Namespace:
     (("--data-parallel-sharding-strategy", "optim_grads_params", "--use-distributed-optimizer"), "optim_grads_params"),
 ])
 def test_strategy_from_flags(flags, strategy):
-    assert resolve_strategy(args(*flags)) == strategy
+    assert args(*flags).sharding_strategy == strategy
 
 
 def test_param_gather_overlap_needs_sharded_parameters():
     with pytest.raises(ValueError, match="no_shard has none; add --use-distributed-optimizer"):
-        resolve_strategy(args("--overlap-param-gather"))
-    assert resolve_strategy(args("--overlap-param-gather", "--use-distributed-optimizer")) == "optim"
+        args("--overlap-param-gather")
+    assert args("--overlap-param-gather", "--use-distributed-optimizer").sharding_strategy == "optim"
 
 
 def test_one_data_parallel_rank_needs_no_sync_control():

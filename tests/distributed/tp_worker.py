@@ -17,10 +17,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from megadlms.build import build_model
 from megadlms.config import TransformerConfig
 from megadlms.distributed.init import destroy_parallel
 from megadlms.distributed.tensor_parallel import apply_tensor_parallel
-from megadlms.model import TransformerLM, build_model
+from megadlms.model import TransformerLM
 
 CASES = {
     # name: (config overrides, sequence parallel, sequence length)

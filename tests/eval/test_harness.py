@@ -194,8 +194,8 @@ def test_chat_template_from_the_tokenizer_folder(eval_files, tmp_path):
 
 
 def test_fp8_checkpoint_keeps_its_fp8_layers(eval_files, tmp_path):
+    from megadlms.build import build_model
     from megadlms.fp8 import fp8_modules
-    from megadlms.model import build_model
     from megadlms.training.checkpoint import save_model_checkpoint
 
     bf16 = eval_files["models"]["dlm"]

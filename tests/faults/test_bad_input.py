@@ -203,7 +203,7 @@ def test_there_are_at_least_forty_cases():
 
 
 def test_an_unexpected_error_keeps_its_traceback(monkeypatch):
-    from megadlms.generate import cli as gen_cli
+    from megadlms.cli import generate as gen_cli
 
     def bug(*a, **k):
         raise KeyError("a bug")

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megadlms.build import build_model
 from megadlms.config import ConfigError, TransformerConfig
 from megadlms.fp8 import (
     DelayedScaling,
@@ -24,7 +25,7 @@ from megadlms.fp8.attention import (
     FP8AttentionUnsupportedError,
     check_fp8_attention_support,
 )
-from megadlms.model import DotProductAttention, TransformerLM, build_model
+from megadlms.model import DotProductAttention, TransformerLM
 from megadlms.training.args import parse_train_args
 
 from .helpers import rel
@@ -437,9 +438,9 @@ def test_cli_flag_needs_an_fp8_format():
         parse_train_args(["--fp8-dot-product-attention"])
     assert e.value.code == 2
     args = parse_train_args(["--fp8-format", "hybrid", "--fp8-dot-product-attention"])
-    assert args.fp8_dot_product_attention is True and args.fp8_format == "hybrid"
-    assert parse_train_args(["--fp8-hybrid", "--fp8-dot-product-attention"]).fp8_dot_product_attention is True
-    assert parse_train_args(["--fp8-format", "e4m3"]).fp8_dot_product_attention is False
+    assert args.fp8.fp8_dot_product_attention is True and args.fp8.fp8_format == "hybrid"
+    assert parse_train_args(["--fp8-hybrid", "--fp8-dot-product-attention"]).fp8.fp8_dot_product_attention is True
+    assert parse_train_args(["--fp8-format", "e4m3"]).fp8.fp8_dot_product_attention is False
 
 
 def test_check_fp8_attention_support():

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from megadlms.build import build_model
 from megadlms.config import TransformerConfig
 from megadlms.fp8 import (
     DelayedScaling,
@@ -25,7 +26,7 @@ from megadlms.fp8 import (
     convert_to_fp8,
     fp8_step,
 )
-from megadlms.model import SwiGLU, TransformerLM, build_model
+from megadlms.model import SwiGLU, TransformerLM
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -190,7 +191,7 @@ def test_config_switches_fusion_and_forward_fast_accumulation():
     from megadlms.fp8.fused_linear import FusedFloat8Projection
     from megadlms.fp8.fused_mlp import FusedFloat8MLP
     from megadlms.training.args import parse_train_args
-    from megadlms.training.trainer import model_config_from_args
+    from megadlms.training.trainer import resolve_model_config
 
     base = dict(hidden_size=64, num_attention_heads=4, num_layers=2, vocab_size=128, seq_length=32, fp8=True)
     layer = build_model(TransformerConfig(**base)).layers[0]
@@ -204,5 +205,5 @@ def test_config_switches_fusion_and_forward_fast_accumulation():
     assert not any(m.fprop_fast_accum for m in layer.modules() if isinstance(m, Float8Linear))
     args = parse_train_args(["--model-path", "tiny", "--fp8-format", "hybrid", "--no-fp8-fuse-projections",
                              "--no-fp8-fprop-fast-accum", "--no-fp8-fuse-mlp"])
-    cfg = model_config_from_args(args, vocab_size=None, mask_id=5)
+    cfg = resolve_model_config(args, vocab_size=None, mask_id=5)
     assert cfg.fp8 and not cfg.fp8_fuse_projections and not cfg.fp8_fprop_fast_accum and not cfg.fp8_fuse_mlp

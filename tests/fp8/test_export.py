@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from megadlms.build import build_model
 from megadlms.config import TransformerConfig
-from megadlms.fp8 import Float8Linear
 from megadlms.fp8.export import Float8InferenceLinear, export_model, load_fp8_export, quantize_weight
-from megadlms.model import build_model
 
 from .helpers import ref_fake_quant, rel
 
@@ -98,25 +96,6 @@ def test_inference_linear_matches_quantized_reference_and_pads():
 def test_missing_export_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="megadlms export"):
         load_fp8_export(tmp_path)
-
-
-def test_export_command_from_checkpoint(tmp_path, capsys):
-    from megadlms.fp8 import export
-    from megadlms.training.checkpoint import save_model_checkpoint
-
-    model, cfg = _model(fp8=True)
-    assert any(isinstance(m, Float8Linear) for m in model.modules())
-    save_model_checkpoint(tmp_path / "ckpt", model, cfg)
-    parser = argparse.ArgumentParser()
-    export.add_arguments(parser)
-    assert export.run(parser.parse_args(["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "out"),
-                                         "--fp8"])) == 0
-    out = capsys.readouterr().out
-    assert "MiB" in out and "BF16 export" in out
-    loaded, _ = load_fp8_export(tmp_path / "out")
-    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
-        stored = f.get_tensor("layers.1.self_attn.o_proj.weight")
-    assert torch.equal(loaded.layers[1].self_attn.o_proj.weight.view(torch.uint8), stored.view(torch.uint8))
 
 
 def test_inference_linear_keeps_fp8_weights_under_dtype_casts():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megadlms.build import build_model
 from megadlms.config import TransformerConfig
 from megadlms.fp8 import DelayedScaling, Float8CurrentScaling, Float8Linear, enable_fp8_stats, fp8_autocast, fp8_stats
 from megadlms.fp8.convert import fp8_step
-from megadlms.model import build_model
 
 
 def _step(layer, x, g):

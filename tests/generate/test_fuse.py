@@ -4,10 +4,11 @@ import copy
 
 import torch
 
+from megadlms.build import build_model
 from megadlms.config import TransformerConfig
 from megadlms.diffusion.sampler import generate
 from megadlms.generate.fuse import FusedProjection, fuse_projections
-from megadlms.model import TransformerLM, build_model
+from megadlms.model import TransformerLM
 
 
 def _model(**kw):

@@ -1,4 +1,4 @@
-"""megadlms.interop.convert: the `megadlms convert` subcommands, end to end on files."""
+"""megadlms.cli.convert: the `megadlms convert` subcommands, end to end on files."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import megadlms.interop.hf as hf_module
 import megadlms.training.checkpoint as ckpt
+from megadlms.cli.convert import main
 from megadlms.interop import load_hf_state_dict
-from megadlms.interop.convert import main
 
 from .helpers import MASK_ID
 

@@ -349,7 +349,7 @@ def test_save_safetensors_sharded_greedy(tmp_path):
 
 
 def test_export_of_an_fp8_model_drops_the_fp8_state(tmp_path):
-    from megadlms.model import build_model
+    from megadlms.build import build_model
 
     _, cfg = _our_model("qwen3", True, "bidirectional")
     fp8_cfg = cfg.replace(fp8=True)

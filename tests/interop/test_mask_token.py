@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from megadlms.interop.convert import main as convert
+from megadlms.cli.convert import main as convert
 from megadlms.interop.hf import hf_config_to_megadlms, save_hf_model
 from megadlms.training.checkpoint import load_model_from_checkpoint
 

@@ -15,7 +15,7 @@ def test_wandb_offline_run_logs_the_tensorboard_scalars(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     args = parse_train_args(["--wandb-project", "proj", "--wandb-exp-name", "tiny-run", "--save", str(tmp_path)])
-    cfg = metrics.WandbConfig.from_args(args)
+    cfg = metrics.WandbConfig.from_run(args)
     assert (cfg.project, cfg.exp_name, cfg.save_dir) == ("proj", "tiny-run", str(tmp_path))
     sinks = metrics.MetricSinks(None, str(tmp_path), wandb=cfg)
     sinks.write(10, {"iteration": 10, "loss": 2.5, "tokens_per_s": 1234.0, "mfu": None, "fp8/input_amax": 3.0})

@@ -47,6 +47,23 @@ def test_loss_falls_on_the_bundled_corpus(tmp_path):
     assert [r for r in lines if r["split"] == "valid"][-1]["loss"] < before
 
 
+def test_trains_from_python_dataclasses_as_from_flags():
+    """The library API: a RunConfig built in Python, no argparse, trains exactly as the same flags do."""
+    from megadlms.data.args import DataSourceConfig
+    from megadlms.training import DiffusionConfig, ModelConfig, RunConfig, TrainConfig
+
+    config = RunConfig(
+        model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                          ffn_hidden_size=128, seq_length=32),
+        objective=DiffusionConfig(difflm_varilen_prob=0.2),
+        train=TrainConfig(train_iters=3, micro_batch_size=2, lr=3e-3, lr_warmup_iters=2, device="cpu",
+                          compile=False, eval_iters=0, log_interval=1, no_progress=True),
+        data=DataSourceConfig(num_workers=0))
+    ours = losses(train(config))
+    assert len(ours) == 3 and all(0 < x < 20 for x in ours)
+    assert ours == losses(run(SMALL + ["--micro-batch-size", "2", "--train-iters", "3"]))
+
+
 def _weights(path):
     model, _, _ = ckpt.load_model_from_checkpoint(path)
     return model.state_dict()
@@ -106,7 +123,7 @@ def test_yaml_config_and_unknown_key(tmp_path):
     good = tmp_path / "run.yaml"
     good.write_text("train-iters: 7\nmicro_batch_size: 3\n")
     args = parse_train_args(["--config", str(good), "--train-iters", "9"])
-    assert args.train_iters == 9 and args.micro_batch_size == 3
+    assert args.train.train_iters == 9 and args.train.micro_batch_size == 3
     bad = tmp_path / "bad.yaml"
     bad.write_text("train-itres: 7\n")
     with pytest.raises(ConfigError, match="train-itres"):
@@ -114,8 +131,8 @@ def test_yaml_config_and_unknown_key(tmp_path):
 
 
 def test_fp8_hybrid_synonym():
-    assert parse_train_args(["--fp8-hybrid"]).fp8_format == "hybrid"
-    assert parse_train_args(["--fp8-format", "e4m3"]).fp8_format == "e4m3"
+    assert parse_train_args(["--fp8-hybrid"]).fp8.fp8_format == "hybrid"
+    assert parse_train_args(["--fp8-format", "e4m3"]).fp8.fp8_format == "e4m3"
 
 
 def test_fp8_telemetry_is_logged_only_when_asked_for():

@@ -1,4 +1,4 @@
-"""megadlms.fp8.check: the `fp8-check` command on the CPU and on an unsupported GPU."""
+"""megadlms.cli.fp8_check: the `fp8-check` command on the CPU and on an unsupported GPU."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from megadlms.fp8 import check
+from megadlms.cli import fp8_check as check
 
 
 def _args(*argv: str) -> argparse.Namespace:

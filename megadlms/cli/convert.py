@@ -19,7 +19,7 @@ import torch
 
 from ..config import ATTN_MASK_TYPES
 from ..errors import report_errors
-from .hf import (
+from ..interop.hf import (
     DEFAULT_MAX_SHARD_SIZE,
     DTYPES,
     InteropError,
@@ -33,8 +33,8 @@ from .hf import (
     save_hf_model,
     tokenizer_vocab_size,
 )
-from .mask_token import DEFAULT_MASK_TOKEN, VOCAB_MULTIPLE, add_mask_rows, add_token_to_tokenizer, source_rows
-from .verify import DEFAULT_TOLERANCE, VerifyResult, verify_against_folder
+from ..interop.mask_token import DEFAULT_MASK_TOKEN, VOCAB_MULTIPLE, add_mask_rows, add_token_to_tokenizer, source_rows
+from ..interop.verify import DEFAULT_TOLERANCE, VerifyResult, verify_against_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -205,7 +205,7 @@ def _verify_pair(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m megadlms.interop.convert ...` (the same as `megadlms convert ...`)."""
+    """`python -m megadlms.cli.convert ...` (the same as `megadlms convert ...`)."""
     parser = argparse.ArgumentParser(prog="megadlms convert", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

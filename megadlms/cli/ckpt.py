@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from . import checkpoint as ckpt
+from ..training import checkpoint as ckpt
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from ..diffusion.bd3lm_sampler import bd3lm_generate_tokens, generated_rows
 from ..diffusion.fast_sampler import fast_generate_tokens
 from ..diffusion.sampler import REMASKING, generate_tokens, prepare_prompts
 from ..errors import report_errors
-from .ar import ar_generate_tokens
+from ..generate.ar import ar_generate_tokens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -205,7 +205,7 @@ def _run(args: argparse.Namespace) -> int:
     device = _device(args.device)
     model, cfg, tok_path = load_model(args, device)
     if args.fuse_projections if args.fuse_projections is not None else device.type == "cuda":
-        from .fuse import fuse_projections
+        from ..generate.fuse import fuse_projections
 
         fuse_projections(model)  # after load_model has set the final device and dtype
     if args.compile:

@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
+from megadlms.cli import generate as cli
 from megadlms.config import TransformerConfig
 from megadlms.diffusion.fast_sampler import fast_generate
 from megadlms.diffusion.sampler import generate
-from megadlms.generate import cli
 from megadlms.generate.ar import ar_generate
 from megadlms.model import TransformerLM
 from megadlms.training.checkpoint import save_model_checkpoint

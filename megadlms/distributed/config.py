@@ -1,0 +1,39 @@
+"""`ParallelConfig`: how a run is spread over ranks (fields named after the Megatron-LM flags' dests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ConfigError, check_at_least, check_choice
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False  # with TP: norms on seq_length / tp positions per rank
+    data_parallel_sharding_strategy: str = "no_shard"  # DDP | FSDP2 ZeRO-1 / -2 / -3 (`data_parallel`)
+    use_distributed_optimizer: bool = False  # Megatron's spelling of no_shard -> optim
+    overlap_grad_reduce: bool = False  # accepted: DDP and FSDP2 always overlap the gradient reduction
+    overlap_param_gather: bool = False  # FSDP2: prefetch the next layer's parameters
+    tp_only_amax_red: bool = False  # reduce FP8 amaxes over the TP group only
+    distributed_backend: str | None = None  # None: nccl on GPUs, gloo on CPU
+
+    def __post_init__(self) -> None:
+        check_at_least(self, {"tensor_model_parallel_size": 1})
+        check_choice(self, "data_parallel_sharding_strategy", SHARDING_STRATEGIES)
+        if self.distributed_backend is not None:
+            check_choice(self, "distributed_backend", BACKENDS)
+        if self.overlap_param_gather and self.sharding_strategy == "no_shard":
+            raise ConfigError("--overlap-param-gather overlaps the all-gather of sharded parameters, and "
+                              "--data-parallel-sharding-strategy no_shard has none; add --use-distributed-optimizer "
+                              "or pick optim, optim_grads or optim_grads_params")
+
+    @property
+    def sharding_strategy(self) -> str:
+        """The strategy to apply: --use-distributed-optimizer turns no_shard into optim (Megatron)."""
+        if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
+            return "optim"
+        return self.data_parallel_sharding_strategy

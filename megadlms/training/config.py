@@ -1,0 +1,279 @@
+"""The typed configuration of a training run: `RunConfig`, made of one dataclass per concern.
+
+Built once, from flags (`megadlms.training.args.parse_train_args`), a YAML file of flag values, or directly in
+Python; the trainer, the model pipeline and the data loaders read only these objects. Every field is named after
+its flag's dest (`--lr-warmup-iters` -> `TrainConfig.lr_warmup_iters`), so flags map onto fields by name: a new
+flag needs a field of the same name in one section, nothing else. Each section validates itself in
+`__post_init__`; errors name the flag, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from ..config import (
+    FP8_AMAX_ALGOS,
+    FP8_FORMATS,
+    FP8_RECIPES,
+    ConfigError,
+    TransformerConfig,
+    check_at_least,
+    check_choice,
+)
+from ..data.args import DataSourceConfig
+from ..diffusion.objective import PMASK_MODES, RUNNING_MODES, ObjectiveConfig
+from ..distributed.config import ParallelConfig
+from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
+
+_MODEL_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+@dataclass
+class ModelConfig:
+    """Which architecture: a preset name, a Hugging Face config.json (or a folder holding one), and overrides.
+
+    Every other field is a TransformerConfig field of the same name; None keeps the preset's value."""
+
+    model_path: str = "tiny"
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    ffn_hidden_size: int | None = None
+    seq_length: int | None = None
+    max_position_embeddings: int | None = None
+    rotary_base: float | None = None
+    norm_epsilon: float | None = None
+    init_method_std: float | None = None
+    qk_layernorm: bool | None = None
+    untie_embeddings_and_output_weights: bool | None = None
+
+    def overrides(self) -> dict[str, Any]:
+        """The TransformerConfig fields this config sets (those not None)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name in _MODEL_FIELDS and getattr(self, f.name) is not None}
+
+
+@dataclass
+class DiffusionConfig:
+    """The training objective: masked diffusion (difflm-noshift, bidirectional) or autoregressive (vanilla)."""
+
+    model_running_mode: str = "difflm-noshift"
+    mask_token: int | None = None  # None: the tokenizer's <|mask|>, else the model config's
+    difflm_eps: float = 1e-3
+    difflm_pmask: str = "sampled"
+    difflm_varilen_prob: float = 0.01
+    attention_anneal_iters: int = 0  # AR -> DLM: causal attention annealed into bidirectional over this many steps
+    block_size: int | None = None  # bd3lm: tokens per block (divides seq_length)
+    bd3lm_clip_min: float = 1e-3  # bd3lm: the clipped noise schedule's range of t
+    bd3lm_clip_max: float = 1.0
+    bd3lm_noise_per: str = "block"  # bd3lm: one t per "block" or per "sequence"
+
+    def __post_init__(self) -> None:
+        check_choice(self, "model_running_mode", RUNNING_MODES)
+        check_choice(self, "difflm_pmask", PMASK_MODES)
+        check_choice(self, "bd3lm_noise_per", ("block", "sequence"))
+        check_at_least(self, {"mask_token": 0, "attention_anneal_iters": 0})
+
+    @property
+    def attn_mask_type(self) -> str:
+        return "causal" if self.model_running_mode == "vanilla" else "bidirectional"
+
+    def objective(self, mask_token_id: int | None) -> ObjectiveConfig:
+        return ObjectiveConfig(mode=self.model_running_mode, mask_token_id=mask_token_id or 0, eps=self.difflm_eps,
+                               pmask=self.difflm_pmask, varilen_prob=self.difflm_varilen_prob)
+
+
+@dataclass
+class TrainConfig:
+    """Optimization, schedule, precision and execution, evaluation and logging."""
+
+    train_iters: int = 1000
+    exit_interval: int | None = None  # stop (after saving) at a multiple of this
+    micro_batch_size: int = 8
+    global_batch_size: int | None = None  # None: micro_batch_size x data-parallel size
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "cosine"
+    lr_decay_iters: int | None = None  # None: train_iters
+    lr_wsd_decay_iters: int | None = None  # None: a tenth of the decay iterations
+    lr_wsd_decay_style: str = "linear"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # 0: no clipping
+    seed: int = 1234
+    device: str | None = None  # None: cuda when available
+    bf16: bool | None = None  # bf16 autocast; None: on for CUDA
+    fp32: bool = False  # no autocast, also on CUDA
+    compile: bool | None = None  # torch.compile the layers; None: on for CUDA
+    recompute_granularity: str | None = None  # "full": activation checkpointing of every layer
+    cuda_graphs: str = "auto"
+    loss_chunk_tokens: int | None = None  # None: 8192 for vocabularies >= 32768 tokens, else 0 (plain logits)
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    log_interval: int = 10
+    tensorboard_dir: str | None = None
+    generate_sample: bool = False  # print a sample at the end
+    no_progress: bool = False
+    wandb_project: str | None = None  # log the metrics to Weights & Biases too (the wandb extra)
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    exit_signal_handler: bool = True  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 0
+    exit_duration_in_mins: float | None = None  # save and stop after this many minutes
+    max_skipped_steps: int = 10  # stop after this many consecutive steps skipped for a non-finite loss/gradient
+
+    def __post_init__(self) -> None:
+        # 0 for an interval or count means "never" / "none"
+        check_at_least(self, {"train_iters": 1, "micro_batch_size": 1, "global_batch_size": 1, "log_interval": 1,
+                              "lr_decay_iters": 1, "lr_warmup_iters": 0, "lr_wsd_decay_iters": 0,
+                              "eval_interval": 0, "eval_iters": 0, "exit_interval": 0, "loss_chunk_tokens": 0,
+                              "exit_duration_in_mins": 0.0, "max_skipped_steps": 0,
+                              "seed": 0, "lr": 0.0, "min_lr": 0.0, "weight_decay": 0.0, "clip_grad": 0.0})
+        if self.seed >= 2**32:
+            raise ConfigError(f"--seed {self.seed} must be below 2**32 (numpy's seed range)")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"--{name.replace('_', '-')} {value} must be in [0, 1), e.g. 0.9 / 0.95")
+        if not self.adam_eps > 0.0:
+            raise ConfigError(f"--adam-eps {self.adam_eps} must be > 0, e.g. 1e-8")
+        check_choice(self, "lr_decay_style", LR_DECAY_STYLES)
+        check_choice(self, "lr_wsd_decay_style", WSD_DECAY_STYLES)
+        check_choice(self, "cuda_graphs", ("auto", "on", "off"))
+        if self.recompute_granularity is not None:
+            check_choice(self, "recompute_granularity", ("full",))
+
+    def compile_on(self, device: torch.device) -> bool:
+        """Whether the layers are compiled: `compile`, or when unset, on for CUDA."""
+        return device.type == "cuda" if self.compile is None else self.compile
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype | None:
+        """The autocast dtype: bf16 (default on CUDA, --bf16 elsewhere), or None for fp32 (--fp32)."""
+        if self.fp32:
+            return None
+        if self.bf16 or device.type == "cuda":
+            return torch.bfloat16
+        return None
+
+
+@dataclass
+class FP8Config:
+    """FP8 training (Transformer Engine / Megatron-Core semantics); off while fp8_format is None.
+
+    Fields shared with TransformerConfig keep its names and meanings; `model_fields` hands them over."""
+
+    fp8_format: str | None = None  # "e4m3" | "hybrid" (E4M3 forward, E5M2 gradients)
+    fp8_recipe: str = "delayed"
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_wgrad: bool = True
+    activation_func_fp8_input_store: bool = False
+    fp8_fuse_projections: bool = True
+    fp8_fuse_mlp: bool = True
+    fp8_fprop_fast_accum: bool = True
+    fp8_dot_product_attention: bool = False
+    first_last_layers_bf16: bool = False  # keep num_layers_at_{start,end}_in_bf16 layers in BF16
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    fp8_stats: bool = False  # log amax / underflow / saturation per tensor role every log interval
+
+    def __post_init__(self) -> None:
+        if self.fp8_format is not None:
+            check_choice(self, "fp8_format", FP8_FORMATS)
+        check_choice(self, "fp8_recipe", FP8_RECIPES)
+        check_choice(self, "fp8_amax_compute_algo", FP8_AMAX_ALGOS)
+        check_at_least(self, {"fp8_margin": 0, "fp8_amax_history_len": 1, "num_layers_at_start_in_bf16": 0,
+                              "num_layers_at_end_in_bf16": 0})
+
+    @property
+    def enabled(self) -> bool:
+        return self.fp8_format is not None
+
+    def model_fields(self) -> dict[str, Any]:
+        """The TransformerConfig FP8 fields for this config."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _MODEL_FIELDS}
+        shared.update(fp8=self.enabled, fp8_format=self.fp8_format or "hybrid")
+        if not self.first_last_layers_bf16:
+            shared.update(num_layers_at_start_in_bf16=0, num_layers_at_end_in_bf16=0)
+        return shared
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None  # checkpoint folder
+    save_interval: int | None = None  # None: only at the end
+    load: str | None = None  # resume from this folder
+    ckpt_step: int | None = None  # load this iteration instead of the latest
+    finetune: bool = False  # model weights only: fresh optimizer and iteration
+    use_checkpoint_args: bool = False  # the architecture of the checkpoint given by `load`
+    async_save: bool = False  # write in the background; committed at the next save or the end
+    ckpt_keep_last: int | None = None  # keep only the newest N checkpoints (None: all)
+    ckpt_save_failures_ok: int = 0  # go on training after up to N failed saves
+
+    def __post_init__(self) -> None:
+        check_at_least(self, {"save_interval": 0, "ckpt_step": 0, "ckpt_keep_last": 1, "ckpt_save_failures_ok": 0})
+        if self.use_checkpoint_args and not self.load:
+            raise ConfigError("--use-checkpoint-args needs --load DIR")
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run is built from. `megadlms.training.train(RunConfig(...))` trains without flags."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    objective: DiffusionConfig = field(default_factory=DiffusionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataSourceConfig = field(default_factory=DataSourceConfig)
+
+    def __post_init__(self) -> None:
+        if self.fp8.fp8_dot_product_attention and not self.fp8.enabled:
+            raise ConfigError("--fp8-dot-product-attention runs attention in FP8 inside the FP8 layers; add "
+                              "--fp8-format hybrid (or e4m3), or drop it")
+
+    @classmethod
+    def sections(cls) -> dict[str, type]:
+        """Section name -> its dataclass."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def section_of(cls) -> dict[str, str]:
+        """Field (= flag dest) name -> the section holding it."""
+        owner: dict[str, str] = {}
+        for section, kind in cls.sections().items():
+            for f in dataclasses.fields(kind):
+                if f.name in owner:
+                    raise TypeError(f"field {f.name!r} is in both RunConfig.{owner[f.name]} and .{section}")
+                owner[f.name] = section
+        return owner
+
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any]) -> RunConfig:
+        """A RunConfig from flag-named values (parsed flags, or a YAML file's keys with dashes or underscores);
+        fields not given keep their defaults."""
+        owner = cls.section_of()
+        parts: dict[str, dict[str, Any]] = {name: {} for name in cls.sections()}
+        for key, value in values.items():
+            name = str(key).lstrip("-").replace("-", "_")
+            if name not in owner:
+                raise ConfigError(f"unknown setting {key!r}: not a training flag (keys are flag names, e.g. "
+                                  "train-iters)")
+            parts[owner[name]][name] = value
+        return cls(**{name: kind(**parts[name]) for name, kind in cls.sections().items()})
+
+    def to_flat(self) -> dict[str, Any]:
+        """Flag dest -> value, over all sections (the inverse of `from_flat`)."""
+        return {k: v for section in self.sections() for k, v in dataclasses.asdict(getattr(self, section)).items()}

@@ -1,0 +1,34 @@
+"""megadlms.cli.export: `megadlms export` of a checkpoint, read back through the FP8 inference model."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from safetensors import safe_open
+
+from megadlms.build import build_model
+from megadlms.cli import export
+from megadlms.config import TransformerConfig
+from megadlms.fp8 import Float8Linear
+from megadlms.fp8.export import load_fp8_export
+from megadlms.training.checkpoint import save_model_checkpoint
+
+
+def test_export_command_from_checkpoint(tmp_path, capsys):
+    cfg = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=96,
+                            seq_length=32, fp8=True, add_qkv_bias=True, num_layers_at_end_in_bf16=1)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    assert any(isinstance(m, Float8Linear) for m in model.modules())
+    save_model_checkpoint(tmp_path / "ckpt", model, cfg)
+    parser = argparse.ArgumentParser()
+    export.add_arguments(parser)
+    assert export.run(parser.parse_args(["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "out"),
+                                         "--fp8"])) == 0
+    out = capsys.readouterr().out
+    assert "MiB" in out and "BF16 export" in out
+    loaded, _ = load_fp8_export(tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        stored = f.get_tensor("layers.1.self_attn.o_proj.weight")
+    assert torch.equal(loaded.layers[1].self_attn.o_proj.weight.view(torch.uint8), stored.view(torch.uint8))

@@ -1,0 +1,82 @@
+"""megadlms.training.config: the typed run configuration, its mapping from flags and its validation."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+from megadlms.config import ConfigError, TransformerConfig
+from megadlms.training.args import PARSE_ONLY, build_parser, parse_train_args, run_config_from_args
+from megadlms.training.config import (
+    CheckpointConfig,
+    DiffusionConfig,
+    FP8Config,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from megadlms.training.trainer import resolve_model_config
+
+
+def test_every_flag_is_a_field_and_the_defaults_agree():
+    parser = build_parser()
+    dests = {a.dest for a in parser._actions} - set(PARSE_ONLY)
+    assert dests == set(RunConfig.section_of())  # and no field without a flag
+    args = parser.parse_args([])
+    args.generate_sample = False  # parse_train_args resolves None: on for the bundled demo only
+    assert run_config_from_args(args) == RunConfig()
+
+
+def test_flags_and_yaml_fill_the_sections_by_name(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"train-iters": 7, "fp8_format": "e4m3", "tensor-model-parallel-size": 2,
+                                    "num-layers": 3, "save": "ck", "data-path": ["a", "b"]}))
+    cfg = parse_train_args(["--config", str(path), "--train-iters", "9", "--difflm-eps", "0.01"])
+    assert (cfg.train.train_iters, cfg.fp8.fp8_format, cfg.parallel.tensor_model_parallel_size) == (9, "e4m3", 2)
+    assert (cfg.model.num_layers, cfg.checkpoint.save, cfg.data.data_path) == (3, "ck", ["a", "b"])
+    assert cfg.objective.difflm_eps == 0.01 and cfg.train.generate_sample is False
+    assert RunConfig.from_flat(cfg.to_flat()) == cfg
+    with pytest.raises(ConfigError, match="unknown setting 'train_iter'"):
+        RunConfig.from_flat({"train_iter": 3})
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: TrainConfig(lr=-1.0), "--lr -1.0 must be >= 0.0"),
+    (lambda: TrainConfig(lr_decay_style="step"), "--lr-decay-style 'step' is not one of"),
+    (lambda: TrainConfig(cuda_graphs="maybe"), "--cuda-graphs 'maybe' is not one of \\['auto', 'on', 'off'\\]"),
+    (lambda: FP8Config(fp8_format="e5m2"), "--fp8-format 'e5m2' is not one of \\['e4m3', 'hybrid'\\]"),
+    (lambda: FP8Config(fp8_amax_history_len=0), "--fp8-amax-history-len 0 must be >= 1"),
+    (lambda: DiffusionConfig(model_running_mode="ar"), "--model-running-mode 'ar' is not one of"),
+    (lambda: CheckpointConfig(use_checkpoint_args=True), "--use-checkpoint-args needs --load DIR"),
+    (lambda: RunConfig(fp8=FP8Config(fp8_dot_product_attention=True)), "add --fp8-format hybrid"),
+])
+def test_each_section_validates_itself(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+def test_model_overrides_are_the_set_transformer_fields():
+    model_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    assert {f.name for f in dataclasses.fields(ModelConfig)} - model_fields == {"model_path"}
+    assert ModelConfig(num_layers=3, qk_layernorm=False).overrides() == {"num_layers": 3, "qk_layernorm": False}
+    fp8 = FP8Config(fp8_format="e4m3", fp8_recipe="tensorwise", num_layers_at_start_in_bf16=2)
+    fields = fp8.model_fields()
+    assert fields["fp8"] is True and fields["fp8_recipe"] == "tensorwise"
+    assert fields["num_layers_at_start_in_bf16"] == 0  # only with first_last_layers_bf16
+    both = dataclasses.replace(fp8, first_last_layers_bf16=True).model_fields()
+    assert (both["num_layers_at_start_in_bf16"], both["num_layers_at_end_in_bf16"]) == (2, 1)
+    assert FP8Config().model_fields()["fp8"] is False
+
+
+def test_model_config_of_a_run():
+    run = RunConfig(model=ModelConfig(model_path="tiny", seq_length=2048), objective=DiffusionConfig(mask_token=7))
+    cfg = resolve_model_config(run, vocab_size=1000, mask_id=3)
+    # the tiny preset takes the tokenizer's vocabulary; a longer sequence raises the position limit
+    assert (cfg.vocab_size, cfg.seq_length, cfg.max_position_embeddings) == (1000, 2048, 2048)
+    assert cfg.mask_token_id == 7 and cfg.attn_mask_type == "bidirectional" and not cfg.fp8
+    ar = RunConfig(objective=DiffusionConfig(model_running_mode="vanilla"), fp8=FP8Config(fp8_format="hybrid"))
+    cfg = resolve_model_config(ar, vocab_size=None, mask_id=None)
+    assert (cfg.vocab_size, cfg.attn_mask_type, cfg.fp8, cfg.mask_token_id) == (4096, "causal", True, None)
+    qwen = RunConfig(model=ModelConfig(model_path="qwen3-0.6b", num_layers=1))
+    with pytest.raises(ConfigError, match="the tokenizer has 200000 tokens but the model's vocab_size is 151936"):
+        resolve_model_config(qwen, vocab_size=200000, mask_id=1)
