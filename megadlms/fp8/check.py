@@ -13,8 +13,9 @@ import argparse
 import torch
 
 from .attention import FP8AttentionUnsupportedError, check_fp8_attention_support
+from .gemm import scaled_mm
 from .hardware import FP8UnsupportedError, check_fp8_support, default_device, fp8_backend_note
-from .quantize import E4M3, quantize_tensorwise, scaled_mm
+from .quantize import E4M3, quantize_tensorwise
 
 # E4M3 keeps 3 mantissa bits: ~2-3% relative error per operand on Gaussian data, ~4% for a product
 MAX_REL_ERROR = 0.08

@@ -110,7 +110,7 @@ TRAINING = COMMON + textwrap.dedent("""
     recipe = DelayedScaling(amax_history_len=4)
     fused = convert_to_fp8(copy.deepcopy(base), recipe, activation_func_fp8_input_store=store)
     plain = convert_to_fp8(copy.deepcopy(base), recipe, activation_func_fp8_input_store=store, fuse_mlp=False)
-    calls = fused.layers[0].mlp.forward
+    calls = fused.layers[0].mlp.fusion
     for it, s in enumerate((24, 24, 23, 24)):  # 23 x 2 tokens: padded to 48 rows inside
         tokens = torch.randint(0, 128, (2, s))
         la, ga = step(fused, tokens)
@@ -142,7 +142,7 @@ CURRENT = COMMON + textwrap.dedent("""
     base = TransformerLM(cfg())
     fused = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling())
     plain = convert_to_fp8(copy.deepcopy(base), Float8CurrentScaling(), fuse_mlp=False)
-    calls = fused.layers[0].mlp.forward
+    calls = fused.layers[0].mlp.fusion
     rel = lambda a, b: float((a - b).float().norm() / b.float().norm())
     for it, s in enumerate((24, 23, 24)):
         tokens = torch.randint(0, 128, (2, s))
@@ -282,8 +282,9 @@ def test_fused_path_needs_delayed_scales_and_no_telemetry(monkeypatch):
     fused path, with torch standing in for the kernels, trains like the unfused."""
     _torch_kernels(monkeypatch)
     _, fused, plain = _fused_and_plain(DelayedScaling())
-    mlp_fwd = fused.layers[0].mlp.forward
-    assert isinstance(mlp_fwd, FusedFloat8MLP) and "forward" not in plain.layers[0].mlp.__dict__
+    mlp_fwd = fused.layers[0].mlp.fusion
+    assert isinstance(mlp_fwd, FusedFloat8MLP) and plain.layers[0].mlp.fusion is None
+    assert "(fusion): FusedFloat8MLP(\n    gate_proj, up_proj, act_fn, down_proj" in repr(fused.layers[0].mlp)
     torch.manual_seed(1)
     _train_steps(fused, 1)
     assert mlp_fwd.num_fused_calls == 0
@@ -307,7 +308,7 @@ def test_current_scaling_fuses_the_mlp_from_its_first_step(monkeypatch):
     keeps the unfused MLP."""
     _torch_kernels(monkeypatch)
     base, fused, plain = _fused_and_plain(Float8CurrentScaling())
-    mlp_fwd = fused.layers[0].mlp.forward
+    mlp_fwd = fused.layers[0].mlp.fusion
     assert isinstance(mlp_fwd, FusedFloat8MLP)
     tokens = torch.randint(0, 128, (2, 16))
     with fp8_autocast():
@@ -321,7 +322,7 @@ def test_current_scaling_fuses_the_mlp_from_its_first_step(monkeypatch):
     assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
     assert all(triton_swiglu._state["amax_ok"].values()) and len(triton_swiglu._state["amax_ok"]) == 2
     rowwise = convert_to_fp8(copy.deepcopy(base), Float8RowwiseScaling())
-    assert "forward" not in rowwise.layers[0].mlp.__dict__
+    assert rowwise.layers[0].mlp.fusion is None
 
 
 def test_an_amax_kernel_that_fails_its_first_check_is_switched_off(monkeypatch):
