@@ -91,10 +91,9 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, args: argparse.Nam
                    prefetch=bool(getattr(args, "overlap_param_gather", False)))
         if strategy in ("optim_grads", "optim_grads_params") and getattr(model.config, "fp8", False):
             # these strategies free gathered weights between micro-batches; an FP8 weight cache would keep them
-            from ..fp8 import fp8_modules
+            from ..fp8 import set_fp8_weight_caching
 
-            for m in fp8_modules(model):
-                m.cache_weight = False
+            set_fp8_weight_caching(model, False)
     if ctx.distributed and ctx.is_main:
         tp = f"tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if sequence_parallel else ''}"
         dp = f"data parallel: {_describe(strategy, ctx.tp_size)} over {ctx.dp_size} ranks"

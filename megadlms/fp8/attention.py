@@ -27,8 +27,8 @@ import torch
 
 from ..errors import MegaDLMsError
 from ..model import DotProductAttention, compute_dtype
-from .fused import cast_fp8, compiled
 from .gemm import aligned_scalars
+from .kernels import cast_fp8, compiled
 from .linear import DelayedScalingState, FP8Telemetry, apply_keeping_dtypes
 from .quantize import FP8_MAX, amax_to_scale, quant_stats, quantize
 from .recipe import DelayedScaling, check_recipe

@@ -124,6 +124,19 @@ def invalidate_fp8_weight_caches(model: nn.Module) -> None:
         group.invalidate_fp8_weight_cache()
 
 
+def set_fp8_weight_caching(model: nn.Module, enabled: bool) -> list[Float8Linear]:
+    """Switch the per-step FP8 weight cache (`Float8Linear.cache_weight`) of `model`'s Float8Linears on or off, e.g.
+    off where no later micro-batch reads a cached weight (one micro-batch per step) or where weights are gathered
+    per use (FSDP). Turning it off drops the caches held (the layers' and their fused groups'). Returns the layers
+    whose setting changed (to switch back with `fp8_weight_caching`)."""
+    changed = [m for m in fp8_modules(model) if m.cache_weight != enabled]
+    for m in changed:
+        m.cache_weight = enabled
+    if changed and not enabled:
+        invalidate_fp8_weight_caches(model)
+    return changed
+
+
 @contextlib.contextmanager
 def fp8_weight_caching(model: nn.Module, modules: list[Float8Linear]) -> Iterator[None]:
     """Inside, `modules` (Float8Linears of `model`) keep their FP8 weights between forwards (`cache_weight=True`),

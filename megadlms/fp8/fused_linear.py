@@ -37,8 +37,8 @@ from torch import nn
 
 from ..model import compute_dtype
 from . import triton_cast
-from .fused import _amax, cast_fp8, cast_fp8_cat, current_scale, record_amax, transpose_fp8
 from .gemm import Operand, aligned_scalars, bias_grad, fp8_gemm, wgrad_high_precision
+from .kernels import amax_of, cast_fp8, cast_fp8_cat, current_scale, record_amax, transpose_fp8
 from .linear import GRAD, INPUT, WEIGHT, Float8Linear, FP8WeightCache, check_device_once, take_fp8_weights
 from .quantize import pad_2d, quant_stats, round_up16
 from .state import FP8GlobalStateManager
@@ -46,7 +46,7 @@ from .state import FP8GlobalStateManager
 _SETTINGS = ("recipe", "fp8_wgrad", "cache_weight", "fprop_fast_accum", "backward_fast_accum", "training")
 
 
-class _GroupWeight:
+class GroupWeightCache:
     """The concatenated FP8 weight of one group for one optimizer step."""
 
     __slots__ = ("members", "q", "t", "scale_inv", "scales", "scale_invs", "sizes", "keep_t")
@@ -90,7 +90,7 @@ class FusedFloat8Projection(nn.Module):
         super().__init__()
         self._members = tuple(members)  # a tuple: not registered as children (no second state_dict key)
         self.names = tuple(names)
-        self.weight_cache: _GroupWeight | None = None
+        self.weight_cache: GroupWeightCache | None = None
         self.num_fused_calls = 0  # forwards that took the fused path (tests, debugging)
 
     @classmethod
@@ -151,7 +151,7 @@ class FusedFloat8Projection(nn.Module):
         return tuple(y.view(*x.shape[:-1], n) for y, n in zip(ys, sizes))
 
     # ------------------------------------------------------------------ weights
-    def group_weight(self, mods: list[Float8Linear], want_t: bool) -> _GroupWeight:
+    def group_weight(self, mods: list[Float8Linear], want_t: bool) -> GroupWeightCache:
         """The concatenated FP8 weight for this step: cast on the first micro-batch after any member's weight
         changed (same detection as `Float8Linear.fp8_weight`; `fp8_step` drops the members' caches)."""
         c = self.weight_cache
@@ -177,7 +177,7 @@ class FusedFloat8Projection(nn.Module):
             scale_inv = scale_invs[WEIGHT]
         else:
             kept = [m.kept_weight_amax() for m in mods]
-            amaxes = [a if a is not None else _amax(w) for a, w in zip(kept, ws)]
+            amaxes = [a if a is not None else amax_of(w) for a, w in zip(kept, ws)]
             if record:
                 torch._foreach_maximum_([m.fp8_amax_history[0, WEIGHT] for m in mods], amaxes)
             scale, scale_inv = current_scale(amaxes, fwd, recipe.margin)
@@ -192,13 +192,14 @@ class FusedFloat8Projection(nn.Module):
             if first.cache_weight:
                 m.weight_cache = mc
             member_caches.append(mc)
-        group = _GroupWeight(tuple(member_caches), q, t, scale_inv, scales, scale_invs, tuple(w.shape[0] for w in ws))
+        group = GroupWeightCache(tuple(member_caches), q, t, scale_inv, scales, scale_invs,
+                                 tuple(w.shape[0] for w in ws))
         self.weight_cache = group if first.cache_weight else None
         return group
 
 
-def _cast_shared(mods: tuple[Float8Linear, ...], x: torch.Tensor, role: int, fp8_dtype: torch.dtype,
-                 w: _GroupWeight, record: bool, want_q: bool, want_t: bool
+def cast_group_operand(mods: tuple[Float8Linear, ...], x: torch.Tensor, role: int, fp8_dtype: torch.dtype,
+                 w: GroupWeightCache, record: bool, want_q: bool, want_t: bool
                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Cast of an operand shared by the group (the input, or the concatenated gradient): one scale (the
     smallest member scale when delayed scales exist, else from x's amax); with `record`, x's amax goes into
@@ -213,12 +214,12 @@ def _cast_shared(mods: tuple[Float8Linear, ...], x: torch.Tensor, role: int, fp8
     return q, scale_inv, t
 
 
-def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
-                     w: _GroupWeight, record: bool, want_q: bool, want_t: bool, mp: int
+def cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
+                     w: GroupWeightCache, record: bool, want_q: bool, want_t: bool, mp: int
                      ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """The FP8 cast of the gradient [g_1, ..., g_n] ([M, N_i] each, contiguous) as one operand, padded to mp rows:
     (q [mp, sum N_i] or None, scale_inv, q^T [sum N_i, mp] or None). On CUDA each part is cast straight into
-    its blocks of q and q^T; elsewhere the parts are concatenated and cast by `_cast_shared`."""
+    its blocks of q and q^T; elsewhere the parts are concatenated and cast by `cast_group_operand`."""
     m = parts[0].shape[0]
     if all(triton_cast.available(p) for p in parts):
         slots = [mod.fp8_amax_history[0, GRAD] for mod in mods] if record else []
@@ -227,7 +228,7 @@ def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, 
             scale, scale_inv = w.scales[GRAD], w.scale_invs[GRAD]
             in_kernel = slots if len(slots) <= triton_cast.MAX_AMAX_OUTS else []
         else:
-            amaxes = [_amax(p) for p in parts]
+            amaxes = [amax_of(p) for p in parts]
             scale, scale_inv = current_scale(amaxes, fp8_dtype, mods[0].recipe.margin)
             in_kernel = []
         ncat = sum(p.shape[1] for p in parts)
@@ -247,13 +248,13 @@ def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, 
             col += n
         else:
             if slots and not in_kernel:
-                record_amax(slots, torch.stack(amaxes or [_amax(p) for p in parts]).amax())
+                record_amax(slots, torch.stack(amaxes or [amax_of(p) for p in parts]).amax())
             return gq, scale_inv, gt
     g = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    return _cast_shared(mods, pad_2d(g, mp, g.shape[1]), GRAD, fp8_dtype, w, record, want_q, want_t)
+    return cast_group_operand(mods, pad_2d(g, mp, g.shape[1]), GRAD, fp8_dtype, w, record, want_q, want_t)
 
 
-def _record_group_stats(mods: tuple[Float8Linear, ...], w: _GroupWeight, ws: tuple[torch.Tensor, ...],
+def _record_group_stats(mods: tuple[Float8Linear, ...], w: GroupWeightCache, ws: tuple[torch.Tensor, ...],
                         xp: torch.Tensor, xq: torch.Tensor, x_si: torch.Tensor, numel: int) -> None:
     """FP8 telemetry of a fused forward: the shared input cast for every member, and each member's rows of the
     concatenated weight cast once per statistics window (as `Float8Linear.fp8_weight` records its weight)."""
@@ -286,7 +287,7 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
         want_wt = grad_follows and any(w.requires_grad for w in ws)
         w = group.group_weight(list(mods), want_wt and first.cache_weight)  # uncached: W^T made in the backward
         want_xt = need_w and first.fp8_wgrad
-        xq, x_si, xt = _cast_shared(mods, xp, INPUT, fwd, w, delayed and first.training, True, want_xt)
+        xq, x_si, xt = cast_group_operand(mods, xp, INPUT, fwd, w, delayed and first.training, True, want_xt)
         if first.collect_fp8_stats:
             _record_group_stats(mods, w, ws, xp, xq, x_si, m * k)
         y = fp8_gemm(Operand(xq, x_si), w.rows, out_dtype, first.fprop_fast_accum)
@@ -319,7 +320,7 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
         bwd = recipe.fp8_format.bwd_dtype
         delayed = first.quantizers[INPUT].keeps_history
         x_saved, x_si = ctx.saved_tensors
-        w: _GroupWeight
+        w: GroupWeightCache
         (w,) = take_fp8_weights(ctx, "wcache")
         m, k = ctx.dims
         mp = round_up16(m)
@@ -331,7 +332,7 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
         dx = None
         dws: list[torch.Tensor | None] = [None] * n_mod
         if need_dx or fp8_wgrad:
-            gq, g_si, gt = _cast_grad_parts(mods, gs, bwd, w, delayed, need_dx, fp8_wgrad, mp)
+            gq, g_si, gt = cast_grad_parts(mods, gs, bwd, w, delayed, need_dx, fp8_wgrad, mp)
             if first.collect_fp8_stats:  # each member: its gradient against its columns of the FP8 gradient
                 col, scale = 0, g_si.reciprocal()
                 for mod, g in zip(mods, gs):

@@ -33,13 +33,13 @@ from torch import nn
 
 from ..model import SwiGLU, compute_dtype
 from . import triton_swiglu
-from .fused import current_scale
-from .fused_linear import FusedFloat8Projection, _cast_grad_parts, _cast_shared
+from .fused_linear import FusedFloat8Projection, cast_grad_parts, cast_group_operand
 from .gemm import Operand, fp8_gemm
+from .kernels import current_scale
 from .linear import GRAD, INPUT, Float8Linear, take_fp8_weights
 from .quantize import pad_2d, round_up16
 from .state import FP8GlobalStateManager
-from .swiglu import SwiGLUFP8InputStore, _quantize_rows
+from .swiglu import SwiGLUFP8InputStore, quantize_rows
 
 
 class FusedFloat8MLP(nn.Module):
@@ -133,7 +133,7 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         # uncached weights: W^T for the input gradient is made in the backward (as in the layers' own paths)
         wgu = fused.gate_up.group_weight(list(gu), grad_follows and (w_gate.requires_grad or w_up.requires_grad)
                                           and down.cache_weight)
-        xq, x_si, xt = _cast_shared(gu, xp, INPUT, fwd, wgu, record, True, need_wgu)
+        xq, x_si, xt = cast_group_operand(gu, xp, INPUT, fwd, wgu, record, True, need_wgu)
         y = fp8_gemm(Operand(xq, x_si), wgu.rows, out_dtype, gu[0].fprop_fast_accum)  # [mp, 2F]
         # the SwiGLU straight into the down projection's FP8 input (h and h^T for its weight gradient)
         wd = down.fp8_weight(grad_follows)
@@ -159,8 +159,8 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         saved_y: tuple[torch.Tensor, ...] = ()
         if grad_follows:
             if store_fp8:  # activation_func_fp8_input_store: E4M3 with one scale per row, as SwiGLUFP8InputStore
-                gq, g_si = _quantize_rows(y[:, :f])
-                uq, u_si = _quantize_rows(y[:, f:])
+                gq, g_si = quantize_rows(y[:, :f])
+                uq, u_si = quantize_rows(y[:, f:])
                 saved_y = (gq, uq, g_si.reshape(-1), u_si.reshape(-1))
             else:
                 saved_y = (y,)
@@ -216,7 +216,7 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
             if row_scales is not None:
                 gate, up = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
             d_gate, d_up = (d.to(ctx.out_dtype) for d in triton_swiglu.swiglu_bwd_ref(dh, gate, up))
-            dq, d_si, dt = _cast_grad_parts(gu, (d_gate, d_up), bwd, wgu, ctx.delayed, need_dx, need_wgu, mp)
+            dq, d_si, dt = cast_grad_parts(gu, (d_gate, d_up), bwd, wgu, ctx.delayed, need_dx, need_wgu, mp)
         dx = None
         if need_dx:
             dx = fp8_gemm(Operand(dq, d_si), wgu.cols(), ctx.x_dtype, bwd_fast)[:m]

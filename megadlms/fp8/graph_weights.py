@@ -26,10 +26,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .fused_linear import FusedFloat8Projection, _GroupWeight
+from .fused_linear import FusedFloat8Projection, GroupWeightCache
 from .fused_mlp import fused_projections
-from .linear import Float8Linear, FP8WeightCache
-from .recipe import Float8RowwiseScaling
+from .linear import WEIGHT, Float8Linear, FP8WeightCache
 
 
 def _copy_into(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
@@ -50,7 +49,7 @@ class StepFP8Weights:
         grouped = {id(m) for g in self.groups for m in g.members()}
         self.modules = [m for m in layers.modules() if isinstance(m, Float8Linear)]
         self.single = [m for m in self.modules if id(m) not in grouped]
-        self.captured_groups: list[_GroupWeight] = []
+        self.captured_groups: list[GroupWeightCache] = []
         self.captured_single: list[FP8WeightCache] = []
         self.num_refreshes = 0
 
@@ -59,13 +58,13 @@ class StepFP8Weights:
         """Whether the layers' FP8 weights can be cast outside the graphs: per-tensor recipes, caching on."""
         mods = [m for m in layers.modules() if isinstance(m, Float8Linear)]
         return bool(mods) and all(type(m) is Float8Linear and m.cache_weight and
-                                  not isinstance(m.recipe, Float8RowwiseScaling) for m in mods)
+                                  m.quantizers[WEIGHT].per_tensor for m in mods)
 
     # ----------------------------------------------------------------- casts
     # Each cast is the eager cache path, writing q only: the backward graph transposes it for the input gradient
     # on every replay and does not keep the transpose.
     @staticmethod
-    def _cast_group(g: FusedFloat8Projection) -> _GroupWeight:
+    def _cast_group(g: FusedFloat8Projection) -> GroupWeightCache:
         c = g.group_weight(g.members(), want_t=False)
         c.keep_t = False
         for mc in c.members:
@@ -111,7 +110,7 @@ class StepFP8Weights:
                 self._refresh_single(m, old)
         self.num_refreshes += 1
 
-    def _refresh_group(self, g: FusedFloat8Projection, old: _GroupWeight) -> None:
+    def _refresh_group(self, g: FusedFloat8Projection, old: GroupWeightCache) -> None:
         new = self._cast_group(g)
         for name in ("q", "scale_inv", "scales", "scale_invs"):  # no t: these caches hold q only
             _copy_into(getattr(old, name), getattr(new, name))

@@ -4,10 +4,13 @@ fprop:  y  = x @ W^T      E4M3 x E4M3
 dgrad:  dx = g @ W        g in E5M2 (HYBRID) or E4M3, W in E4M3
 wgrad:  dW = g^T @ x      g as above, x in E4M3 (or in BF16 with fp8_wgrad=False)
 
-Every GEMM goes through `torch._scaled_mm` (fp32 accumulation; row-major x column-major
-operands). Token counts (and feature dims) that are not multiples of 16 are zero-padded inside
-the layer and the results sliced, so any batch shape works. The gradient is always the left
-operand, which keeps E5M2 x E4M3 within what the CUDA kernels accept.
+The layer's three quantizers (input, weight, grad: `quantizer.py`, one kind per recipe) make the FP8
+operands, each as itself (`rows`) and/or transposed (`cols`); `gemm.fp8_gemm` runs the three GEMMs
+(fp32 accumulation): fprop(x.rows, W.rows), dgrad(g.rows, W.cols), wgrad(g.cols, x.cols). Token counts
+(and feature dims) that are not multiples of 16 are zero-padded inside the layer and the results
+sliced, so any batch shape works. The gradient is always the left operand, which keeps E5M2 x E4M3
+within what the CUDA kernels accept. Nothing here depends on the recipe: a new recipe is a new
+quantizer kind (and its GEMM call in gemm.py).
 
 What is saved for backward: the FP8 copy of the input (1 byte/element) and the FP8 weight, which
 is shared with the per-step weight cache. Without that cache (`cache_weight=False`) the FP8 weight is
@@ -347,7 +350,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
     # ------------------------------------------------------------------ forward
     # Outside torch.compile's graphs: a compiled model breaks its graph here and runs this layer
     # eagerly (its per-step weight cache and scale bookkeeping are Python state), while the FP8
-    # casts inside are compiled functions (`fused.cast_fp8`) and the GEMMs cuBLASLt calls.
+    # casts inside are compiled functions (`kernels.cast_fp8`) and the GEMMs cuBLASLt calls.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.local_params()

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .fused import cast_fp8, transpose_fp8
 from .gemm import Operand
+from .kernels import cast_fp8, transpose_fp8
 from .quantize import quantize_rowwise
 from .recipe import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Recipe
 

@@ -16,8 +16,8 @@ from megadlms.fp8 import (
     fp8_step,
     triton_cast,
 )
-from megadlms.fp8.fused import cast_fp8, cast_fp8_cat
 from megadlms.fp8.fused_linear import FusedFloat8Projection
+from megadlms.fp8.kernels import cast_fp8, cast_fp8_cat
 from megadlms.model import TransformerLM
 
 from .helpers import sgd_step
@@ -254,7 +254,7 @@ def test_one_pass_kernel_paths_equal_the_compiled_cast_paths(monkeypatch, recipe
     monkeypatch.setattr(triton_cast, "available", lambda x: x.dim() == 2 and x.is_contiguous())
     monkeypatch.setattr(triton_cast, "cast_transpose", _emulated_kernel)
     monkeypatch.setitem(triton_cast._state, "ok", True)
-    monkeypatch.setitem(triton_cast._state, "mode", {})
+    monkeypatch.setitem(triton_cast._state, "checked", {})
     got = [_step(fused, tokens) for _ in range(3)], [_step(unfused, tokens) for _ in range(3)]
     for runs_ref, runs_got in zip(ref, got):
         for (l1, g1), (l2, g2) in zip(runs_ref, runs_got):
@@ -263,7 +263,8 @@ def test_one_pass_kernel_paths_equal_the_compiled_cast_paths(monkeypatch, recipe
                 assert torch.equal(g1[n], g2[n]), n
     for (n, a), (_, b) in zip(fused.named_buffers(), other.named_buffers()):
         assert torch.equal(a, b), n
-    assert triton_cast._state["ok"] and len(triton_cast._state["mode"]) >= 4
+    assert triton_cast._state["ok"] and len(triton_cast._state["checked"]) >= 4
+    assert all(triton_cast._state["checked"].values())
 
 
 def test_fp8_telemetry_is_recorded_on_the_fused_path():
