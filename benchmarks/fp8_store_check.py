@@ -12,7 +12,11 @@ whose q^T is not q transposed byte for byte (and whose q differs from the torch 
     python3 benchmarks/fp8_store_check.py --calls 40 --ptxas torch   # with torch's (what the trainer uses)
     python3 benchmarks/fp8_store_check.py --calls 40 --ptxas PATH    # with another one
 
-Prints one row per kernel and formulation: calls, calls with a wrong q^T, wrong elements, calls with a wrong q.
+Prints one row per kernel and formulation: calls, calls with a wrong q^T, wrong elements, calls with a wrong q,
+and whether it is the formulation training runs (`triton_cast.production_formulation`,
+`triton_swiglu.production_formulation`: one per kernel, checked once against torch on its first call). This study
+is where the choice of that formulation (and of torch's ptxas, `triton_cast.use_torch_ptxas`) is made and
+revisited; the library itself does not search.
 """
 
 from __future__ import annotations
@@ -123,7 +127,11 @@ def run_checks(calls: int, rows: int, hidden: int, ffn: int, smoke: bool = False
                 bad_q_calls += 1
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        results.append({"kernel": name, "formulation": mode, "calls": calls, "bad_t_calls": bad_t_calls,
+        kind = name.split()[0] if name.startswith("cast") else name.split()[1]
+        production = (triton_cast.production_formulation() if kind == "cast"
+                      else triton_swiglu.production_formulation(kind))[0]
+        results.append({"kernel": name, "formulation": mode, "production": mode == production, "calls": calls,
+                        "bad_t_calls": bad_t_calls,
                         "bad_t_elems": bad_t_elems, "first_bad_call": first_bad, "bad_q_calls": bad_q_calls})
         print(json.dumps(results[-1]), flush=True)
     return results
@@ -176,10 +184,10 @@ def main() -> None:
         print(p_.stdout[-3000:] + p_.stderr[-3000:])
         raise SystemExit(f"worker failed (rc {p_.returncode})")
     print(f"\n{'kernel':44s} {'form.':>5s} {'calls':>5s} {'bad q^T calls':>13s} {'bad q^T elems':>13s} "
-          f"{'first bad':>9s} {'bad q calls':>11s}")
+          f"{'first bad':>9s} {'bad q calls':>11s} {'training':>8s}")
     for r in rows:
         print(f"{r['kernel']:44s} {r['formulation']:5d} {r['calls']:5d} {r['bad_t_calls']:13d} {r['bad_t_elems']:13d} "
-              f"{str(r['first_bad_call']):>9s} {r['bad_q_calls']:11d}")
+              f"{str(r['first_bad_call']):>9s} {r['bad_q_calls']:11d} {'yes' if r['production'] else '':>8s}")
 
 
 if __name__ == "__main__":

@@ -211,18 +211,18 @@ def worker(spec: dict) -> None:
 
 
 def fp8_kernel_choices() -> dict[str, str]:
-    """Which formulation of q^T each FP8 Triton kernel variant took after its first-call check (the fallbacks cost
-    one more pass), why a fused SwiGLU formulation was passed over, and the ptxas that compiled them."""
+    """Whether each FP8 Triton kernel variant passed its first-call check (in the one formulation training runs; a
+    variant that failed runs the torch path, or the unfused MLP), why not, and the ptxas that compiled them."""
     from megadlms.fp8 import triton_cast, triton_swiglu
 
     st = triton_swiglu._state
-    out = {f"swiglu {k}": f"formulation {mode}, sw rounding {rnd}" for k, (mode, rnd) in st["mode"].items()}
-    out.update({f"swiglu {k}": "off" for k in st["bad"]})
+    out = {f"swiglu {k}": f"formulation {triton_swiglu.production_formulation(k[0])[0]}" if ok else "off"
+           for k, ok in st["checked"].items()}
     for k, problems in st["rejected"].items():
-        out[f"swiglu {k}"] += " after: " + "; ".join(problems)
-    for k, (mode, _, rnd) in triton_cast._state["mode"].items():
+        out[f"swiglu {k}"] += ": " + "; ".join(problems)
+    for k, ok in triton_cast._state["checked"].items():
         if k[3]:  # with q^T
-            out[f"cast {k}"] = f"formulation {mode}, sw rounding {rnd}"
+            out[f"cast {k}"] = f"formulation {triton_cast.production_formulation()[0]}" if ok else "off"
     out["TRITON_PTXAS_PATH"] = str(os.environ.get("TRITON_PTXAS_PATH"))
     return out
 

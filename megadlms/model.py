@@ -149,10 +149,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.kv_channels, cfg.norm_epsilon) if cfg.qk_layernorm else None
         self.core_attention = DotProductAttention()
         self.causal = cfg.causal
+        # a module that runs q/k/v as one op, x -> (q, k, v), set by a transformation (the FP8 conversion: one FP8
+        # GEMM over the three weights, megadlms.fp8.fused_linear); it holds no parameters of its own
+        self.register_module("qkv_fusion", None)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, S, H] -> q, k, v [B, S, N*D | G*D]. A hook: the FP8 conversion replaces it on the instance
-        with one FP8 GEMM over the three weights (megadlms.fp8.fused_linear)."""
+        """x [B, S, H] -> q, k, v [B, S, N*D | G*D], through `qkv_fusion` when one is set."""
+        if self.qkv_fusion is not None:
+            return self.qkv_fusion(x)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -183,12 +187,24 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
         self.act_fn = SwiGLU()
+        # modules set by a transformation (the FP8 conversion, megadlms.fp8.fused_linear / fused_mlp), holding no
+        # parameters of their own: `gate_up_fusion` runs gate/up as one op (x -> (gate, up)), `fusion` the whole MLP
+        self.register_module("gate_up_fusion", None)
+        self.register_module("fusion", None)
 
     def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [..., H] -> gate, up [..., F]. A hook, like `Attention.project_qkv`."""
+        """x [..., H] -> gate, up [..., F], through `gate_up_fusion` when one is set."""
+        if self.gate_up_fusion is not None:
+            return self.gate_up_fusion(x)
         return self.gate_proj(x), self.up_proj(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fusion is not None:
+            return self.fusion(x)
+        return self.layers_forward(x)
+
+    def layers_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] -> [..., H] through the MLP's own layers (what a `fusion` runs where it does not apply)."""
         return self.down_proj(self.act_fn(*self.project_gate_up(x)))
 
 

@@ -13,8 +13,9 @@ import argparse
 import torch
 
 from ..fp8.attention import FP8AttentionUnsupportedError, check_fp8_attention_support
+from ..fp8.gemm import scaled_mm
 from ..fp8.hardware import FP8UnsupportedError, check_fp8_support, default_device, fp8_backend_note
-from ..fp8.quantize import E4M3, quantize_tensorwise, scaled_mm
+from ..fp8.quantize import E4M3, quantize_tensorwise
 
 # E4M3 keeps 3 mantissa bits: ~2-3% relative error per operand on Gaussian data, ~4% for a product
 MAX_REL_ERROR = 0.08

@@ -99,10 +99,9 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, parallel: Parallel
                    prefetch=parallel.overlap_param_gather)
         if strategy in ("optim_grads", "optim_grads_params") and model.config.fp8:
             # these strategies free gathered weights between micro-batches; an FP8 weight cache would keep them
-            from ..fp8 import fp8_modules
+            from ..fp8 import set_fp8_weight_caching
 
-            for m in fp8_modules(model):
-                m.cache_weight = False
+            set_fp8_weight_caching(model, False)
     if ctx.distributed and ctx.is_main:
         tp = f"tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if sequence_parallel else ''}"
         dp = f"data parallel: {_describe(strategy, ctx.tp_size)} over {ctx.dp_size} ranks"

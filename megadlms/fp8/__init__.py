@@ -6,11 +6,19 @@
     loss.backward(); optimizer.step()
     fp8_step(model)                                # amax reduction + scale update + weight recast
 
-See recipe.py (recipes), linear.py (Float8Linear), fused_linear.py (q/k/v and gate/up as one GEMM),
-fused_mlp.py and triton_swiglu.py (the MLP as one function, SwiGLU fused into its casts), convert.py
-(conversion, fp8_step), attention.py (FP8 attention through cuDNN, opt-in), swiglu.py (FP8 activation storage),
-monitor.py (telemetry), export.py (FP8 inference export), weight_amax.py (current scaling's weight amaxes kept
-by the optimizer step).
+Which code runs where:
+    recipe.py      the recipes (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling)
+    quantizer.py   one quantizer per (tensor role, recipe): a recipe is a kind of quantizer
+    gemm.py        the FP8 GEMMs (fprop, dgrad, wgrad), the only caller of torch._scaled_mm
+    linear.py      Float8Linear: one autograd function over its quantizers and the GEMM helper
+    fusions.py     the fusions conversion installs (a registry), as modules in the model's fusion slots:
+                   fused_linear.py (q/k/v and gate/up as one GEMM), fused_mlp.py (the MLP as one function,
+                   the SwiGLU fused into its casts)
+    kernels.py     the cast / transpose / amax kernels (triton_cast.py, triton_swiglu.py) and their references
+    convert.py     convert_to_fp8, fp8_step; state.py: fp8_autocast; attention.py: FP8 attention (cuDNN, opt-in);
+                   swiglu.py: FP8 activation storage; monitor.py: telemetry; weight_amax.py: current scaling's
+                   weight amaxes kept by the optimizer step; graph_weights.py: FP8 weights of CUDA-graphed layers;
+                   export.py: FP8 inference export.
 """
 
 from .attention import Float8DotProductAttention
@@ -21,6 +29,7 @@ from .convert import (
     fp8_step,
     fp8_weight_caching,
     invalidate_fp8_weight_caches,
+    set_fp8_weight_caching,
 )
 from .hardware import FP8UnsupportedError, check_fp8_support, fp8_backend_note
 from .linear import Float8Linear
@@ -34,6 +43,7 @@ __all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8RowwiseSca
            "fp8_autocast", "FP8GlobalStateManager", "fp8_checkpoint_context_fn", "Float8Linear",
            "Float8DotProductAttention",
            "SwiGLUFP8InputStore", "convert_to_fp8", "fp8_step", "fp8_modules", "invalidate_fp8_weight_caches",
-           "fp8_graph_capture", "fp8_weight_caching", "check_fp8_support", "fp8_backend_note", "FP8UnsupportedError",
+           "fp8_graph_capture", "fp8_weight_caching",
+           "set_fp8_weight_caching", "check_fp8_support", "fp8_backend_note", "FP8UnsupportedError",
            "fp8_stats", "enable_fp8_stats", "fp8_stats_enabled", "attach_weight_amaxes", "refresh_weight_amaxes",
            "detach_weight_amaxes"]

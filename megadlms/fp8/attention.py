@@ -27,9 +27,10 @@ import torch
 
 from ..errors import MegaDLMsError
 from ..model import DotProductAttention, compute_dtype
-from .fused import cast_fp8, compiled
+from .gemm import aligned_scalars
+from .kernels import cast_fp8, compiled
 from .linear import DelayedScalingState, FP8Telemetry, apply_keeping_dtypes
-from .quantize import FP8_MAX, aligned_scalars, amax_to_scale, quant_stats, quantize
+from .quantize import FP8_MAX, amax_to_scale, quant_stats, quantize
 from .recipe import DelayedScaling, check_recipe
 from .state import FP8GlobalStateManager
 
@@ -134,7 +135,7 @@ def _cast(x: torch.Tensor, mod: Float8DotProductAttention, role: int, ready: boo
     slot = mod.fp8_amax_history[0, role] if record else None
     q, _, scale_inv, _ = cast_fp8(flat, scale, slot, fp8_dtype, mod.recipe.margin)
     if mod.collect_fp8_stats:
-        mod._add_stats(role, quant_stats(flat, q, scale_inv.reciprocal(), fp8_dtype, flat.numel()))
+        mod.add_stats(role, quant_stats(flat, q, scale_inv.reciprocal(), fp8_dtype, flat.numel()))
     return q.view(b, s, h, d).transpose(1, 2), scale_inv
 
 
@@ -156,7 +157,7 @@ class _Float8AttentionFn(torch.autograd.Function):
                 is_causal: bool, out_dtype: torch.dtype) -> torch.Tensor:
         recipe = mod.recipe
         fwd = recipe.fp8_format.fwd_dtype
-        ready = mod._is_ready()
+        ready = mod.scales_ready()
         q, k, v = _to_bshd(q), _to_bshd(k), _to_bshd(v)
         casts = [_cast(x, mod, r, ready, mod.training, fwd) for x, r in ((q, Q), (k, K), (v, V))]
         (q8, q_si), (k8, k_si), (v8, v_si) = casts

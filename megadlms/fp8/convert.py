@@ -14,8 +14,8 @@ from torch import nn
 
 from ..model import DotProductAttention, SwiGLU
 from .attention import Float8DotProductAttention, check_fp8_attention_support
-from .fused_linear import install_fused_projections
-from .fused_mlp import fused_projections, install_fused_mlps
+from .fused_mlp import fused_projections
+from .fusions import install_fusions
 from .hardware import check_fp8_support
 from .linear import Float8Linear
 from .quantize import amax_to_scale
@@ -62,10 +62,11 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
     activation_func_fp8_input_store: the SwiGLU of each FP8 layer keeps its inputs for backward
         in E4M3. fp8_wgrad=False: weight gradients in BF16 (fprop/dgrad stay FP8).
     fuse_projections: q/k/v and gate/up of each FP8 layer run as one FP8 GEMM each, sharing one cast of
-        their input (`fused_linear.FusedFloat8Projection`, installed as the instance's `project_qkv` /
-        `project_gate_up`; parameters and state_dict keys are unchanged). Per-tensor recipes only.
+        their input (`fused_linear.FusedFloat8Projection` in the Attention's `qkv_fusion` / the MLP's
+        `gate_up_fusion`; parameters and state_dict keys are unchanged). Per-tensor recipes only.
     fuse_mlp: each FP8 MLP runs as one function whose SwiGLU is fused into the FP8 casts around it
-        (`fused_mlp.FusedFloat8MLP`, installed as the instance's `forward`). Delayed and current scaling.
+        (`fused_mlp.FusedFloat8MLP` in the MLP's `fusion`). Delayed and current scaling. The fusions are the
+        registry `fusions.FUSIONS`.
     fprop_fast_accum: Hopper's fast (reduced-precision) accumulation in the forward GEMM; False makes it
         accumulate like the backward GEMMs (slower, for numerics checks).
     dot_product_attention: the attention of each FP8 layer runs in FP8 too (`attention.Float8DotProductAttention`:
@@ -98,10 +99,7 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_b
             elif dot_product_attention and type(child) is DotProductAttention:
                 fp8_attention = Float8DotProductAttention(recipe, device=param.device if param is not None else None)
                 _set_child(layer, name, fp8_attention.train(child.training))
-        if fuse_projections:
-            install_fused_projections(layer)
-        if fuse_mlp:
-            install_fused_mlps(layer)
+        install_fusions(layer, {"fuse_projections": fuse_projections, "fuse_mlp": fuse_mlp})
     model.layer_context = functools.partial(fp8_autocast, enabled=True, fp8_recipe=recipe)
     return model
 
@@ -123,7 +121,20 @@ def invalidate_fp8_weight_caches(model: nn.Module) -> None:
     for m in fp8_modules(model):
         m.invalidate_fp8_weight_cache()
     for group in fused_projections(model):
-        group._cache = None
+        group.invalidate_fp8_weight_cache()
+
+
+def set_fp8_weight_caching(model: nn.Module, enabled: bool) -> list[Float8Linear]:
+    """Switch the per-step FP8 weight cache (`Float8Linear.cache_weight`) of `model`'s Float8Linears on or off, e.g.
+    off where no later micro-batch reads a cached weight (one micro-batch per step) or where weights are gathered
+    per use (FSDP). Turning it off drops the caches held (the layers' and their fused groups'). Returns the layers
+    whose setting changed (to switch back with `fp8_weight_caching`)."""
+    changed = [m for m in fp8_modules(model) if m.cache_weight != enabled]
+    for m in changed:
+        m.cache_weight = enabled
+    if changed and not enabled:
+        invalidate_fp8_weight_caches(model)
+    return changed
 
 
 @contextlib.contextmanager
@@ -231,9 +242,7 @@ def _update_scales(recipe: DelayedScaling, modules: list[nn.Module]) -> None:
     torch._foreach_copy_(hists, list(rolled.unbind(0)))
     torch._foreach_copy_(scales, list(new.unbind(0)))
     for m in modules:
-        if not m._is_ready():
-            m.fp8_initialized.fill_(True)
-            m._mark_ready()
+        m.mark_scales_ready()
 
 
 @torch.no_grad()

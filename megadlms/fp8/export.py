@@ -30,9 +30,10 @@ from ..config import TransformerConfig
 from ..errors import MegaDLMsError
 from ..model import RotaryEmbedding, TransformerLM, compute_dtype
 from .convert import fp8_eligible, fp8_layer_range
+from .gemm import scaled_mm
 from .hardware import check_fp8_support
 from .linear import Float8Linear, apply_keeping_dtypes
-from .quantize import E4M3, FP8_MAX, amax_to_scale, quantize, round_up16, scaled_mm
+from .quantize import E4M3, FP8_MAX, amax_to_scale, quantize, round_up16
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"

@@ -1,8 +1,8 @@
 """Horizontal fusion of sibling Float8Linears that read the same input: q/k/v and gate/up.
 
-`FusedFloat8Projection` is what `convert_to_fp8` installs as an instance's `Attention.project_qkv` /
-`MLP.project_gate_up` (hooks of megadlms.model). Instead of N Float8Linears each casting the same
-input, running its own GEMMs and saving its own FP8 copy of the input, it runs
+`FusedFloat8Projection` is the module `convert_to_fp8` puts in `Attention.qkv_fusion` / `MLP.gate_up_fusion`
+(slots of megadlms.model, which `project_qkv` / `project_gate_up` call; `fusions.FUSIONS`). Instead of N
+Float8Linears each casting the same input, running its own GEMMs and saving its own FP8 copy of the input, it runs
 
     forward:  one cast of x (q and x^T), one GEMM  y = x @ [W_1; ...; W_n]^T, outputs split (views)
     backward: one cast of g = [g_1, ..., g_n], one dgrad GEMM (no adds of partial input gradients),
@@ -37,21 +37,21 @@ from torch import nn
 
 from ..model import compute_dtype
 from . import triton_cast
-from .fused import _amax, cast_fp8, cast_fp8_cat, current_scale, record_amax, transpose_fp8
-from .linear import GRAD, INPUT, WEIGHT, Float8Linear, _check_device_once, _Fp8Weight, take_fp8_weights
-from .quantize import aligned_scalars, pad_2d, quant_stats, round_up16, scaled_mm
-from .recipe import DelayedScaling, Float8RowwiseScaling
+from .gemm import Operand, aligned_scalars, bias_grad, fp8_gemm, wgrad_high_precision
+from .kernels import amax_of, cast_fp8, cast_fp8_cat, current_scale, record_amax, transpose_fp8
+from .linear import GRAD, INPUT, WEIGHT, Float8Linear, FP8WeightCache, check_device_once, take_fp8_weights
+from .quantize import pad_2d, quant_stats, round_up16
 from .state import FP8GlobalStateManager
 
 _SETTINGS = ("recipe", "fp8_wgrad", "cache_weight", "fprop_fast_accum", "backward_fast_accum", "training")
 
 
-class _GroupWeight:
+class GroupWeightCache:
     """The concatenated FP8 weight of one group for one optimizer step."""
 
     __slots__ = ("members", "q", "t", "scale_inv", "scales", "scale_invs", "sizes", "keep_t")
 
-    def __init__(self, members: tuple[_Fp8Weight, ...], q: torch.Tensor, t: torch.Tensor | None,
+    def __init__(self, members: tuple[FP8WeightCache, ...], q: torch.Tensor, t: torch.Tensor | None,
                  scale_inv: torch.Tensor, scales: torch.Tensor | None, scale_invs: torch.Tensor | None,
                  sizes: tuple[int, ...]):
         self.members, self.q, self.t, self.scale_inv, self.sizes = members, q, t, scale_inv, sizes
@@ -62,8 +62,17 @@ class _GroupWeight:
         # CUDA graphs read (fp8.graph_weights), which hold q only
         self.keep_t = True
 
+    @property
+    def rows(self) -> Operand:
+        """q [N, K] with its scale_inv: the fprop GEMM's operand."""
+        return Operand(self.q, self.scale_inv)
+
+    def cols(self) -> Operand:
+        """q^T [K, N] with its scale_inv: the dgrad GEMM's operand."""
+        return Operand(self.transposed(), self.scale_inv)
+
     def transposed(self) -> torch.Tensor:
-        """q^T [K, N], the column-major operand of the input gradient: t, or transposed from q now."""
+        """q^T [K, N] row-major: t, or transposed from q now."""
         if self.t is not None:
             return self.t
         t = transpose_fp8(self.q)
@@ -72,26 +81,41 @@ class _GroupWeight:
         return t
 
 
-class FusedFloat8Projection:
-    """Callable x [..., K] -> tuple of the members' outputs [..., N_i]: one FP8 GEMM for the sibling
-    Float8Linears `owner.<names>` (see the module docstring). Holds no parameters or buffers."""
+class FusedFloat8Projection(nn.Module):
+    """x [..., K] -> tuple of the members' outputs [..., N_i]: one FP8 GEMM for sibling Float8Linears that read
+    the same input (see the module docstring). Holds no parameters or buffers: the members (named `names` in
+    their parent) keep theirs, and stay the parent's submodules (they are not this module's children)."""
 
-    def __init__(self, owner: nn.Module, names: tuple[str, ...]):
-        self.owner, self.names = owner, tuple(names)
-        self._cache: _GroupWeight | None = None
+    def __init__(self, members: tuple[nn.Module, ...], names: tuple[str, ...]):
+        super().__init__()
+        self._members = tuple(members)  # a tuple: not registered as children (no second state_dict key)
+        self.names = tuple(names)
+        self.weight_cache: GroupWeightCache | None = None
         self.num_fused_calls = 0  # forwards that took the fused path (tests, debugging)
 
-    def __repr__(self) -> str:
-        return f"FusedFloat8Projection({', '.join(self.names)})"
+    @classmethod
+    def of(cls, parent: nn.Module, names: tuple[str, ...]) -> FusedFloat8Projection | None:
+        """The fusion of `parent.<names>`, or None unless they are Float8Linears with a per-tensor recipe."""
+        mods = tuple(getattr(parent, n) for n in names)
+        if all(type(m) is Float8Linear for m in mods) and mods[0].quantizers[WEIGHT].per_tensor:
+            return cls(mods, names)
+        return None
+
+    def extra_repr(self) -> str:
+        return ", ".join(self.names)
 
     def members(self) -> list[nn.Module]:
-        return [getattr(self.owner, n) for n in self.names]
+        return list(self._members)
 
-    def _fusable(self, mods: list[nn.Module], x: torch.Tensor) -> bool:
+    def invalidate_fp8_weight_cache(self) -> None:
+        """Drop the concatenated FP8 weight (the members drop theirs themselves)."""
+        self.weight_cache = None
+
+    def fusable(self, mods: list[nn.Module], x: torch.Tensor) -> bool:
         if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0:
             return False
         first = mods[0]
-        if not all(type(m) is Float8Linear for m in mods) or isinstance(first.recipe, Float8RowwiseScaling):
+        if not all(type(m) is Float8Linear for m in mods) or not first.quantizers[WEIGHT].per_tensor:
             return False
         explicit = FP8GlobalStateManager.get_explicit_recipe()
         if explicit is not None and explicit != first.recipe:
@@ -110,12 +134,12 @@ class FusedFloat8Projection:
         return x.shape[-1] == k
 
     @torch.compiler.disable
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         mods = self.members()
-        if not self._fusable(mods, x):
+        if not self.fusable(mods, x):
             return tuple(m(x) for m in mods)
         if x.device.type == "cuda":
-            _check_device_once(x.device)
+            check_device_once(x.device)
         ws = [m.weight for m in mods]
         bs = [m.bias for m in mods]
         k = ws[0].shape[1]
@@ -127,22 +151,22 @@ class FusedFloat8Projection:
         return tuple(y.view(*x.shape[:-1], n) for y, n in zip(ys, sizes))
 
     # ------------------------------------------------------------------ weights
-    def _group_weight(self, mods: list[Float8Linear], want_t: bool) -> _GroupWeight:
+    def group_weight(self, mods: list[Float8Linear], want_t: bool) -> GroupWeightCache:
         """The concatenated FP8 weight for this step: cast on the first micro-batch after any member's weight
-        changed (same detection as `Float8Linear._fp8_weight`; `fp8_step` drops the members' caches)."""
-        c = self._cache
-        if mods[0]._weights_frozen and c is not None:
+        changed (same detection as `Float8Linear.fp8_weight`; `fp8_step` drops the members' caches)."""
+        c = self.weight_cache
+        if mods[0].weights_frozen and c is not None:
             return c  # recast outside the graph, into this cache's tensors (fp8.graph_weights)
         keys = [(m.weight._version, m.weight.data_ptr(), m.weight.dtype, m.weight.device) for m in mods]
-        if c is not None and all(m._wcache is mc and mc.key == key for m, mc, key in zip(mods, c.members, keys)):
+        if c is not None and all(m.weight_cache is mc and mc.key == key for m, mc, key in zip(mods, c.members, keys)):
             if want_t and c.keep_t:
                 c.transposed()  # made now and kept for the step's later micro-batches
             return c
         first = mods[0]
         recipe = first.recipe
         fwd = recipe.fp8_format.fwd_dtype
-        delayed = isinstance(recipe, DelayedScaling)
-        ready = delayed and all(m._is_ready() for m in mods)
+        delayed = first.quantizers[INPUT].keeps_history
+        ready = delayed and all(m.scales_ready() for m in mods)
         scales = torch.stack([m.fp8_scale for m in mods]).amin(0) if ready else None  # [3]: input, weight, grad
         ws = [m.weight.detach() for m in mods]
         record = delayed and first.training
@@ -153,7 +177,7 @@ class FusedFloat8Projection:
             scale_inv = scale_invs[WEIGHT]
         else:
             kept = [m.kept_weight_amax() for m in mods]
-            amaxes = [a if a is not None else _amax(w) for a, w in zip(kept, ws)]
+            amaxes = [a if a is not None else amax_of(w) for a, w in zip(kept, ws)]
             if record:
                 torch._foreach_maximum_([m.fp8_amax_history[0, WEIGHT] for m in mods], amaxes)
             scale, scale_inv = current_scale(amaxes, fwd, recipe.margin)
@@ -162,19 +186,20 @@ class FusedFloat8Projection:
         member_caches, row = [], 0
         for m, w, key in zip(mods, ws, keys):
             n = w.shape[0]
-            mc = _Fp8Weight(key, q[row:row + n], scale_inv)  # what the member itself uses if called alone
+            mc = FP8WeightCache(key, q[row:row + n], scale_inv)  # what the member itself uses if called alone
             row += n
             m.num_weight_casts += 1
             if first.cache_weight:
-                m._wcache = mc
+                m.weight_cache = mc
             member_caches.append(mc)
-        group = _GroupWeight(tuple(member_caches), q, t, scale_inv, scales, scale_invs, tuple(w.shape[0] for w in ws))
-        self._cache = group if first.cache_weight else None
+        group = GroupWeightCache(tuple(member_caches), q, t, scale_inv, scales, scale_invs,
+                                 tuple(w.shape[0] for w in ws))
+        self.weight_cache = group if first.cache_weight else None
         return group
 
 
-def _cast_shared(mods: tuple[Float8Linear, ...], x: torch.Tensor, role: int, fp8_dtype: torch.dtype,
-                 w: _GroupWeight, record: bool, want_q: bool, want_t: bool
+def cast_group_operand(mods: tuple[Float8Linear, ...], x: torch.Tensor, role: int, fp8_dtype: torch.dtype,
+                 w: GroupWeightCache, record: bool, want_q: bool, want_t: bool
                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Cast of an operand shared by the group (the input, or the concatenated gradient): one scale (the
     smallest member scale when delayed scales exist, else from x's amax); with `record`, x's amax goes into
@@ -189,12 +214,12 @@ def _cast_shared(mods: tuple[Float8Linear, ...], x: torch.Tensor, role: int, fp8
     return q, scale_inv, t
 
 
-def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
-                     w: _GroupWeight, record: bool, want_q: bool, want_t: bool, mp: int
+def cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
+                     w: GroupWeightCache, record: bool, want_q: bool, want_t: bool, mp: int
                      ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """The FP8 cast of the gradient [g_1, ..., g_n] ([M, N_i] each, contiguous) as one operand, padded to mp rows:
     (q [mp, sum N_i] or None, scale_inv, q^T [sum N_i, mp] or None). On CUDA each part is cast straight into
-    its blocks of q and q^T; elsewhere the parts are concatenated and cast by `_cast_shared`."""
+    its blocks of q and q^T; elsewhere the parts are concatenated and cast by `cast_group_operand`."""
     m = parts[0].shape[0]
     if all(triton_cast.available(p) for p in parts):
         slots = [mod.fp8_amax_history[0, GRAD] for mod in mods] if record else []
@@ -203,7 +228,7 @@ def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, 
             scale, scale_inv = w.scales[GRAD], w.scale_invs[GRAD]
             in_kernel = slots if len(slots) <= triton_cast.MAX_AMAX_OUTS else []
         else:
-            amaxes = [_amax(p) for p in parts]
+            amaxes = [amax_of(p) for p in parts]
             scale, scale_inv = current_scale(amaxes, fp8_dtype, mods[0].recipe.margin)
             in_kernel = []
         ncat = sum(p.shape[1] for p in parts)
@@ -223,23 +248,23 @@ def _cast_grad_parts(mods: tuple[Float8Linear, ...], parts: tuple[torch.Tensor, 
             col += n
         else:
             if slots and not in_kernel:
-                record_amax(slots, torch.stack(amaxes or [_amax(p) for p in parts]).amax())
+                record_amax(slots, torch.stack(amaxes or [amax_of(p) for p in parts]).amax())
             return gq, scale_inv, gt
     g = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    return _cast_shared(mods, pad_2d(g, mp, g.shape[1]), GRAD, fp8_dtype, w, record, want_q, want_t)
+    return cast_group_operand(mods, pad_2d(g, mp, g.shape[1]), GRAD, fp8_dtype, w, record, want_q, want_t)
 
 
-def _record_group_stats(mods: tuple[Float8Linear, ...], w: _GroupWeight, ws: tuple[torch.Tensor, ...],
+def _record_group_stats(mods: tuple[Float8Linear, ...], w: GroupWeightCache, ws: tuple[torch.Tensor, ...],
                         xp: torch.Tensor, xq: torch.Tensor, x_si: torch.Tensor, numel: int) -> None:
     """FP8 telemetry of a fused forward: the shared input cast for every member, and each member's rows of the
-    concatenated weight cast once per statistics window (as `Float8Linear._fp8_weight` records its weight)."""
+    concatenated weight cast once per statistics window (as `Float8Linear.fp8_weight` records its weight)."""
     x_stats = quant_stats(xp, xq, x_si.reciprocal(), xq.dtype, numel)  # one input: computed once
     w_scale = w.scale_inv.reciprocal()
     for mod, mc, wi in zip(mods, w.members, ws):
-        mod._add_stats(INPUT, x_stats)
-        if mc.stats_epoch != mod._stats_epoch:
-            mod._record_stats(WEIGHT, wi.detach(), mc.q, w_scale, wi.numel())
-            mc.stats_epoch = mod._stats_epoch
+        mod.add_stats(INPUT, x_stats)
+        if mc.stats_epoch != mod.stats_epoch:
+            mod.record_stats(WEIGHT, wi.detach(), mc.q, w_scale, wi.numel())
+            mc.stats_epoch = mod.stats_epoch
 
 
 class _FusedFloat8LinearFn(torch.autograd.Function):
@@ -254,18 +279,18 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
         first = mods[0]
         recipe = first.recipe
         fwd = recipe.fp8_format.fwd_dtype
-        delayed = isinstance(recipe, DelayedScaling)
+        delayed = first.quantizers[INPUT].keeps_history
         m, k = x.shape
         mp = round_up16(m)
         xp = pad_2d(x, mp, k)
         need_w = any(ctx.needs_input_grad[5:5 + n_mod])
         want_wt = grad_follows and any(w.requires_grad for w in ws)
-        w = group._group_weight(list(mods), want_wt and first.cache_weight)  # uncached: W^T made in the backward
+        w = group.group_weight(list(mods), want_wt and first.cache_weight)  # uncached: W^T made in the backward
         want_xt = need_w and first.fp8_wgrad
-        xq, x_si, xt = _cast_shared(mods, xp, INPUT, fwd, w, delayed and first.training, True, want_xt)
+        xq, x_si, xt = cast_group_operand(mods, xp, INPUT, fwd, w, delayed and first.training, True, want_xt)
         if first.collect_fp8_stats:
             _record_group_stats(mods, w, ws, xp, xq, x_si, m * k)
-        y = scaled_mm(xq, w.q.t(), x_si, w.scale_inv, out_dtype, first.fprop_fast_accum)
+        y = fp8_gemm(Operand(xq, x_si), w.rows, out_dtype, first.fprop_fast_accum)
         y = y[:m]
         if any(b is not None for b in bs):
             y = y + torch.cat([(b if b is not None else torch.zeros(wi.shape[0], device=y.device)).to(out_dtype)
@@ -275,7 +300,7 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
             if not first.fp8_wgrad:
                 x_saved = x.to(out_dtype)
             else:
-                x_saved, x_si_saved = xt.t(), x_si
+                x_saved, x_si_saved = xt, x_si  # [K, Mp]: the wgrad GEMM's right operand
         ctx.save_for_backward(x_saved, x_si_saved)
         ctx.mods, ctx.wcache, ctx.keep_weights = mods, w, first.cache_weight
         ctx.dims = (m, k)
@@ -293,9 +318,9 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
         first = mods[0]
         recipe = first.recipe
         bwd = recipe.fp8_format.bwd_dtype
-        delayed = isinstance(recipe, DelayedScaling)
+        delayed = first.quantizers[INPUT].keeps_history
         x_saved, x_si = ctx.saved_tensors
-        w: _GroupWeight
+        w: GroupWeightCache
         (w,) = take_fp8_weights(ctx, "wcache")
         m, k = ctx.dims
         mp = round_up16(m)
@@ -307,39 +332,22 @@ class _FusedFloat8LinearFn(torch.autograd.Function):
         dx = None
         dws: list[torch.Tensor | None] = [None] * n_mod
         if need_dx or fp8_wgrad:
-            gq, g_si, gt = _cast_grad_parts(mods, gs, bwd, w, delayed, need_dx, fp8_wgrad, mp)
+            gq, g_si, gt = cast_grad_parts(mods, gs, bwd, w, delayed, need_dx, fp8_wgrad, mp)
             if first.collect_fp8_stats:  # each member: its gradient against its columns of the FP8 gradient
                 col, scale = 0, g_si.reciprocal()
                 for mod, g in zip(mods, gs):
                     n = g.shape[1]
                     q = gq[:m, col:col + n] if gq is not None else gt[col:col + n, :m].t()
-                    mod._record_stats(GRAD, g, q, scale, g.numel())
+                    mod.record_stats(GRAD, g, q, scale, g.numel())
                     col += n
             if need_dx:
-                dx = scaled_mm(gq, w.transposed().t(), g_si, w.scale_inv, ctx.x_dtype, first.backward_fast_accum)[:m]
+                dx = fp8_gemm(Operand(gq, g_si), w.cols(), ctx.x_dtype, first.backward_fast_accum)[:m]
             if fp8_wgrad:
-                dw = scaled_mm(gt, x_saved, g_si, x_si, ctx.w_dtypes[0], first.backward_fast_accum)
+                dw = fp8_gemm(Operand(gt, g_si), Operand(x_saved, x_si), ctx.w_dtypes[0], first.backward_fast_accum)
                 parts = dw[:, :k].split(w.sizes)
                 dws = [d.to(dt) if need else None for d, dt, need in zip(parts, ctx.w_dtypes, need_w)]
         if any(need_w) and not first.fp8_wgrad:  # per member: exactly the unfused layers' BF16 GEMMs
-            dws = [(g.to(ctx.out_dtype).t() @ x_saved).to(dt) if need else None
+            dws = [wgrad_high_precision(g, x_saved, ctx.out_dtype, dt) if need else None
                    for g, dt, need in zip(gs, ctx.w_dtypes, need_w)]
-        dbs = [g.float().sum(0).to(dt) if need else None for g, dt, need in zip(gs, ctx.b_dtypes, need_b)]
+        dbs = [bias_grad(g, dt) if need else None for g, dt, need in zip(gs, ctx.b_dtypes, need_b)]
         return (dx, None, None, None, None, *dws, *dbs)
-
-
-def install_fused_projections(module: nn.Module) -> int:
-    """Install a `FusedFloat8Projection` on every Attention (q/k/v) and MLP (gate/up) inside `module` whose
-    projections are Float8Linears with a per-tensor recipe. Returns how many were installed."""
-    from ..model import PROJECTION_GROUPS
-
-    count = 0
-    for sub in module.modules():
-        for cls, names, hook in PROJECTION_GROUPS:
-            if not isinstance(sub, cls):
-                continue
-            mods = [getattr(sub, n) for n in names]
-            if all(type(m) is Float8Linear for m in mods) and not isinstance(mods[0].recipe, Float8RowwiseScaling):
-                setattr(sub, hook, FusedFloat8Projection(sub, names))
-                count += 1
-    return count

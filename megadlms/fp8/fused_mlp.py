@@ -17,8 +17,8 @@ first (`triton_swiglu.swiglu_amax` / `swiglu_bwd_amax`) reads the fused kernel's
 the same fp32 values the cast then scales, writing nothing. Against the unfused layers that is one read of h
 (and of [d_gate, d_up]) in place of its BF16 write, its read by an amax pass and its read by the cast.
 
-`FusedFloat8MLP` is installed as the instance's `MLP.forward` by `convert_to_fp8(fuse_mlp=True)` (the default)
-for delayed and current scaling. It takes the fused path where the fused kernels run (CUDA with Triton, or
+`FusedFloat8MLP` is the module in `MLP.fusion` (which `MLP.forward` calls) after `convert_to_fp8(fuse_mlp=True)`
+(the default) for delayed and current scaling. It takes the fused path where the fused kernels run (CUDA with Triton, or
 Triton's interpreter), with delayed scaling once scales exist (from the first `fp8_step` on: the casts need
 their scales before the pass); otherwise (delayed scaling's first step, FP8 telemetry on, hooks on a member,
 outside fp8_autocast) it runs the MLP's layers one by one, as without it. Rowwise scaling does not install it.
@@ -31,36 +31,50 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model import MLP, SwiGLU, compute_dtype
+from ..model import SwiGLU, compute_dtype
 from . import triton_swiglu
-from .fused import current_scale
-from .fused_linear import FusedFloat8Projection, _cast_grad_parts, _cast_shared
+from .fused_linear import FusedFloat8Projection, cast_grad_parts, cast_group_operand
+from .gemm import Operand, fp8_gemm
+from .kernels import current_scale
 from .linear import GRAD, INPUT, Float8Linear, take_fp8_weights
-from .quantize import pad_2d, round_up16, scaled_mm
-from .recipe import DelayedScaling, Float8CurrentScaling
+from .quantize import pad_2d, round_up16
 from .state import FP8GlobalStateManager
-from .swiglu import SwiGLUFP8InputStore, _quantize_rows
-
-_FUSED_RECIPES = (DelayedScaling, Float8CurrentScaling)  # per-tensor scaling; rowwise runs the layers one by one
+from .swiglu import SwiGLUFP8InputStore, quantize_rows
 
 
-class FusedFloat8MLP:
-    """Callable x [..., H] -> MLP output [..., H] for one `MLP` whose three projections are Float8Linears
-    (see the module docstring). Holds no parameters or buffers."""
+class FusedFloat8MLP(nn.Module):
+    """x [..., H] -> MLP output [..., H] for one `MLP` whose three projections are Float8Linears (see the module
+    docstring): the module `convert_to_fp8` puts in `MLP.fusion` (`fusions.FUSIONS`). Holds no parameters or
+    buffers; `gate_up` is the gate/up group whose concatenated FP8 weight it uses (the MLP's `gate_up_fusion`
+    when that is set)."""
 
-    def __init__(self, mlp: nn.Module):
-        self.mlp = mlp
-        gate_up = mlp.project_gate_up
-        self.gate_up = gate_up if isinstance(gate_up, FusedFloat8Projection) else \
-            FusedFloat8Projection(mlp, ("gate_proj", "up_proj"))
+    def __init__(self, mlp: nn.Module, gate_up: FusedFloat8Projection):
+        super().__init__()
+        self._mlp = (mlp,)  # the MLP it runs, in a tuple: its parent, not a child
+        self.gate_up = gate_up
         self.num_fused_calls = 0  # forwards that took the fused path (tests, debugging)
 
-    def __repr__(self) -> str:
-        return "FusedFloat8MLP(gate_proj, up_proj, act_fn, down_proj)"
+    @classmethod
+    def of(cls, mlp: nn.Module) -> FusedFloat8MLP | None:
+        """The fusion of `mlp`, or None unless its three projections are Float8Linears of a per-tensor recipe."""
+        if not all(type(getattr(mlp, n)) is Float8Linear for n in ("gate_proj", "up_proj", "down_proj")):
+            return None
+        if not mlp.down_proj.quantizers[GRAD].per_tensor:
+            return None
+        gate_up = mlp.gate_up_fusion
+        if not isinstance(gate_up, FusedFloat8Projection):
+            gate_up = FusedFloat8Projection((mlp.gate_proj, mlp.up_proj), ("gate_proj", "up_proj"))
+        return cls(mlp, gate_up)
+
+    @property
+    def mlp(self) -> nn.Module:
+        return self._mlp[0]
+
+    def extra_repr(self) -> str:
+        return "gate_proj, up_proj, act_fn, down_proj"
 
     def _unfused(self, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.mlp
-        return mlp.down_proj(mlp.act_fn(*mlp.project_gate_up(x)))
+        return self.mlp.layers_forward(x)
 
     def _fusable(self, x: torch.Tensor) -> bool:
         mlp = self.mlp
@@ -68,7 +82,7 @@ class FusedFloat8MLP:
         gu = self.gate_up.members()
         if type(down) is not Float8Linear or type(mlp.act_fn) not in (SwiGLU, SwiGLUFP8InputStore):
             return False
-        if not self.gate_up._fusable(gu, x) or not isinstance(down.recipe, _FUSED_RECIPES):
+        if not self.gate_up.fusable(gu, x) or not down.quantizers[GRAD].per_tensor:
             return False
         if down._forward_hooks or down._forward_pre_hooks or mlp.act_fn._forward_hooks:
             return False
@@ -78,13 +92,13 @@ class FusedFloat8MLP:
             return False
         if any(m.collect_fp8_stats for m in (*gu, down)) or down.recipe != gu[0].recipe:
             return False
-        delayed = isinstance(down.recipe, DelayedScaling)
-        if delayed and not all(m._is_ready() for m in (*gu, down)):  # scales exist from the first fp8_step on
+        delayed = down.quantizers[INPUT].keeps_history
+        if delayed and not all(m.scales_ready() for m in (*gu, down)):  # scales exist from the first fp8_step on
             return False
         return triton_swiglu.available(x.reshape(-1, x.shape[-1]))
 
     @torch.compiler.disable
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0 or not self._fusable(x):
             return self._unfused(x)
         mlp = self.mlp
@@ -108,7 +122,7 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
                 w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
         recipe = down.recipe
         fwd = recipe.fp8_format.fwd_dtype
-        delayed = isinstance(recipe, DelayedScaling)
+        delayed = down.quantizers[INPUT].keeps_history
         record = delayed and down.training  # amax histories: delayed scaling only
         m, k = x.shape
         mp = round_up16(m)
@@ -117,13 +131,12 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         need_wdown = ctx.needs_input_grad[9]
         # the gate/up projection: one cast of x (and x^T for its weight gradient), one GEMM
         # uncached weights: W^T for the input gradient is made in the backward (as in the layers' own paths)
-        wgu = fused.gate_up._group_weight(list(gu), grad_follows and (w_gate.requires_grad or w_up.requires_grad)
+        wgu = fused.gate_up.group_weight(list(gu), grad_follows and (w_gate.requires_grad or w_up.requires_grad)
                                           and down.cache_weight)
-        xq, x_si, xt = _cast_shared(gu, xp, INPUT, fwd, wgu, record, True, need_wgu)
-        y = scaled_mm(xq, wgu.q.t(), x_si, wgu.scale_inv, out_dtype, gu[0].fprop_fast_accum)  # [mp, 2F]
+        xq, x_si, xt = cast_group_operand(gu, xp, INPUT, fwd, wgu, record, True, need_wgu)
+        y = fp8_gemm(Operand(xq, x_si), wgu.rows, out_dtype, gu[0].fprop_fast_accum)  # [mp, 2F]
         # the SwiGLU straight into the down projection's FP8 input (h and h^T for its weight gradient)
-        down._grad_follows = grad_follows
-        wd = down._fp8_weight()
+        wd = down.fp8_weight(grad_follows)
         f = y.shape[1] // 2
         out, h_si = None, None
         if delayed:
@@ -139,19 +152,19 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
             hq, ht = out
         else:  # the kernel is off: BF16 SwiGLU, then the down projection's own cast
             h = triton_swiglu.swiglu_ref(y[:, :f], y[:, f:]).to(out_dtype)
-            hq, h_si, ht = down._cast_qt(h, INPUT, fwd, record, m * f, want_t=need_wdown, scale_inv=h_si)
-        result = scaled_mm(hq, wd.q.t(), h_si, wd.scale_inv, out_dtype, down.fprop_fast_accum)[:m]
+            h8 = down.quantize(h, INPUT, m * f, cols=need_wdown, record=record, scale_inv=h_si)
+            (hq, h_si), ht = h8.rows, h8.cols.data if h8.cols is not None else None
+        result = fp8_gemm(Operand(hq, h_si), wd.rows, out_dtype, down.fprop_fast_accum)[:m]
         # what the backward needs: x^T and h^T (weight gradients), gate/up (the SwiGLU's derivative)
         saved_y: tuple[torch.Tensor, ...] = ()
         if grad_follows:
             if store_fp8:  # activation_func_fp8_input_store: E4M3 with one scale per row, as SwiGLUFP8InputStore
-                gq, g_si = _quantize_rows(y[:, :f])
-                uq, u_si = _quantize_rows(y[:, f:])
+                gq, g_si = quantize_rows(y[:, :f])
+                uq, u_si = quantize_rows(y[:, f:])
                 saved_y = (gq, uq, g_si.reshape(-1), u_si.reshape(-1))
             else:
                 saved_y = (y,)
-        ctx.save_for_backward(xt.t() if xt is not None else None, x_si, ht.t() if ht is not None else None, h_si,
-                              *saved_y)
+        ctx.save_for_backward(xt, x_si, ht, h_si, *saved_y)  # x^T [H, mp], h^T [F, mp]: the wgrad operands
         ctx.fused, ctx.gu, ctx.down, ctx.wgu, ctx.wd = fused, gu, down, wgu, wd
         ctx.keep_weights = down.cache_weight
         ctx.dims = (m, k, f)
@@ -175,11 +188,9 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         bwd_fast = down.backward_fast_accum
         # the down projection: one cast of d_out (q and d_out^T), dgrad -> dh, wgrad
         g = pad_2d(d_out.contiguous(), mp, d_out.shape[1])
-        gq, g_si, gt = down._cast_qt(g, GRAD, bwd, record=True, numel=m * d_out.shape[1], want_q=True,
-                                     want_t=need_wd, scale_inv=wd.scale_inv_of(GRAD))
-        wq, w_si = down._fp8_weight_dgrad(wd)
-        dh = scaled_mm(gq, wq, g_si, w_si, ctx.out_dtype, bwd_fast)  # [mp, F]
-        d_wdown = scaled_mm(gt, h_saved, g_si, h_si, ctx.w_dtypes[2], bwd_fast) if need_wd else None
+        g8 = down.quantize(g, GRAD, m * d_out.shape[1], cols=need_wd, scale_inv=wd.scale_inv_of(GRAD))
+        dh = fp8_gemm(g8.rows, down.fp8_weight_dgrad(wd), ctx.out_dtype, bwd_fast)  # [mp, F]
+        d_wdown = fp8_gemm(g8.cols, Operand(h_saved, h_si), ctx.w_dtypes[2], bwd_fast) if need_wd else None
         # the SwiGLU's derivative straight into the gate/up gradient's FP8 operands
         if ctx.store_fp8:
             gate, up, g_rs, u_rs = saved_y
@@ -205,39 +216,19 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
             if row_scales is not None:
                 gate, up = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
             d_gate, d_up = (d.to(ctx.out_dtype) for d in triton_swiglu.swiglu_bwd_ref(dh, gate, up))
-            dq, d_si, dt = _cast_grad_parts(gu, (d_gate, d_up), bwd, wgu, ctx.delayed, need_dx, need_wgu, mp)
+            dq, d_si, dt = cast_grad_parts(gu, (d_gate, d_up), bwd, wgu, ctx.delayed, need_dx, need_wgu, mp)
         dx = None
         if need_dx:
-            dx = scaled_mm(dq, wgu.transposed().t(), d_si, wgu.scale_inv, ctx.x_dtype, bwd_fast)[:m]
+            dx = fp8_gemm(Operand(dq, d_si), wgu.cols(), ctx.x_dtype, bwd_fast)[:m]
         d_wg = d_wu = None
         if need_wgu:
-            dw = scaled_mm(dt, x_saved, d_si, x_si, ctx.w_dtypes[0], bwd_fast)  # [2F, H]
+            dw = fp8_gemm(Operand(dt, d_si), Operand(x_saved, x_si), ctx.w_dtypes[0], bwd_fast)  # [2F, H]
             d_wg = dw[:f].to(ctx.w_dtypes[0]) if need_wg else None
             d_wu = dw[f:].to(ctx.w_dtypes[1]) if need_wu else None
         return dx, None, None, None, None, None, None, d_wg, d_wu, d_wdown
 
 
-def install_fused_mlps(module: nn.Module) -> int:
-    """Install a `FusedFloat8MLP` as the `forward` of every MLP inside `module` whose three projections are
-    per-tensor (delayed or current scaling) Float8Linears. Returns how many were installed."""
-    count = 0
-    for sub in module.modules():
-        if isinstance(sub, MLP) and all(type(getattr(sub, n)) is Float8Linear
-                                        for n in ("gate_proj", "up_proj", "down_proj")):
-            if isinstance(sub.down_proj.recipe, _FUSED_RECIPES):
-                sub.forward = FusedFloat8MLP(sub)
-                count += 1
-    return count
-
-
 def fused_projections(module: nn.Module) -> list[FusedFloat8Projection]:
-    """The fused projections installed on `module`'s submodules (instance attributes; a fused MLP's gate/up
-    group included), each once."""
-    found: dict[int, FusedFloat8Projection] = {}
-    for mod in module.modules():
-        for v in vars(mod).values():
-            if isinstance(v, FusedFloat8MLP):
-                v = v.gate_up
-            if isinstance(v, FusedFloat8Projection):
-                found.setdefault(id(v), v)
-    return list(found.values())
+    """The fused projection groups inside `module` (q/k/v, gate/up; a fused MLP's own gate/up group included),
+    each once."""
+    return [m for m in module.modules() if isinstance(m, FusedFloat8Projection)]

@@ -2,7 +2,7 @@
 
 A CUDA graph of the layers' forward that contains the FP8 weight casts repeats them on every replay, i.e. on
 every micro-batch: with gradient accumulation that is N casts of every weight per step where eager execution
-makes one (the cache of `Float8Linear._fp8_weight`). `StepFP8Weights` moves the casts out of the graph: the
+makes one (the cache of `Float8Linear.fp8_weight`). `StepFP8Weights` moves the casts out of the graph: the
 graph is captured reading the layers' cached FP8 weights as they are ("frozen": no version check, no cast), and
 after each optimizer step the first replay is preceded by `refresh()`, which casts every weight eagerly, as the
 eager path would, and copies the results into the captured cache tensors (their addresses are baked into the
@@ -26,10 +26,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .fused_linear import FusedFloat8Projection, _GroupWeight
+from .fused_linear import FusedFloat8Projection, GroupWeightCache
 from .fused_mlp import fused_projections
-from .linear import Float8Linear, _Fp8Weight
-from .recipe import Float8RowwiseScaling
+from .linear import WEIGHT, Float8Linear, FP8WeightCache
 
 
 def _copy_into(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
@@ -50,8 +49,8 @@ class StepFP8Weights:
         grouped = {id(m) for g in self.groups for m in g.members()}
         self.modules = [m for m in layers.modules() if isinstance(m, Float8Linear)]
         self.single = [m for m in self.modules if id(m) not in grouped]
-        self.captured_groups: list[_GroupWeight] = []
-        self.captured_single: list[_Fp8Weight] = []
+        self.captured_groups: list[GroupWeightCache] = []
+        self.captured_single: list[FP8WeightCache] = []
         self.num_refreshes = 0
 
     @staticmethod
@@ -59,22 +58,22 @@ class StepFP8Weights:
         """Whether the layers' FP8 weights can be cast outside the graphs: per-tensor recipes, caching on."""
         mods = [m for m in layers.modules() if isinstance(m, Float8Linear)]
         return bool(mods) and all(type(m) is Float8Linear and m.cache_weight and
-                                  not isinstance(m.recipe, Float8RowwiseScaling) for m in mods)
+                                  m.quantizers[WEIGHT].per_tensor for m in mods)
 
     # ----------------------------------------------------------------- casts
     # Each cast is the eager cache path, writing q only: the backward graph transposes it for the input gradient
     # on every replay and does not keep the transpose.
     @staticmethod
-    def _cast_group(g: FusedFloat8Projection) -> _GroupWeight:
-        c = g._group_weight(g.members(), want_t=False)
+    def _cast_group(g: FusedFloat8Projection) -> GroupWeightCache:
+        c = g.group_weight(g.members(), want_t=False)
         c.keep_t = False
         for mc in c.members:
             mc.keep_dgrad = False
         return c
 
     @staticmethod
-    def _cast_single(m: Float8Linear) -> _Fp8Weight:
-        c = m._fp8_weight(want_t=False)
+    def _cast_single(m: Float8Linear) -> FP8WeightCache:
+        c = m.fp8_weight(False, want_t=False)
         c.keep_dgrad = False
         return c
 
@@ -93,9 +92,9 @@ class StepFP8Weights:
         """Whether any cache was dropped or replaced since the last cast (an optimizer step and `fp8_step`, a
         load, or an eager call after the weights changed)."""
         for g, c in zip(self.groups, self.captured_groups):
-            if g._cache is not c or any(m._wcache is not mc for m, mc in zip(g.members(), c.members)):
+            if g.weight_cache is not c or any(m.weight_cache is not mc for m, mc in zip(g.members(), c.members)):
                 return True
-        return any(m._wcache is not c for m, c in zip(self.single, self.captured_single))
+        return any(m.weight_cache is not c for m, c in zip(self.single, self.captured_single))
 
     def refresh(self) -> None:
         """Recast every weight and write the results into the captured caches, which become current again.
@@ -111,30 +110,30 @@ class StepFP8Weights:
                 self._refresh_single(m, old)
         self.num_refreshes += 1
 
-    def _refresh_group(self, g: FusedFloat8Projection, old: _GroupWeight) -> None:
+    def _refresh_group(self, g: FusedFloat8Projection, old: GroupWeightCache) -> None:
         new = self._cast_group(g)
         for name in ("q", "scale_inv", "scales", "scale_invs"):  # no t: these caches hold q only
             _copy_into(getattr(old, name), getattr(new, name))
         for m, om, nm in zip(g.members(), old.members, new.members):
             om.key = nm.key
-            m._wcache = om
-        g._cache = old
+            m.weight_cache = om
+        g.weight_cache = old
 
-    def _refresh_single(self, m: Float8Linear, old: _Fp8Weight) -> None:
+    def _refresh_single(self, m: Float8Linear, old: FP8WeightCache) -> None:
         new = self._cast_single(m)
         for name in ("q", "scale_inv", "scale_invs"):
             _copy_into(getattr(old, name), getattr(new, name))
         old.key = new.key
-        m._wcache = old
+        m.weight_cache = old
 
     # ----------------------------------------------------------------- use
     @contextlib.contextmanager
     def frozen(self) -> Iterator[None]:
         """Inside, the layers use their cached FP8 weights as they are (the captured forward)."""
         for m in self.modules:
-            m._weights_frozen = True
+            m.weights_frozen = True
         try:
             yield
         finally:
             for m in self.modules:
-                m._weights_frozen = False
+                m.weights_frozen = False

@@ -4,10 +4,13 @@ fprop:  y  = x @ W^T      E4M3 x E4M3
 dgrad:  dx = g @ W        g in E5M2 (HYBRID) or E4M3, W in E4M3
 wgrad:  dW = g^T @ x      g as above, x in E4M3 (or in BF16 with fp8_wgrad=False)
 
-Every GEMM goes through `torch._scaled_mm` (fp32 accumulation; row-major x column-major
-operands). Token counts (and feature dims) that are not multiples of 16 are zero-padded inside
-the layer and the results sliced, so any batch shape works. The gradient is always the left
-operand, which keeps E5M2 x E4M3 within what the CUDA kernels accept.
+The layer's three quantizers (input, weight, grad: `quantizer.py`, one kind per recipe) make the FP8
+operands, each as itself (`rows`) and/or transposed (`cols`); `gemm.fp8_gemm` runs the three GEMMs
+(fp32 accumulation): fprop(x.rows, W.rows), dgrad(g.rows, W.cols), wgrad(g.cols, x.cols). Token counts
+(and feature dims) that are not multiples of 16 are zero-padded inside the layer and the results
+sliced, so any batch shape works. The gradient is always the left operand, which keeps E5M2 x E4M3
+within what the CUDA kernels accept. Nothing here depends on the recipe: a new recipe is a new
+quantizer kind (and its GEMM call in gemm.py).
 
 What is saved for backward: the FP8 copy of the input (1 byte/element) and the FP8 weight, which
 is shared with the per-step weight cache. Without that cache (`cache_weight=False`) the FP8 weight is
@@ -27,10 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import compute_dtype
-from .fused import cast_fp8, transpose_fp8
+from .gemm import Operand, aligned_scalars, bias_grad, fp8_gemm, wgrad_high_precision
 from .hardware import check_fp8_support
-from .quantize import aligned_scalars, pad_2d, quant_stats, quantize_rowwise, round_up16, scaled_mm
-from .recipe import DelayedScaling, Float8RowwiseScaling, Recipe, check_recipe
+from .quantize import pad_2d, quant_stats, round_up16
+from .quantizer import FP8Tensor, make_quantizer
+from .recipe import DelayedScaling, Recipe, check_recipe
 from .state import FP8GlobalStateManager
 
 ROLES = ("input", "weight", "grad")
@@ -42,7 +46,7 @@ if TYPE_CHECKING:
 _checked_devices: set[int] = set()
 
 
-def _check_device_once(device: torch.device) -> None:
+def check_device_once(device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _checked_devices:
         check_fp8_support(torch.device("cuda", index))
@@ -82,24 +86,30 @@ def take_fp8_weights(ctx: Any, *names: str) -> tuple[Any, ...]:
     return weights
 
 
-class _Fp8Weight:
+class FP8WeightCache:
     """The FP8 copies of one weight for one optimizer step (reused by every micro-batch of the step).
 
-    q [Np, Kp] row-major with scale_inv (scalar, or [1, Np] rowwise) for fprop; the column-major
-    copy for dgrad is made on first use.
+    q [Np, Kp] row-major with scale_inv (0-dim, or [Np, 1] rowwise): the fprop operand (`rows`); `dgrad`: W^T
+    [Kp, Np] with its scale_inv, the dgrad operand (`gemm.Operand`), made on first use unless the cast made it.
     """
 
     __slots__ = ("key", "q", "scale_inv", "dgrad", "stats_epoch", "scale_invs", "keep_dgrad")
 
-    def __init__(self, key: tuple, q: torch.Tensor, scale_inv: torch.Tensor, scale_invs: torch.Tensor | None = None):
+    def __init__(self, key: tuple | None, q: torch.Tensor, scale_inv: torch.Tensor,
+                 scale_invs: torch.Tensor | None = None):
         self.key, self.q, self.scale_inv = key, q, scale_inv
-        self.dgrad: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.dgrad: Operand | None = None
         self.stats_epoch = -1
         # delayed scaling: 1 / fp8_scale [3] of this step, for the input and gradient casts of every micro-batch
         self.scale_invs = scale_invs
         # whether a dgrad copy the backward makes is kept for later micro-batches; False for the caches CUDA graphs
         # read (fp8.graph_weights), which hold q only
         self.keep_dgrad = True
+
+    @property
+    def rows(self) -> Operand:
+        """q with its scale_inv: the fprop GEMM's operand."""
+        return Operand(self.q, self.scale_inv)
 
     def scale_inv_of(self, role: int) -> torch.Tensor | None:
         return self.scale_invs[role] if self.scale_invs is not None else None
@@ -124,20 +134,30 @@ class DelayedScalingState:
         super()._load_from_state_dict(*args, **kwargs)
         self._ready = None
 
-    def _is_ready(self) -> bool:
+    def scales_ready(self) -> bool:
         """Whether delayed scales exist (a `fp8_step` has run). Reads the buffer once after a load."""
         if self._ready is None:
             self._ready = bool(self.fp8_initialized)
         return self._ready
 
-    def _mark_ready(self) -> None:
+    def step_scale_invs(self) -> torch.Tensor | None:
+        """Delayed scaling once scales exist: 1 / fp8_scale [roles], each entry a 16-byte aligned 0-dim view (a
+        GEMM scale without a copy), computed once per step with the FP8 weight; else None."""
+        if self.fp8_scale is None or not self.scales_ready():
+            return None
+        return aligned_scalars(self.fp8_scale.reciprocal())[:, 0]
+
+    def mark_scales_ready(self) -> None:
+        """Scales exist from now on (`fp8_step` wrote them)."""
+        if not self.scales_ready():
+            self.fp8_initialized.fill_(True)
         self._ready = True
 
 
 class FP8Telemetry:
     """Mixin for FP8 modules that can record the statistics of their casts (`monitor.enable_fp8_stats`): the fp32
     buffer `fp8_stats_buffer` [roles, (amax, underflow count, saturation count, numel)], not persistent, filled only
-    while `collect_fp8_stats` is on; `fp8_stats_roles` names the rows."""
+    while `collect_fp8_stats` is on (`stats_epoch` counts the statistics windows); `fp8_stats_roles` names the rows."""
 
     fp8_stats_roles: tuple[str, ...] = ()
 
@@ -145,12 +165,18 @@ class FP8Telemetry:
         self.register_buffer("fp8_stats_buffer", torch.zeros(len(self.fp8_stats_roles), 4, device=device),
                              persistent=False)
         self.collect_fp8_stats = False
-        self._stats_epoch = 0
+        self.stats_epoch = 0
 
-    def _record_stats(self, role: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, numel: int) -> None:
-        self._add_stats(role, quant_stats(x, q, scale, q.dtype, numel))
+    def record_stats(self, role: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, numel: int) -> None:
+        """Merge the statistics of one cast (x -> q with `scale`, `numel` elements without padding) into `role`'s."""
+        self.add_stats(role, quant_stats(x, q, scale, q.dtype, numel))
 
-    def _add_stats(self, role: int, s: torch.Tensor) -> None:
+    def record_cast(self, role: int, x: torch.Tensor, t: FP8Tensor, numel: int) -> None:
+        """`record_stats` of x against whichever FP8 copy `t` holds."""
+        q, si = t.any_copy()
+        self.record_stats(role, x, q, si.reciprocal(), numel)
+
+    def add_stats(self, role: int, s: torch.Tensor) -> None:
         """Merge one cast's [amax, underflow, saturation, numel] into this window's statistics of `role`."""
         buf = self.fp8_stats_buffer[role]
         buf.copy_(torch.cat([torch.maximum(buf[:1], s[:1]), buf[1:] + s[1:]]))
@@ -163,10 +189,11 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
     plus, for DelayedScaling, the persistent buffers `fp8_amax_history` [history_len, 3] and
     `fp8_scale` [3] (fp32; columns: input, weight, grad) and `fp8_initialized` (bool).
 
-    recipe: DelayedScaling (default), Float8CurrentScaling or Float8RowwiseScaling.
+    recipe: DelayedScaling (default), Float8CurrentScaling or Float8RowwiseScaling; it picks the kind of the
+        three quantizers `quantizers` (input, weight, grad: `quantizer.make_quantizer`).
     fp8_wgrad: False runs the weight-gradient GEMM in the compute dtype (BF16), saving the input
         in that dtype (twice the memory of its FP8 copy).
-    cache_weight: keep the FP8 weight between micro-batches of a step (off when the weight is
+    cache_weight: keep the FP8 weight between micro-batches of a step (`weight_cache`; off when the weight is
         gathered per use, e.g. under FSDP, to not hold unsharded copies).
     fprop_fast_accum / backward_fast_accum: `use_fast_accum` of the CUDA GEMMs (torchao's choice:
         fast forward, precise backward).
@@ -206,9 +233,12 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         dev = self.weight.device
         self._register_fp8_state(self.recipe, 3, dev)
         self._register_fp8_stats(dev)
-        self._wcache: _Fp8Weight | None = None
-        # set while a CUDA graph is captured (or emulated) reading the cache as it is (fp8.graph_weights)
-        self._weights_frozen = False
+        fmt = self.recipe.fp8_format
+        self.quantizers = tuple(make_quantizer(self.recipe, fmt.bwd_dtype if role == GRAD else fmt.fwd_dtype, self,
+                                               role) for role in (INPUT, WEIGHT, GRAD))
+        self.weight_cache: FP8WeightCache | None = None
+        # set while a CUDA graph is captured (or emulated) reading `weight_cache` as it is (fp8.graph_weights)
+        self.weights_frozen = False
         self.num_weight_casts = 0  # how many times the FP8 weight was made (tests, debugging)
         # current scaling: max |weight| kept by whoever writes the weight (fp8.weight_amax.KeptAmax), or None:
         # each weight cast computes it
@@ -226,25 +256,25 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
 
     def invalidate_fp8_weight_cache(self) -> None:
         """Drop the cached FP8 weight; the next forward casts the weight again."""
-        self._wcache = None
+        self.weight_cache = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        self._wcache = None
+        self.weight_cache = None
         self.refresh_weight_amax()
 
     def refresh_weight_amax(self) -> None:
         """Set `weight_amax` (when attached) to max |weight| now."""
         if self.weight_amax is not None:
-            self.weight_amax.refresh(self._local_params()[0])
+            self.weight_amax.refresh(self.local_params()[0])
 
     def kept_weight_amax(self) -> torch.Tensor | None:
         """max |weight| as kept by its writer (fp8.weight_amax), or None: the cast computes it."""
-        return self.weight_amax.of(self._local_params()[0]) if self.weight_amax is not None else None
+        return self.weight_amax.of(self.local_params()[0]) if self.weight_amax is not None else None
 
-    def _local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) as this rank computes with them: the local shards when tensor parallelism made
         them DTensors (its style hands this layer local inputs: megadlms.distributed.tensor_parallel)."""
         dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: no DTensor exists (and no import cost)
@@ -252,96 +282,67 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
             return self.weight, self.bias
         return self.weight.to_local(), self.bias.to_local() if self.bias is not None else None
 
+    def weight_key(self) -> tuple | None:
+        """What identifies the weight's current values: its version counter, storage and dtype (an optimizer's
+        in-place update bumps the version). None under torch.compile, which cannot trace data-pointer comparisons:
+        compiled code relies on the explicit invalidation alone (fp8_step, load_state_dict)."""
+        w = self.local_params()[0]
+        return None if torch.compiler.is_compiling() else (w._version, w.data_ptr(), w.dtype, w.device)
+
     # ------------------------------------------------------------------ casts
-    def _cast_qt(self, x: torch.Tensor, role: int, fp8_dtype: torch.dtype, record: bool, numel: int,
-                 want_q: bool = True, want_t: bool = False, scale_inv: torch.Tensor | None = None,
-                 amax: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """Per-tensor cast of x with this layer's recipe: q and/or the transposed FP8 copy, both made from x in
-        one pass (`fused.cast_fp8`); with delayed scaling and `record`, x's amax goes into the history slot.
-        amax: max |x| when it is known (a weight's kept amax). Returns (q [R, C] or None, scale_inv [] fp32,
-        q^T [C, R] contiguous or None)."""
-        delayed = isinstance(self.recipe, DelayedScaling)
-        scale = self.fp8_scale[role] if delayed and self._is_ready() else None
-        slot = self.fp8_amax_history[0, role] if delayed and record else None
-        q, t, scale_inv, _ = cast_fp8(x, scale, slot, fp8_dtype, self.recipe.margin, want_q, want_t, amax=amax,
-                                      scale_inv=scale_inv if scale is not None else None)
-        if self.collect_fp8_stats:  # telemetry compares x with what the cast made (q, or q^T transposed back)
-            self._record_stats(role, x, q if q is not None else t.t(), scale_inv.reciprocal(), numel)
-        return q, scale_inv, t
-
-    def _cast_rowwise(self, x: torch.Tensor, role: int, fp8_dtype: torch.dtype, dim: int, numel: int,
-                      stats: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rowwise (dim=1, scale_inv [R, 1]) or columnwise (dim=0, [1, C]) current cast of a 2-D x."""
-        q, scale_inv, _ = quantize_rowwise(x, fp8_dtype, dim, self.recipe.margin)
+    def quantize(self, x: torch.Tensor, role: int, numel: int, rows: bool = True, cols: bool = False,
+                 record: bool = True, scale_inv: torch.Tensor | None = None, stats: bool = True) -> FP8Tensor:
+        """x [R, C] (padded) cast by this layer's quantizer of `role`; telemetry records it when on."""
+        t = self.quantizers[role].quantize(x, rows, cols, record, scale_inv=scale_inv)
         if stats and self.collect_fp8_stats:
-            self._record_stats(role, x, q, scale_inv.reciprocal(), numel)
-        return q, scale_inv
+            self.record_cast(role, x, t, numel)
+        return t
 
-    def _fp8_weight(self, want_t: bool | None = None) -> _Fp8Weight:
-        """The FP8 weight for this step: cast on the first micro-batch after the weight changed.
+    def fp8_weight(self, grad_follows: bool, want_t: bool | None = None) -> FP8WeightCache:
+        """The FP8 weight for this step: cast on the first micro-batch after the weight changed (`weight_key`);
+        `fp8_step` also drops the cache explicitly, which covers updates that leave the counter alone (fused
+        optimizers, writes through `.data`).
 
-        want_t: whether a new cast also writes the transposed copy for the input gradient (None: when a backward
-        follows and the cache keeps it for later micro-batches).
-
-        A change is detected by the weight's version counter, storage and dtype (an optimizer's
-        in-place update bumps the version); `fp8_step` also drops the cache explicitly, which covers
-        updates that leave the counter alone (fused optimizers, writes through `.data`).
+        grad_follows: whether a backward can follow this forward. want_t: whether a new cast also writes the
+        transposed copy for the input gradient in the same pass (None: when a backward follows and the cache keeps
+        it for later micro-batches; without the cache it is made from q in the backward, not held from the forward
+        to the backward).
         """
-        if self._weights_frozen and self._wcache is not None:
-            return self._wcache  # recast outside the graph, into this cache's tensors (fp8.graph_weights)
-        w = self._local_params()[0]
-        # torch.compile cannot trace data-pointer comparisons: compiled code relies on the explicit
-        # invalidation alone (fp8_step, load_state_dict)
-        key = None if torch.compiler.is_compiling() else (w._version, w.data_ptr(), w.dtype, w.device)
-        cache = self._wcache
+        if self.weights_frozen and self.weight_cache is not None:
+            return self.weight_cache  # recast outside the graph, into this cache's tensors (fp8.graph_weights)
+        w = self.local_params()[0]
+        key = self.weight_key()
+        cache = self.weight_cache
         if cache is None or (key is not None and cache.key != key):
             n, k = w.shape
             wp = pad_2d(w.detach(), round_up16(n), round_up16(k))
-            fwd = self.recipe.fp8_format.fwd_dtype
-            if isinstance(self.recipe, Float8RowwiseScaling):
-                q, scale_inv = self._cast_rowwise(wp, WEIGHT, fwd, dim=1, numel=w.numel(), stats=False)
-                scale_inv = scale_inv.reshape(1, -1)  # [Np, 1] -> [1, Np]: scale_b of x @ W^T
-                wt = None
-                scale_invs = None
-            else:
-                # the transposed copy for the input gradient: made with q in one pass when the cache keeps it for
-                # later micro-batches; without the cache, transposed from q in the backward (not held from the
-                # forward to the backward: 1 byte per weight less at the end of the forward)
-                if want_t is None:
-                    want_t = (getattr(self, "_grad_follows", torch.is_grad_enabled()) and w.requires_grad
-                              and self.cache_weight)
-                delayed_ready = isinstance(self.recipe, DelayedScaling) and self._is_ready()
-                scale_invs = aligned_scalars(self.fp8_scale.reciprocal())[:, 0] if delayed_ready else None
-                q, scale_inv, wt = self._cast_qt(wp, WEIGHT, fwd, record=self.training, numel=w.numel(),
-                                                 want_t=want_t, scale_inv=scale_invs[WEIGHT] if delayed_ready else None,
-                                                 amax=self.kept_weight_amax())
-            cache = _Fp8Weight(key, q, scale_inv, scale_invs)
-            if wt is not None:  # the column-major operand of the input-gradient GEMM
-                cache.dgrad = (wt.t(), scale_inv)
-            if self.collect_fp8_stats:
-                cache.stats_epoch = self._stats_epoch  # recorded by the cast (tensorwise)
+            quantizer = self.quantizers[WEIGHT]
+            if want_t is None:
+                want_t = grad_follows and w.requires_grad and self.cache_weight
+            want_t = want_t and quantizer.cols_in_same_pass
+            scale_invs = self.step_scale_invs()
+            t = quantizer.quantize(wp, True, want_t, record=self.training, amax=self.kept_weight_amax(),
+                                   scale_inv=scale_invs[WEIGHT] if scale_invs is not None else None)
+            cache = FP8WeightCache(key, *t.rows, scale_invs)
+            cache.dgrad = t.cols  # the input-gradient GEMM's operand, when made in the same pass
             self.num_weight_casts += 1
             if self.cache_weight:
-                self._wcache = cache
-        if self.collect_fp8_stats and cache.stats_epoch != self._stats_epoch:
-            si = cache.scale_inv
-            scale = (si.reshape(-1, 1) if si.dim() else si).reciprocal()  # rowwise [1, Np]: one per row of W
-            self._record_stats(WEIGHT, pad_2d(w.detach(), *cache.q.shape), cache.q, scale, w.numel())
-            cache.stats_epoch = self._stats_epoch
+                self.weight_cache = cache
+        if self.collect_fp8_stats and cache.stats_epoch != self.stats_epoch:
+            self.record_stats(WEIGHT, pad_2d(w.detach(), *cache.q.shape), cache.q, cache.scale_inv.reciprocal(),
+                              w.numel())
+            cache.stats_epoch = self.stats_epoch
         return cache
 
-    def _fp8_weight_dgrad(self, cache: _Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-        """W as the column-major [Np, Kp] right operand of dx = g @ W, with its scale_inv."""
+    def fp8_weight_dgrad(self, cache: FP8WeightCache) -> Operand:
+        """W^T [Kp, Np] with its scale_inv: the right operand of dx = g @ W (made from `cache` or, rowwise, cast
+        again from the master weight), kept in the cache for later micro-batches when it may."""
         if cache.dgrad is not None:
             return cache.dgrad
-        if isinstance(self.recipe, Float8RowwiseScaling):
-            # dgrad contracts over W's rows: re-quantize from the master weight, one scale per column
-            w = self._local_params()[0].detach()
-            wp = pad_2d(w, *cache.q.shape)
-            q, scale_inv, _ = quantize_rowwise(wp, self.recipe.fp8_format.fwd_dtype, 0, self.recipe.margin)
-            dgrad = (q.t().contiguous().t(), scale_inv)
-        else:
-            dgrad = (transpose_fp8(cache.q).t(), cache.scale_inv)
+        def master() -> torch.Tensor:
+            return pad_2d(self.local_params()[0].detach(), *cache.q.shape)
+
+        dgrad = self.quantizers[WEIGHT].cols_of(cache.rows, master)
         if cache.keep_dgrad:
             cache.dgrad = dgrad
         return dgrad
@@ -349,65 +350,58 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
     # ------------------------------------------------------------------ forward
     # Outside torch.compile's graphs: a compiled model breaks its graph here and runs this layer
     # eagerly (its per-step weight cache and scale bookkeeping are Python state), while the FP8
-    # casts inside are compiled functions (`fused.cast_fp8`) and the GEMMs cuBLASLt calls.
+    # casts inside are compiled functions (`kernels.cast_fp8`) and the GEMMs cuBLASLt calls.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self._local_params()
+        weight, bias = self.local_params()
         if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0:
             return F.linear(x, weight, bias)
-        explicit = FP8GlobalStateManager.get_explicit_recipe()
-        if explicit is not None and explicit != self.recipe:
-            raise ValueError(f"Float8Linear was converted with {self.recipe} but runs under fp8_autocast with "
-                             f"{explicit}; convert the model with the recipe you run it with "
-                             "(convert_to_fp8(model, recipe)) or run it under its own recipe")
+        check_recipe_in_force(self.recipe, "Float8Linear")
         n, k = weight.shape  # the local shard's under tensor parallelism
         if x.shape[-1] != k:
             raise ValueError(f"Float8Linear expects input [..., {k}], got {tuple(x.shape)}")
         if x.device.type == "cuda":
-            _check_device_once(x.device)
+            check_device_once(x.device)
         x2 = x.reshape(-1, k).contiguous()
         # whether a backward can follow (grad mode is off inside autograd.Function.forward): then the
         # casts also write the transposed FP8 copies the backward GEMMs take
-        self._grad_follows = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        y = _Float8LinearFn.apply(x2, weight, bias, self, compute_dtype(x))
+        grad_follows = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        y = _Float8LinearFn.apply(x2, weight, bias, self, compute_dtype(x), grad_follows)
         return y.reshape(*x.shape[:-1], n)
 
 
+def check_recipe_in_force(recipe: Recipe, what: str) -> None:
+    """Raise unless the recipe of the enclosing `fp8_autocast` (when it names one) is `recipe`."""
+    explicit = FP8GlobalStateManager.get_explicit_recipe()
+    if explicit is not None and explicit != recipe:
+        raise ValueError(f"{what} was converted with {recipe} but runs under fp8_autocast with "
+                         f"{explicit}; convert the model with the recipe you run it with "
+                         "(convert_to_fp8(model, recipe)) or run it under its own recipe")
+
+
 class _Float8LinearFn(torch.autograd.Function):
-    """x [M, K], weight [N, K], bias [N] | None -> y [M, N] with FP8 GEMMs (see the module docstring)."""
+    """x [M, K], weight [N, K], bias [N] | None -> y [M, N] with FP8 GEMMs (see the module docstring): the layer's
+    three quantizers make the operands, `gemm` runs fprop, dgrad and wgrad."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Float8Linear,
-                out_dtype: torch.dtype) -> torch.Tensor:
-        recipe = layer.recipe
-        fwd = recipe.fp8_format.fwd_dtype
-        rowwise = isinstance(recipe, Float8RowwiseScaling)
+                out_dtype: torch.dtype, grad_follows: bool) -> torch.Tensor:
         m, k = x.shape
         n = weight.shape[0]
-        mp, kp = round_up16(m), round_up16(k)
-        xp = pad_2d(x, mp, kp)
-        w = layer._fp8_weight()
-        if rowwise:
-            xq, x_si = layer._cast_rowwise(xp, INPUT, fwd, dim=1, numel=m * k)
-        else:
-            # with an FP8 weight gradient ahead, the same cast also makes x^T (K-major over tokens) for it
-            want_t = ctx.needs_input_grad[1] and layer.fp8_wgrad
-            xq, x_si, xt = layer._cast_qt(xp, INPUT, fwd, record=layer.training, numel=m * k, want_t=want_t,
-                                          scale_inv=w.scale_inv_of(INPUT))
-        y = scaled_mm(xq, w.q.t(), x_si, w.scale_inv, out_dtype, layer.fprop_fast_accum)
-        y = y[:m, :n]
+        xp = pad_2d(x, round_up16(m), round_up16(k))
+        w = layer.fp8_weight(grad_follows)
+        # with an FP8 weight gradient ahead, the input's cast also makes x^T (K-major over tokens) for it
+        fp8_wgrad = ctx.needs_input_grad[1] and layer.fp8_wgrad
+        xq = layer.quantize(xp, INPUT, m * k, cols=fp8_wgrad, record=layer.training, scale_inv=w.scale_inv_of(INPUT))
+        y = fp8_gemm(xq.rows, w.rows, out_dtype, layer.fprop_fast_accum)[:m, :n]
         if bias is not None:
             y = y + bias.to(out_dtype)
-
         x_saved = x_saved_si = None
         if ctx.needs_input_grad[1]:
-            if not layer.fp8_wgrad:
+            if fp8_wgrad:
+                x_saved, x_saved_si = xq.cols  # [Kp, Mp]: the wgrad GEMM's right operand
+            else:
                 x_saved = x.to(out_dtype)  # the BF16 weight gradient needs the unquantized input
-            elif rowwise:
-                # wgrad contracts over tokens: one scale per input feature, cast from x (not from xq)
-                x_saved, x_saved_si, _ = quantize_rowwise(xp, fwd, 0, recipe.margin)
-            else:  # [Mp, Kp] with the values of xq, stored column-major: the wgrad GEMM's right operand
-                x_saved, x_saved_si = xt.t(), x_si
         ctx.save_for_backward(x_saved, x_saved_si)
         ctx.layer, ctx.wcache, ctx.fp8_wgrad = layer, w, layer.fp8_wgrad
         ctx.keep_weights = layer.cache_weight
@@ -419,46 +413,23 @@ class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         layer: Float8Linear = ctx.layer
-        recipe = layer.recipe
-        bwd = recipe.fp8_format.bwd_dtype
-        rowwise = isinstance(recipe, Float8RowwiseScaling)
         x_saved, x_saved_si = ctx.saved_tensors
         (wcache,) = take_fp8_weights(ctx, "wcache")
         m, k, n = ctx.dims
-        mp, np_ = round_up16(m), round_up16(n)
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         fp8_wgrad = need_dw and ctx.fp8_wgrad
         g = g.contiguous()
-        gp = pad_2d(g, mp, np_)
         dx = dw = db = None
-
-        if rowwise:
+        if need_dx or fp8_wgrad:
+            # from g at once: g for the input gradient, g^T (K-major over tokens) for the weight gradient
+            gq = layer.quantize(pad_2d(g, round_up16(m), round_up16(n)), GRAD, m * n, rows=need_dx, cols=fp8_wgrad,
+                                scale_inv=wcache.scale_inv_of(GRAD))
             if need_dx:
-                gq, g_si = layer._cast_rowwise(gp, GRAD, bwd, dim=1, numel=m * n)
-                wq, w_si = layer._fp8_weight_dgrad(wcache)
-                dx = scaled_mm(gq, wq, g_si, w_si, ctx.x_dtype, layer.backward_fast_accum)
+                dx = fp8_gemm(gq.rows, layer.fp8_weight_dgrad(wcache), ctx.x_dtype, layer.backward_fast_accum)[:m, :k]
             if fp8_wgrad:
-                # one scale per output feature (column of g), taken from g itself
-                gcq, gc_si = layer._cast_rowwise(gp, GRAD, bwd, dim=0, numel=m * n, stats=not need_dx)
-                dw = scaled_mm(gcq.t().contiguous(), x_saved.t().contiguous().t(), gc_si.reshape(-1, 1),
-                               x_saved_si, ctx.w_dtype, layer.backward_fast_accum)
-        elif need_dx or fp8_wgrad:
-            # from g at once: gq for the input gradient, g^T (K-major over tokens) for the weight gradient
-            gq, g_si, gt = layer._cast_qt(gp, GRAD, bwd, record=True, numel=m * n, want_q=need_dx, want_t=fp8_wgrad,
-                                          scale_inv=wcache.scale_inv_of(GRAD))
-            if need_dx:
-                wq, w_si = layer._fp8_weight_dgrad(wcache)
-                dx = scaled_mm(gq, wq, g_si, w_si, ctx.x_dtype, layer.backward_fast_accum)
-            if fp8_wgrad:
-                dw = scaled_mm(gt, x_saved, g_si, x_saved_si, ctx.w_dtype,
-                               layer.backward_fast_accum)
-
+                dw = fp8_gemm(gq.cols, Operand(x_saved, x_saved_si), ctx.w_dtype, layer.backward_fast_accum)[:n, :k]
         if need_dw and not ctx.fp8_wgrad:
-            dw = (g.to(ctx.out_dtype).t() @ x_saved).to(ctx.w_dtype)
-        if dx is not None:
-            dx = dx[:m, :k]
-        if dw is not None:
-            dw = dw[:n, :k]
+            dw = wgrad_high_precision(g, x_saved, ctx.out_dtype, ctx.w_dtype)
         if need_db:
-            db = g.float().sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None
+            db = bias_grad(g, ctx.bias_dtype)
+        return dx, dw, db, None, None, None

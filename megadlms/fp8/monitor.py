@@ -60,7 +60,7 @@ def fp8_stats(model: nn.Module, reset: bool = True) -> dict[str, float]:
         for mods in groups.values():
             for m in mods:
                 m.fp8_stats_buffer.zero_()
-                m._stats_epoch += 1
+                m.stats_epoch += 1
     out: dict[str, float] = {}
     roles = [r for names in groups for r in names]
     for role, (amax, under, sat, numel) in zip(roles, values):

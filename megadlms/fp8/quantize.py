@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .recipe import E4M3, E5M2, FP8_MAX
 
 __all__ = ["E4M3", "E5M2", "FP8_MAX", "amax_to_scale", "quantize", "quantize_tensorwise", "quantize_rowwise",
-           "dequantize", "scaled_mm", "pad_2d", "round_up16", "quant_stats", "round_to_fp8_grid"]
+           "dequantize", "pad_2d", "round_up16", "quant_stats", "round_to_fp8_grid"]
 
 # (mantissa bits, smallest normal exponent) of each FP8 format
 FP8_GRID = {E4M3: (3, -6), E5M2: (2, -14)}
@@ -125,44 +125,3 @@ def quant_stats(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, fp
     sat = ((xf * scale).abs() >= OVERFLOW[fp8_dtype]).sum()
     numel = torch.full((), float(x.numel() if valid_numel is None else valid_numel), device=x.device)
     return torch.stack([amax, under.float(), sat.float(), numel])
-
-
-def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
-    """The layout/shape rules CUDA's `_scaled_mm` enforces, checked on every backend (the CPU kernel
-    is lenient), so that CPU tests catch what would fail on a GPU. Metadata only: no sync."""
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"scaled_mm: shapes {tuple(a.shape)} x {tuple(b.shape)} do not multiply")
-    if a.shape[0] % 16 or a.shape[1] % 16 or b.shape[1] % 16:
-        raise ValueError(f"scaled_mm: dims of {tuple(a.shape)} x {tuple(b.shape)} must be multiples of 16 "
-                         "(pad the operands)")
-    if a.stride(1) != 1:
-        raise ValueError(f"scaled_mm: a must be row-major, got strides {a.stride()}")
-    if b.stride(0) != 1:
-        raise ValueError(f"scaled_mm: b must be column-major, got strides {b.stride()}")
-    if a.dtype == E5M2 and b.dtype == E5M2:
-        raise ValueError("scaled_mm: E5M2 x E5M2 is not supported by the GPU kernels; one operand must be E4M3")
-
-
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale_inv_b: torch.Tensor,
-              out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
-    """(a * scale_inv_a) @ (b * scale_inv_b) through `torch._scaled_mm`, accumulated in fp32.
-
-    a: fp8 [M, K] row-major; b: fp8 [K, N] column-major (e.g. `w.t()` of a row-major [N, K]);
-    M, K, N multiples of 16. Scales fp32: both scalars (tensorwise), or scale_inv_a [M, 1] and
-    scale_inv_b [1, N] (rowwise). Returns [M, N] in out_dtype.
-    """
-    _check_operands(a, b)
-    return torch._scaled_mm(a, b, scale_a=_aligned(scale_inv_a), scale_b=_aligned(scale_inv_b), out_dtype=out_dtype,
-                            use_fast_accum=use_fast_accum)
-
-
-def _aligned(scale: torch.Tensor) -> torch.Tensor:
-    """cuBLASLt rejects scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED), e.g. a 0-dim
-    view into the middle of a [3] scale buffer: such a view is copied (`aligned_scalars` avoids the copy)."""
-    return scale if scale.data_ptr() % 16 == 0 else scale.clone()
-
-
-def aligned_scalars(values: torch.Tensor) -> torch.Tensor:
-    """values [n] -> [n, 4] whose row i starts with values[i]: `out[i, 0]` is a 0-dim view at a 16-byte aligned
-    address, usable as a `_scaled_mm` scale without a copy (one small kernel for all n)."""
-    return values.reshape(-1, 1).expand(-1, 4).contiguous()

@@ -18,7 +18,7 @@ from .quantize import E4M3, FP8_MAX, amax_to_scale, quantize
 from .state import FP8GlobalStateManager
 
 
-def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., F] -> (E4M3 q [..., F], scale_inv [..., 1] fp32), one scale per row of the last dim."""
     amax = x.abs().amax(dim=-1, keepdim=True).float()
     scale = amax_to_scale(amax, FP8_MAX[E4M3])
@@ -29,8 +29,8 @@ class _SwiGLUFP8StoreFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         out = F.silu(gate) * up
-        gq, g_si = _quantize_rows(gate)
-        uq, u_si = _quantize_rows(up)
+        gq, g_si = quantize_rows(gate)
+        uq, u_si = quantize_rows(up)
         ctx.save_for_backward(gq, g_si, uq, u_si)
         ctx.dtypes = (gate.dtype, up.dtype)
         return out

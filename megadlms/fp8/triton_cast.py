@@ -6,10 +6,10 @@ the members of a fused projection get it in their history slots directly).
 Each element is cast(clamp(x * scale, -fp8_max, fp8_max)) in fp32 with round-to-nearest-even, i.e. what
 `quantize.quantize` computes: by the conversion instruction, or (ROUNDINGS) rounded to the FP8 grid in fp32
 arithmetic first (`quantize.round_to_fp8_grid`), which does not depend on how the instruction rounds.
-`available()` is False without Triton, off CUDA, or with MEGADLMS_FP8_TRITON=0; the first call of each variant
-(input dtype, FP8 format, outputs) is checked bitwise against the ATen cast (each rounding and formulation of the
-transposed store in turn, ROUNDINGS x TRANSPOSE_MODES), and a variant that still differs falls back to the
-compiled torch cast, with a warning that shows the first differing elements.
+`available()` is False without Triton, off CUDA, or with MEGADLMS_FP8_TRITON=0. Production runs one formulation
+(`production_formulation`); the first call of each variant (input dtype, FP8 format, outputs) is checked bitwise
+against the ATen cast (its torch reference), and a variant that differs falls back to the torch cast, with a
+warning that shows the first differing elements.
 
 Per element the kernel does little besides the cast (32-bit offsets inside a tile, no masks when the tile
 divides the tensor): a memory-bound pass is only as fast as its instruction stream lets it be.
@@ -17,7 +17,6 @@ divides the tensor): a memory-bound pass is only as fast as its instruction stre
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from collections.abc import Sequence
@@ -34,10 +33,10 @@ try:  # the kernel exists where Triton does; `available` says whether it can run
 except Exception:  # no Triton: the compiled torch path is used
     triton = None
 
-# ok: the kernels are on; mode / bad: the checked and the failed cast variants; scale_ok: the current-scale kernel
-# agreed with torch on its first call (None: not called yet); amax_ok: the same for the amax kernel, per input dtype
-_state: dict[str, Any] = {"ok": None, "mode": {}, "bad": set(), "scale_ok": None, "amax_ok": {}}
-logger = logging.getLogger(__name__)
+# ok: the kernels are on; checked: per cast variant, whether its first call agreed with ATen (False: off); scale_ok:
+# the current-scale kernel agreed with torch on its first call (None: not called yet); amax_ok: the same for the
+# amax kernel, per input dtype
+_state: dict[str, Any] = {"ok": None, "checked": {}, "scale_ok": None, "amax_ok": {}}
 
 
 def available(x: torch.Tensor) -> bool:
@@ -214,20 +213,25 @@ if triton is not None:
         return tl.where(tl.max((acc != acc).to(tl.int32), 0) > 0, float("nan"), m)
 
 
-# Formulations of the transposed store, in the order tried: 0 transposes the fp32 tile and converts, 1 converts
-# and transposes the FP8 tile, 2 stores through transposed addresses (the compiler picks the data movement), 3 writes
-# q and q^T in two launches, 4 writes q with the kernel and q^T as the transpose of q (a copy of bytes: exact by
-# construction). They compute the same bits; the first call of each variant checks them against ATen in this order
-# and keeps the first that agrees, so a code-generation problem with one of them costs neither correctness nor
-# the kernel (seen on an H200, Triton 3.6 with its bundled ptxas 12.8: with fp32 inputs a quarter of q^T wrong in
-# formulations 0-2, q right; right with CUDA 13's ptxas, see `use_torch_ptxas`).
+# Formulations of the transposed store (`cast_transpose`'s t_mode): 0 transposes the fp32 tile and converts, 1
+# converts and transposes the FP8 tile, 2 stores through transposed addresses (the compiler picks the data
+# movement), 3 writes q and q^T in two launches, 4 writes q with the kernel and q^T as the transpose of q. They
+# compute the same bits; production runs one (`production_formulation`), the others are there for the study of code
+# generation across ptxas versions (benchmarks/fp8_store_check.py) and for the tests.
 TRANSPOSE_MODES = (0, 1, 2, 3, 4)
-# The rounding, in the order tried (the `sw_round` argument): the conversion instruction's round-to-nearest-even
-# (cvt.rn.satfinite; fewer instructions per element), then rounding in fp32 arithmetic before the conversion
-# (`quantize.round_to_fp8_grid`; exact whatever the instruction does). A q that differs from ATen's moves the check
-# on to the next rounding.
+# The roundings (`cast_transpose`'s sw_round): the conversion instruction's round-to-nearest-even (cvt.rn.satfinite;
+# fewer instructions per element), or rounding in fp32 arithmetic before the conversion (`quantize.round_to_fp8_grid`;
+# exact whatever the instruction does, e.g. in Triton's interpreter, whose emulated conversion does not round to
+# nearest even).
 ROUNDINGS = (False, True)
 MAX_AMAX_OUTS = 3
+
+
+def production_formulation() -> tuple[int, bool]:
+    """(t_mode, sw_round) of the casts in training: formulation 0 with the conversion instruction's rounding, compiled
+    with torch's ptxas (`use_torch_ptxas`: with it every formulation stores q^T right on an H200); under Triton's
+    interpreter the rounding in fp32 arithmetic."""
+    return 0, _interpret()
 
 
 
@@ -308,18 +312,19 @@ def checked_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torc
                            want_t: bool, amax_out: torch.Tensor | Sequence[torch.Tensor] | None = None,
                            q_out: torch.Tensor | None = None, t_out: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-    """`cast_transpose`, checked bitwise against the ATen cast on the first call of each variant (trying the
-    TRANSPOSE_MODES in turn for q^T). Returns None when the kernel is (or has just been) switched off for this
-    variant: the caller takes its own path, with the amax outputs as they were."""
+    """`cast_transpose` in the production formulation (`production_formulation`), checked bitwise against the ATen
+    cast on the first call of each variant. Returns None when the kernel is off for this variant (since an earlier
+    call, or now, with a warning that shows the first differing elements): the caller takes the exact torch path,
+    with the amax outputs as they were."""
     if not _state["ok"]:
         return None
     amaxes = _amax_list(amax_out)
     key = (x.dtype, fp8_dtype, want_q, want_t, len(amaxes), q_out is not None, t_out is not None)
-    if key in _state["bad"]:
-        return None
-    found = _state["mode"].get(key)
-    if found is not None:
-        return cast_transpose(x, scale, fp8_dtype, want_q, want_t, amaxes, q_out, t_out, *found)
+    verdict = _state["checked"].get(key)
+    mode, sw_round = production_formulation()
+    if verdict is not None:
+        return cast_transpose(x, scale, fp8_dtype, want_q, want_t, amaxes, q_out, t_out, mode, None,
+                              sw_round) if verdict else None
     before = [a.clone() for a in amaxes]
     ref, x_amax = _aten_cast(x, scale, fp8_dtype, with_amax=bool(amaxes))
     r, c = x.shape
@@ -327,47 +332,24 @@ def checked_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torc
         q_out = torch.empty(r, c, dtype=fp8_dtype, device=x.device)
     if want_t and t_out is None:
         t_out = torch.empty(c, r, dtype=fp8_dtype, device=x.device)
-    want_amax = [torch.maximum(b, x_amax) for b in before]
+    fill_unwritten_marker(q_out, t_out)
     problems = []
-    for sw_round in ROUNDINGS:
-        rounding = "fp32 rounding" if sw_round else "conversion rounding"
-        for mode in TRANSPOSE_MODES if want_t else TRANSPOSE_MODES[:1]:
-            for a, b in zip(amaxes, before):
-                a.copy_(b)
-            fill_unwritten_marker(q_out, t_out)
-            try:
-                q, t = cast_transpose(x, scale, fp8_dtype, want_q, want_t, amaxes, q_out, t_out, mode, None, sw_round)
-            except Exception as e:  # e.g. a Triton build without these FP8 conversions
-                if mode != TRANSPOSE_MODES[0]:  # the kernel builds: only this formulation does not
-                    problems.append(f"q^T (formulation {mode}, {rounding}): {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                if sw_round != ROUNDINGS[-1]:
-                    problems.append(f"{rounding}: {type(e).__name__}: {str(e)[:200]}")
-                    break
-                _state["ok"] = False
-                warnings.warn(f"megadlms.fp8: the Triton FP8 cast kernel failed ({type(e).__name__}: "
-                              f"{str(e)[:200]}); using the compiled torch cast instead", RuntimeWarning, stacklevel=2)
-                for a, b in zip(amaxes, before):
-                    a.copy_(b)
-                return None
-            wrong = []  # q and the amax do not depend on the transposed store: only another rounding may help
-            if q is not None and not torch.equal(q.view(torch.uint8), ref.view(torch.uint8)):
-                wrong.append(f"q ({rounding}): " + _first_differences(x, scale, q, ref))
-            wrong += [f"amax {a.item()!r} instead of {w.item()!r}"
-                      for a, w in zip(amaxes, want_amax) if not torch.equal(a, w)]
-            if wrong:
-                problems += wrong
-                break
-            if t is None or torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8)):
-                if problems:
-                    logger.info("megadlms.fp8: Triton FP8 cast %s -> %s uses transposed-store formulation %d with "
-                                "%s (%s)", x.dtype, fp8_dtype, mode, rounding, "; ".join(problems))
-                _state["mode"][key] = (mode, None, sw_round)
-                return q, t
-            problems.append(f"q^T (formulation {mode}, {rounding}): " + _first_differences(x.t(), scale, t, ref.t()))
-    _state["bad"].add(key)
+    try:
+        q, t = cast_transpose(x, scale, fp8_dtype, want_q, want_t, amaxes, q_out, t_out, mode, None, sw_round)
+    except Exception as e:  # e.g. a Triton build without these FP8 conversions: the torch path computes it
+        problems.append(f"{type(e).__name__}: {str(e)[:200]}")
+    else:
+        if q is not None and not torch.equal(q.view(torch.uint8), ref.view(torch.uint8)):
+            problems.append("q: " + _first_differences(x, scale, q, ref))
+        if t is not None and not torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8)):
+            problems.append("q^T: " + _first_differences(x.t(), scale, t, ref.t()))
+        problems += [f"amax {a.item()!r} instead of {torch.maximum(b, x_amax).item()!r}"
+                     for a, b in zip(amaxes, before) if not torch.equal(a, torch.maximum(b, x_amax))]
+    _state["checked"][key] = not problems
+    if not problems:
+        return q, t
     warnings.warn(f"megadlms.fp8: the Triton FP8 cast kernel disagreed with the ATen cast for {x.dtype} -> "
-                  f"{fp8_dtype} ({'; '.join(problems)}); this variant uses the compiled torch cast instead",
+                  f"{fp8_dtype} ({'; '.join(problems)}); this variant uses the torch cast instead",
                   RuntimeWarning, stacklevel=2)
     for a, b in zip(amaxes, before):
         a.copy_(b)

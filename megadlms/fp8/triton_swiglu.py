@@ -15,12 +15,11 @@ the amax pass (current scaling: one read of the inputs in place of h's BF16 writ
 read).
 
 The casts and stores are `triton_cast`'s (`store_q_qt`: the same roundings and formulations of the transposed
-store). The first call of each variant is checked against the torch computation (`swiglu_ref`, `swiglu_bwd_ref`),
-with its outputs filled with a marker first (so that elements a kernel leaves unwritten show): every FP8 code of
-q and q^T within one step of the reference's and at most 0.1% of them different (silu's exp may differ in the
-last fp32 bit), the amax within 1e-3. The roundings (`triton_cast.ROUNDINGS`) and formulations of q^T
-(FORMULATIONS: stored by the kernel two ways, or q transposed by the FP8 transpose kernel) are tried in turn; a
-variant that fails all is switched off with a warning (the caller then takes the unfused path).
+store). Production runs one formulation per kernel (`production_formulation`). The first call of each variant is
+checked against the torch computation (`swiglu_ref`, `swiglu_bwd_ref`), with its outputs filled with a marker
+first (so that elements a kernel leaves unwritten show): every FP8 code of q and q^T within one step of the
+reference's and at most 0.1% of them different (silu's exp may differ in the last fp32 bit), the amax within 1e-3.
+A variant that fails is switched off with a warning (the caller then takes the unfused path).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import triton_cast
-from .fused import transpose_fp8
+from .kernels import transpose_fp8
 from .quantize import FP8_GRID
 from .recipe import FP8_MAX
 
@@ -44,10 +43,9 @@ try:  # the kernels exist where Triton does; `available` says whether they can r
 except Exception:
     triton = None
 
-# per variant key: the (formulation, rounding) that passed its first-call check ("mode"), the variants switched off
-# ("bad"), why formulations were passed over ("rejected": what a benchmark reports), and the verdicts of the amax
-# kernels' first-call checks ("amax_ok")
-_state: dict[str, Any] = {"mode": {}, "bad": set(), "rejected": {}, "amax_ok": {}}
+# per variant key: whether its first call agreed with torch ("checked"; False: off), why not ("rejected": what a
+# benchmark reports), and the verdicts of the amax kernels' first-call checks ("amax_ok")
+_state: dict[str, Any] = {"checked": {}, "rejected": {}, "amax_ok": {}}
 MAX_AMAX_OUTS = 2
 
 
@@ -176,12 +174,19 @@ if triton is not None:
                 tl.atomic_max(amax_ptr2, tile_amax)
 
 
-# How q^T is made, per kernel in the order the first-call check tries them: 1 and 0 store it from the kernel (two
-# formulations of the transposed store, as in triton_cast; first the one that was faster at the kernel's tile in
-# the sweep); HOST_TRANSPOSE writes q only and transposes it with `fused.transpose_fp8` (one more pass over the FP8
-# bytes; exact by construction).
+# How q^T can be made, per kernel: 1 and 0 store it from the kernel (two formulations of the transposed store, as in
+# triton_cast), HOST_TRANSPOSE writes q only and transposes it with `kernels.transpose_fp8` (one more pass over the
+# FP8 bytes; exact by construction). Production runs the first (`production_formulation`: the faster at the
+# kernel's tile in the sweep); the others are there for benchmarks/fp8_store_check.py and the tests.
 HOST_TRANSPOSE = 9
 FORMULATIONS = {"fwd": (1, 0, HOST_TRANSPOSE), "bwd": (0, 1, HOST_TRANSPOSE)}
+
+
+def production_formulation(kernel: str) -> tuple[int, bool]:
+    """(t_mode, sw_round) of `kernel` ("fwd" or "bwd") in training: its first formulation with the conversion
+    instruction's rounding (compiled with torch's ptxas, `triton_cast.use_torch_ptxas`); under Triton's interpreter
+    the rounding in fp32 arithmetic (`triton_cast.production_formulation`)."""
+    return FORMULATIONS[kernel][0], triton_cast.production_formulation()[1]
 
 
 # (rows, columns, warps) of one program, from benchmarks/fp8_cast_sweep.py on an H200: the fastest tile whose
@@ -340,37 +345,28 @@ def _codes_close(q: torch.Tensor, ref: torch.Tensor, max_share: float = 1e-3) ->
 
 def _first_call(key: tuple, run: Any, ref: torch.Tensor, amax_outs: Sequence[torch.Tensor],
                 amax_ref: torch.Tensor) -> tuple | None:
-    """Run `run(t_mode, sw_round, marker=True)` for each rounding (`triton_cast.ROUNDINGS`) and formulation of q^T
-    (FORMULATIONS of the key's kernel) until its outputs pass the check against the torch computation
-    (`_codes_close` for q and q^T, the amax outputs within 1e-3); remembers the choice, or switches the variant off
-    (None) with the amax outputs restored."""
+    """Run `run(marker=True)` (the kernel in its production formulation) and check its outputs against the torch
+    computation (`_codes_close` for q and q^T, the amax outputs within 1e-3); records the verdict, and on a
+    disagreement switches the variant off (None) with a warning and the amax outputs restored."""
     if ref.is_cuda:  # before the kernels compile here: their transposed stores need it (see there)
         triton_cast.use_torch_ptxas()
     before = [a.clone() for a in amax_outs]
     problems = []
-    for sw_round, mode in [(r, m) for r in triton_cast.ROUNDINGS for m in FORMULATIONS[key[0]]]:
-        for a, b in zip(amax_outs, before):
-            a.copy_(b)
-        try:
-            q, t = run(mode, sw_round, True)
-        except Exception as e:  # e.g. a Triton build without these FP8 conversions
-            problems.append(f"formulation {mode}: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        wrong = []
+    try:
+        q, t = run(True)
+    except Exception as e:  # e.g. a Triton build without these FP8 conversions: the unfused path computes it
+        problems.append(f"{type(e).__name__}: {str(e)[:200]}")
+    else:
         if q is not None and not _codes_close(q, ref):
-            wrong.append(f"formulation {mode}: q differs from the torch computation by more than one FP8 step")
+            problems.append("q differs from the torch computation by more than one FP8 step")
         if t is not None and not _codes_close(t.t(), ref):
-            wrong.append(f"formulation {mode}: q^T differs from the torch computation by more than one FP8 step")
+            problems.append("q^T differs from the torch computation by more than one FP8 step")
         want = [torch.maximum(b, amax_ref) for b in before]
         if any(not torch.allclose(a, w, rtol=1e-3, atol=0.0) for a, w in zip(amax_outs, want)):
-            wrong.append(f"formulation {mode}: amax differs from the torch computation")
-        if not wrong:
-            _state["mode"][key] = (mode, sw_round)
-            if problems:
-                _state["rejected"][key] = problems
-            return q, t
-        problems += wrong
-    _state["bad"].add(key)
+            problems.append("amax differs from the torch computation")
+    _state["checked"][key] = not problems
+    if not problems:
+        return q, t
     _state["rejected"][key] = problems
     warnings.warn(f"megadlms.fp8: the fused SwiGLU + FP8 cast kernel disagreed with torch for {key} "
                   f"({'; '.join(problems)}); the FP8 MLP runs unfused for this variant", RuntimeWarning, stacklevel=3)
@@ -381,20 +377,19 @@ def _first_call(key: tuple, run: Any, ref: torch.Tensor, amax_outs: Sequence[tor
 
 def checked_swiglu_cast(y: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, want_t: bool,
                         amax_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """`swiglu_cast`, checked on the first call of each variant; None when the variant is off."""
+    """`swiglu_cast` in its production formulation, checked on the first call of each variant; None when the
+    variant is off."""
     key = ("fwd", y.dtype, fp8_dtype, want_t, amax_out is not None)
-    if key in _state["bad"]:
-        return None
-    found = _state["mode"].get(key)
-    if found is not None:
-        return swiglu_cast(y, scale, fp8_dtype, want_t, amax_out, found[0], sw_round=found[1])
+    verdict = _state["checked"].get(key)
+    mode, sw_round = production_formulation("fwd")
+    if verdict is not None:
+        return swiglu_cast(y, scale, fp8_dtype, want_t, amax_out, mode, sw_round=sw_round) if verdict else None
     m, f = y.shape[0], y.shape[1] // 2
     ref, h_amax = triton_cast.reference_cast(m, f, scale, fp8_dtype,
                                              lambda r0, r1: swiglu_ref(y[r0:r1, :f], y[r0:r1, f:]))
     outs = [amax_out] if amax_out is not None else []
-    return _first_call(key, lambda mode, sw_round, marker: swiglu_cast(y, scale, fp8_dtype, want_t, amax_out, mode,
-                                                                       marker=marker, sw_round=sw_round),
-                       ref, outs, h_amax)
+    return _first_call(key, lambda marker: swiglu_cast(y, scale, fp8_dtype, want_t, amax_out, mode, marker=marker,
+                                                       sw_round=sw_round), ref, outs, h_amax)
 
 
 def checked_swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor,
@@ -402,18 +397,18 @@ def checked_swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tens
                             row_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                             amax_out: Sequence[torch.Tensor] = ()
                             ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-    """`swiglu_bwd_cast`, checked on the first call of each variant; None when the variant is off."""
+    """`swiglu_bwd_cast` in its production formulation, checked on the first call of each variant; None when the
+    variant is off."""
     key = ("bwd", dh.dtype, gate.dtype, fp8_dtype, want_q, want_t, row_scales is not None, len(amax_out))
-    if key in _state["bad"]:
-        return None
-    found = _state["mode"].get(key)
-    if found is not None:
-        return swiglu_bwd_cast(dh, gate, up, scale, fp8_dtype, want_q, want_t, row_scales, amax_out, found[0],
-                               sw_round=found[1])
+    verdict = _state["checked"].get(key)
+    mode, sw_round = production_formulation("bwd")
+    if verdict is not None:
+        return swiglu_bwd_cast(dh, gate, up, scale, fp8_dtype, want_q, want_t, row_scales, amax_out, mode,
+                               sw_round=sw_round) if verdict else None
     m, f = dh.shape
     ref, d_amax = triton_cast.reference_cast(m, 2 * f, scale, fp8_dtype,
                                              lambda r0, r1: _derivatives(dh, gate, up, row_scales, r0, r1))
-    return _first_call(key, lambda mode, sw_round, marker: swiglu_bwd_cast(
+    return _first_call(key, lambda marker: swiglu_bwd_cast(
         dh, gate, up, scale, fp8_dtype, want_q, want_t, row_scales, amax_out, mode, marker=marker, sw_round=sw_round),
         ref, list(amax_out), d_amax)
 

@@ -220,11 +220,9 @@ class Trainer:
         if self.fp8 and self.accum == 1:
             # no later micro-batch of the step reads a cached FP8 weight: each layer's lives from its forward to its
             # backward (which also makes its transpose), not through the optimizer step until the next forward
-            from ..fp8 import fp8_modules
+            from ..fp8 import set_fp8_weight_caching
 
-            self._fp8_uncached = [m for m in fp8_modules(model) if m.cache_weight]  # not FSDP's (off for good)
-            for m in self._fp8_uncached:
-                m.cache_weight = False
+            self._fp8_uncached = set_fp8_weight_caching(model, False)  # not FSDP's (off for good)
         # large vocabularies: the fused, masked-rows-only LM head + loss (the [tokens, V] logits dominate memory)
         chunk = t.loss_chunk_tokens
         self.loss_chunk_tokens = (8192 if cfg.vocab_size >= 32768 else 0) if chunk is None else chunk

@@ -158,9 +158,9 @@ def test_state_dict_round_trip_restores_the_delayed_scales():
     _run(mod, leaves, _grad_out(1), False)
     fp8_step(mod)
     other = Float8DotProductAttention(_recipe(Format.HYBRID, history=2, algo="max"))
-    assert not other._is_ready()
+    assert not other.scales_ready()
     other.load_state_dict(mod.state_dict())
-    assert other._is_ready()  # fp8_initialized read back: the next forward uses the loaded scales
+    assert other.scales_ready()  # fp8_initialized read back: the next forward uses the loaded scales
     for b in ATTN_BUFFERS:
         assert torch.equal(getattr(other, b), getattr(mod, b))
     a, _ = _run(mod, leaves, _grad_out(1), False, backward=False)
@@ -231,7 +231,7 @@ def test_amax_history_fp8_step_and_delayed_scales(fmt):
     q_before = mod.fp8_scale.clone()
     out1, grads1 = _run(mod, leaves, d_o, False)
     assert torch.equal(mod.fp8_scale, q_before)  # scales change only in fp8_step
-    assert not bool(mod.fp8_initialized) and not mod._is_ready()
+    assert not bool(mod.fp8_initialized) and not mod.scales_ready()
 
     row = mod.fp8_amax_history[0].clone()
     assert (row > 0).all(), row
@@ -244,7 +244,7 @@ def test_amax_history_fp8_step_and_delayed_scales(fmt):
         assert abs(float(row[role]) / float(g.abs().amax()) - 1) < 0.15, role
 
     fp8_step(mod)
-    assert bool(mod.fp8_initialized) and mod._is_ready()
+    assert bool(mod.fp8_initialized) and mod.scales_ready()
     assert (mod.fp8_amax_history[0] == 0).all()  # rolled: slot 0 is the new step's
     assert torch.equal(mod.fp8_amax_history[1], row)
     assert (mod.fp8_amax_history[2] == 0).all()

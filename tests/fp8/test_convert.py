@@ -195,13 +195,12 @@ def test_config_switches_fusion_and_forward_fast_accumulation():
 
     base = dict(hidden_size=64, num_attention_heads=4, num_layers=2, vocab_size=128, seq_length=32, fp8=True)
     layer = build_model(TransformerConfig(**base)).layers[0]
-    assert isinstance(layer.self_attn.__dict__.get("project_qkv"), FusedFloat8Projection)
-    assert isinstance(layer.mlp.__dict__.get("forward"), FusedFloat8MLP)
+    assert isinstance(layer.self_attn.qkv_fusion, FusedFloat8Projection)
+    assert isinstance(layer.mlp.fusion, FusedFloat8MLP) and layer.mlp.fusion.gate_up is layer.mlp.gate_up_fusion
     assert layer.mlp.down_proj.fprop_fast_accum and not layer.mlp.down_proj.backward_fast_accum
     layer = build_model(TransformerConfig(**base, fp8_fuse_projections=False, fp8_fuse_mlp=False,
                                           fp8_fprop_fast_accum=False)).layers[0]
-    assert "project_qkv" not in layer.self_attn.__dict__ and "project_gate_up" not in layer.mlp.__dict__
-    assert "forward" not in layer.mlp.__dict__
+    assert layer.self_attn.qkv_fusion is None and layer.mlp.gate_up_fusion is None and layer.mlp.fusion is None
     assert not any(m.fprop_fast_accum for m in layer.modules() if isinstance(m, Float8Linear))
     args = parse_train_args(["--model-path", "tiny", "--fp8-format", "hybrid", "--no-fp8-fuse-projections",
                              "--no-fp8-fprop-fast-accum", "--no-fp8-fuse-mlp"])

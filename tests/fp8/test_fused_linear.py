@@ -16,8 +16,8 @@ from megadlms.fp8 import (
     fp8_step,
     triton_cast,
 )
-from megadlms.fp8.fused import cast_fp8, cast_fp8_cat
 from megadlms.fp8.fused_linear import FusedFloat8Projection
+from megadlms.fp8.kernels import cast_fp8, cast_fp8_cat
 from megadlms.model import TransformerLM
 
 from .helpers import sgd_step
@@ -63,13 +63,20 @@ def test_cast_cat_equals_separate_casts():
 def test_convert_installs_fused_projections_keeping_state_dict():
     fused, plain = _pair(DelayedScaling(amax_history_len=4))
     for layer in fused.layers:
-        assert isinstance(layer.self_attn.__dict__["project_qkv"], FusedFloat8Projection)
-        assert isinstance(layer.mlp.__dict__["project_gate_up"], FusedFloat8Projection)
+        assert isinstance(layer.self_attn.qkv_fusion, FusedFloat8Projection)
+        assert isinstance(layer.mlp.gate_up_fusion, FusedFloat8Projection)
+        assert layer.self_attn.qkv_fusion.members() == [layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                        layer.self_attn.v_proj]
+        assert not vars(layer.self_attn).keys() & {"project_qkv", "forward"}  # no behaviour on the instance
+    # the module tree names what runs
+    assert "(qkv_fusion): FusedFloat8Projection(q_proj, k_proj, v_proj)" in repr(fused.layers[0])
+    assert "(gate_up_fusion): FusedFloat8Projection(gate_proj, up_proj)" in repr(fused.layers[0])
     for layer in plain.layers:
-        assert "project_qkv" not in layer.self_attn.__dict__
+        assert layer.self_attn.qkv_fusion is None and layer.mlp.gate_up_fusion is None
     assert list(fused.state_dict()) == list(plain.state_dict())
+    assert sum(1 for _ in fused.parameters()) == sum(1 for _ in plain.parameters())
     rowwise, _ = _pair(Float8RowwiseScaling())
-    assert "project_qkv" not in rowwise.layers[0].self_attn.__dict__
+    assert rowwise.layers[0].self_attn.qkv_fusion is None
 
 
 def test_fused_model_trains_like_unfused():
@@ -91,7 +98,7 @@ def test_fused_model_trains_like_unfused():
         assert (lf - lp).norm() <= 1e-2 * lp.norm(), step
         for n in gf:
             assert (gf[n] - gp[n]).norm() <= 0.05 * gp[n].norm() + 1e-12, (step, n)
-    assert fused.layers[0].self_attn.project_qkv.num_fused_calls == 3
+    assert fused.layers[0].self_attn.qkv_fusion.num_fused_calls == 3
 
 
 def test_fused_history_records_shared_amaxes_and_own_weight_amax():
@@ -120,7 +127,7 @@ def test_fused_tensorwise_close_to_unfused_and_falls_back_outside_fp8():
     assert (lf - lp).norm() / lp.norm() < 2e-2
     for n in gf:
         assert (gf[n] - gp[n]).norm() / gp[n].norm() < 0.3, n
-    assert fused.layers[0].mlp.project_gate_up.num_fused_calls == 1
+    assert fused.layers[0].mlp.gate_up_fusion.num_fused_calls == 1
 
 
 def test_fused_weight_cast_once_per_step_across_micro_batches():
@@ -153,7 +160,7 @@ def test_fused_model_compiles_with_graph_breaks_only():
         lf, gf = _step(fused, tokens)
         le, ge = _step(eager, tokens)
         assert torch.allclose(lf, le, rtol=1e-5, atol=1e-5)
-    assert fused.layers[0].mlp.project_gate_up.num_fused_calls == 2
+    assert fused.layers[0].mlp.gate_up_fusion.num_fused_calls == 2
 
 
 def test_no_output_of_a_compiled_fp8_layer_graph_has_two_consumers():
@@ -211,7 +218,7 @@ def test_group_outputs_and_weight_grads_bitwise_dx_to_summation_order(fp8_wgrad)
         res.append((outs, xi.grad, [p.grad for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
                                                      attn.q_proj.bias, attn.v_proj.bias)]))
     (of, dxf, gwf), (op, dxp, gwp) = res
-    assert fused.layers[0].self_attn.project_qkv.num_fused_calls == 1
+    assert fused.layers[0].self_attn.qkv_fusion.num_fused_calls == 1
     for a, b in zip(of, op):
         assert torch.equal(a, b)
     for a, b in zip(gwf, gwp):
@@ -247,7 +254,7 @@ def test_one_pass_kernel_paths_equal_the_compiled_cast_paths(monkeypatch, recipe
     monkeypatch.setattr(triton_cast, "available", lambda x: x.dim() == 2 and x.is_contiguous())
     monkeypatch.setattr(triton_cast, "cast_transpose", _emulated_kernel)
     monkeypatch.setitem(triton_cast._state, "ok", True)
-    monkeypatch.setitem(triton_cast._state, "mode", {})
+    monkeypatch.setitem(triton_cast._state, "checked", {})
     got = [_step(fused, tokens) for _ in range(3)], [_step(unfused, tokens) for _ in range(3)]
     for runs_ref, runs_got in zip(ref, got):
         for (l1, g1), (l2, g2) in zip(runs_ref, runs_got):
@@ -256,7 +263,8 @@ def test_one_pass_kernel_paths_equal_the_compiled_cast_paths(monkeypatch, recipe
                 assert torch.equal(g1[n], g2[n]), n
     for (n, a), (_, b) in zip(fused.named_buffers(), other.named_buffers()):
         assert torch.equal(a, b), n
-    assert triton_cast._state["ok"] and len(triton_cast._state["mode"]) >= 4
+    assert triton_cast._state["ok"] and len(triton_cast._state["checked"]) >= 4
+    assert all(triton_cast._state["checked"].values())
 
 
 def test_fp8_telemetry_is_recorded_on_the_fused_path():
@@ -286,13 +294,13 @@ def test_fp8_telemetry_is_recorded_on_the_fused_path():
 
 
 def _groups(model):
-    return [g for layer in model.layers for g in (layer.self_attn.project_qkv, layer.mlp.project_gate_up)]
+    return [g for layer in model.layers for g in (layer.self_attn.qkv_fusion, layer.mlp.gate_up_fusion)]
 
 
 def test_scaled_mm_scales_are_16_byte_aligned(monkeypatch):
     """cuBLASLt rejects scale pointers that are not 16-byte aligned: the per-step scale inverses of delayed scaling
     (views into one buffer) must each sit on a 16-byte boundary, fused and unfused, forward and backward."""
-    from megadlms.fp8 import quantize
+    from megadlms.fp8 import gemm as quantize
 
     seen, copies = [], []
     real_mm, real_aligned = torch._scaled_mm, quantize._aligned

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from megadlms.fp8.gemm import scaled_mm
 from megadlms.fp8.quantize import (
     E4M3,
     E5M2,
@@ -18,7 +19,6 @@ from megadlms.fp8.quantize import (
     quantize_rowwise,
     quantize_tensorwise,
     round_to_fp8_grid,
-    scaled_mm,
 )
 
 from .helpers import FMAX, ML, ref_quantize, ref_scale

@@ -17,6 +17,7 @@ from megadlms.fp8 import (
     recipe_from_config,
 )
 from megadlms.fp8.linear import INPUT
+from megadlms.fp8.quantizer import CurrentQuantizer, RowwiseQuantizer
 
 from .helpers import ref_scale
 
@@ -102,17 +103,21 @@ def test_zero_or_non_finite_amax_keeps_the_previous_scale():
 def test_current_and_rowwise_scales(margin):
     x = torch.tensor([[1.0, -2.0], [0.0, 0.0], [0.5, 0.25]])
     cur = Float8Linear(2, 2, recipe=Float8CurrentScaling(margin=margin))
-    _, scale_inv, _ = cur._cast_qt(x, INPUT, E4M3, record=False, numel=x.numel())
+    assert type(cur.quantizers[INPUT]) is CurrentQuantizer
+    scale_inv = cur.quantize(x, INPUT, x.numel(), record=False).rows.scale_inv
     assert scale_inv.item() == pytest.approx(2.0 / 448 * 2 ** margin, rel=1e-7)
-    row = Float8Linear(2, 2, recipe=Float8RowwiseScaling(margin=margin))
-    _, si = row._cast_rowwise(x, INPUT, E5M2, dim=1, numel=x.numel())
+    row = RowwiseQuantizer(Float8RowwiseScaling(margin=margin), E5M2)
+    t = row.quantize(x, cols=True)
     expect = [2.0 / 57344 * 2 ** margin, 1.0, 0.5 / 57344 * 2 ** margin]  # an all-zero row gets scale 1
-    assert si.squeeze(1).tolist() == pytest.approx(expect, rel=1e-7)
+    assert t.rows.scale_inv.squeeze(1).tolist() == pytest.approx(expect, rel=1e-7)
+    # cols: x^T, one scale per column of x
+    assert t.cols.data.shape == (2, 3) and t.cols.scale_inv.squeeze(1).tolist() == pytest.approx(
+        [1.0 / 57344 * 2 ** margin, 2.0 / 57344 * 2 ** margin], rel=1e-7)
 
 
 def test_bootstrap_before_first_step_uses_current_amax():
     layer = Float8Linear(16, 16, recipe=DelayedScaling())
     x = torch.full((4, 16), 0.01)
-    q, scale_inv, _ = layer._cast_qt(x, INPUT, E4M3, record=True, numel=x.numel())
+    q, scale_inv = layer.quantize(x, INPUT, x.numel(), record=True).rows
     assert q.float().max().item() == 448.0  # scaled to the top of the range, not flushed at scale 1
     assert scale_inv.item() == pytest.approx(0.01 / 448, rel=1e-6)

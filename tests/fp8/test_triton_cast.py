@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent("""
             assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8)), (src, fp8)
             assert torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8)), (src, fp8)
             assert torch.equal(amax, x.abs().amax().float()), (src, fp8)
-            assert triton_cast._state["mode"], "a formulation and rounding were chosen"
+            assert triton_cast._state["checked"] and all(triton_cast._state["checked"].values())
             _, t_only = triton_cast.cast_transpose(x, scale, fp8, False, True)
             assert torch.equal(t_only.view(torch.uint8), t.view(torch.uint8))
 
@@ -126,13 +126,13 @@ SCRIPT = textwrap.dedent("""
     assert triton_cast.checked_amax(torch.randn(8, 6).t()) is None  # not contiguous: ATen's
 
     # fused.transpose_fp8 through the kernel (scale 1): every finite FP8 byte, -0.0 and subnormals included
-    from megadlms.fp8.fused import transpose_fp8
+    from megadlms.fp8.kernels import transpose_fp8
     e5m2_nonfinite = set(range(0x7C, 0x80)) | set(range(0xFC, 0x100))
     for fp8, bad in ((torch.float8_e4m3fn, {0x7F, 0xFF}), (torch.float8_e5m2, e5m2_nonfinite)):
         finite = torch.tensor([b for b in range(256) if b not in bad], dtype=torch.uint8)
         q = finite[torch.randint(0, len(finite), (80, 144))].view(fp8)
         assert torch.equal(transpose_fp8(q).view(torch.uint8), q.t().contiguous().view(torch.uint8)), fp8
-        assert (fp8, fp8, False, True, 0, False, False) in triton_cast._state["mode"], "the kernel made it"
+        assert triton_cast._state["checked"][(fp8, fp8, False, True, 0, False, False)], "the kernel made it"
     print("OK")
 """)
 
@@ -145,84 +145,82 @@ def test_cast_transpose_amax_match_aten_in_interpreter():
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
 
 
-def test_a_wrong_transposed_store_falls_through_to_the_next_formulation(monkeypatch):
-    """The first-call check tries the transposed-store formulations in turn and keeps the first that agrees with
-    ATen; amax outputs (several: a fused group's history slots) are raised exactly once; a variant whose q is
-    wrong is switched off with the amax outputs as they were."""
+def test_the_production_formulation_is_checked_once_and_a_wrong_one_falls_back(monkeypatch):
+    """Production runs one formulation of the kernel; its first call per variant is checked against ATen: amax
+    outputs (several: a fused group's history slots) are raised exactly once, later calls run unchecked; a
+    variant whose q^T or q is wrong is switched off with a warning and the amax outputs as they were."""
     import torch
 
     from megadlms.fp8 import triton_cast
 
-    calls = []
+    calls, broken = [], {"t": False, "q": False}
 
     def kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0,
                tile=None, sw_round=False):
-        calls.append(t_mode)
+        calls.append((t_mode, sw_round))
         ref = (x.float() * scale).clamp(-448, 448).to(fp8_dtype)
         for a in triton_cast._amax_list(amax_out):
             a.copy_(torch.maximum(a, x.abs().amax().float()))
         t = ref.t().contiguous()
-        if t_mode == 0:  # a broken formulation: a quarter of q^T zero
+        if broken["t"]:  # a miscompiled transposed store: a quarter of q^T zero
             t.view(torch.uint8)[: t.shape[0] // 4] = 0
-        return (ref if want_q else None), (t if want_t else None)
+        q = torch.zeros_like(ref) if broken["q"] else ref
+        return (q if want_q else None), (t if want_t else None)
 
     monkeypatch.setattr(triton_cast, "cast_transpose", kernel)
     monkeypatch.setitem(triton_cast._state, "ok", True)
-    monkeypatch.setitem(triton_cast._state, "mode", {})
-    monkeypatch.setitem(triton_cast._state, "bad", set())
+    monkeypatch.setitem(triton_cast._state, "checked", {})
     x = (torch.randn(64, 48) + 0.5).bfloat16()
     slots = [torch.tensor(0.25), torch.tensor(100.0)]
     q, t = triton_cast.checked_cast_transpose(x, torch.tensor(8.0), torch.float8_e4m3fn, True, True, slots)
     ref = (x.float() * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8))
-    assert calls == [0, 1] and list(triton_cast._state["mode"].values()) == [(1, None, False)]
+    assert calls == [triton_cast.production_formulation()] == [(0, False)]
+    assert list(triton_cast._state["checked"].values()) == [True]
     assert slots[0] == x.abs().amax() and slots[1] == 100.0
     triton_cast.checked_cast_transpose(x, torch.tensor(8.0), torch.float8_e4m3fn, True, True, slots)
-    assert calls == [0, 1, 1]  # checked once: later calls take the formulation found
+    assert len(calls) == 2  # checked once: later calls run the kernel alone
 
-    def wrong_q(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0,
-               tile=None, sw_round=False):
-        for a in triton_cast._amax_list(amax_out):
-            a.fill_(1e9)
-        z = torch.zeros(x.shape, dtype=fp8_dtype)
-        return z, z.t().contiguous()
-
-    monkeypatch.setattr(triton_cast, "cast_transpose", wrong_q)
-    amax = torch.tensor(0.5)
-    with pytest.warns(RuntimeWarning, match="disagreed"):
-        out = triton_cast.checked_cast_transpose(x.bfloat16(), torch.tensor(8.0), torch.float8_e4m3fn, True, True,
-                                                 amax)
-    assert out is None and amax == 0.5
+    for part in ("t", "q"):
+        broken.update({"t": part == "t", "q": part == "q"})
+        amax = torch.tensor(0.5)
+        with pytest.warns(RuntimeWarning, match="disagreed"):
+            out = triton_cast.checked_cast_transpose(x.float(), torch.tensor(8.0), torch.float8_e5m2, True, True,
+                                                     amax)
+        assert out is None and amax == 0.5
+        n = len(calls)
+        assert triton_cast.checked_cast_transpose(x.float(), torch.tensor(8.0), torch.float8_e5m2, True, True,
+                                                  amax) is None
+        assert len(calls) == n  # off for this variant: the caller's torch path runs
+        monkeypatch.setitem(triton_cast._state, "checked", {})
 
 
 def test_elements_a_kernel_leaves_unwritten_fail_the_first_call_check(monkeypatch):
-    """The outputs are filled with a marker before each checked call, so a formulation that skips some stores
-    fails even when the buffer already holds the right bytes (a reused allocation from an earlier call)."""
+    """The outputs are filled with a marker before the checked call, so a kernel that skips some stores fails
+    even when the buffer already holds the right bytes (a reused allocation from an earlier call)."""
     import torch
 
     from megadlms.fp8 import triton_cast
 
-    calls = []
-
     def kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0,
                tile=None, sw_round=False):
-        calls.append(t_mode)
         ref = (x.float() * scale).clamp(-448, 448).to(fp8_dtype)
         q_out.copy_(ref)
-        rows = t_out.shape[0] if t_mode != 0 else t_out.shape[0] * 3 // 4  # formulation 0 skips a quarter
+        rows = t_out.shape[0] * 3 // 4  # skips a quarter of q^T
         t_out[:rows].copy_(ref.t()[:rows])
         return q_out, t_out
 
     monkeypatch.setattr(triton_cast, "cast_transpose", kernel)
     monkeypatch.setitem(triton_cast._state, "ok", True)
-    monkeypatch.setitem(triton_cast._state, "mode", {})
-    monkeypatch.setitem(triton_cast._state, "bad", set())
+    monkeypatch.setitem(triton_cast._state, "checked", {})
     x = torch.randn(64, 48).bfloat16()
     ref = (x.float() * 8).to(torch.float8_e4m3fn)
     q_out = ref.clone()
     t_out = ref.t().contiguous()  # already the right bytes
-    q, t = triton_cast.checked_cast_transpose(x, torch.tensor(8.0), torch.float8_e4m3fn, True, True, None, q_out, t_out)
-    assert calls == [0, 1] and torch.equal(t.view(torch.uint8), ref.view(torch.uint8).t())
+    with pytest.warns(RuntimeWarning, match="q\\^T"):
+        out = triton_cast.checked_cast_transpose(x, torch.tensor(8.0), torch.float8_e4m3fn, True, True, None, q_out,
+                                                 t_out)
+    assert out is None and list(triton_cast._state["checked"].values()) == [False]
 
 
 def test_the_kernels_compile_with_torchs_ptxas_unless_the_user_chose_one(monkeypatch, tmp_path):

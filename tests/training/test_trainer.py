@@ -180,7 +180,7 @@ def test_fp8_weights_uncached_in_training_and_cast_once_per_evaluation():
     before = [m.num_weight_casts for m in mods]
     assert trainer.evaluate() is not None
     assert [m.num_weight_casts - b for m, b in zip(mods, before)] == [1] * len(mods)  # 3 batches, one cast
-    assert not any(m.cache_weight or m._wcache is not None for m in mods)
-    assert all(g._cache is None for g in fused_projections(trainer.model))
+    assert not any(m.cache_weight or m.weight_cache is not None for m in mods)
+    assert all(g.weight_cache is None for g in fused_projections(trainer.model))
     trainer.train_step()
     assert [m.num_weight_casts - b for m, b in zip(mods, before)] == [2] * len(mods)  # training casts afresh

@@ -1,19 +1,22 @@
-"""FP8 casts for Float8Linear: scale -> clamp -> cast to q and/or the transposed q^T, after one amax
-reduction pass where the scale or the amax history needs it.
+"""The FP8 kernels behind one small interface, each with its exact torch reference.
 
-A `_scaled_mm` operand must be K-major, so the weight-gradient GEMM (which contracts over tokens)
-needs the transposes of the FP8 input and gradient, and the input-gradient GEMM the transpose of
-the FP8 weight. `cast_fp8` makes q^T from the high-precision x at cast time (no later transpose
-pass over a saved FP8 tensor in backward).
+    kernel            call                         CUDA (Triton, one formulation)     torch reference
+    cast (+transpose) `cast_fp8`                   triton_cast.cast_transpose          quantize.quantize (compiled)
+    cast of a concat  `cast_fp8_cat`               triton_cast.cast_transpose per part the same, over torch.cat
+    transpose         `transpose_fp8`              triton_cast.cast_transpose (scale 1) q.t().contiguous()
+    amax              `amax_of`                    triton_cast.amax                    ATen's inf-norm
+    current scale     `current_scale`              triton_cast.current_scale           quantize.amax_to_scale
+    SwiGLU casts      triton_swiglu.checked_*      swiglu_cast, swiglu_bwd_cast, ...   swiglu_ref, swiglu_bwd_ref
 
-On CUDA the cast is one Triton pass (`triton_cast`: reads x once, writes q and q^T, and with a
-known scale (delayed scaling) also the amax for the history); without Triton, or if its first-call
-check against the ATen cast fails, it is a compiled pointwise function (torch.compile, dynamic
-shapes; inductor emits one kernel per output layout). The amax needed before a cast (current
-scaling) is one Triton pass too (`triton_cast.amax`), else ATen's inf-norm reduction (an amax
-compiled with dynamic shapes ran ~3x slower per call on an H200: benchmarks/RESULTS.md), and the
-scale it gives one small kernel (`current_scale`). Elsewhere everything runs eagerly. All compute
-exactly what `quantize.quantize` / `amax_to_scale` compute.
+Each Triton kernel runs one formulation; its first call per variant is checked against the reference, and a
+variant that disagrees falls back to the reference (with a warning). The reference runs where Triton does not
+(the CPU, MEGADLMS_FP8_TRITON=0): compiled with torch.compile on CUDA (dynamic shapes; inductor emits one kernel
+per output layout), eagerly elsewhere; the generated kernels round like ATen's cast (`quantize.round_to_fp8_grid`).
+
+A `_scaled_mm` operand must be K-major, so the weight-gradient GEMM (which contracts over tokens) needs the
+transposes of the FP8 input and gradient, and the input-gradient GEMM the transpose of the FP8 weight: `cast_fp8`
+makes q^T from the high-precision x at cast time, in the same pass as q (no later transpose pass over a saved FP8
+tensor in backward). With a known scale (delayed scaling) the cast also writes the amax for the history.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from . import triton_cast
 from .quantize import FP8_MAX, amax_to_scale, round_to_fp8_grid
 
 
-def _amax(x: torch.Tensor) -> torch.Tensor:
+def amax_of(x: torch.Tensor) -> torch.Tensor:
     """max |x| as an fp32 scalar tensor (one reduction pass; exact, as max is): the Triton kernel where it runs
     (`triton_cast.amax`), else ATen's inf-norm reduction."""
     out = triton_cast.checked_amax(x)
@@ -129,7 +132,7 @@ def cast_fp8(x: torch.Tensor, scale: torch.Tensor | None,
         if out is not None:
             return out
     if amax is None and (scale is None or slots):
-        amax = _amax(x)
+        amax = amax_of(x)
     record_amax(slots, amax)
     if scale is None:
         fn = compiled("current", _cast_current) if cuda else _cast_current
@@ -152,7 +155,7 @@ def _cast_fp8_triton(x: torch.Tensor, scale: torch.Tensor | None, slots: list[to
     straight into the slots): one read of x. Without one (current scaling) the amax pass comes first."""
     if scale is None:
         if amax is None:
-            amax = _amax(x)
+            amax = amax_of(x)
         scale, scale_inv = current_scale([amax], fp8_dtype, margin)
         in_kernel: list[torch.Tensor] = []
     else:
@@ -161,7 +164,7 @@ def _cast_fp8_triton(x: torch.Tensor, scale: torch.Tensor | None, slots: list[to
     if out is None:
         return None
     if slots and not in_kernel:
-        record_amax(slots, amax if amax is not None else _amax(x))
+        record_amax(slots, amax if amax is not None else amax_of(x))
     return out[0], out[1], scale_inv if scale_inv is not None else scale.reciprocal(), amax
 
 
@@ -214,7 +217,7 @@ def cast_fp8_cat(ws: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: torch.d
             return out
     if amax_outs is not None:
         for a, w in zip(amax_outs, ws):
-            a.copy_(torch.maximum(a, _amax(w)))
+            a.copy_(torch.maximum(a, amax_of(w)))
     fn = compiled("cat", _cast_cat) if ws[0].device.type == "cuda" else _cast_cat
     return fn(ws, scale, fp8_dtype, want_t)
 
@@ -235,7 +238,7 @@ def _cast_cat_triton(ws: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: tor
         if out is None:
             if amax_outs is not None:  # the ones done so far are max-updates: repeating them is harmless
                 for a, w2 in zip(amax_outs, ws):
-                    a.copy_(torch.maximum(a, _amax(w2)))
+                    a.copy_(torch.maximum(a, amax_of(w2)))
                 amax_outs.clear()
             return None
         row += r

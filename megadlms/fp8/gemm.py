@@ -1,0 +1,93 @@
+"""The FP8 GEMMs of the linear layers: the only caller of `torch._scaled_mm` in the engine.
+
+Every GEMM of a linear is `a @ b^T` over two quantized operands, each an `Operand`: FP8 data [rows, K] row-major
+(K, the contracted dimension, contiguous) with its dequantization scale (per tensor, or one per row):
+
+    fprop:  y  = x @ W^T    fp8_gemm(x.rows, W.rows)      x [M, K], W [N, K]
+    dgrad:  dx = g @ W      fp8_gemm(g.rows, W.cols)      W.cols = W^T [K, N]
+    wgrad:  dW = g^T @ x    fp8_gemm(g.cols, x.cols)      g^T [N, M], x^T [K, M]
+
+(`rows` / `cols`: a quantizer's FP8 copy of a tensor and of its transpose: `quantizer.FP8Tensor`). The operands
+are already padded to multiples of 16 (`pad_2d`); callers slice the results. `wgrad_high_precision` is the weight
+gradient without FP8 (fp8_wgrad=False), `bias_grad` the bias gradient.
+
+A new scaling recipe whose GEMM takes other scale layouts (blockwise 1x128 / 128x128 tiles, MXFP8's E8M0 scales
+per 32 elements) adds its layout to `Operand` and its kernel call to `fp8_gemm`; the layers do not change.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .recipe import E5M2
+
+
+class Operand(NamedTuple):
+    """One FP8 GEMM operand: data fp8 [R, K] row-major; scale_inv fp32, 0-dim (per tensor) or [R, 1] (per row)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
+    """The layout/shape rules CUDA's `_scaled_mm` enforces, checked on every backend (the CPU kernel
+    is lenient), so that CPU tests catch what would fail on a GPU. Metadata only: no sync."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"scaled_mm: shapes {tuple(a.shape)} x {tuple(b.shape)} do not multiply")
+    if a.shape[0] % 16 or a.shape[1] % 16 or b.shape[1] % 16:
+        raise ValueError(f"scaled_mm: dims of {tuple(a.shape)} x {tuple(b.shape)} must be multiples of 16 "
+                         "(pad the operands)")
+    if a.stride(1) != 1:
+        raise ValueError(f"scaled_mm: a must be row-major, got strides {a.stride()}")
+    if b.stride(0) != 1:
+        raise ValueError(f"scaled_mm: b must be column-major, got strides {b.stride()}")
+    if a.dtype == E5M2 and b.dtype == E5M2:
+        raise ValueError("scaled_mm: E5M2 x E5M2 is not supported by the GPU kernels; one operand must be E4M3")
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale_inv_b: torch.Tensor,
+              out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
+    """(a * scale_inv_a) @ (b * scale_inv_b) through `torch._scaled_mm`, accumulated in fp32.
+
+    a: fp8 [M, K] row-major; b: fp8 [K, N] column-major (e.g. `w.t()` of a row-major [N, K]);
+    M, K, N multiples of 16. Scales fp32: both scalars (tensorwise), or scale_inv_a [M, 1] and
+    scale_inv_b [1, N] (rowwise). Returns [M, N] in out_dtype.
+    """
+    _check_operands(a, b)
+    return torch._scaled_mm(a, b, scale_a=_aligned(scale_inv_a), scale_b=_aligned(scale_inv_b), out_dtype=out_dtype,
+                            use_fast_accum=use_fast_accum)
+
+
+def _aligned(scale: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt rejects scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED), e.g. a 0-dim
+    view into the middle of a [3] scale buffer: such a view is copied (`aligned_scalars` avoids the copy)."""
+    return scale if scale.data_ptr() % 16 == 0 else scale.clone()
+
+
+def aligned_scalars(values: torch.Tensor) -> torch.Tensor:
+    """values [n] -> [n, 4] whose row i starts with values[i]: `out[i, 0]` is a 0-dim view at a 16-byte aligned
+    address, usable as a `_scaled_mm` scale without a copy (one small kernel for all n)."""
+    return values.reshape(-1, 1).expand(-1, 4).contiguous()
+
+
+def fp8_gemm(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype, fp32 accumulation (`fast_accum`: Hopper's faster,
+    reduced-precision accumulation, which the layers use in the forward GEMM only)."""
+    b_si = b.scale_inv.reshape(1, -1) if b.scale_inv.dim() else b.scale_inv  # per row of b: [1, N] for scale_b
+    return scaled_mm(a.data, b.data.t(), a.scale_inv, b_si, out_dtype, fast_accum)
+
+
+def wgrad_high_precision(g: torch.Tensor, x: torch.Tensor, compute_dtype: torch.dtype,
+                         w_dtype: torch.dtype) -> torch.Tensor:
+    """dW = g^T @ x in the compute dtype from the unquantized g [M, N] and x [M, K] (fp8_wgrad=False) -> [N, K]."""
+    return (g.to(compute_dtype).t() @ x).to(w_dtype)
+
+
+def bias_grad(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """d bias = the sum of g [M, N] over tokens, accumulated in fp32 -> [N] in `dtype`."""
+    return g.float().sum(0).to(dtype)
+
+
+__all__ = ["Operand", "fp8_gemm", "scaled_mm", "aligned_scalars", "wgrad_high_precision", "bias_grad"]

@@ -1,0 +1,167 @@
+"""Quantizers: one per (tensor role, recipe) of an FP8 layer, the only place a recipe's scaling happens.
+
+A quantizer turns a high-precision 2-D tensor into the FP8 operands the GEMMs take (`FP8Tensor`: `rows`, the
+tensor, and/or `cols`, its transpose, each an `gemm.Operand` with its scale) and records the tensor's amax where
+its recipe keeps a history. The recipe is a kind of quantizer, chosen once when the layer is built
+(`make_quantizer`, through `QUANTIZER_KINDS`):
+
+    DelayedQuantizer     per tensor; the scale of the last `fp8_step` (history of past amaxes), x's own amax
+                         before the first one; records x's amax into the history slot of its role
+    CurrentQuantizer     per tensor; the scale from x's amax at cast time (or a kept weight amax)
+    RowwiseQuantizer     one scale per row of `rows`, and per row of `cols` (i.e. per column of x), each
+                         cast from x: `torch._scaled_mm` takes scales only along the non-contracted dimension
+
+The delayed scaling state (amax history, scales, whether scales exist yet) stays in the owning module's buffers
+(`fp8_amax_history[:, role]`, `fp8_scale[role]`: the state_dict keys, reduced across ranks and updated by
+`fp8_step` for all modules at once); a delayed quantizer reads and writes its column through `owner`.
+
+Adding a recipe (e.g. blockwise 1x128 / 128x128 or MXFP8): a recipe dataclass, a Quantizer subclass producing
+its scale layout in `Operand`, its entry in `QUANTIZER_KINDS` and its kernel call in `gemm.fp8_gemm`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .gemm import Operand
+from .kernels import cast_fp8, transpose_fp8
+from .quantize import quantize_rowwise
+from .recipe import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Recipe
+
+
+@dataclass
+class FP8Tensor:
+    """The FP8 copies of a 2-D tensor x [R, C]: `rows` = x as [R, C], `cols` = x^T as [C, R] (each row-major with
+    its scale_inv), whichever the caller asked for (None otherwise)."""
+
+    rows: Operand | None = None
+    cols: Operand | None = None
+
+    def any_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [R, C], scale_inv broadcastable to it) from whichever copy exists: what telemetry compares x with."""
+        if self.rows is not None:
+            return self.rows.data, self.rows.scale_inv
+        t, si = self.cols
+        return t.t(), si.reshape(1, -1) if si.dim() else si
+
+
+class Quantizer:
+    """Casts one tensor role to FP8 with one recipe (see the module docstring).
+
+    per_tensor: one scale for the whole tensor (the fused groups and CUDA-graph weight casts need that).
+    cols_in_same_pass: `quantize` makes `cols` in the same pass as `rows` (per-tensor: the transpose of the same
+        FP8 values); otherwise `cols` is a cast of its own, which for a weight is made when first needed.
+    keeps_history: the scale comes from past amaxes kept in the owner's buffers (delayed scaling), which `fp8_step`
+        turns into scales; fused groups then share one scale per operand (the smallest of their members').
+    """
+
+    per_tensor = True
+    cols_in_same_pass = True
+    keeps_history = False
+
+    def __init__(self, recipe: Recipe, fp8_dtype: torch.dtype):
+        self.recipe, self.fp8_dtype = recipe, fp8_dtype
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.fp8_dtype})"
+
+    def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
+                 amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
+        """x [R, C] (any float dtype, padded to multiples of 16) -> its FP8 `rows` and/or `cols`.
+
+        record: add x's amax to the scaling history (delayed scaling; ignored elsewhere).
+        amax: max |x| when the caller knows it (a weight's kept amax); scale_inv: 1 / the delayed scale when the
+        caller has it for the step already."""
+        raise NotImplementedError
+
+    def cols_of(self, rows: Operand, source: Callable[[], torch.Tensor]) -> Operand:
+        """The transposed operand of a tensor x [R, C] whose `rows` exist already (a cached FP8 weight); `source`
+        gives x itself, for kinds that cast the transpose from it."""
+        return Operand(transpose_fp8(rows.data), rows.scale_inv)
+
+
+class CurrentQuantizer(Quantizer):
+    """Per-tensor current scaling: scale = (fp8_max / amax(x)) / 2**margin (`Float8CurrentScaling`)."""
+
+    def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
+                 amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
+        q, t, si, _ = cast_fp8(x, None, None, self.fp8_dtype, self.recipe.margin, rows, cols, amax=amax)
+        return FP8Tensor(Operand(q, si) if q is not None else None, Operand(t, si) if t is not None else None)
+
+
+class DelayedQuantizer(Quantizer):
+    """Per-tensor delayed scaling (`DelayedScaling`): the scale `owner.fp8_scale[role]` of the last `fp8_step`,
+    and x's amax recorded into `owner.fp8_amax_history[0, role]`. Before the first `fp8_step` (no scales yet) the
+    scale comes from x's own amax, as current scaling."""
+
+    keeps_history = True
+
+    def __init__(self, recipe: Recipe, fp8_dtype: torch.dtype, owner: Any, role: int):
+        super().__init__(recipe, fp8_dtype)
+        self.owner, self.role = owner, role
+
+    def __repr__(self) -> str:
+        return f"DelayedQuantizer({self.fp8_dtype}, role={self.role})"
+
+    def scale(self) -> torch.Tensor | None:
+        """The delayed scale of this role (fp32 0-dim view), or None before the first `fp8_step`."""
+        return self.owner.fp8_scale[self.role] if self.owner.scales_ready() else None
+
+    def amax_slot(self) -> torch.Tensor:
+        """This step's amax of this role in the history (fp32 0-dim view, raised in place by casts)."""
+        return self.owner.fp8_amax_history[0, self.role]
+
+    def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
+                 amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
+        scale = self.scale()
+        slot = self.amax_slot() if record else None
+        q, t, si, _ = cast_fp8(x, scale, slot, self.fp8_dtype, self.recipe.margin, rows, cols, amax=amax,
+                               scale_inv=scale_inv if scale is not None else None)
+        return FP8Tensor(Operand(q, si) if q is not None else None, Operand(t, si) if t is not None else None)
+
+
+class RowwiseQuantizer(Quantizer):
+    """One scale per row (`Float8RowwiseScaling`): `rows` scaled per row of x, `cols` per column of x (a cast of
+    its own from x: the contracted dimension of the backward GEMMs is the other one)."""
+
+    per_tensor = False
+    cols_in_same_pass = False
+
+    def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
+                 amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
+        out = FP8Tensor()
+        if rows:
+            q, si, _ = quantize_rowwise(x, self.fp8_dtype, 1, self.recipe.margin)  # si [R, 1]
+            out.rows = Operand(q, si)
+        if cols:
+            out.cols = self._cols(x)
+        return out
+
+    def cols_of(self, rows: Operand, source: Callable[[], torch.Tensor]) -> Operand:
+        return self._cols(source())
+
+    def _cols(self, x: torch.Tensor) -> Operand:
+        q, si, _ = quantize_rowwise(x, self.fp8_dtype, 0, self.recipe.margin)  # one scale per column: si [1, C]
+        return Operand(q.t().contiguous(), si.reshape(-1, 1))
+
+
+QUANTIZER_KINDS: dict[type, type[Quantizer]] = {DelayedScaling: DelayedQuantizer,
+                                                Float8CurrentScaling: CurrentQuantizer,
+                                                Float8RowwiseScaling: RowwiseQuantizer}
+
+
+def make_quantizer(recipe: Recipe, fp8_dtype: torch.dtype, owner: Any, role: int) -> Quantizer:
+    """The quantizer of `recipe`'s kind for tensor role `role` of the module `owner` (whose buffers hold the
+    delayed scaling state)."""
+    kind = QUANTIZER_KINDS[type(recipe)]
+    if kind is DelayedQuantizer:
+        return DelayedQuantizer(recipe, fp8_dtype, owner, role)
+    return kind(recipe, fp8_dtype)
+
+
+__all__ = ["FP8Tensor", "Quantizer", "CurrentQuantizer", "DelayedQuantizer", "RowwiseQuantizer", "QUANTIZER_KINDS",
+           "make_quantizer"]

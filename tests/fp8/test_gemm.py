@@ -1,0 +1,32 @@
+"""megadlms.fp8.gemm: the FP8 GEMM helper (a @ b^T over quantized operands), the high-precision weight gradient
+and the bias gradient."""
+
+from __future__ import annotations
+
+import torch
+
+from megadlms.fp8.gemm import Operand, bias_grad, fp8_gemm, wgrad_high_precision
+from megadlms.fp8.quantize import E4M3, E5M2, quantize_rowwise, quantize_tensorwise
+
+
+def test_fp8_gemm_is_the_dequantized_product_per_tensor_and_per_row():
+    torch.manual_seed(0)
+    a, b = torch.randn(32, 48), torch.randn(16, 48) * 5
+    qa, sa, _ = quantize_tensorwise(a, E5M2)
+    qb, sb, _ = quantize_tensorwise(b, E4M3)
+    want = (qa.double() * sa.double()) @ (qb.double() * sb.double()).t()
+    got = fp8_gemm(Operand(qa, sa), Operand(qb, sb), torch.float32, fast_accum=False)
+    assert got.shape == (32, 16) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+    ra, rsa, _ = quantize_rowwise(a, E4M3, 1)  # [32, 1]
+    rb, rsb, _ = quantize_rowwise(b, E4M3, 1)  # [16, 1]: one scale per row of b, i.e. per output column
+    want = (ra.double() * rsa.double()) @ (rb.double() * rsb.double()).t()
+    got = fp8_gemm(Operand(ra, rsa), Operand(rb, rsb), torch.float32, fast_accum=False)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_high_precision_wgrad_and_bias_grad():
+    g, x = torch.randn(40, 16, dtype=torch.bfloat16), torch.randn(40, 32, dtype=torch.bfloat16)
+    dw = wgrad_high_precision(g, x, torch.bfloat16, torch.float32)
+    assert dw.dtype == torch.float32 and torch.equal(dw, (g.t() @ x).float())
+    db = bias_grad(g, torch.float32)
+    assert torch.equal(db, g.float().sum(0))
