@@ -118,6 +118,7 @@ def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Te
         tokens = sample[:, :-1]
         length = length or tokens.shape[1]
         tokens = tokens[:, :length]
+        assert noise_rows is not None, "the diffusion objective needs noise rows"
         t, u = noise_rows
         noisy, weights = mask_tokens(tokens, t, u[:, :length], mask_token_id=cfg.mask_token_id,
                                      eps=cfg.eps, pmask=cfg.pmask)
@@ -218,7 +219,8 @@ class _HeadLoss(torch.autograd.Function):
                 hc = h[sl].to(dtype)
                 loss, dlogits = _ce_kernel(hc)(hc @ wt.t(), y[sl], w[sl])
                 total = total + loss
-                if need_h:
+                assert dlogits is not None  # asked for (grad=True)
+                if grad_h is not None:
                     torch.mm(dlogits, wt, out=grad_h[sl])
                 if need_w:
                     gw = dlogits.t() @ hc
