@@ -440,6 +440,8 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=args.train_iters, initial=self.state.iteration, unit="it", dynamic_ncols=True)
+        if args.eval_interval and self.state.iteration == 0:  # the starting point of the validation curve
+            self._log_eval(bar)
         window_t0, window_tokens, window_loss, window_n = time.perf_counter(), 0, None, 0
         last_saved = None
         while self.state.iteration < args.train_iters:
@@ -532,7 +534,7 @@ def setup(args: argparse.Namespace) -> Trainer:
         if cfg.fp8_dot_product_attention and ctx.is_main:
             how = "cuDNN's FP8 flash attention" if ctx.device.type == "cuda" else "emulated on the CPU (for tests)"
             log.warning("FP8 attention (--fp8-dot-product-attention): %s; it lowers model quality against FP8 "
-                        "linears alone (README, FP8 training)", how)
+                        "linears alone (docs/fp8.md)", how)
     if args.compile is None:
         args.compile = ctx.device.type == "cuda"
     model = build_model(cfg, device=ctx.device)
@@ -570,8 +572,10 @@ def train(args: argparse.Namespace) -> TrainState:
     return state
 
 
-def print_sample(trainer: Trainer, prompt: str = "Once upon a time", gen_length: int = 48) -> None:
-    """Finish the demo with a sample from the trained DLM (low-confidence remasking sampler)."""
+def print_sample(trainer: Trainer, prompt: str = "Once upon a time,", gen_length: int = 48,
+                 block_length: int = 8) -> None:
+    """Finish the demo with a sample from the trained DLM: LLaDA's sampler, one token per step, low-confidence
+    remasking inside short blocks (a small model's text stays coherent when it is decoded nearly left to right)."""
     from ..diffusion.sampler import generate
 
     tok, cfg = trainer.tokenizer, trainer.cfg
@@ -585,7 +589,7 @@ def print_sample(trainer: Trainer, prompt: str = "Once upon a time", gen_length:
 
             out = ar_generate(model, [ids], max_new_tokens=gen_length, eos_id=tok.eod_id)[0]
         else:
-            out = generate(model, [ids], mask_id=cfg.mask_token_id, gen_length=gen_length, block_length=gen_length // 2,
+            out = generate(model, [ids], mask_id=cfg.mask_token_id, gen_length=gen_length, block_length=block_length,
                            steps=gen_length, eos_id=tok.eod_id)[0]
     if trainer.ctx.is_main:
         print(f"\nsample> {prompt}{tok.decode(out)}\n")
