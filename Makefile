@@ -1,4 +1,4 @@
-# `make demo` and `make test` each set up .venv on first use (CPU torch 2.13 unless torch is present).
+# `make demo`, `make test` and `make lint` each set up .venv on first use (CPU torch 2.13 unless torch is present).
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
@@ -20,6 +20,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megadlms tests benchmarks tools pretrain_difflm.py
+	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache

@@ -131,6 +131,7 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
+        assert self.kv_channels is not None  # filled in by __post_init__
         return self.kv_channels
 
     @property
@@ -139,15 +140,16 @@ class TransformerConfig:
 
     def num_matmul_params(self) -> int:
         """Parameters that take part in matmuls (FLOPs accounting): all linears plus the LM head."""
-        h, d = self.hidden_size, self.kv_channels
-        q, kv = self.num_attention_heads * d, self.num_query_groups * d
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.ffn_hidden_size
+        h, d, f, groups = self.hidden_size, self.head_dim, self.ffn_hidden_size, self.num_query_groups
+        assert f is not None and groups is not None  # filled in by __post_init__
+        q, kv = self.num_attention_heads * d, groups * d
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * f
         return self.num_layers * per_layer + self.vocab_size * h
 
     def flops_per_token(self, seq_length: int | None = None) -> float:
         """Training FLOPs per token: 6*N_matmul + attention (12*L*S*H_attn bidirectional, 6*... causal)."""
         s = seq_length or self.seq_length
-        attn = (6 if self.causal else 12) * self.num_layers * s * self.num_attention_heads * self.kv_channels
+        attn = (6 if self.causal else 12) * self.num_layers * s * self.num_attention_heads * self.head_dim
         return 6.0 * self.num_matmul_params() + attn
 
     def to_dict(self) -> dict[str, Any]:

@@ -121,7 +121,8 @@ class DotProductAttention(nn.Module):
         if isinstance(attn_mask, BlockMask):
             return run_flex_attention(q, k, v, attn_mask)
         # grouped K/V as they are: on torch 2.11 + H200 SDPA picks cuDNN attention for this call
-        # (measured: expanding K/V to every head was 0.2 ms slower per 8B-class layer, benchmarks/RESULTS.md)
+        # (measured: expanding K/V to every head was 0.2 ms slower per 8B-class layer,
+        # benchmarks/runs/2026-12-02a-h200-baseline.md)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                               enable_gqa=q.shape[1] != k.shape[1])
 

@@ -61,7 +61,7 @@ def parse_blend(tokens: Sequence[str] | str | None) -> tuple[list[str], list[flo
             return None
 
     if len(flat) % 2 == 0 and all(number(flat[i]) is not None for i in range(0, len(flat), 2)):
-        weights = [number(flat[i]) for i in range(0, len(flat), 2)]
+        weights = [float(flat[i]) for i in range(0, len(flat), 2)]
         prefixes = flat[1::2]
         if any(number(p) is not None for p in prefixes):
             raise DataError(f"data path {flat} alternates numbers oddly; write 'w1 prefix1 w2 prefix2 ...'")
@@ -171,7 +171,7 @@ def _hash(obj: dict, *buffers: np.ndarray) -> str:
     for b in buffers:
         a = np.ascontiguousarray(b)
         h.update(a.dtype.str.encode())
-        h.update(memoryview(a).cast("B"))  # no copy of (possibly huge) memory-mapped arrays
+        h.update(a.data.cast("B"))  # no copy of (possibly huge) memory-mapped arrays
     return h.hexdigest()
 
 

@@ -207,7 +207,7 @@ class IndexedDataset:
         return {"prefix": self.prefix, "multimodal": self._multimodal_arg}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["prefix"], multimodal=state["multimodal"])
+        IndexedDataset.__init__(self, state["prefix"], multimodal=state["multimodal"])
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -305,18 +305,18 @@ class IndexedDatasetBuilder:
         self._doc_idx = array.array("q", [0])
         self._modes = array.array("b") if multimodal else None
         self._done = False
+        self._lo: int | None = None  # the integer dtype's range, for the fit check of _as_tokens
+        self._hi: int | None = None
         if self.dtype.kind in "iu":
             info = np.iinfo(self.dtype)
             self._lo, self._hi = int(info.min), int(info.max)
-        else:
-            self._lo = self._hi = None
 
     def _as_tokens(self, tokens: Any) -> np.ndarray:
         a = np.asarray(tokens)  # numpy arrays, lists and CPU torch tensors alike
         if a.ndim != 1:
             raise IndexedDatasetError(f"a sequence must be 1-D, got shape {a.shape}")
         if a.dtype != self.dtype:
-            if self._lo is not None and a.size and a.dtype.kind in "iub":
+            if self._lo is not None and self._hi is not None and a.size and a.dtype.kind in "iub":
                 lo, hi = int(a.min()), int(a.max())
                 if lo < self._lo or hi > self._hi:
                     raise IndexedDatasetError(
@@ -331,7 +331,7 @@ class IndexedDatasetBuilder:
         a = self._as_tokens(tokens)
         if a.size > np.iinfo(np.int32).max:
             raise IndexedDatasetError(f"a sequence of {a.size} tokens exceeds the int32 length field; split it")
-        self._bin.write(memoryview(a).cast("B"))
+        self._bin.write(a.data.cast("B"))
         self._lengths.append(a.size)
         if self._modes is not None:
             self._modes.append(mode)
@@ -351,7 +351,7 @@ class IndexedDatasetBuilder:
             raise IndexedDatasetError(f"sequence lengths {lengths} do not partition the {a.size} document tokens")
         if modes is not None and len(modes) != len(lengths):
             raise IndexedDatasetError(f"{len(modes)} modes given for {len(lengths)} sequences")
-        self._bin.write(memoryview(a).cast("B"))
+        self._bin.write(a.data.cast("B"))
         self._lengths.extend(lengths)
         if self._modes is not None:
             self._modes.extend(modes if modes is not None else [0] * len(lengths))
@@ -371,7 +371,7 @@ class IndexedDatasetBuilder:
                                       f"{lengths.size} sequences given")
         if self._modes is not None:
             raise IndexedDatasetError("add_documents has no modes; use add_document/add_item for multimodal data")
-        self._bin.write(memoryview(a).cast("B"))
+        self._bin.write(a.data.cast("B"))
         base = len(self._lengths)
         self._lengths.frombytes(lengths.astype(np.int32).tobytes())
         self._doc_idx.frombytes((np.cumsum(per_doc) + base).astype(np.int64).tobytes())
@@ -385,10 +385,11 @@ class IndexedDatasetBuilder:
                                       f"{self.dtype.name} dataset; re-tokenize it or build with {other.dtype.name}")
         base = len(self._lengths)
         for i in range(len(other)):
-            self._bin.write(memoryview(np.ascontiguousarray(other[i])).cast("B"))
+            self._bin.write(np.ascontiguousarray(other[i]).data.cast("B"))
         self._lengths.extend(other.sequence_lengths.tolist())
         self._doc_idx.extend((other.document_indices[1:] + base).tolist())
         if self._modes is not None:
+            assert other.sequence_modes is not None  # opened with multimodal=True: it has modes, or raised
             self._modes.extend(other.sequence_modes.tolist())
 
     @property

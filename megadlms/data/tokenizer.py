@@ -159,6 +159,7 @@ class Tokenizer:
         # The pre-tokenizer splits at each " " and glues the space to the following piece; pieces are then
         # encoded independently by the model, so ids per piece can be cached (exact, see _word_cacheable).
         cache = self._word_cache
+        assert cache is not None  # called only when the word cache is on
         if len(cache) > _WORD_CACHE_LIMIT:
             cache.clear()
         out: list[int] = []

@@ -136,7 +136,7 @@ def fast_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_ma
 
     has_mask = mask_in is not None
     full_extra = [t for t in (mask_in, pos_full) if t is not None]  # graph inputs beside the tokens
-    mask_extra = [mask_in] if has_mask else []
+    mask_extra = [] if mask_in is None else [mask_in]
     use_graph = cuda_graph and cache != "prefix"
 
     def new_state() -> _CallState:
@@ -198,7 +198,7 @@ def fast_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_ma
                     q_pos = (torch.arange(start - shift, q_end, device=device) if pos_full is None
                              else pos_full[:, start - shift:q_end])
                     hidden = run_block(q_ids, q_pos)[:, :block_length]
-                logits = model.logits(hidden)
+                logits = model.logits(hidden)  # type: ignore[operator]  # a TransformerLM method
                 if reps == 2:
                     logits = guided_logits(logits, cfg_scale)
                 committed = commit_step(window, logits, mask_id=mask_id, threshold=threshold, count=count,
@@ -206,7 +206,7 @@ def fast_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_ma
                 nfe += 1
                 step += 1
                 if schedule is not None:
-                    bar.update(b * count)
+                    bar.update(b * schedule[step - 1])  # the count this step committed
                     if step == len(schedule):
                         break
                 else:  # one host sync per step: is the block done?

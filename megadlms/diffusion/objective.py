@@ -138,6 +138,7 @@ def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Te
         tokens = sample[:, :-1]
         length = length or tokens.shape[1]
         tokens = tokens[:, :length]
+        assert noise_rows is not None, "the diffusion objective needs noise rows"
         t, u = noise_rows
         u = u[:, :length]
         if cfg.shift:  # position 0 has no position before it to predict it
@@ -313,7 +314,8 @@ class _HeadLoss(torch.autograd.Function):
                 hc = h[sl].to(dtype)
                 loss, dlogits = _ce_kernel(hc)(hc @ wt.t(), y[sl], w[sl])
                 total = total + loss
-                if need_h:
+                assert dlogits is not None  # asked for (grad=True)
+                if grad_h is not None:
                     torch.mm(dlogits, wt, out=grad_h[sl])
                 if need_w:
                     gw = dlogits.t() @ hc

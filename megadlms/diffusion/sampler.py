@@ -388,7 +388,7 @@ def generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     rows = 2 * b if cfg_scale > 0 else b
     mask_in = None if real is None else real.repeat(rows // b, 1)
     pos_in = None if mask_in is None else position_ids_from_mask(mask_in)
-    extra = [] if mask_in is None else [mask_in, pos_in]  # graph inputs beside the tokens
+    extra = [] if mask_in is None or pos_in is None else [mask_in, pos_in]  # graph inputs beside the tokens
 
     def forward(ids: torch.Tensor, mask: torch.Tensor | None = None, pos: torch.Tensor | None = None
                 ) -> torch.Tensor:  # [rows, L] -> hidden [rows, L, H]
@@ -425,7 +425,7 @@ def generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
             w0 = max(int(cols[0]) if cols.numel() else start, shift)
             for i in range(steps_per_block):
                 hidden = run(model_input())
-                logits = model.logits(hidden[:, w0 - shift:end - shift])
+                logits = model.logits(hidden[:, w0 - shift:end - shift])  # type: ignore[operator]
                 if cfg_scale > 0:
                     logits = guided_logits(logits, cfg_scale)
                 noise = rand = None

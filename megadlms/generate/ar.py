@@ -77,7 +77,7 @@ def ar_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask
     # the prefill with a cache needs the mask (several causal queries); without pads it is all True
     hidden = model(input_ids, attention_mask=real if (use_cache or padded) else None,
                    position_ids=pos if padded else None, kv_cache=cache, output_hidden=True)
-    logits = model.logits(hidden[:, -1])
+    logits = model.logits(hidden[:, -1])  # type: ignore[operator]  # a TransformerLM method
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     bar = ProgressBar(progress, max_new_tokens, "tok")
     try:
@@ -97,7 +97,7 @@ def ar_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_mask
             else:
                 hidden = model(seq, attention_mask=real if padded else None,
                                position_ids=position_ids_from_mask(real) if padded else None, output_hidden=True)
-            logits = model.logits(hidden[:, -1])
+            logits = model.logits(hidden[:, -1])  # type: ignore[operator]  # a TransformerLM method
             next_pos = next_pos + 1
     finally:
         bar.close()

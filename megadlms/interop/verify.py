@@ -77,6 +77,7 @@ def verification_batch(cfg: TransformerConfig, *, batch_size: int = 2, seq_len: 
     """A seeded batch for `cfg`: random ids below `vocab_limit` (default vocab_size), the mask id excluded;
     row 1 right-padded by a quarter; for a bidirectional model with a mask id, ~half the tokens masked."""
     g = torch.Generator().manual_seed(seed)
+    assert cfg.max_position_embeddings is not None  # filled in by TransformerConfig.__post_init__
     s = min(seq_len, cfg.max_position_embeddings)
     hi = min(vocab_limit or cfg.vocab_size, cfg.vocab_size)
     ids = torch.randint(0, hi, (batch_size, s), generator=g)

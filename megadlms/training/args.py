@@ -128,7 +128,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fp8-dot-product-attention", action="store_true",
                    help="attention in FP8 too: cuDNN's FP8 flash attention (Hopper or newer; needs the "
                         "nvidia-cudnn-frontend package), delayed scaling; a little faster, but it lowers model "
-                        "quality (README, FP8 training)")
+                        "quality (docs/fp8.md)")
     g.add_argument("--first-last-layers-bf16", action="store_true",
                    help="keep the first/last transformer layers in BF16 (counts below)")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)

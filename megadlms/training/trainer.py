@@ -563,6 +563,8 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=t.train_iters, initial=self.state.iteration, unit="it", dynamic_ncols=True)
+        if t.eval_interval and self.state.iteration == 0:  # the starting point of the validation curve
+            self._log_eval(bar)
         window_t0, window_tokens, window_loss, window_n = time.perf_counter(), 0, None, 0
         last_saved = None
         self.control.install()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 0
@@ -662,7 +664,7 @@ def setup(config: RunConfig) -> Trainer:
         if cfg.fp8_dot_product_attention and ctx.is_main:
             how = "cuDNN's FP8 flash attention" if ctx.device.type == "cuda" else "emulated on the CPU (for tests)"
             log.warning("FP8 attention (--fp8-dot-product-attention): %s; it lowers model quality against FP8 "
-                        "linears alone (README, FP8 training)", how)
+                        "linears alone (docs/fp8.md)", how)
     model = build_parallel_model(cfg, ctx, config.parallel,
                                  activation_checkpointing=t.recompute_granularity == "full",
                                  compile=t.compile_on(ctx.device), param_dtype=t.compute_dtype(ctx.device))
@@ -704,8 +706,10 @@ def train(config: RunConfig) -> TrainState:
     return state
 
 
-def print_sample(trainer: Trainer, prompt: str = "Once upon a time", gen_length: int = 48) -> None:
-    """Finish the demo with a sample from the trained DLM (low-confidence remasking sampler)."""
+def print_sample(trainer: Trainer, prompt: str = "Once upon a time,", gen_length: int = 48,
+                 block_length: int = 8) -> None:
+    """Finish the demo with a sample from the trained DLM: LLaDA's sampler, one token per step, low-confidence
+    remasking inside short blocks (a small model's text stays coherent when it is decoded nearly left to right)."""
     from ..diffusion.sampler import generate
 
     tok, cfg = trainer.tokenizer, trainer.cfg
@@ -723,7 +727,7 @@ def print_sample(trainer: Trainer, prompt: str = "Once upon a time", gen_length:
 
             out = bd3lm_generate(model, [ids], max_new_tokens=gen_length, eos_id=tok.eod_id)[0]
         else:
-            out = generate(model, [ids], mask_id=cfg.mask_token_id, gen_length=gen_length, block_length=gen_length // 2,
+            out = generate(model, [ids], mask_id=cfg.mask_token_id, gen_length=gen_length, block_length=block_length,
                            steps=gen_length, eos_id=tok.eod_id)[0]
     if trainer.ctx.is_main:
         print(f"\nsample> {prompt}{tok.decode(out)}\n")

@@ -2,7 +2,7 @@
 
 torch's fused AdamW updates all parameters through `multi_tensor_apply` in chunks of 64K elements: on an H200 it
 moves an 8B-class model's 4.5B fp32 parameters at 3.0 TB/s (43 ms a step), where a device copy of the same bytes
-runs at 4.3 TB/s (benchmarks/adamw_speed.py, benchmarks/RESULTS.md). The update reads p, g, m, v and writes p, m, v
+runs at 4.3 TB/s (benchmarks/adamw_speed.py, docs/performance.md). The update reads p, g, m, v and writes p, m, v
 (28 bytes per parameter), so its time is its traffic: `StreamingAdamW` runs one kernel per large parameter tensor
 with wide loads, within 3% of the copy's time. It is torch's AdamW in everything else: options, parameter groups,
 state (`step`, `exp_avg`, `exp_avg_sq`), checkpoints, the fused kernel's `grad_scale` divisor (the clipping

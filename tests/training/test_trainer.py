@@ -44,7 +44,9 @@ def test_loss_falls_on_the_bundled_corpus(tmp_path):
     train_rec = [r for r in lines if r["split"] == "train"][-1]
     assert train_rec["iteration"] == 60
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "memory_gib"} <= set(train_rec)
-    assert [r for r in lines if r["split"] == "valid"][-1]["loss"] < before
+    valid = [r for r in lines if r["split"] == "valid"]
+    assert valid[0]["iteration"] == 0 and valid[0]["loss"] == pytest.approx(before, rel=1e-6)  # the curve's start
+    assert valid[-1]["loss"] < before
 
 
 def test_trains_from_python_dataclasses_as_from_flags():
