@@ -171,7 +171,8 @@ class _StepCounter:
     """A progress callback that counts steps (and shows a tqdm bar when asked)."""
 
     def __init__(self, show: bool):
-        self.n, self.show, self.bar, self.total = 0, show, None, None
+        self.n, self.show, self.bar = 0, show, None
+        self.total: int | None = None
 
     def start(self, total: int) -> _StepCounter:
         self.total = total  # the bar opens at the first step: an argument error is not preceded by an empty bar

@@ -27,7 +27,7 @@ import shutil
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import TransformerConfig
 from ..errors import MegaDLMsError
+
+if TYPE_CHECKING:
+    from ..model import TransformerLM
 
 FORMAT = "megadlms-dcp-1"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -493,8 +496,8 @@ def save_model_checkpoint(save_dir: str | Path, model: nn.Module, cfg: Transform
                            tokenizer_dir=tokenizer_dir)
 
 
-def load_model_from_checkpoint(load_dir: str | Path, *, device: torch.device | str = "cpu",
-                               iteration: int | None = None) -> tuple[nn.Module, TransformerConfig, dict[str, Any]]:
+def load_model_from_checkpoint(load_dir: str | Path, *, device: torch.device | str = "cpu", iteration: int | None = None
+                               ) -> tuple[TransformerLM, TransformerConfig, dict[str, Any]]:
     """Build the model recorded in a checkpoint and load its weights (single process).
 
     Returns (model, config, meta); meta['tokenizer_dir'] is the checkpoint's tokenizer folder or None.
