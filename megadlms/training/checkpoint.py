@@ -161,7 +161,7 @@ def _any_rank(failed: bool) -> bool:
 def _file_system_cause(e: BaseException) -> OSError | None:
     """The OSError behind `e` (DCP wraps its writers' errors in a CheckpointException), or None for other errors."""
     seen: list[BaseException] = []
-    todo = [e]
+    todo: list[BaseException | None] = [e]
     while todo:
         x = todo.pop()
         if x is None or any(x is y for y in seen):
@@ -180,9 +180,11 @@ def _file_system_cause(e: BaseException) -> OSError | None:
 def describe_os_error(e: OSError) -> str:
     name = errno.errorcode.get(e.errno, "") if e.errno else ""
     text = e.strerror or str(e)
-    hint = {errno.ENOSPC: "free space or point --save elsewhere", errno.EDQUOT: "free space or raise the quota",
-            errno.EACCES: "make the folder writable or point --save elsewhere",
-            errno.EROFS: "point --save at a writable file system"}.get(e.errno, "check the file system")
+    hints: dict[int | None, str] = {
+        errno.ENOSPC: "free space or point --save elsewhere", errno.EDQUOT: "free space or raise the quota",
+        errno.EACCES: "make the folder writable or point --save elsewhere",
+        errno.EROFS: "point --save at a writable file system"}
+    hint = hints.get(e.errno, "check the file system")
     where = f" ({e.filename})" if e.filename else ""
     return f"{text}{f' [{name}]' if name else ''}{where}; {hint}"
 
