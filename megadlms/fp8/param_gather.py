@@ -134,7 +134,8 @@ class Float8GatherWeight(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's idiom
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
+                           kwargs: dict | None = None) -> Any:  # torch's stub declares another signature
         like: list[Float8GatherWeight] = []
 
         def unwrap(t: Any) -> Any:
