@@ -8,12 +8,15 @@ single-device `TransformerLM`, then swap its eligible linears for FP8 ones when 
 from __future__ import annotations
 
 import contextlib
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from .config import TransformerConfig
 from .model import TransformerLM
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def construct_model(cfg: TransformerConfig, device: torch.device | str | None = None) -> TransformerLM:
@@ -22,7 +25,7 @@ def construct_model(cfg: TransformerConfig, device: torch.device | str | None = 
         return TransformerLM(cfg)
 
 
-def apply_fp8(model: nn.Module, cfg: TransformerConfig) -> nn.Module:
+def apply_fp8(model: M, cfg: TransformerConfig) -> M:
     """Convert `model` to FP8 with the recipe and options of `cfg`'s FP8 fields; unchanged when `cfg.fp8` is off.
 
     The converted model enters FP8 autocast around its transformer layers in its own forward.
@@ -40,6 +43,6 @@ def apply_fp8(model: nn.Module, cfg: TransformerConfig) -> nn.Module:
                           dot_product_attention=cfg.fp8_dot_product_attention)
 
 
-def build_model(cfg: TransformerConfig, device: torch.device | str | None = None) -> nn.Module:
+def build_model(cfg: TransformerConfig, device: torch.device | str | None = None) -> TransformerLM:
     """Build the model for `cfg` (on `device`), converted to FP8 when `cfg.fp8` is set."""
     return apply_fp8(construct_model(cfg, device), cfg)

@@ -129,10 +129,26 @@ class TransformerConfig:
                 f"{self.num_layers_at_start_in_bf16 + self.num_layers_at_end_in_bf16} exceeds "
                 f"num_layers={self.num_layers}; keep fewer layers in BF16")
 
+    # The fields that default to None, as __post_init__ filled them in
     @property
     def head_dim(self) -> int:
         assert self.kv_channels is not None  # filled in by __post_init__
         return self.kv_channels
+
+    @property
+    def query_groups(self) -> int:
+        assert self.num_query_groups is not None
+        return self.num_query_groups
+
+    @property
+    def ffn_dim(self) -> int:
+        assert self.ffn_hidden_size is not None
+        return self.ffn_hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        assert self.max_position_embeddings is not None
+        return self.max_position_embeddings
 
     @property
     def causal(self) -> bool:

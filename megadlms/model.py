@@ -60,6 +60,9 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 class RotaryEmbedding(nn.Module):
     """RoPE tables in fp32; `rotate_half` convention (HF Qwen3/Llama)."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, base: float):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -131,23 +134,25 @@ class DotProductAttention(nn.Module):
 # code would guard on, recompiling per layer and per mode; as an opaque call, one compilation of a layer serves
 # every layer and cache (the layer index is read here, not in the graph).
 @torch.compiler.disable
-def _cache_update(cache: KVCache, attn: nn.Module, k: torch.Tensor, v: torch.Tensor
+def _cache_update(cache: KVCache, attn: Attention, k: torch.Tensor, v: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.update(attn.layer_idx, k, v)
 
 
 class Attention(nn.Module):
+    qkv_fusion: nn.Module | None
+
     def __init__(self, cfg: TransformerConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_groups, self.head_dim = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
-        h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
+        self.n_heads, self.n_groups, self.head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+        h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.query_groups * cfg.head_dim
         self.q_proj = nn.Linear(h, q, bias=cfg.add_qkv_bias)
         self.k_proj = nn.Linear(h, kv, bias=cfg.add_qkv_bias)
         self.v_proj = nn.Linear(h, kv, bias=cfg.add_qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=False)
-        self.q_norm = RMSNorm(cfg.kv_channels, cfg.norm_epsilon) if cfg.qk_layernorm else None
-        self.k_norm = RMSNorm(cfg.kv_channels, cfg.norm_epsilon) if cfg.qk_layernorm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_epsilon) if cfg.qk_layernorm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_epsilon) if cfg.qk_layernorm else None
         self.core_attention = DotProductAttention()
         self.causal = cfg.causal
         # a module that runs q/k/v as one op, x -> (q, k, v), set by a transformation (the FP8 conversion: one FP8
@@ -169,7 +174,7 @@ class Attention(nn.Module):
             v = v.contiguous()  # it would keep q's and k's columns alive too (a no-op for a separate v_proj)
         # -1 instead of the head count: under tensor parallelism the local head count is smaller
         q, k, v = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim), v.view(b, s, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_layernorm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N|G, S, D]
         cos, sin = rope
@@ -182,11 +187,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    gate_up_fusion: nn.Module | None
+    fusion: nn.Module | None
+
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.hidden_size, bias=False)
         self.act_fn = SwiGLU()
         # modules set by a transformation (the FP8 conversion, megadlms.fp8.fused_linear / fused_mlp), holding no
         # parameters of their own: `gate_up_fusion` runs gate/up as one op (x -> (gate, up)), `fusion` the whole MLP
@@ -252,7 +260,7 @@ class TransformerLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
         self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
                         if cfg.untie_embeddings_and_output_weights else None)
-        self.rotary = RotaryEmbedding(cfg.kv_channels, cfg.max_position_embeddings, cfg.rotary_base)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rotary_base)
         # A context entered around the transformer layers (as Megatron's transformer block does):
         # FP8 conversion sets it to FP8 autocast; plain models use a no-op.
         self.layer_context: Callable[[], ContextManager] = contextlib.nullcontext

@@ -16,10 +16,9 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from ..config import ConfigError
 from ..diffusion.bd3lm_sampler import bd3lm_generate_tokens, generated_rows
@@ -27,6 +26,9 @@ from ..diffusion.fast_sampler import fast_generate_tokens
 from ..diffusion.sampler import REMASKING, generate_tokens, prepare_prompts
 from ..errors import report_errors
 from ..generate.ar import ar_generate_tokens
+
+if TYPE_CHECKING:
+    from ..model import TransformerLM
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -115,7 +117,7 @@ def _device(name: str) -> torch.device:
     return dev
 
 
-def load_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Any, str | None]:
+def load_model(args: argparse.Namespace, device: torch.device) -> tuple[TransformerLM, Any, str | None]:
     """(model in eval mode on `device`, its TransformerConfig, the tokenizer path to use)."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
     if dtype is None:
@@ -171,7 +173,8 @@ class _StepCounter:
     """A progress callback that counts steps (and shows a tqdm bar when asked)."""
 
     def __init__(self, show: bool):
-        self.n, self.show, self.bar, self.total = 0, show, None, None
+        self.n, self.show, self.bar = 0, show, None
+        self.total: int | None = None
 
     def start(self, total: int) -> _StepCounter:
         self.total = total  # the bar opens at the first step: an argument error is not preceded by an empty bar

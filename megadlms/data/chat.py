@@ -164,6 +164,7 @@ class ChatRenderer:
         """The template's text for `messages` (what apply_chat_template(tokenize=False) returns)."""
         import jinja2
 
+        assert self._jinja is not None, "render_text needs a chat template; this renderer uses a prompt template"
         try:
             return self._jinja.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                       **self._vars)
@@ -172,8 +173,8 @@ class ChatRenderer:
 
     def encode(self, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
         """(ids, loss mask) of one conversation; mask 1 on assistant tokens."""
-        if self._jinja is None:
-            return self._encode_plain(messages)
+        if self.prompt_template is not None:
+            return self._encode_plain(messages, self.prompt_template)
         text = self.render_text(messages)
         spans = []
         for i, m in enumerate(messages):
@@ -191,13 +192,13 @@ class ChatRenderer:
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """Ids of a single user turn followed by the assistant's generation prompt (for sampling a response)."""
-        if self._jinja is None:
+        if self.prompt_template is not None:
             text = self.prompt_template.format(prompt=prompt)
         else:
             text = self.render_text([{"role": "user", "content": prompt}], add_generation_prompt=True)
         return self.tokenizer.backend.encode(text, add_special_tokens=False).ids
 
-    def _encode_plain(self, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
+    def _encode_plain(self, messages: Sequence[dict[str, str]], prompt_template: str) -> tuple[list[int], list[int]]:
         tok = self.tokenizer
         ids: list[int] = []
         mask: list[int] = []
@@ -207,7 +208,7 @@ class ChatRenderer:
                 system += m["content"] + "\n"
                 continue
             if m["role"] == "user":
-                piece = tok.backend.encode(system + self.prompt_template.format(prompt=m["content"]),
+                piece = tok.backend.encode(system + prompt_template.format(prompt=m["content"]),
                                            add_special_tokens=False).ids
                 system = ""
                 ids += piece

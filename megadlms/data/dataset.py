@@ -25,6 +25,7 @@ import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -324,10 +325,21 @@ def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
     return dataset_index, sample_index
 
 
+class BlendPart(Protocol):
+    """What a blend reads of each dataset in it (GPTDataset and PackedChatDataset both are)."""
+
+    order_key: str
+    key: str
+    cache_stem: str
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int) -> np.ndarray: ...
+
+
 class BlendedDataset:
     """`size` samples drawn from `datasets` by `weights` (Megatron's rule); `ds[i]` wraps modulo size."""
 
-    def __init__(self, datasets: Sequence[GPTDataset], weights: Sequence[float], size: int, *,
+    def __init__(self, datasets: Sequence[BlendPart], weights: Sequence[float], size: int, *,
                  cache_dir: str | os.PathLike, name: str = "train") -> None:
         if len(datasets) != len(weights) or not datasets:
             raise DataError(f"{len(datasets)} datasets but {len(weights)} weights")

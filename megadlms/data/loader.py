@@ -229,19 +229,17 @@ def _open(prefix: str, tokenizer: Tokenizer, opened: dict[str, IndexedDataset], 
 
 
 def _build_source(parts: list[tuple[IndexedDataset, int, int, float]], num_samples: int, cfg: DataConfig,
-                  cache_dir: Path, name: str, eod_id: int | None = None) -> tuple[SampleSource, str] | None:
+                  cache_dir: Path, name: str, eod_id: int) -> tuple[SampleSource, str] | None:
     """One dataset or a blend of (indexed, doc_start, doc_end, weight); None when no part has documents."""
     parts = [p for p in parts if p[2] > p[1] and p[3] > 0 and int(p[0].document_lengths[p[1]:p[2]].sum()) > 0]
     if not parts:
         return None
-    if cfg.sft:
-        def child(ds: IndexedDataset, a: int, b: int, n: int) -> PackedChatDataset:
+    def child(ds: IndexedDataset, a: int, b: int, n: int) -> PackedChatDataset | GPTDataset:
+        if cfg.sft:
             return PackedChatDataset(ds, a, b, seq_length=cfg.seq_length, num_samples=n, seed=cfg.seed,
                                      eod_id=eod_id, pad=cfg.sft_pad, truncate=cfg.truncate, name=name)
-    else:
-        def child(ds: IndexedDataset, a: int, b: int, n: int) -> GPTDataset:
-            return GPTDataset(ds, a, b, seq_length=cfg.seq_length, num_samples=n, seed=cfg.seed,
-                              cache_dir=cache_dir, name=name)
+        return GPTDataset(ds, a, b, seq_length=cfg.seq_length, num_samples=n, seed=cfg.seed,
+                          cache_dir=cache_dir, name=name)
     if len(parts) == 1:
         ds, a, b, _ = parts[0]
         g = child(ds, a, b, num_samples)

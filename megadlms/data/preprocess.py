@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -281,7 +282,8 @@ def preprocess_jsonl(inputs: str | os.PathLike | Sequence[str | os.PathLike], ou
                             outputs={k: output_prefix_for(output_prefix, k) for k in keys})
     if chat:
         renderer = ChatRenderer(tokenizer, prompt_template=prompt_template)
-        work = dict(initargs=(renderer, dtype.str), init=_init_chat_worker, encode=_encode_chat_chunk)
+        work: dict[str, Any] = dict(initargs=(renderer, dtype.str), init=_init_chat_worker,
+                                    encode=_encode_chat_chunk)
     else:
         work = dict(initargs=(tokenizer, keys, append_eod, dtype.str))
     total = None if any(f.name.endswith(".gz") for f in files) else sum(f.stat().st_size for f in files)

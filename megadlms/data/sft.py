@@ -80,7 +80,7 @@ class PackedChatDataset:
                                self.lengths)
         # windows per epoch: pack epochs until there are enough
         self.window_docs: list[np.ndarray] = []  # per window: the document ids in it, in order
-        epoch_sizes = []
+        epoch_sizes: list[int] = []
         need = max(int(num_samples), 1)
         e = 0
         while not epoch_sizes or len(self.window_docs) < need:

@@ -204,6 +204,7 @@ def nelbo(model: torch.nn.Module, tokens: torch.Tensor, *, block_size: int, mask
         u = torch.rand(b, n, generator=generator, device=device)
         noisy, weights = mask_blocks(tokens, t, u, block_size=block_size, mask_token_id=mask_token_id)
         hidden = model(torch.cat([noisy, tokens], dim=1), output_hidden=True, **kwargs)[:, :n]
-        ce = F.cross_entropy(model.logits(hidden).float().transpose(1, 2), tokens, reduction="none")
+        logits = model.logits(hidden)  # type: ignore[operator]  # a TransformerLM method
+        ce = F.cross_entropy(logits.float().transpose(1, 2), tokens, reduction="none")
         total += (ce * weights).sum(dim=1).double() / n
     return total / samples

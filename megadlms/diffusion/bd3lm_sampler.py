@@ -79,6 +79,7 @@ def _commit(x_blk: torch.Tensor, open_: torch.Tensor, x0: torch.Tensor, score: t
         ranks = confidence.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
         chosen = open_ & (ranks < count[:, None])
     else:
+        assert threshold is not None, "commit by a count or by a threshold"
         best = torch.zeros_like(open_).scatter_(1, confidence.argmax(dim=1, keepdim=True), True)
         chosen = open_ & ((confidence > threshold) | best)
     x_blk.copy_(torch.where(chosen, x0, x_blk))
@@ -147,7 +148,7 @@ def bd3lm_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_m
         hidden = model(x[:, c0:c1], attention_mask=mask, position_ids=pos[:, c0:c1], kv_cache=cache,
                        output_hidden=True)
         forwards += 1
-        return model.logits(hidden[:, -block:])
+        return model.logits(hidden[:, -block:])  # type: ignore[operator]  # a TransformerLM method
 
     if cache is not None and pre:
         run(0, pre, pre)  # the prompt's whole blocks, cached once

@@ -203,6 +203,7 @@ def prepare_sft_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torc
         n = _per_segment(lm_next.float(), s)
         weights = torch.where(lm_next, 1.0 / n.clamp(min=1.0), torch.zeros_like(n))
         return SFTBatch(x, tokens[:, 1:], weights, s, _count_segments(lm_next, s))
+    assert noise_rows is not None, "the diffusion objective needs noise rows"
     t, u = noise_rows
     t_tok = t.gather(1, _segment_start(s))
     noisy, w = mask_tokens(x, t_tok, u[:, :length], mask_token_id=cfg.mask_token_id, eps=cfg.eps, maskable=lm)

@@ -22,11 +22,17 @@ names, so a checkpoint of one strategy / world size loads into any other.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..model import TransformerLM
 
 FSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 
@@ -40,7 +46,7 @@ def mixed_precision_policy(param_dtype: torch.dtype | None):
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
+def apply_fsdp(model: TransformerLM, mesh: DeviceMesh, *, reshard_after_forward: bool,
                param_dtype: torch.dtype | None = None, prefetch: bool = False) -> None:
     """fully_shard each transformer layer, then the root (embedding, final norm, LM head), in place.
 
@@ -53,9 +59,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
     from torch.distributed.fsdp import fully_shard
 
     mp = mixed_precision_policy(param_dtype)
-    layers = list(model.layers)
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    layers = [fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+              for layer in model.layers]
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     if prefetch and len(layers) > 1:
         for prev, nxt in zip(layers[:-1], layers[1:]):
@@ -73,7 +78,8 @@ def apply_ddp(model: nn.Module, group, device: torch.device) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _fsdp_accumulate(model: nn.Module, keep_unsharded: bool) -> Iterator[None]:
+def _fsdp_accumulate(module: nn.Module, keep_unsharded: bool) -> Iterator[None]:
+    model = cast("FSDPModule", module)  # fully_shard made it one
     model.set_requires_gradient_sync(False)
     if keep_unsharded:
         model.set_reshard_after_backward(False)
@@ -95,5 +101,5 @@ def grad_sync_context(model: nn.Module, strategy: str, last: bool) -> contextlib
     if last or strategy in ("none", "optim_grads", "optim_grads_params"):
         return contextlib.nullcontext()
     if hasattr(model, "no_sync"):  # DDP
-        return model.no_sync()
+        return cast("DistributedDataParallel", model).no_sync()
     return _fsdp_accumulate(model, keep_unsharded=strategy in ("no_shard", "optim"))

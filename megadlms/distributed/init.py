@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -105,7 +106,7 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         if backend == "nccl" and dev.type != "cuda":
             raise ConfigError("--distributed-backend nccl needs GPUs; use gloo with --device cpu")
-        kwargs = {"device_id": dev} if backend == "nccl" else {}  # eager NCCL init, bound to this GPU
+        kwargs: dict[str, Any] = {"device_id": dev} if backend == "nccl" else {}  # eager NCCL init, bound to this GPU
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
     world = dist.get_world_size()
     if world % tp_size:

@@ -10,6 +10,7 @@ optimizer exists: `megadlms.training.cuda_graphs`.)
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..build import apply_fp8, construct_model
 from ..config import TransformerConfig
+from ..model import TransformerLM
 from .config import ParallelConfig
 from .data_parallel import apply_ddp, apply_fsdp
 from .init import ParallelContext
@@ -25,7 +27,7 @@ from .tensor_parallel import apply_tensor_parallel
 log = logging.getLogger("megadlms")
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+def apply_activation_checkpointing(model: TransformerLM) -> None:
     """Recompute each transformer layer in backward (composable API: parameter names are kept).
 
     FP8 models recompute under the FP8 state of the original forward (the recomputation runs in
@@ -33,7 +35,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     """
     from torch.distributed._composable import checkpoint
 
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if model.config.fp8:
         from ..fp8 import fp8_checkpoint_context_fn
 
@@ -42,7 +44,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         checkpoint(layer, **kwargs)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: TransformerLM) -> None:
     """Compile each transformer layer in place (per-layer compile: same code for every layer, so one
     compilation is reused; the FP8 autocast context around the layers stays in eager Python)."""
     for layer in model.layers:
@@ -72,7 +74,7 @@ def build_parallel_model(cfg: TransformerConfig, ctx: ParallelContext, parallel:
                              compile=compile, param_dtype=param_dtype)
 
 
-def parallelize_model(model: nn.Module, ctx: ParallelContext, parallel: ParallelConfig, *,
+def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig, *,
                       activation_checkpointing: bool = False, compile: bool = False,
                       param_dtype: torch.dtype | None = None) -> nn.Module:
     """Apply tensor parallelism, activation checkpointing, compile and data parallelism to a (converted) model.
@@ -85,6 +87,7 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, parallel: Parallel
     sequence_parallel = parallel.sequence_parallel and ctx.tp_size > 1
     tp_mesh, dp_mesh = _meshes(ctx, strategy)
     if ctx.tp_size > 1:
+        assert tp_mesh is not None  # ctx has a mesh when it has more than one rank
         apply_tensor_parallel(model, tp_mesh, sequence_parallel)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -92,9 +95,11 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, parallel: Parallel
         apply_compile(model)
     ctx.sequence_parallel = sequence_parallel
     ctx.dp_strategy = strategy if ctx.dp_size > 1 else "none"
+    trained: nn.Module = model
     if ctx.dp_size > 1 and strategy == "no_shard" and ctx.tp_size == 1:
-        model = apply_ddp(model, ctx.dp_group, ctx.device)
+        trained = apply_ddp(model, ctx.dp_group, ctx.device)
     elif ctx.dp_size > 1:
+        assert dp_mesh is not None  # ctx has a mesh when it has more than one rank
         apply_fsdp(model, dp_mesh, reshard_after_forward=strategy == "optim_grads_params", param_dtype=param_dtype,
                    prefetch=parallel.overlap_param_gather)
         if strategy in ("optim_grads", "optim_grads_params") and model.config.fp8:
@@ -106,7 +111,7 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, parallel: Parallel
         tp = f"tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if sequence_parallel else ''}"
         dp = f"data parallel: {_describe(strategy, ctx.tp_size)} over {ctx.dp_size} ranks"
         log.info("%s", " | ".join(x for x, on in ((dp, ctx.dp_size > 1), (tp, ctx.tp_size > 1)) if on))
-    return model
+    return trained
 
 
 def _describe(strategy: str, tp_size: int) -> str:

@@ -21,7 +21,7 @@ clipping see parameters of one mesh, and checkpoints reshard to any other TP siz
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..config import ConfigError, TransformerConfig
+
+if TYPE_CHECKING:
+    from ..model import TransformerLayer, TransformerLM
 
 
 def check_tensor_parallel(cfg: TransformerConfig, tp: int) -> None:
@@ -86,9 +89,10 @@ class NormParallel(ParallelStyle):
     def _input_fn(self, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
         x = inputs[0]
         if not isinstance(x, DTensor):
-            shape = stride = None
+            shape: torch.Size | None = None
+            stride: tuple[int, ...] | None = None
             if self.seq is not None and self.input_layout == Shard(1):
-                shape = (x.shape[0], self.seq.value, *x.shape[2:])
+                shape = torch.Size((x.shape[0], self.seq.value, *x.shape[2:]))
                 stride = torch.empty(shape, device="meta").stride()
             x = DTensor.from_local(x, mesh, [self.input_layout], run_check=False, shape=shape, stride=stride)
         return (x, *inputs[1:])
@@ -99,7 +103,9 @@ class NormParallel(ParallelStyle):
         return out.to_local() if self.use_local_output else out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._replicate_params, self._input_fn, self._output_fn)
+        # torch annotates input_fn / output_fn as returning None; what they return replaces the inputs / output
+        return distribute_module(module, device_mesh, self._replicate_params, self._input_fn,  # type: ignore[arg-type]
+                                 self._output_fn)  # type: ignore[arg-type]
 
 
 class EmbeddingParallel(RowwiseParallel):
@@ -192,7 +198,7 @@ def _computes_locally(module: nn.Module) -> bool:
 def _redistribute(x: DTensor, placement: Placement) -> DTensor:
     x = x.redistribute(placements=[placement])
     if not x.to_local().is_contiguous():  # torch < 2.13 leaves a strided view after gathering unequal shards
-        x = x.clone(memory_format=torch.contiguous_format)
+        x = cast(DTensor, x.clone(memory_format=torch.contiguous_format))
     return x
 
 
@@ -217,7 +223,7 @@ def _full_output(module: nn.Module, args: Any, output: Any) -> Any:
     return output.full_tensor() if isinstance(output, DTensor) else output
 
 
-def layer_plan(layer: nn.Module, sequence_parallel: bool, seq: SequenceLength) -> dict[str, ParallelStyle]:
+def layer_plan(layer: TransformerLayer, sequence_parallel: bool, seq: SequenceLength) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of one transformer layer."""
     act = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream [B, S, H]
     plan: dict[str, ParallelStyle] = {
@@ -236,7 +242,7 @@ def layer_plan(layer: nn.Module, sequence_parallel: bool, seq: SequenceLength) -
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+def apply_tensor_parallel(model: TransformerLM, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     """Shard `model` (a TransformerLM, possibly FP8-converted) over `tp_mesh` in place (see the module doc)."""
     check_tensor_parallel(model.config, tp_mesh.size())
     act = Shard(1) if sequence_parallel else Replicate()
@@ -250,8 +256,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         w = model.lm_head.weight
         model.lm_head.weight = nn.Parameter(distribute_tensor(w, tp_mesh, [Shard(0)]), requires_grad=w.requires_grad)
     for layer in model.layers:
-        parallelize_module(layer, tp_mesh, layer_plan(layer, sequence_parallel, seq))
-    model.logits = _FullLogits(model.logits, tp_mesh)
+        parallelize_module(layer, tp_mesh, layer_plan(cast("TransformerLayer", layer), sequence_parallel, seq))
+    model.logits = _FullLogits(model.logits, tp_mesh)  # type: ignore[method-assign]  # an instance override
     model.register_forward_hook(_full_output)
     plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if plain:

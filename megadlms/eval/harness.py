@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..config import ConfigError
-from ..diffusion.fast_sampler import CACHE_MODES, fast_generate_tokens
+from ..diffusion.fast_sampler import CACHE_MODES, CacheMode, fast_generate_tokens
 from ..diffusion.sampler import REMASKING, check_sampling_args, generate_tokens, model_device, prepare_prompts
 from ..errors import import_extra
 from ..generate.ar import ar_generate_tokens
@@ -99,7 +99,7 @@ class MegaDLMsLM(TemplateLM):
             "block_length", block_length, int)
         self.steps = None if steps is None else _number("steps", steps, int)
         self.threshold = _number("threshold", threshold, float)
-        self.cache = None if cache in ("none", None) else cache
+        self.cache = cast(CacheMode, None if cache in ("none", None) else cache)  # checked in _check
         self.progress = _flag(progress)
         self._check()
         ctx = init_parallel(None if device == "auto" else device)

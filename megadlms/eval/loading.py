@@ -37,6 +37,7 @@ def load_model(*, load: str | None = None, hf_model: str | None = None, fp8_expo
         model, cfg = load_hf_model(hf_model, device=device, dtype=torch_dtype)
         tok = hf_model
     else:
+        assert fp8_export is not None
         from ..fp8.export import load_fp8_export
 
         model, cfg = load_fp8_export(fp8_export, device, dtype=torch_dtype)

@@ -131,9 +131,11 @@ def _cast(x: torch.Tensor, mod: Float8DotProductAttention, role: int, ready: boo
     (`ready`), else x's amax; `record`: x's amax into the role's history slot."""
     b, h, s, d = x.shape
     flat = x.transpose(1, 2).reshape(b * s, h * d)
+    assert mod.fp8_scale is not None and mod.fp8_amax_history is not None  # FP8 attention takes delayed scaling
     scale = mod.fp8_scale[role] if ready else None
     slot = mod.fp8_amax_history[0, role] if record else None
     q, _, scale_inv, _ = cast_fp8(flat, scale, slot, fp8_dtype, mod.recipe.margin)
+    assert q is not None  # want_q
     if mod.collect_fp8_stats:
         mod.add_stats(role, quant_stats(flat, q, scale_inv.reciprocal(), fp8_dtype, flat.numel()))
     return q.view(b, s, h, d).transpose(1, 2), scale_inv

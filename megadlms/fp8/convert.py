@@ -6,7 +6,7 @@ import contextlib
 import functools
 from collections import defaultdict
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,8 @@ from .quantize import amax_to_scale
 from .recipe import DelayedScaling, Recipe, check_recipe
 from .state import FP8GlobalStateManager, fp8_autocast
 from .swiglu import SwiGLUFP8InputStore
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def fp8_eligible(linear: nn.Module) -> bool:
@@ -49,10 +51,10 @@ def _set_child(root: nn.Module, dotted: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent_name) if parent_name else root, leaf, module)
 
 
-def convert_to_fp8(model: nn.Module, recipe: Recipe, *, num_layers_at_start_in_bf16: int = 0,
+def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int = 0,
                    num_layers_at_end_in_bf16: int = 0, activation_func_fp8_input_store: bool = False,
                    fp8_wgrad: bool = True, fuse_projections: bool = True, fuse_mlp: bool = True,
-                   fprop_fast_accum: bool = True, dot_product_attention: bool = False) -> nn.Module:
+                   fprop_fast_accum: bool = True, dot_product_attention: bool = False) -> M:
     """Convert `model` (a TransformerLM) to FP8 in place and return it.
 
     Every eligible nn.Linear inside `model.layers` (in/out features multiples of 16) becomes a

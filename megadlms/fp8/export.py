@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,7 @@ class ExportFolderError(MegaDLMsError, FileNotFoundError):
     """A folder given as an export is not one; the message says what it lacks and how to write one."""
 
 
-def fp8_linear_names(model: nn.Module) -> list[str]:
+def fp8_linear_names(model: TransformerLM) -> list[str]:
     """Module names of the linears an FP8 export quantizes: the model's Float8Linear layers, or, for a
     model that is not FP8, the ones `convert_to_fp8` would convert under its config."""
     names = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
@@ -105,6 +105,10 @@ class Float8InferenceLinear(nn.Module):
     scale (per tensor, or per row when the weight is per channel, as rowwise `_scaled_mm` needs).
     x [..., in] -> [..., out] in the compute dtype. Dims that are not multiples of 16 are padded.
     """
+
+    weight: torch.Tensor
+    weight_scale_inv: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, scaling: str = "tensor",
                  device: Any = None, dtype: torch.dtype = torch.bfloat16):
@@ -176,7 +180,7 @@ def load_fp8_export(path: str | Path, device: torch.device | str = "cpu",
     with torch.device("meta"):
         model = TransformerLM(cfg.replace(fp8=False))
     for name in [k[: -len(".weight_scale_inv")] for k in tensors if k.endswith(".weight_scale_inv")]:
-        lin = model.get_submodule(name)
+        lin = cast(nn.Linear, model.get_submodule(name))
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, Float8InferenceLinear(
             lin.in_features, lin.out_features, bias=lin.bias is not None, scaling=scaling, device="meta"))
@@ -187,7 +191,7 @@ def load_fp8_export(path: str | Path, device: torch.device | str = "cpu",
             tensors[k] = t.to(dtype)
     model.load_state_dict(tensors, strict=True, assign=True)
     # non-persistent tables are not in the file: rebuild them on the device
-    model.rotary = RotaryEmbedding(cfg.kv_channels, cfg.max_position_embeddings, cfg.rotary_base).to(device)
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rotary_base).to(device)
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval(), cfg

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -38,6 +39,11 @@ def _copy_into(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
         raise RuntimeError(f"FP8 weight refresh: captured {tuple(dst.shape)} {dst.dtype}, new {tuple(src.shape)} "
                            f"{src.dtype}")
     dst.copy_(src)
+
+
+def _members(g: FusedFloat8Projection) -> list[Float8Linear]:
+    """A fused group's members, which are Float8Linears (`FusedFloat8Projection.of` makes groups only of them)."""
+    return cast("list[Float8Linear]", g.members())
 
 
 class StepFP8Weights:
@@ -65,7 +71,7 @@ class StepFP8Weights:
     # on every replay and does not keep the transpose.
     @staticmethod
     def _cast_group(g: FusedFloat8Projection) -> GroupWeightCache:
-        c = g.group_weight(g.members(), want_t=False)
+        c = g.group_weight(_members(g), want_t=False)
         c.keep_t = False
         for mc in c.members:
             mc.keep_dgrad = False
@@ -106,15 +112,15 @@ class StepFP8Weights:
             self._invalidate()
             for g, old in zip(self.groups, self.captured_groups):
                 self._refresh_group(g, old)
-            for m, old in zip(self.single, self.captured_single):
-                self._refresh_single(m, old)
+            for m, kept in zip(self.single, self.captured_single):
+                self._refresh_single(m, kept)
         self.num_refreshes += 1
 
     def _refresh_group(self, g: FusedFloat8Projection, old: GroupWeightCache) -> None:
         new = self._cast_group(g)
         for name in ("q", "scale_inv", "scales", "scale_invs"):  # no t: these caches hold q only
             _copy_into(getattr(old, name), getattr(new, name))
-        for m, om, nm in zip(g.members(), old.members, new.members):
+        for m, om, nm in zip(_members(g), old.members, new.members):
             om.key = nm.key
             m.weight_cache = om
         g.weight_cache = old

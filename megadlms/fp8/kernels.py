@@ -133,8 +133,10 @@ def cast_fp8(x: torch.Tensor, scale: torch.Tensor | None,
             return out
     if amax is None and (scale is None or slots):
         amax = amax_of(x)
-    record_amax(slots, amax)
+    if amax is not None:  # None only without slots
+        record_amax(slots, amax)
     if scale is None:
+        assert amax is not None  # computed above when there is no scale
         fn = compiled("current", _cast_current) if cuda else _cast_current
         q, t, scale_inv = fn(x, amax, fp8_dtype, margin, want_q, want_t)
     else:
@@ -187,7 +189,7 @@ def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
         if one is None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             one = _UNIT_SCALES[q.device] = torch.ones((), dtype=torch.float32, device=q.device)
         out = triton_cast.checked_cast_transpose(q, one, q.dtype, False, True) if one is not None else None
-        if out is not None:
+        if out is not None and out[1] is not None:  # q^T was asked for: it is there
             return out[1]
     if q.device.type != "cuda":
         return _transpose(q)
@@ -234,7 +236,7 @@ def _cast_cat_triton(ws: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: tor
         r = w.shape[0]
         out = triton_cast.checked_cast_transpose(w, scale, fp8_dtype, True, want_t,
                                                  amax_outs[i] if amax_outs is not None else None, q[row:row + r],
-                                                 t[:, row:row + r] if want_t else None)
+                                                 t[:, row:row + r] if t is not None else None)
         if out is None:
             if amax_outs is not None:  # the ones done so far are max-updates: repeating them is harmless
                 for a, w2 in zip(amax_outs, ws):

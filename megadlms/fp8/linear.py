@@ -23,7 +23,7 @@ the BF16 GEMM of the unquantized tensors.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,15 @@ ROLES = ("input", "weight", "grad")
 INPUT, WEIGHT, GRAD = 0, 1, 2
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
     from .weight_amax import KeptAmax
+
+    _ModuleMixin = nn.Module  # the mixins below are mixed into nn.Modules: the checker sees their methods
+else:
+    _ModuleMixin = object
+
+M = TypeVar("M", bound=nn.Module)
 
 _checked_devices: set[int] = set()
 
@@ -53,10 +61,12 @@ def check_device_once(device: torch.device) -> None:
         _checked_devices.add(index)
 
 
-def apply_keeping_dtypes(module: nn.Module, fn: Any, names: tuple[str, ...], recurse: bool = True) -> nn.Module:
+def apply_keeping_dtypes(module: M, fn: Any, names: tuple[str, ...], recurse: bool = True) -> M:
     """`nn.Module._apply` that lets `fn` move the buffers `names` to another device but not change
     their dtype (`model.to(torch.bfloat16)` must not turn FP8 scales into BF16 or FP8 weights into BF16)."""
-    kept = {n: module._buffers.pop(n) for n in names if module._buffers.get(n) is not None}
+    kept = {n: t for n in names if (t := module._buffers.get(n)) is not None}
+    for n in kept:
+        del module._buffers[n]
     try:
         nn.Module._apply(module, fn, recurse)
     finally:
@@ -115,10 +125,14 @@ class FP8WeightCache:
         return self.scale_invs[role] if self.scale_invs is not None else None
 
 
-class DelayedScalingState:
+class DelayedScalingState(_ModuleMixin):
     """Mixin for FP8 modules with delayed-scaling state, one column per tensor role: the persistent fp32 buffers
     `fp8_amax_history` [history_len, roles] and `fp8_scale` [roles] and the bool `fp8_initialized` (None for other
     recipes), and a host mirror of `fp8_initialized` that is read once after a load (no sync per use)."""
+
+    fp8_amax_history: torch.Tensor | None
+    fp8_scale: torch.Tensor | None
+    fp8_initialized: torch.Tensor | None
 
     def _register_fp8_state(self, recipe: Recipe, roles: int, device: Any) -> None:
         if isinstance(recipe, DelayedScaling):
@@ -150,16 +164,18 @@ class DelayedScalingState:
     def mark_scales_ready(self) -> None:
         """Scales exist from now on (`fp8_step` wrote them)."""
         if not self.scales_ready():
+            assert self.fp8_initialized is not None  # delayed scaling
             self.fp8_initialized.fill_(True)
         self._ready = True
 
 
-class FP8Telemetry:
+class FP8Telemetry(_ModuleMixin):
     """Mixin for FP8 modules that can record the statistics of their casts (`monitor.enable_fp8_stats`): the fp32
     buffer `fp8_stats_buffer` [roles, (amax, underflow count, saturation count, numel)], not persistent, filled only
     while `collect_fp8_stats` is on (`stats_epoch` counts the statistics windows); `fp8_stats_roles` names the rows."""
 
     fp8_stats_roles: tuple[str, ...] = ()
+    fp8_stats_buffer: torch.Tensor
 
     def _register_fp8_stats(self, device: Any) -> None:
         self.register_buffer("fp8_stats_buffer", torch.zeros(len(self.fp8_stats_roles), 4, device=device),
@@ -280,7 +296,8 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: no DTensor exists (and no import cost)
         if dtensor is None or not isinstance(self.weight, dtensor.DTensor):
             return self.weight, self.bias
-        return self.weight.to_local(), self.bias.to_local() if self.bias is not None else None
+        weight, bias = cast("DTensor", self.weight), cast("DTensor | None", self.bias)
+        return weight.to_local(), bias.to_local() if bias is not None else None
 
     def weight_key(self) -> tuple | None:
         """What identifies the weight's current values: its version counter, storage and dtype (an optimizer's
@@ -323,7 +340,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
             scale_invs = self.step_scale_invs()
             t = quantizer.quantize(wp, True, want_t, record=self.training, amax=self.kept_weight_amax(),
                                    scale_inv=scale_invs[WEIGHT] if scale_invs is not None else None)
-            cache = FP8WeightCache(key, *t.rows, scale_invs)
+            cache = FP8WeightCache(key, *t.row_copy(), scale_invs)
             cache.dgrad = t.cols  # the input-gradient GEMM's operand, when made in the same pass
             self.num_weight_casts += 1
             if self.cache_weight:
@@ -393,13 +410,13 @@ class _Float8LinearFn(torch.autograd.Function):
         # with an FP8 weight gradient ahead, the input's cast also makes x^T (K-major over tokens) for it
         fp8_wgrad = ctx.needs_input_grad[1] and layer.fp8_wgrad
         xq = layer.quantize(xp, INPUT, m * k, cols=fp8_wgrad, record=layer.training, scale_inv=w.scale_inv_of(INPUT))
-        y = fp8_gemm(xq.rows, w.rows, out_dtype, layer.fprop_fast_accum)[:m, :n]
+        y = fp8_gemm(xq.row_copy(), w.rows, out_dtype, layer.fprop_fast_accum)[:m, :n]
         if bias is not None:
             y = y + bias.to(out_dtype)
         x_saved = x_saved_si = None
         if ctx.needs_input_grad[1]:
             if fp8_wgrad:
-                x_saved, x_saved_si = xq.cols  # [Kp, Mp]: the wgrad GEMM's right operand
+                x_saved, x_saved_si = xq.col_copy()  # [Kp, Mp]: the wgrad GEMM's right operand
             else:
                 x_saved = x.to(out_dtype)  # the BF16 weight gradient needs the unquantized input
         ctx.save_for_backward(x_saved, x_saved_si)
@@ -425,9 +442,11 @@ class _Float8LinearFn(torch.autograd.Function):
             gq = layer.quantize(pad_2d(g, round_up16(m), round_up16(n)), GRAD, m * n, rows=need_dx, cols=fp8_wgrad,
                                 scale_inv=wcache.scale_inv_of(GRAD))
             if need_dx:
-                dx = fp8_gemm(gq.rows, layer.fp8_weight_dgrad(wcache), ctx.x_dtype, layer.backward_fast_accum)[:m, :k]
+                dx = fp8_gemm(gq.row_copy(), layer.fp8_weight_dgrad(wcache), ctx.x_dtype,
+                              layer.backward_fast_accum)[:m, :k]
             if fp8_wgrad:
-                dw = fp8_gemm(gq.cols, Operand(x_saved, x_saved_si), ctx.w_dtype, layer.backward_fast_accum)[:n, :k]
+                dw = fp8_gemm(gq.col_copy(), Operand(x_saved, x_saved_si), ctx.w_dtype,
+                              layer.backward_fast_accum)[:n, :k]
         if need_dw and not ctx.fp8_wgrad:
             dw = wgrad_high_precision(g, x_saved, ctx.out_dtype, ctx.w_dtype)
         if need_db:

@@ -74,7 +74,7 @@ def check_gather_shardable(name: str, shape: torch.Size | tuple[int, ...], kind:
             "with --fp8-param-gather, a shard group size that divides the row blocks, or drop --fp8-param-gather")
 
 
-def enable_fp8_param_gather(linears: Iterable[nn.Module], kind: str, world_size: int, fp8_dtype: torch.dtype = E4M3,
+def enable_fp8_param_gather(linears: Iterable[nn.Linear], kind: str, world_size: int, fp8_dtype: torch.dtype = E4M3,
                             pow2: bool = False) -> int:
     """Wrap the `weight` of each module in `linears` in a Float8GatherWeight (call before `fully_shard`).
 
@@ -128,13 +128,14 @@ class Float8GatherWeight(torch.Tensor):
             raise ParamGatherError(f"FP8 parameter all-gather kind={kind!r} must be one of {', '.join(KINDS)}")
         self._tensor, self._kind, self._fp8_dtype, self._pow2 = tensor, kind, fp8_dtype, pow2
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # a plain repr, without torch's tensor_contents
         return f"Float8GatherWeight({self._kind}, {self._fp8_dtype}, {self._tensor})"
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's idiom
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
+                           kwargs: dict | None = None) -> Any:  # torch's stub declares another signature
         like: list[Float8GatherWeight] = []
 
         def unwrap(t: Any) -> Any:
@@ -204,10 +205,10 @@ class Float8GatheredWeight(torch.Tensor):
     def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, kind: str, dtype: torch.dtype):
         self._data, self._scale_inv, self._kind = data, scale_inv, kind
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # a plain repr, without torch's tensor_contents
         return f"Float8GatheredWeight({self._kind}, {tuple(self._data.shape)}, {self._data.dtype})"
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's idiom
 
     def dequantize(self) -> torch.Tensor:
         if self._kind == "tensorwise":

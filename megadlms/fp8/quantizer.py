@@ -45,8 +45,18 @@ class FP8Tensor:
         """(q [R, C], scale_inv broadcastable to it) from whichever copy exists: what telemetry compares x with."""
         if self.rows is not None:
             return self.rows.data, self.rows.scale_inv
-        t, si = self.cols
+        t, si = self.col_copy()
         return t.t(), si.reshape(1, -1) if si.dim() else si
+
+    def row_copy(self) -> Operand:
+        """`rows`, where the caller asked the cast for it."""
+        assert self.rows is not None, "the cast made no row-major copy"
+        return self.rows
+
+    def col_copy(self) -> Operand:
+        """`cols`, where the caller asked the cast for it."""
+        assert self.cols is not None, "the cast made no transposed copy"
+        return self.cols
 
 
 class Quantizer:

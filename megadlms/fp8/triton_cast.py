@@ -264,6 +264,7 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
         if t_mode == 3:
             _launch(x, scale, fp8_dtype, None, t_out, [], 0, tile, sw_round)
         else:
+            assert t_out is not None and q_full is not None  # made above when q^T is wanted
             t_out.copy_(q_full.t())
     else:
         _launch(x, scale, fp8_dtype, q_out if want_q else None, t_out if want_t else None, amaxes, t_mode, tile,
@@ -343,8 +344,10 @@ def checked_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torc
             problems.append("q: " + _first_differences(x, scale, q, ref))
         if t is not None and not torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8)):
             problems.append("q^T: " + _first_differences(x.t(), scale, t, ref.t()))
-        problems += [f"amax {a.item()!r} instead of {torch.maximum(b, x_amax).item()!r}"
-                     for a, b in zip(amaxes, before) if not torch.equal(a, torch.maximum(b, x_amax))]
+        if amaxes:
+            assert x_amax is not None  # computed when there are amax outputs
+            problems += [f"amax {a.item()!r} instead of {torch.maximum(b, x_amax).item()!r}"
+                         for a, b in zip(amaxes, before) if not torch.equal(a, torch.maximum(b, x_amax))]
     _state["checked"][key] = not problems
     if not problems:
         return q, t

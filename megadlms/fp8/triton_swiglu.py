@@ -277,6 +277,7 @@ def swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, scal
         dh, dh.stride(0), gate, up, gate.stride(0), gs, us, m, f, q1, q2, t1, t2, 2 * f, m, scale, *amaxes,
         WANT_Q=write_q, WANT_T=in_kernel, ROW_SCALES=row_scales is not None, N_AMAX=len(amax_out), **kw)
     if want_t and not in_kernel:
+        assert q is not None  # written for the host transpose
         t = transpose_fp8(q)
     return (q if want_q else None), t
 
@@ -388,6 +389,7 @@ def checked_swiglu_cast(y: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     ref, h_amax = triton_cast.reference_cast(m, f, scale, fp8_dtype,
                                              lambda r0, r1: swiglu_ref(y[r0:r1, :f], y[r0:r1, f:]))
     outs = [amax_out] if amax_out is not None else []
+    assert h_amax is not None  # reference_cast computes it by default
     return _first_call(key, lambda marker: swiglu_cast(y, scale, fp8_dtype, want_t, amax_out, mode, marker=marker,
                                                        sw_round=sw_round), ref, outs, h_amax)
 
@@ -408,6 +410,7 @@ def checked_swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tens
     m, f = dh.shape
     ref, d_amax = triton_cast.reference_cast(m, 2 * f, scale, fp8_dtype,
                                              lambda r0, r1: _derivatives(dh, gate, up, row_scales, r0, r1))
+    assert d_amax is not None  # reference_cast computes it by default
     return _first_call(key, lambda marker: swiglu_bwd_cast(
         dh, gate, up, scale, fp8_dtype, want_q, want_t, row_scales, amax_out, mode, marker=marker, sw_round=sw_round),
         ref, list(amax_out), d_amax)

@@ -18,6 +18,7 @@ counter (through `.data`) must call `refresh_weight_amaxes(model)`, as they must
 from __future__ import annotations
 
 import sys
+from typing import TypeGuard
 
 import torch
 from torch import nn
@@ -45,7 +46,7 @@ class KeptAmax:
         self.version = weight._version
 
 
-def _eligible(m: nn.Module) -> bool:
+def _eligible(m: nn.Module) -> TypeGuard[Float8Linear]:
     dtensor = sys.modules.get("torch.distributed.tensor")
     return (isinstance(m, Float8Linear) and isinstance(m.recipe, Float8CurrentScaling)
             and not (dtensor is not None and isinstance(m.weight, dtensor.DTensor)))

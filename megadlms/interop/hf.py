@@ -19,6 +19,7 @@ import shutil
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -371,7 +372,7 @@ def model_from_state_dict(cfg: TransformerConfig, state_dict: Mapping[str, torch
     tensors = {k: v.to(device=device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
                for k, v in state_dict.items()}
     model.load_state_dict(tensors, strict=True, assign=True)
-    model.rotary = RotaryEmbedding(cfg.kv_channels, cfg.max_position_embeddings, cfg.rotary_base).to(device)
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rotary_base).to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # a buffer the model gained that this loader does not know how to rebuild
         raise InteropError(f"tensors {left} were not loaded; the model has state this loader does not fill")
@@ -479,10 +480,11 @@ def set_causal(hf_model: torch.nn.Module, causal: bool) -> torch.nn.Module:
     passes is_causal to the attention kernel) and `is_causal` on every attention module (what
     flash-attention and older releases read).
     """
-    hf_model.config.is_causal = causal
+    config: Any = hf_model.config  # a transformers PretrainedConfig
+    config.is_causal = causal
     for m in hf_model.modules():
         if hasattr(m, "is_causal"):
-            m.is_causal = causal
+            setattr(m, "is_causal", causal)  # a plain attribute of transformers' attention modules
     return hf_model
 
 

@@ -200,8 +200,9 @@ def apply_yaml_defaults(p: argparse.ArgumentParser, path: str) -> None:
         if dest not in actions:
             raise ConfigError(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. train-iters)")
         _check_yaml_value(path, key, value, actions[dest])
-        if actions[dest].type in (int, float) and isinstance(value, (int, float)):
-            value = actions[dest].type(value)  # 3.0 for an int flag is 3; argparse converts only strings
+        kind = actions[dest].type
+        if kind in (int, float) and isinstance(value, (int, float)):
+            value = int(value) if kind is int else float(value)  # 3.0 for an int flag is 3; argparse converts strings
         defaults[dest] = value
     p.set_defaults(**defaults)
 

@@ -27,7 +27,7 @@ import shutil
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import TransformerConfig
 from ..errors import MegaDLMsError
+
+if TYPE_CHECKING:
+    from ..model import TransformerLM
 
 FORMAT = "megadlms-dcp-1"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -158,7 +161,7 @@ def _any_rank(failed: bool) -> bool:
 def _file_system_cause(e: BaseException) -> OSError | None:
     """The OSError behind `e` (DCP wraps its writers' errors in a CheckpointException), or None for other errors."""
     seen: list[BaseException] = []
-    todo = [e]
+    todo: list[BaseException | None] = [e]
     while todo:
         x = todo.pop()
         if x is None or any(x is y for y in seen):
@@ -177,9 +180,11 @@ def _file_system_cause(e: BaseException) -> OSError | None:
 def describe_os_error(e: OSError) -> str:
     name = errno.errorcode.get(e.errno, "") if e.errno else ""
     text = e.strerror or str(e)
-    hint = {errno.ENOSPC: "free space or point --save elsewhere", errno.EDQUOT: "free space or raise the quota",
-            errno.EACCES: "make the folder writable or point --save elsewhere",
-            errno.EROFS: "point --save at a writable file system"}.get(e.errno, "check the file system")
+    hints: dict[int | None, str] = {
+        errno.ENOSPC: "free space or point --save elsewhere", errno.EDQUOT: "free space or raise the quota",
+        errno.EACCES: "make the folder writable or point --save elsewhere",
+        errno.EROFS: "point --save at a writable file system"}
+    hint = hints.get(e.errno, "check the file system")
     where = f" ({e.filename})" if e.filename else ""
     return f"{text}{f' [{name}]' if name else ''}{where}; {hint}"
 
@@ -493,8 +498,8 @@ def save_model_checkpoint(save_dir: str | Path, model: nn.Module, cfg: Transform
                            tokenizer_dir=tokenizer_dir)
 
 
-def load_model_from_checkpoint(load_dir: str | Path, *, device: torch.device | str = "cpu",
-                               iteration: int | None = None) -> tuple[nn.Module, TransformerConfig, dict[str, Any]]:
+def load_model_from_checkpoint(load_dir: str | Path, *, device: torch.device | str = "cpu", iteration: int | None = None
+                               ) -> tuple[TransformerLM, TransformerConfig, dict[str, Any]]:
     """Build the model recorded in a checkpoint and load its weights (single process).
 
     Returns (model, config, meta); meta['tokenizer_dir'] is the checkpoint's tokenizer folder or None.

@@ -39,10 +39,12 @@ import os
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from ..model import TransformerLM
 
 log = logging.getLogger("megadlms")
 
@@ -89,10 +91,12 @@ class EmulatedGraph:
     def replay(self) -> None:
         for t in self.clobbers:
             t.detach().fill_(float("nan"))
+        assert self.fn is not None, "replay before capture"
         with torch.enable_grad():  # a forward replay runs inside an autograd Function's forward
             new = self.fn()
         for static, fresh in zip(_leaves(self.out), _leaves(new)):
             if static is not None:
+                assert fresh is not None  # the same call: its outputs are None where the captured ones are
                 static.detach().copy_(fresh)
         self.latest = new
 
@@ -177,6 +181,7 @@ class _Replay(torch.autograd.Function):
                 static.detach().copy_(new)
         c.fwd.replay()
         ctx.captured = c
+        assert c.out is not None  # set by the capture
         return c.out.detach()
 
     @staticmethod
@@ -184,6 +189,7 @@ class _Replay(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         c: _Captured = ctx.captured
         c.pending = None
+        assert c.grad_out is not None  # set by the capture
         if grad.data_ptr() != c.grad_out.data_ptr():
             c.grad_out.copy_(grad)
         c.bwd.replay()
@@ -202,7 +208,7 @@ class LayerGraphs:
     (`fp8.graph_weights`; pays with gradient accumulation), instead of inside the forward graph on every replay.
     """
 
-    def __init__(self, model: nn.Module, *, emulate: bool = False, warmup_iters: int = 2, strict: bool = False,
+    def __init__(self, model: TransformerLM, *, emulate: bool = False, warmup_iters: int = 2, strict: bool = False,
                  fp8_weights_per_step: bool = False):
         self.model = model
         self.fp8_weights_per_step = fp8_weights_per_step
@@ -214,7 +220,7 @@ class LayerGraphs:
         self.num_replays = 0
         self.num_eager = 0
         self.capture_seconds: float | None = None
-        model.run_layers = self
+        model.run_layers = self  # type: ignore[method-assign]  # an instance override (see the module docstring)
 
     def arm(self) -> None:
         """Capture on the next call that can be replayed (see `_key`); a no-op after a failed capture."""
@@ -305,6 +311,8 @@ class LayerGraphs:
         # autocast's weight-cast cache would hand the capture casts made outside it (stale after a step)
         no_cast_cache = torch.autocast(dev, dtype=torch.get_autocast_dtype(dev),
                                        enabled=torch.is_autocast_enabled(dev), cache_enabled=False)
+        fwd: EmulatedGraph | _CudaGraph
+        bwd: EmulatedGraph | _CudaGraph
         with fp8_graph_capture(self.model, weights_in_graph=weights is None), no_cast_cache:
             if self.emulate:
                 fwd, bwd = EmulatedGraph(), EmulatedGraph()

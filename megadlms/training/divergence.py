@@ -57,11 +57,11 @@ class DivergenceGuard:
         self.consecutive.add_(1.0).mul_(self.found_inf)
         self.window_skipped.add_(self.found_inf)
         if self.on_device:
-            self.optimizer.found_inf = self.found_inf
+            self.optimizer.found_inf = self.found_inf  # type: ignore[attr-defined]  # read by torch's fused kernels
             try:
                 self.optimizer.step()
             finally:
-                self.optimizer.found_inf = None
+                self.optimizer.found_inf = None  # type: ignore[attr-defined]
         elif not bool(self.found_inf):  # the host decides: on the CPU nothing runs ahead to wait for
             self.optimizer.step()
 

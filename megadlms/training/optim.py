@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,8 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     its large fp32 parameters updated by one Triton pass each) where Triton is installed, else torch's fused
     AdamW. fused=True on other devices is torch's fused AdamW.
     """
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
@@ -67,7 +69,7 @@ def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             state["step"] = 0
 
 
-def clip_grad_norm(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """The gradients' total L2 norm (a device tensor), with the gradients clipped to `max_norm` for the next step.
 
     With a fused Adam/AdamW the clipping factor is handed to the optimizer kernel as its gradient divisor (the
@@ -79,13 +81,13 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
     grads = [p.grad for p in params if p.grad is not None]
     fused = bool(optimizer.defaults.get("fused")) and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
     if not fused or not grads or any(isinstance(g, DTensor) for g in grads):
-        optimizer.grad_scale = None
+        optimizer.grad_scale = None  # type: ignore[attr-defined]  # read by torch's fused Adam kernels
         return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
     norm = nn.utils.get_total_norm(grads, foreach=True)
     if math.isinf(max_norm):
-        optimizer.grad_scale = None
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
     else:  # the kernel divides each gradient by this: 1 / min(1, max_norm / (norm + 1e-6))
-        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).to(torch.float32)
+        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).to(torch.float32)  # type: ignore[attr-defined]
     return norm
 
 

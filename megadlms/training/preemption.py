@@ -99,8 +99,8 @@ class RunControl:
         by all ranks, or None."""
         time_up = self.deadline is not None and time.time() >= self.deadline
         stop = self.received is not None
-        zero = None if self.guard is not None else torch.zeros((), device=self.device)
-        consecutive = (self.guard.consecutive if self.guard is not None else zero).float()
+        skipped = self.guard.consecutive if self.guard is not None else torch.zeros((), device=self.device)
+        consecutive = skipped.float()
         if self.distributed:  # every rank stops at the same step: agree on the flags
             flags = torch.stack([torch.full((), float(stop), device=self.device),
                                  torch.full((), float(time_up), device=self.device), consecutive])

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 import numpy as np
 import torch
@@ -48,6 +48,10 @@ from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_g
 from .preemption import RunControl
 from .triton_adamw import StreamingAdamW
 
+if TYPE_CHECKING:
+    from ..fp8.linear import Float8Linear
+    from ..model import TransformerLM
+
 log = logging.getLogger("megadlms")
 
 
@@ -65,6 +69,7 @@ def resolve_model_config(config: RunConfig, vocab_size: int | None, mask_id: int
     mask token (the flag's, else the tokenizer's, else the model config's)."""
     ck = config.checkpoint
     if ck.use_checkpoint_args:
+        assert ck.load is not None  # CheckpointConfig requires --load with --use-checkpoint-args
         base = ckpt.read_meta(ckpt.find_checkpoint(ck.load, ck.ckpt_step))["config"]
     else:
         base = load_model_config(config.model.model_path, tokenizer_vocab_size=vocab_size).to_dict()
@@ -184,8 +189,10 @@ class Trainer:
         self.objective = obj.objective(cfg.mask_token_id)
         self.sampler = MaskSampler(t.seed + 1, device=self.device)
         # block diffusion: its own noise and inputs, one forward over x_t (+) x_0 under the block-diffusion mask
+        # (a missing block size is reported by Bd3lmConfig, as one line naming the flag)
         self.bd3lm = None if obj.model_running_mode != "bd3lm" else bd3lm.Bd3lmConfig(
-            block_size=cfg.block_size, seq_length=cfg.seq_length, mask_token_id=cfg.mask_token_id,
+            block_size=cfg.block_size, seq_length=cfg.seq_length,  # type: ignore[arg-type]
+            mask_token_id=cfg.mask_token_id,  # type: ignore[arg-type]
             clip_min=obj.bd3lm_clip_min, clip_max=obj.bd3lm_clip_max, noise_per=obj.bd3lm_noise_per,
             eval_eps=obj.difflm_eps)
         # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
@@ -216,7 +223,7 @@ class Trainer:
                                  wandb=WandbConfig.from_run(config))
         self.fp8 = bool(cfg.fp8)
         # the Float8Linears whose weight cache is off for training and back on for evaluation (same weights)
-        self._fp8_uncached: list[nn.Module] = []
+        self._fp8_uncached: list[Float8Linear] = []
         if self.fp8 and self.accum == 1:
             # no later micro-batch of the step reads a cached FP8 weight: each layer's lives from its forward to its
             # backward (which also makes its transpose), not through the optimizer step until the next forward
@@ -239,9 +246,9 @@ class Trainer:
         self.save_failures = 0
 
     @property
-    def base_model(self) -> nn.Module:
+    def base_model(self) -> TransformerLM:
         """The TransformerLM itself (under DDP, the wrapped module)."""
-        return self.model.module if hasattr(self.model, "module") else self.model
+        return cast("TransformerLM", self.model.module if hasattr(self.model, "module") else self.model)
 
     def _layer_graphs(self) -> LayerGraphs | None:
         """CUDA graphs of the layers (--cuda-graphs), or None where they are off or cannot apply."""
@@ -377,8 +384,10 @@ class Trainer:
         self.attention.begin_step(it, self.cfg.seq_length)
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
+        train_iter = self._train_iter
+        assert train_iter is not None  # set when `run` starts
         for m, ((inputs, targets, weights), length, rows, extra) in enumerate(
-                self._micro_batches(self._train_iter, noise, self.accum)):
+                self._micro_batches(train_iter, noise, self.accum)):
             with self._grad_sync(last=m == self.accum - 1), self._compile_stance(length):
                 loss = self._loss(inputs, targets, weights, rows, **extra)
                 (loss / self.accum).backward()
@@ -498,6 +507,7 @@ class Trainer:
         tok_dir = getattr(self.tokenizer, "source_dir", None)
         self.finish_save()  # one checkpoint in flight at a time
         save_dir = self.config.checkpoint.save
+        assert save_dir is not None  # called only with --save
         if self.config.checkpoint.async_save:
             if self.ctx.distributed and self._async_group is None:  # the background write's own collectives
                 self._async_group = dist.new_group(backend="gloo")
@@ -529,7 +539,7 @@ class Trainer:
         path = ckpt.find_checkpoint(load_dir, iteration)
         meta = ckpt.read_meta(path)
         if finetune or meta.get("weights_only"):
-            state = {"model": get_model_state_dict(self.model)}
+            state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
             self._log_fresh_fp8_state(path, ckpt.load_model_state(path, state))
             set_model_state_dict(self.model, state["model"])
             log.info("loaded model weights from %s (fresh optimizer, iteration 0)", path)
@@ -713,6 +723,7 @@ def print_sample(trainer: Trainer, prompt: str = "Once upon a time,", gen_length
     from ..diffusion.sampler import generate
 
     tok, cfg = trainer.tokenizer, trainer.cfg
+    assert tok is not None  # a run that samples has a tokenizer
     model = trainer.base_model
     model.eval()
     ids = tok.encode(prompt)

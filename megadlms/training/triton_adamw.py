@@ -200,7 +200,7 @@ class StreamingAdamW(torch.optim.AdamW):
 
 def _torch_adamw_step(optimizer: torch.optim.AdamW, closure: Any = None) -> Any:
     """torch's AdamW step without the step hooks around it (the hooks run once, around StreamingAdamW.step)."""
-    step = torch.optim.AdamW.step
+    step: Any = torch.optim.AdamW.step
     while getattr(step, "hooked", False):  # Optimizer._patch_step_function's wrapper
         step = step.__wrapped__
     return step(optimizer, closure)
