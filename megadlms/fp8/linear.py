@@ -173,8 +173,8 @@ class FP8Telemetry:
 
     def record_cast(self, role: int, x: torch.Tensor, t: FP8Tensor, numel: int) -> None:
         """`record_stats` of x against whichever FP8 copy `t` holds."""
-        q, si = t.any_copy()
-        self.record_stats(role, x, q, si.reciprocal(), numel)
+        q, si = t.any_copy()  # padded further than x by the blockwise (128) and MX (32) casts
+        self.record_stats(role, pad_2d(x, *q.shape), q, si.reciprocal(), numel)
 
     def add_stats(self, role: int, s: torch.Tensor) -> None:
         """Merge one cast's [amax, underflow, saturation, numel] into this window's statistics of `role`."""
