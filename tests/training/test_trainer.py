@@ -189,8 +189,8 @@ def test_fp8_weights_uncached_in_training_and_cast_once_per_evaluation():
 
 
 def test_blockwise_and_mxfp8_track_bf16_and_blockwise_resumes_exactly(tmp_path):
-    """CPU emulation of the finer-scaled recipes: the losses stay within a few percent of the unquantized run on
-    the same data and seed, and a blockwise run (no delayed state) resumes bitwise from its checkpoint."""
+    """CPU emulation of the finer-scaled recipes: the losses stay close to those of the unquantized run on
+    the same data and seed (within 0.5%), and a blockwise run (no delayed state) resumes bitwise from its checkpoint."""
     common = SMALL + ["--micro-batch-size", "4", "--train-iters", "8", "--difflm-varilen-prob", "0"]
     base = losses(run(common))
     blockwise = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
@@ -198,7 +198,7 @@ def test_blockwise_and_mxfp8_track_bf16_and_blockwise_resumes_exactly(tmp_path):
     mx = losses(run(common + ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"]))
     for ours in (straight, mx):
         assert len(ours) == 8 and ours != base
-        torch.testing.assert_close(torch.tensor(ours), torch.tensor(base), rtol=0.03, atol=0)
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(base), rtol=0.005, atol=0)  # measured: <0.1%
     run(common + blockwise + ["--save", str(tmp_path / "b"), "--save-interval", "4", "--exit-interval", "4"])
     resumed = run(common + blockwise + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")])
     assert losses(resumed) == straight[4:]
