@@ -13,7 +13,9 @@ from .errors import MegaDLMsError
 
 ATTN_MASK_TYPES = ("bidirectional", "causal")
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise", "rowwise")
+FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
+E4M3_ONLY_RECIPES = {"blockwise": "E4M3 is what torch's blockwise GEMM takes (gradients included)",
+                     "mxfp8": "MXFP8 is E4M3 for every operand"}
 FP8_AMAX_ALGOS = ("max", "most_recent")
 
 
@@ -58,6 +60,7 @@ class TransformerConfig:
     fp8_fprop_fast_accum: bool = True  # Hopper fast accumulation in the forward GEMM (TE's and torchao's default)
     # the FP8 layers' attention in FP8 too (cuDNN; Megatron's --fp8-dot-product-attention); inert without fp8
     fp8_dot_product_attention: bool = False
+    fp8_pow2_scales: bool = False  # blockwise: power-of-two scales (exact dequantisation)
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0
 
@@ -117,6 +120,8 @@ class TransformerConfig:
         if self.fp8_margin < 0:
             raise ConfigError(f"fp8_margin={self.fp8_margin} must be >= 0 (0 is the usual value)")
         _positive("fp8_amax_history_len", self.fp8_amax_history_len)
+        if self.fp8:
+            check_fp8_recipe_options(self.fp8_recipe, self.fp8_format, self.fp8_pow2_scales)
         if self.fp8 and self.fp8_dot_product_attention and self.fp8_recipe != "delayed":
             raise ConfigError(f"fp8_dot_product_attention=True takes the delayed recipe, got fp8_recipe="
                               f"{self.fp8_recipe!r}; use --fp8-recipe delayed or drop --fp8-dot-product-attention")
@@ -211,3 +216,13 @@ def check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(obj, name)
     if value not in choices:
         raise ConfigError(f"{flag_name(name)} {value!r} is not one of {list(choices)}")
+
+
+def check_fp8_recipe_options(recipe: str, fp8_format: str, pow2_scales: bool) -> None:
+    """Raise ConfigError (one line) where the FP8 format or --fp8-pow2-scales does not go with the recipe."""
+    if recipe in E4M3_ONLY_RECIPES and fp8_format != "e4m3":
+        raise ConfigError(f"--fp8-format {fp8_format} with --fp8-recipe {recipe}: {E4M3_ONLY_RECIPES[recipe]}; "
+                          f"use --fp8-format e4m3")
+    if pow2_scales and recipe != "blockwise":
+        raise ConfigError(f"--fp8-pow2-scales applies to --fp8-recipe blockwise, got --fp8-recipe {recipe}; drop "
+                          "--fp8-pow2-scales")

@@ -2,7 +2,8 @@
 
 Prints the device, whether FP8 is supported, the relative error (against a float64 GEMM) of an
 E4M3 x E4M3 `torch._scaled_mm` and of the high-precision GEMM (BF16 on CUDA, fp32 on CPU), and on
-CUDA the TFLOP/s of both; and whether FP8 attention (`--fp8-dot-product-attention`) can run. Exit status 0
+CUDA the TFLOP/s of both; which FP8 recipes (`--fp8-recipe`) run on the device; and whether FP8 attention
+(`--fp8-dot-product-attention`) can run. Exit status 0
 when FP8 runs and its error is within the E4M3 budget (FP8 attention is optional and does not count).
 """
 
@@ -12,10 +13,24 @@ import argparse
 
 import torch
 
+from ..config import FP8_RECIPES
 from ..fp8.attention import FP8AttentionUnsupportedError, check_fp8_attention_support
 from ..fp8.gemm import scaled_mm
 from ..fp8.hardware import FP8UnsupportedError, check_fp8_support, default_device, fp8_backend_note
 from ..fp8.quantize import E4M3, quantize_tensorwise
+from ..fp8.quantizer import make_quantizer
+from ..fp8.recipe import (
+    DelayedScaling,
+    Float8BlockwiseScaling,
+    Float8CurrentScaling,
+    Float8MXScaling,
+    Float8RowwiseScaling,
+    Recipe,
+)
+
+RECIPES: dict[str, Recipe] = {"delayed": DelayedScaling(), "tensorwise": Float8CurrentScaling(),
+                              "rowwise": Float8RowwiseScaling(), "blockwise": Float8BlockwiseScaling(),
+                              "mxfp8": Float8MXScaling()}
 
 # E4M3 keeps 3 mantissa bits: ~2-3% relative error per operand on Gaussian data, ~4% for a product
 MAX_REL_ERROR = 0.08
@@ -68,6 +83,23 @@ def describe_fp8_attention(device: torch.device) -> str:
             f"{getattr(cudnn, '__version__', '?')})")
 
 
+def describe_recipes(device: torch.device) -> str:
+    """Which `--fp8-recipe`s run on `device` (where FP8 runs at all), and why the others do not, one per line."""
+    runs, lines = [], []
+    for name in FP8_RECIPES:
+        recipe = RECIPES[name]
+        try:
+            if device.type == "cuda":
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                make_quantizer(recipe, E4M3, None, 0).check_device(index)
+        except FP8UnsupportedError as e:
+            lines.append(f"  {name}: no ({e})")
+            continue
+        runs.append(name)
+    note = " (blockwise and mxfp8 GEMMs emulated on the CPU, for tests)" if device.type == "cpu" else ""
+    return "\n".join([f"FP8 recipes (--fp8-recipe): {', '.join(runs)}{note}"] + lines)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         device = torch.device(args.device) if args.device else default_device()
@@ -81,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     note = fp8_backend_note(device)
     print("FP8 supported: yes" + (f" ({note})" if note else ""))
+    print(describe_recipes(device))
     print(describe_fp8_attention(device))
 
     cuda = device.type == "cuda"

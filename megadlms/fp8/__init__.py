@@ -34,12 +34,21 @@ from .convert import (
 from .hardware import FP8UnsupportedError, check_fp8_support, fp8_backend_note
 from .linear import Float8Linear
 from .monitor import enable_fp8_stats, fp8_stats, fp8_stats_enabled
-from .recipe import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Format, recipe_from_config
+from .recipe import (
+    DelayedScaling,
+    Float8BlockwiseScaling,
+    Float8CurrentScaling,
+    Float8MXScaling,
+    Float8RowwiseScaling,
+    Format,
+    recipe_from_config,
+)
 from .state import FP8GlobalStateManager, fp8_autocast, fp8_checkpoint_context_fn
 from .swiglu import SwiGLUFP8InputStore
 from .weight_amax import attach_weight_amaxes, detach_weight_amaxes, refresh_weight_amaxes
 
-__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "recipe_from_config",
+__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Float8BlockwiseScaling",
+           "Float8MXScaling", "recipe_from_config",
            "fp8_autocast", "FP8GlobalStateManager", "fp8_checkpoint_context_fn", "Float8Linear",
            "Float8DotProductAttention",
            "SwiGLUFP8InputStore", "convert_to_fp8", "fp8_step", "fp8_modules", "invalidate_fp8_weight_caches",

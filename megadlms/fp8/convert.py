@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any, TypeVar
@@ -19,11 +20,13 @@ from .fusions import install_fusions
 from .hardware import check_fp8_support
 from .linear import Float8Linear
 from .quantize import amax_to_scale
+from .quantizer import make_quantizer
 from .recipe import DelayedScaling, Recipe, check_recipe
 from .state import FP8GlobalStateManager, fp8_autocast
 from .swiglu import SwiGLUFP8InputStore
 
 M = TypeVar("M", bound=nn.Module)
+log = logging.getLogger(__name__)
 
 
 def fp8_eligible(linear: nn.Module) -> bool:
@@ -84,13 +87,18 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
     param = next(model.parameters(), None)
     if param is not None:
         check_fp8_support(param.device)
+        if param.device.type == "cuda":  # the recipe's own GEMM (blockwise: Hopper, MXFP8: Blackwell)
+            index = param.device.index if param.device.index is not None else torch.cuda.current_device()
+            make_quantizer(recipe, recipe.fp8_format.fwd_dtype, None, 0).check_device(index)
     if dot_product_attention:
         if not isinstance(recipe, DelayedScaling):
             raise ValueError(f"FP8 attention (--fp8-dot-product-attention) takes delayed scaling, got {recipe}; "
                              "use --fp8-recipe delayed or drop --fp8-dot-product-attention")
         if param is not None:
             check_fp8_attention_support(param.device)
-    for i in fp8_layer_range(len(layers), num_layers_at_start_in_bf16, num_layers_at_end_in_bf16):
+    fused = 0
+    fp8_layers = fp8_layer_range(len(layers), num_layers_at_start_in_bf16, num_layers_at_end_in_bf16)
+    for i in fp8_layers:
         layer = layers[i]
         for name, child in list(layer.named_modules()):
             if fp8_eligible(child):
@@ -101,7 +109,10 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
             elif dot_product_attention and type(child) is DotProductAttention:
                 fp8_attention = Float8DotProductAttention(recipe, device=param.device if param is not None else None)
                 _set_child(layer, name, fp8_attention.train(child.training))
-        install_fusions(layer, {"fuse_projections": fuse_projections, "fuse_mlp": fuse_mlp})
+        fused += install_fusions(layer, {"fuse_projections": fuse_projections, "fuse_mlp": fuse_mlp})
+    if (fuse_projections or fuse_mlp) and len(fp8_layers) and not fused:
+        log.info("FP8 fusions (fused q/k/v, gate/up, MLP) take per-tensor scales: with %s the FP8 linears run "
+                 "unfused", type(recipe).__name__)
     model.layer_context = functools.partial(fp8_autocast, enabled=True, fp8_recipe=recipe)
     return model
 

@@ -11,8 +11,9 @@ Every GEMM of a linear is `a @ b^T` over two quantized operands, each an `Operan
 are already padded to multiples of 16 (`pad_2d`); callers slice the results. `wgrad_high_precision` is the weight
 gradient without FP8 (fp8_wgrad=False), `bias_grad` the bias gradient.
 
-A new scaling recipe whose GEMM takes other scale layouts (blockwise 1x128 / 128x128 tiles, MXFP8's E8M0 scales
-per 32 elements) adds its layout to `Operand` and its kernel call to `fp8_gemm`; the layers do not change.
+`fp8_gemm` dispatches on the operands' scale layout (`scale_layout`): per tensor or per row -> `torch._scaled_mm`;
+1x128 tiles / 128x128 blocks (fp32, `blockwise.py`) -> `blockwise.blockwise_gemm`; E8M0 scales per 32 elements
+(`mx.py`) -> `mx.mx_gemm`. A new scaling recipe adds its layout here; the layers do not change.
 """
 
 from __future__ import annotations
@@ -21,14 +22,49 @@ from typing import NamedTuple
 
 import torch
 
+from .blockwise import BLOCK, blockwise_gemm, dequantize_blocks, dequantize_tiles
+from .mx import E8M0, dequantize_mx, mx_gemm
 from .recipe import E5M2
 
 
 class Operand(NamedTuple):
-    """One FP8 GEMM operand: data fp8 [R, K] row-major; scale_inv fp32, 0-dim (per tensor) or [R, 1] (per row)."""
+    """One FP8 GEMM operand: data fp8 [R, K] row-major; scale_inv, one of the layouts of `scale_layout`."""
 
     data: torch.Tensor
     scale_inv: torch.Tensor
+
+
+def scale_layout(op: Operand) -> str:
+    """Which scale layout `op` carries (metadata only):
+
+    'tensor'  fp32 0-dim                       'row'    fp32 [R, 1] contiguous (one scale per row)
+    'tile'    fp32 [R, K/128] column-major     'block'  fp32 [R/128, L4] buffer (`blockwise.quantize_blocks`)
+    'mx'      E8M0 [R, K/32]
+    A 1x128 tile scale of a K = 128 operand is [R, 1] too: the blockwise quantizer stores tile scales with strides
+    (1, R), R >= 128, which tells them from a row's (stride 1 along both dimensions)."""
+    s, (r, k) = op.scale_inv, op.data.shape
+    if s.dtype == E8M0:
+        return "mx"
+    if s.dim() == 0:
+        return "tensor"
+    if s.shape[0] == r and s.shape[1] == 1 and (s.stride(1) == 1 or k % BLOCK):
+        return "row"
+    if s.shape[0] == r and k % BLOCK == 0 and s.shape[1] == k // BLOCK:
+        return "tile"
+    return "block"
+
+
+def dequant_scale(op: Operand) -> torch.Tensor:
+    """op's scale_inv expanded to broadcast against op.data [R, K] (fp32): what telemetry compares a cast with."""
+    layout, s = scale_layout(op), op.scale_inv
+    ones = torch.ones(op.data.shape, device=op.data.device)
+    if layout == "mx":
+        return dequantize_mx(ones, s)
+    if layout == "tile":
+        return dequantize_tiles(ones, s)
+    if layout == "block":
+        return dequantize_blocks(ones, s)
+    return s
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -74,7 +110,13 @@ def aligned_scalars(values: torch.Tensor) -> torch.Tensor:
 
 def fp8_gemm(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype, fp32 accumulation (`fast_accum`: Hopper's faster,
-    reduced-precision accumulation, which the layers use in the forward GEMM only)."""
+    reduced-precision accumulation, which the layers use in the forward GEMM only). Blockwise and MX operands run
+    their recipe's GEMM (fp32 accumulation always)."""
+    layout = scale_layout(a)
+    if layout == "tile":
+        return blockwise_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype)
+    if layout == "mx":
+        return mx_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype)
     b_si = b.scale_inv.reshape(1, -1) if b.scale_inv.dim() else b.scale_inv  # per row of b: [1, N] for scale_b
     return scaled_mm(a.data, b.data.t(), a.scale_inv, b_si, out_dtype, fast_accum)
 
@@ -90,4 +132,5 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return g.float().sum(0).to(dtype)
 
 
-__all__ = ["Operand", "fp8_gemm", "scaled_mm", "aligned_scalars", "wgrad_high_precision", "bias_grad"]
+__all__ = ["Operand", "scale_layout", "dequant_scale", "fp8_gemm", "scaled_mm",
+           "aligned_scalars", "wgrad_high_precision", "bias_grad"]

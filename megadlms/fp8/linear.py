@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import compute_dtype
-from .gemm import Operand, aligned_scalars, bias_grad, fp8_gemm, wgrad_high_precision
+from .gemm import Operand, aligned_scalars, bias_grad, dequant_scale, fp8_gemm, wgrad_high_precision
 from .hardware import check_fp8_support
 from .quantize import pad_2d, quant_stats, round_up16
 from .quantizer import FP8Tensor, make_quantizer
@@ -189,8 +189,8 @@ class FP8Telemetry(_ModuleMixin):
 
     def record_cast(self, role: int, x: torch.Tensor, t: FP8Tensor, numel: int) -> None:
         """`record_stats` of x against whichever FP8 copy `t` holds."""
-        q, si = t.any_copy()
-        self.record_stats(role, x, q, si.reciprocal(), numel)
+        q, si = t.any_copy()  # padded further than x by the blockwise (128) and MX (32) casts
+        self.record_stats(role, pad_2d(x, *q.shape), q, si.reciprocal(), numel)
 
     def add_stats(self, role: int, s: torch.Tensor) -> None:
         """Merge one cast's [amax, underflow, saturation, numel] into this window's statistics of `role`."""
@@ -205,7 +205,8 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
     plus, for DelayedScaling, the persistent buffers `fp8_amax_history` [history_len, 3] and
     `fp8_scale` [3] (fp32; columns: input, weight, grad) and `fp8_initialized` (bool).
 
-    recipe: DelayedScaling (default), Float8CurrentScaling or Float8RowwiseScaling; it picks the kind of the
+    recipe: DelayedScaling (default), Float8CurrentScaling, Float8RowwiseScaling, Float8BlockwiseScaling or
+        Float8MXScaling; it picks the kind of the
         three quantizers `quantizers` (input, weight, grad: `quantizer.make_quantizer`).
     fp8_wgrad: False runs the weight-gradient GEMM in the compute dtype (BF16), saving the input
         in that dtype (twice the memory of its FP8 copy).
@@ -346,8 +347,8 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
             if self.cache_weight:
                 self.weight_cache = cache
         if self.collect_fp8_stats and cache.stats_epoch != self.stats_epoch:
-            self.record_stats(WEIGHT, pad_2d(w.detach(), *cache.q.shape), cache.q, cache.scale_inv.reciprocal(),
-                              w.numel())
+            self.record_stats(WEIGHT, pad_2d(w.detach(), *cache.q.shape), cache.q,
+                              dequant_scale(cache.rows).reciprocal(), w.numel())
             cache.stats_epoch = self.stats_epoch
         return cache
 

@@ -10,13 +10,17 @@ its recipe keeps a history. The recipe is a kind of quantizer, chosen once when 
     CurrentQuantizer     per tensor; the scale from x's amax at cast time (or a kept weight amax)
     RowwiseQuantizer     one scale per row of `rows`, and per row of `cols` (i.e. per column of x), each
                          cast from x: `torch._scaled_mm` takes scales only along the non-contracted dimension
+    BlockwiseQuantizer   activations/gradients in 1x128 tiles along each copy's own K (`rows` and `cols` from one
+                         pass), weights in 128x128 blocks (`blockwise.py`); padded to multiples of 128
+    MXQuantizer          MXFP8: one E8M0 scale per 32 elements along each copy's own K (`mx.py`)
 
 The delayed scaling state (amax history, scales, whether scales exist yet) stays in the owning module's buffers
 (`fp8_amax_history[:, role]`, `fp8_scale[role]`: the state_dict keys, reduced across ranks and updated by
 `fp8_step` for all modules at once); a delayed quantizer reads and writes its column through `owner`.
 
-Adding a recipe (e.g. blockwise 1x128 / 128x128 or MXFP8): a recipe dataclass, a Quantizer subclass producing
-its scale layout in `Operand`, its entry in `QUANTIZER_KINDS` and its kernel call in `gemm.fp8_gemm`.
+Adding a recipe: a recipe dataclass, a Quantizer subclass producing its scale layout in `Operand`, its entry in
+`QUANTIZER_KINDS` and its kernel call in `gemm.fp8_gemm`. Kinds whose GEMM needs more than FP8 support check the
+device in `check_device` (called when a model is converted on a GPU).
 """
 
 from __future__ import annotations
@@ -27,10 +31,21 @@ from typing import Any
 
 import torch
 
-from .gemm import Operand
+from .blockwise import BLOCK, block_scale_buffer, check_blockwise_gemm_support, quantize_blocks, quantize_tiles
+from .gemm import Operand, dequant_scale
 from .kernels import cast_fp8, transpose_fp8
+from .mx import check_mx_gemm_support, quantize_mx
 from .quantize import quantize_rowwise
-from .recipe import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Recipe
+from .recipe import (
+    DelayedScaling,
+    Float8BlockwiseScaling,
+    Float8CurrentScaling,
+    Float8MXScaling,
+    Float8RowwiseScaling,
+    Recipe,
+)
+
+WEIGHT_ROLE = 1  # the weight's role index in the linears (input, weight, grad)
 
 
 @dataclass
@@ -44,9 +59,9 @@ class FP8Tensor:
     def any_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [R, C], scale_inv broadcastable to it) from whichever copy exists: what telemetry compares x with."""
         if self.rows is not None:
-            return self.rows.data, self.rows.scale_inv
-        t, si = self.col_copy()
-        return t.t(), si.reshape(1, -1) if si.dim() else si
+            return self.rows.data, dequant_scale(self.rows)
+        cols = self.col_copy()
+        return cols.data.t(), dequant_scale(cols).t()
 
     def row_copy(self) -> Operand:
         """`rows`, where the caller asked the cast for it."""
@@ -92,6 +107,9 @@ class Quantizer:
         """The transposed operand of a tensor x [R, C] whose `rows` exist already (a cached FP8 weight); `source`
         gives x itself, for kinds that cast the transpose from it."""
         return Operand(transpose_fp8(rows.data), rows.scale_inv)
+
+    def check_device(self, device_index: int) -> None:
+        """Raise FP8UnsupportedError (one line) unless this kind's GEMM runs on cuda:`device_index`."""
 
 
 class CurrentQuantizer(Quantizer):
@@ -140,6 +158,7 @@ class RowwiseQuantizer(Quantizer):
 
     per_tensor = False
     cols_in_same_pass = False
+    recipe: Float8MXScaling
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
                  amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
@@ -159,9 +178,79 @@ class RowwiseQuantizer(Quantizer):
         return Operand(q.t().contiguous(), si.reshape(-1, 1))
 
 
+class BlockwiseQuantizer(Quantizer):
+    """`Float8BlockwiseScaling`: an activation or gradient in 1x128 tiles (`rows` tiled along x's columns, `cols`
+    = x^T tiled along x's rows, both from one pass), a weight (`blocks`) in 128x128 blocks, whose transpose is the
+    same FP8 values with the block scales transposed. Copies are padded to multiples of 128."""
+
+    per_tensor = False
+    recipe: Float8BlockwiseScaling
+
+    def __init__(self, recipe: Recipe, fp8_dtype: torch.dtype, blocks: bool = False):
+        super().__init__(recipe, fp8_dtype)
+        self.blocks = blocks
+
+    def __repr__(self) -> str:
+        return f"BlockwiseQuantizer({self.fp8_dtype}, {'128x128 blocks' if self.blocks else '1x128 tiles'})"
+
+    def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
+                 amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
+        if self.blocks:
+            q, t = quantize_blocks(x, self.fp8_dtype, self.recipe.pow2_scales, transpose=cols)
+            return FP8Tensor(Operand(*q) if rows else None, Operand(*t) if t is not None else None)
+        q, t = quantize_tiles(x, self.fp8_dtype, self.recipe.pow2_scales, transpose=cols)
+        return FP8Tensor(_tiles(*q) if rows else None, _tiles(*t) if t is not None else None)
+
+    def cols_of(self, rows: Operand, source: Callable[[], torch.Tensor]) -> Operand:
+        if not self.blocks:
+            return self.quantize(source(), rows=False, cols=True).col_copy()
+        q, buf = rows
+        kb = -(-q.shape[1] // BLOCK)
+        return Operand(q.t().contiguous(), block_scale_buffer(buf[:, :kb].t()))
+
+    def check_device(self, device_index: int) -> None:
+        check_blockwise_gemm_support(device_index)
+
+
+def _tiles(data: torch.Tensor, scale_inv: torch.Tensor) -> Operand:
+    """An operand with 1x128 tile scales, stored column-major with strides (1, R) even where K = 128 (one tile per
+    row): that is what tells them from per-row scales (`gemm.scale_layout`)."""
+    r = scale_inv.shape[0]
+    if scale_inv.stride() != (1, r):
+        scale_inv = torch.empty_strided(scale_inv.shape, (1, r), dtype=scale_inv.dtype,
+                                        device=scale_inv.device).copy_(scale_inv)
+    return Operand(data, scale_inv)
+
+
+class MXQuantizer(Quantizer):
+    """`Float8MXScaling`: `rows` with one E8M0 scale per 32 elements of each row, `cols` the same of x^T (a cast of
+    its own: the blocks run along the contracted dimension)."""
+
+    per_tensor = False
+    cols_in_same_pass = False
+    recipe: Float8MXScaling
+
+    def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
+                 amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
+        out = FP8Tensor()
+        if rows:
+            out.rows = Operand(*quantize_mx(x, self.recipe.rounding))
+        if cols:
+            out.cols = Operand(*quantize_mx(x.t(), self.recipe.rounding))
+        return out
+
+    def cols_of(self, rows: Operand, source: Callable[[], torch.Tensor]) -> Operand:
+        return Operand(*quantize_mx(source().t(), self.recipe.rounding))
+
+    def check_device(self, device_index: int) -> None:
+        check_mx_gemm_support(device_index)
+
+
 QUANTIZER_KINDS: dict[type, type[Quantizer]] = {DelayedScaling: DelayedQuantizer,
                                                 Float8CurrentScaling: CurrentQuantizer,
-                                                Float8RowwiseScaling: RowwiseQuantizer}
+                                                Float8RowwiseScaling: RowwiseQuantizer,
+                                                Float8BlockwiseScaling: BlockwiseQuantizer,
+                                                Float8MXScaling: MXQuantizer}
 
 
 def make_quantizer(recipe: Recipe, fp8_dtype: torch.dtype, owner: Any, role: int) -> Quantizer:
@@ -170,8 +259,10 @@ def make_quantizer(recipe: Recipe, fp8_dtype: torch.dtype, owner: Any, role: int
     kind = QUANTIZER_KINDS[type(recipe)]
     if kind is DelayedQuantizer:
         return DelayedQuantizer(recipe, fp8_dtype, owner, role)
+    if kind is BlockwiseQuantizer:
+        return BlockwiseQuantizer(recipe, fp8_dtype, blocks=role == WEIGHT_ROLE)
     return kind(recipe, fp8_dtype)
 
 
-__all__ = ["FP8Tensor", "Quantizer", "CurrentQuantizer", "DelayedQuantizer", "RowwiseQuantizer", "QUANTIZER_KINDS",
-           "make_quantizer"]
+__all__ = ["FP8Tensor", "Quantizer", "CurrentQuantizer", "DelayedQuantizer", "RowwiseQuantizer", "BlockwiseQuantizer",
+           "MXQuantizer", "QUANTIZER_KINDS", "WEIGHT_ROLE", "make_quantizer"]

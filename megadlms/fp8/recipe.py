@@ -7,9 +7,12 @@ A recipe says which FP8 formats are used and how the scale of each FP8 tensor is
 - `Float8CurrentScaling`: one scale per tensor, from the amax of the tensor being cast.
 - `Float8RowwiseScaling`: one scale per row of activations/gradients and per output channel of
   weights, from the rows being cast (`torch._scaled_mm` rowwise scales).
+- `Float8BlockwiseScaling`: one scale per 1x128 tile of activations/gradients and per 128x128 block of
+  weights (DeepSeek-V3; `blockwise.py`), E4M3 everywhere.
+- `Float8MXScaling`: MXFP8, one power-of-two E8M0 scale per 32 elements along K (`mx.py`), E4M3.
 
-In every recipe: scale = (fp8_max / amax) / 2**margin, q = cast(clamp(x * scale, -fp8_max, fp8_max)),
-x ~= q / scale.
+In the per-tensor and rowwise recipes: scale = (fp8_max / amax) / 2**margin,
+q = cast(clamp(x * scale, -fp8_max, fp8_max)), x ~= q / scale.
 """
 
 from __future__ import annotations
@@ -129,14 +132,63 @@ class Float8RowwiseScaling:
         _check_common("Float8RowwiseScaling", self.fp8_format, self.margin)
 
 
-Recipe = DelayedScaling | Float8CurrentScaling | Float8RowwiseScaling
-RECIPE_TYPES = (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling)
+def _check_e4m3_only(name: str, flag: str, fp8_format: object, why: str) -> None:
+    _check_common(name, fp8_format, 0)
+    if fp8_format is not Format.E4M3:
+        raise ValueError(f"{name}.fp8_format={fp8_format}: {why}; use --fp8-format e4m3 with --fp8-recipe {flag}")
+
+
+@dataclass(frozen=True)
+class Float8BlockwiseScaling:
+    """Blockwise current scaling (DeepSeek-V3): one fp32 scale per 1x128 tile of activations and gradients (the
+    operands of the weight-gradient GEMM tiled along their own contracted dimension) and per 128x128 block of
+    weights, each from the values being cast (`blockwise.quantize_tiles` / `quantize_blocks`).
+
+    fp8_format: Format.E4M3 only (torch's blockwise GEMM takes E4M3 operands). pow2_scales: scales rounded down
+    to powers of two, so that dequantising is exact.
+    """
+
+    fp8_format: Format = Format.E4M3
+    pow2_scales: bool = False
+
+    def __post_init__(self) -> None:
+        _check_e4m3_only("Float8BlockwiseScaling", "blockwise", self.fp8_format,
+                         "E4M3 is what torch's blockwise GEMM takes for every operand, gradients included")
+
+    @property
+    def margin(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class Float8MXScaling:
+    """MXFP8 (OCP MX): E4M3 elements, one E8M0 (power-of-two) scale per 32 consecutive elements along the
+    contracted dimension of each GEMM operand (`mx.quantize_mx`).
+
+    rounding: 'ceil' (the scale rounded up: nothing saturates; the default) or 'floor' (the OCP MX spec).
+    """
+
+    fp8_format: Format = Format.E4M3
+    rounding: str = "ceil"
+
+    def __post_init__(self) -> None:
+        _check_e4m3_only("Float8MXScaling", "mxfp8", self.fp8_format, "MXFP8 is E4M3 for every operand")
+        if self.rounding not in ("ceil", "floor"):
+            raise ValueError(f"Float8MXScaling.rounding={self.rounding!r} must be 'ceil' or 'floor'")
+
+    @property
+    def margin(self) -> int:
+        return 0
+
+
+Recipe = DelayedScaling | Float8CurrentScaling | Float8RowwiseScaling | Float8BlockwiseScaling | Float8MXScaling
+RECIPE_TYPES = (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Float8BlockwiseScaling, Float8MXScaling)
 
 
 def check_recipe(recipe: object) -> Recipe:
     if not isinstance(recipe, RECIPE_TYPES):
         raise TypeError(f"fp8 recipe {recipe!r} is not one of DelayedScaling, Float8CurrentScaling, "
-                        "Float8RowwiseScaling (from megadlms.fp8)")
+                        "Float8RowwiseScaling, Float8BlockwiseScaling, Float8MXScaling (from megadlms.fp8)")
     return recipe
 
 
@@ -144,7 +196,8 @@ def recipe_from_config(cfg: TransformerConfig) -> Recipe:
     """The recipe described by a TransformerConfig's FP8 fields.
 
     fp8_recipe: 'delayed' -> DelayedScaling(fp8_margin, fp8_format, fp8_amax_history_len,
-    fp8_amax_compute_algo); 'tensorwise' -> Float8CurrentScaling; 'rowwise' -> Float8RowwiseScaling.
+    fp8_amax_compute_algo); 'tensorwise' -> Float8CurrentScaling; 'rowwise' -> Float8RowwiseScaling;
+    'blockwise' -> Float8BlockwiseScaling(pow2_scales=fp8_pow2_scales); 'mxfp8' -> Float8MXScaling.
     fp8_format: 'hybrid' -> Format.HYBRID, 'e4m3' -> Format.E4M3.
     """
     fmt = Format(cfg.fp8_format)
@@ -155,4 +208,9 @@ def recipe_from_config(cfg: TransformerConfig) -> Recipe:
         return Float8CurrentScaling(fp8_format=fmt, margin=cfg.fp8_margin)
     if cfg.fp8_recipe == "rowwise":
         return Float8RowwiseScaling(fp8_format=fmt, margin=cfg.fp8_margin)
-    raise ValueError(f"fp8_recipe={cfg.fp8_recipe!r} is not one of 'delayed', 'tensorwise', 'rowwise'")
+    if cfg.fp8_recipe == "blockwise":
+        return Float8BlockwiseScaling(fp8_format=fmt, pow2_scales=cfg.fp8_pow2_scales)
+    if cfg.fp8_recipe == "mxfp8":
+        return Float8MXScaling(fp8_format=fmt)
+    raise ValueError(f"fp8_recipe={cfg.fp8_recipe!r} is not one of 'delayed', 'tensorwise', 'rowwise', 'blockwise', "
+                     "'mxfp8'")

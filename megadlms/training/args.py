@@ -111,7 +111,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
                    help="enable FP8: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients)")
     g.add_argument("--fp8-hybrid", action="store_true", help="same as --fp8-format hybrid")
-    g.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed")
+    g.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
+                   help="scaling: delayed / tensorwise (per tensor), rowwise, blockwise (1x128 tiles, 128x128 "
+                        "weight blocks; Hopper, e4m3), mxfp8 (32-element E8M0 blocks; Blackwell, e4m3)")
+    g.add_argument("--fp8-pow2-scales", action="store_true",
+                   help="blockwise: scales rounded down to powers of two (dequantisation is exact)")
     g.add_argument("--fp8-margin", type=int, default=0)
     g.add_argument("--fp8-amax-history-len", type=int, default=1)
     g.add_argument("--fp8-amax-compute-algo", choices=FP8_AMAX_ALGOS, default="most_recent")

@@ -24,6 +24,7 @@ from ..config import (
     TransformerConfig,
     check_at_least,
     check_choice,
+    check_fp8_recipe_options,
 )
 from ..data.args import DataSourceConfig
 from ..diffusion.objective import PMASK_MODES, RUNNING_MODES, ObjectiveConfig
@@ -182,6 +183,7 @@ class FP8Config:
     fp8_fuse_mlp: bool = True
     fp8_fprop_fast_accum: bool = True
     fp8_dot_product_attention: bool = False
+    fp8_pow2_scales: bool = False  # blockwise: scales rounded down to powers of two
     first_last_layers_bf16: bool = False  # keep num_layers_at_{start,end}_in_bf16 layers in BF16
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
@@ -194,6 +196,8 @@ class FP8Config:
         check_choice(self, "fp8_amax_compute_algo", FP8_AMAX_ALGOS)
         check_at_least(self, {"fp8_margin": 0, "fp8_amax_history_len": 1, "num_layers_at_start_in_bf16": 0,
                               "num_layers_at_end_in_bf16": 0})
+        if self.fp8_format is not None:
+            check_fp8_recipe_options(self.fp8_recipe, self.fp8_format, self.fp8_pow2_scales)
 
     @property
     def enabled(self) -> bool:

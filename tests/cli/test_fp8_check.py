@@ -55,3 +55,27 @@ def test_fp8_attention_line_on_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA L40S")
     line = check.describe_fp8_attention(torch.device("cuda", 0))
     assert "compute capability >= 9.0" in line and "L40S" in line and "8.9" in line
+
+
+def test_recipes_line_names_what_each_gpu_runs(monkeypatch, capsys):
+    """CPU: every recipe (the finer-scaled GEMMs emulated); Hopper: all but mxfp8, whose line names the recipes that
+    run there; Blackwell: all but blockwise."""
+    from megadlms.fp8.blockwise import check_blockwise_gemm_support
+    from megadlms.fp8.mx import check_mx_gemm_support
+
+    assert check.describe_recipes(torch.device("cpu")).startswith(
+        "FP8 recipes (--fp8-recipe): delayed, tensorwise, rowwise, blockwise, mxfp8 (blockwise and mxfp8 GEMMs "
+        "emulated on the CPU")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    for capability, runs, missing in (((9, 0), "delayed, tensorwise, rowwise, blockwise", "mxfp8"),
+                                      ((10, 0), "delayed, tensorwise, rowwise, mxfp8", "blockwise")):
+        check_blockwise_gemm_support.cache_clear()
+        check_mx_gemm_support.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, c=capability: c)
+        lines = check.describe_recipes(torch.device("cuda", 0)).splitlines()
+        assert lines[0] == f"FP8 recipes (--fp8-recipe): {runs}" and len(lines) == 2
+        assert lines[1].startswith(f"  {missing}: no (--fp8-recipe {missing} ")
+    assert "use --fp8-recipe mxfp8, tensorwise or delayed" in lines[1]  # blockwise on Blackwell: what runs instead
+    check_blockwise_gemm_support.cache_clear()
+    check_mx_gemm_support.cache_clear()

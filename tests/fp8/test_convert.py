@@ -206,3 +206,37 @@ def test_config_switches_fusion_and_forward_fast_accumulation():
                              "--no-fp8-fprop-fast-accum", "--no-fp8-fuse-mlp"])
     cfg = resolve_model_config(args, vocab_size=None, mask_id=5)
     assert cfg.fp8 and not cfg.fp8_fuse_projections and not cfg.fp8_fprop_fast_accum and not cfg.fp8_fuse_mlp
+
+
+def test_finer_scaled_recipes_convert_to_unfused_linears(caplog):
+    """Blockwise and MXFP8 scales are not per tensor: the fusion registry installs none of the fused modules, the
+    module tree shows plain Float8Linears with their recipe, and the conversion says so."""
+    from megadlms.fp8.recipe import Float8BlockwiseScaling, Float8MXScaling
+
+    for recipe in (Float8BlockwiseScaling(pow2_scales=True), Float8MXScaling()):
+        model = TransformerLM(_cfg())
+        with caplog.at_level("INFO", logger="megadlms"):
+            convert_to_fp8(model, recipe)
+        tree = repr(model)
+        assert "Fused" not in tree and tree.count("Float8Linear(") == 7 and "4 x TransformerLayer" in tree
+        assert f"recipe={recipe}" in tree and model.layers[0].mlp.fusion is None
+        assert f"with {type(recipe).__name__} the FP8 linears run unfused" in caplog.text
+        assert not any("fp8_amax_history" in k for k in model.state_dict())  # no delayed-scaling state
+
+
+def test_mxfp8_on_a_hopper_gpu_is_one_line_naming_what_runs_there(monkeypatch):
+    from megadlms.fp8.hardware import FP8UnsupportedError
+    from megadlms.fp8.mx import check_mx_gemm_support
+    from megadlms.fp8.quantizer import make_quantizer
+    from megadlms.fp8.recipe import Float8MXScaling
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    check_mx_gemm_support.cache_clear()
+    try:
+        with pytest.raises(FP8UnsupportedError) as e:
+            make_quantizer(Float8MXScaling(), torch.float8_e4m3fn, None, 0).check_device(0)
+    finally:
+        check_mx_gemm_support.cache_clear()
+    assert "\n" not in str(e.value) and "NVIDIA H200 (9.0)" in str(e.value)
+    assert str(e.value).endswith("use --fp8-recipe blockwise, tensorwise, rowwise or delayed")

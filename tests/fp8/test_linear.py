@@ -263,3 +263,22 @@ def test_fp8_metadata_stays_fp32_when_the_model_is_cast():
     fp8_step(layer)
     assert layer.fp8_scale.dtype == torch.float32
     assert layer.fp8_scale[0].item() == pytest.approx(448.0 / x.abs().max().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_telemetry_of_the_finer_scaled_recipes(recipe):
+    """Per-role statistics read the tile/block/MX scales per element: amaxes and counts of the unpadded tensors,
+    and nothing saturates (each scale comes from its own block's amax)."""
+    from megadlms.fp8.recipe import Float8BlockwiseScaling, Float8MXScaling
+
+    r = Float8BlockwiseScaling() if recipe == "blockwise" else Float8MXScaling()
+    layer = Float8Linear(64, 48, recipe=r)
+    layer.collect_fp8_stats = True
+    x = torch.randn(10, 64, requires_grad=True)
+    with fp8_autocast(fp8_recipe=r):
+        y = layer(x)
+    y.backward(torch.ones_like(y))
+    stats = layer.fp8_stats_buffer
+    amaxes = [float(x.detach().abs().max()), float(layer.weight.detach().abs().max()), 1.0]
+    assert stats[:, 0].tolist() == pytest.approx(amaxes)
+    assert stats[:, 2].tolist() == [0, 0, 0] and stats[:, 3].tolist() == [640, 64 * 48, 480]

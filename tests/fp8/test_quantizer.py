@@ -6,16 +6,23 @@ import pytest
 import torch
 
 from megadlms.fp8 import DelayedScaling, Float8CurrentScaling, Float8Linear, Float8RowwiseScaling, Format
+from megadlms.fp8.blockwise import dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
+from megadlms.fp8.gemm import scale_layout
 from megadlms.fp8.linear import GRAD, INPUT, WEIGHT
+from megadlms.fp8.mx import dequantize_mx, quantize_mx
 from megadlms.fp8.quantize import E4M3, E5M2, amax_to_scale, quantize, quantize_rowwise
 from megadlms.fp8.quantizer import (
     QUANTIZER_KINDS,
+    BlockwiseQuantizer,
     CurrentQuantizer,
     DelayedQuantizer,
     FP8Tensor,
+    MXQuantizer,
     RowwiseQuantizer,
     make_quantizer,
 )
+from megadlms.fp8.recipe import Float8BlockwiseScaling, Float8MXScaling
+from megadlms.fp8.state import fp8_autocast
 
 
 @pytest.mark.parametrize("recipe, kind", [(DelayedScaling(), DelayedQuantizer),
@@ -78,3 +85,75 @@ def test_weight_quantizer_of_a_layer_reads_its_module_state():
     assert layer.quantizers[WEIGHT].owner is layer and layer.quantizers[WEIGHT].role == WEIGHT
     moved = layer.to(torch.float64)  # buffers replaced in place stay the ones the quantizer reads
     assert moved.quantizers[WEIGHT].amax_slot().data_ptr() == moved.fp8_amax_history[0, WEIGHT].data_ptr()
+
+
+def _dq_tiles(x: torch.Tensor) -> torch.Tensor:
+    """x quantized in 1x128 tiles along its rows, dequantised, unpadded (the blockwise library's cast)."""
+    q, _ = quantize_tiles(x)
+    return dequantize_tiles(*q)[: x.shape[0], : x.shape[1]]
+
+
+def _dq_blocks(w: torch.Tensor) -> torch.Tensor:
+    q, _ = quantize_blocks(w)
+    return dequantize_blocks(*q)[: w.shape[0], : w.shape[1]]
+
+
+def _dq_mx(x: torch.Tensor) -> torch.Tensor:
+    return dequantize_mx(*quantize_mx(x))[:, : x.shape[1]]
+
+
+@pytest.mark.parametrize("recipe", [Float8BlockwiseScaling(), Float8MXScaling()], ids=["blockwise", "mxfp8"])
+@pytest.mark.parametrize("m, k, n", [(37, 200, 144), (16, 128, 128)], ids=["odd", "k128"])
+def test_finer_recipes_fprop_dgrad_wgrad_equal_dequantise_then_matmul(recipe, m, k, n):
+    """Each GEMM of the linear equals the fp32 matmul of its operands quantized along their own K and dequantised:
+    blockwise x, g in 1x128 tiles, x^T, g^T tiled along the tokens, W in 128x128 blocks; MXFP8 per 32 elements."""
+    torch.manual_seed(0)
+    layer = Float8Linear(k, n, bias=False, recipe=recipe)
+    x = (torch.randn(m, k) * torch.logspace(-2, 2, k)).requires_grad_()
+    g = torch.randn(m, n) * torch.logspace(1, -1, m)[:, None]
+    with fp8_autocast(fp8_recipe=recipe):
+        y = layer(x)
+    y.backward(g)
+    w = layer.weight.detach()
+    if isinstance(recipe, Float8BlockwiseScaling):
+        y_ref, dx_ref = _dq_tiles(x.detach()) @ _dq_blocks(w).t(), _dq_tiles(g) @ _dq_blocks(w)
+        dw_ref = _dq_tiles(g.t()) @ _dq_tiles(x.detach().t()).t()
+    else:
+        y_ref, dx_ref = _dq_mx(x.detach()) @ _dq_mx(w).t(), _dq_mx(g) @ _dq_mx(w.t()).t()
+        dw_ref = _dq_mx(g.t()) @ _dq_mx(x.detach().t()).t()
+    for got, ref in ((y, y_ref), (x.grad, dx_ref), (layer.weight.grad, dw_ref)):
+        torch.testing.assert_close(got.detach(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert float((y.detach() - x.detach() @ w.t()).norm() / (x.detach() @ w.t()).norm()) < 0.1  # FP8, not exact
+
+
+def test_blockwise_quantizer_kinds_and_layouts():
+    layer = Float8Linear(256, 128, recipe=Float8BlockwiseScaling(pow2_scales=True))
+    tiles, blocks = layer.quantizers[INPUT], layer.quantizers[WEIGHT]
+    assert (type(tiles), tiles.blocks, blocks.blocks, layer.quantizers[GRAD].blocks) == (BlockwiseQuantizer, False,
+                                                                                       True, False)
+    assert not tiles.per_tensor and QUANTIZER_KINDS[Float8BlockwiseScaling] is BlockwiseQuantizer
+    x = torch.randn(32, 256)
+    t = tiles.quantize(x, rows=True, cols=True)
+    assert scale_layout(t.rows) == scale_layout(t.cols) == "tile" and t.cols.data.shape == (256, 128)
+    si = t.rows.scale_inv
+    assert torch.equal(si, torch.exp2(torch.round(torch.log2(si))))  # powers of two
+    w = torch.randn(128, 256)
+    wq = blocks.quantize(w).rows
+    assert scale_layout(wq) == "block"
+    cols = blocks.cols_of(wq, lambda: w)  # W^T: the same FP8 values, the block scales transposed
+    ref, _ = quantize_blocks(w.t(), pow2=True)
+    assert torch.equal(cols.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(cols.scale_inv,
+                                                                                                 ref.scale_inv)
+    q_back, si_back = FP8Tensor(rows=wq).any_copy()  # telemetry's view: a scale per element
+    assert si_back.shape == (128, 256) and torch.equal(q_back.float() * si_back, dequantize_blocks(*wq))
+
+
+def test_mx_quantizer_scales_each_copy_along_its_own_k():
+    quant = make_quantizer(Float8MXScaling(), E4M3, None, INPUT)
+    assert type(quant) is MXQuantizer and not quant.cols_in_same_pass
+    x = torch.randn(48, 64)
+    t = quant.quantize(x, rows=True, cols=True)
+    assert scale_layout(t.rows) == "mx" and t.rows.scale_inv.shape == (48, 2) and t.cols.scale_inv.shape == (64, 2)
+    q, s = quantize_mx(x.t())
+    assert torch.equal(t.cols.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(
+        t.cols.scale_inv.view(torch.uint8), s.view(torch.uint8))

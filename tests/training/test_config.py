@@ -49,6 +49,10 @@ def test_flags_and_yaml_fill_the_sections_by_name(tmp_path):
     (lambda: DiffusionConfig(model_running_mode="ar"), "--model-running-mode 'ar' is not one of"),
     (lambda: CheckpointConfig(use_checkpoint_args=True), "--use-checkpoint-args needs --load DIR"),
     (lambda: RunConfig(fp8=FP8Config(fp8_dot_product_attention=True)), "add --fp8-format hybrid"),
+    (lambda: FP8Config(fp8_format="hybrid", fp8_recipe="blockwise"),
+     "^--fp8-format hybrid with --fp8-recipe blockwise: E4M3 is what torch's blockwise GEMM takes .*e4m3$"),
+    (lambda: FP8Config(fp8_format="hybrid", fp8_recipe="mxfp8"), "MXFP8 is E4M3 for every operand; use --fp8-format"),
+    (lambda: FP8Config(fp8_format="e4m3", fp8_pow2_scales=True), "--fp8-pow2-scales applies to --fp8-recipe blockwise"),
 ])
 def test_each_section_validates_itself(make, message):
     with pytest.raises(ConfigError, match=message):
