@@ -27,7 +27,9 @@ def test_preemption_and_a_killed_rank_on_two_processes(tmp_path):
     assert proc.returncode != 0, out  # rank 1 was killed: the launch fails, as on a node failure
     for rank in (0, 1):
         assert f"rank {rank} stopped at iteration 2" in out and f"rank {rank} resumed to the end" in out, out
-    assert out.count("received SIGTERM") == 1  # only rank 0 got the signal; rank 1 stopped by agreement
+    # only rank 0 got the signal; rank 1 stopped by agreement. (Counted before the SIGKILL phase, where torchrun may
+    # send SIGTERM to the surviving rank, depending on how fast that rank notices its peer is gone.)
+    assert proc.stdout.split("went on to iteration 4")[0].count("received SIGTERM") == 1, out
     stopped = [x for x in out.splitlines() if x.startswith("stopped at iteration")]
     assert stopped == [f"stopped at iteration 2 on SIGTERM: saved checkpoint {tmp_path / 'preempted' / 'iter_0000002'}"
                        f"; resume with --load {tmp_path / 'preempted'}"], out
