@@ -247,17 +247,7 @@ def _triton_enabled(device: torch.device) -> bool:
 
 
 if triton is not None:
-    @triton.jit
-    def _grid_round(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
-        # y fp32 within +-fp8_max -> the nearest FP8 value (ties to even), in fp32: |y| scaled so the FP8 spacing
-        # at its exponent is 1, rounded half-to-even (1.5 * 2**23 trick), scaled back, sign restored. The final
-        # conversion is then exact whatever rounding the instruction uses.
-        bits = y.to(tl.int32, bitcast=True)
-        exp = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN) - MBITS
-        up = ((127 - exp) << 23).to(tl.float32, bitcast=True)
-        down = ((127 + exp) << 23).to(tl.float32, bitcast=True)
-        r = ((tl.abs(y) * up + 12582912.0) - 12582912.0) * down
-        return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+    from .triton_cast import fp8_round  # y fp32 -> the nearest FP8 value, still fp32
 
     @triton.jit
     def _scale_of(amax, FMAX: tl.constexpr, POW2: tl.constexpr):
@@ -281,12 +271,12 @@ if triton is not None:
         x = tl.load(x_ptr + (r0 + lr[:, None]) * C + c0 + lc[None, :]).to(tl.float32)
         ax = tl.abs(x)
         scale = _scale_of(tl.max(ax, axis=1), FMAX, POW2)  # [B]: one per row
-        y = _grid_round(tl.minimum(tl.maximum(x * scale[:, None], -FMAX), FMAX), MBITS, EMIN)
+        y = fp8_round(tl.minimum(tl.maximum(x * scale[:, None], -FMAX), FMAX), MBITS, EMIN)
         tl.store(q_ptr + (r0 + lr[:, None]) * C + c0 + lc[None, :], y.to(q_ptr.dtype.element_ty))
         tl.store(s_ptr + pc.to(tl.int64) * R + r0 + lr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
         if TRANSPOSE:
             scale_t = _scale_of(tl.max(ax, axis=0), FMAX, POW2)  # [B]: one per column
-            yt = _grid_round(tl.minimum(tl.maximum(x * scale_t[None, :], -FMAX), FMAX), MBITS, EMIN)
+            yt = fp8_round(tl.minimum(tl.maximum(x * scale_t[None, :], -FMAX), FMAX), MBITS, EMIN)
             # x^T [C, R]: element (c, r) at c * R + r, stored from the untransposed tile through its addresses
             tl.store(t_ptr + (c0 + lc[None, :]) * R + r0 + lr[:, None], yt.to(t_ptr.dtype.element_ty))
             tl.store(st_ptr + pr.to(tl.int64) * C + c0 + lc,
