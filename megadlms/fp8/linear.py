@@ -43,7 +43,7 @@ INPUT, WEIGHT, GRAD = 0, 1, 2
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-    from .weight_amax import KeptAmax
+    from .kept_amax import KeptAmax
 
     _ModuleMixin = nn.Module  # the mixins below are mixed into nn.Modules: the checker sees their methods
 else:
@@ -257,7 +257,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         # set while a CUDA graph is captured (or emulated) reading `weight_cache` as it is (fp8.graph_weights)
         self.weights_frozen = False
         self.num_weight_casts = 0  # how many times the FP8 weight was made (tests, debugging)
-        # current scaling: max |weight| kept by whoever writes the weight (fp8.weight_amax.KeptAmax), or None:
+        # current scaling: max |weight| kept by whoever writes the weight (fp8.kept_amax.KeptAmax), or None:
         # each weight cast computes it
         self.weight_amax: KeptAmax | None = None
 
