@@ -21,6 +21,8 @@ Variants (--variants, comma-separated):
   fp8-tensorwise-nomlp fp8-tensorwise with the MLP's layers one by one (fuse_mlp=False): the A/B of the fused FP8
                  MLP under current scaling
   fp8-rowwise    our FP8 engine, Float8RowwiseScaling, HYBRID
+  fp8-blockwise  our FP8 engine, Float8BlockwiseScaling (1x128 tiles, 128x128 weight blocks), E4M3
+  fp8-mxfp8      our FP8 engine, Float8MXScaling (32-element E8M0 blocks; Blackwell only)
   torchao        torchao.float8 tensorwise (when torchao is importable), same block otherwise
   NAME+graphs    the variant with its forward and backward replayed from CUDA graphs, as the trainer runs its
                  layers by default (`megadlms.training.cuda_graphs.LayerGraphs`, captured after one update);
@@ -118,7 +120,9 @@ def build_variant(name: str, cfg: TransformerConfig, device: torch.device, compi
     if name.startswith("fp8-"):
         from megadlms.fp8 import (
             DelayedScaling,
+            Float8BlockwiseScaling,
             Float8CurrentScaling,
+            Float8MXScaling,
             Float8RowwiseScaling,
             Format,
             convert_to_fp8,
@@ -130,7 +134,8 @@ def build_variant(name: str, cfg: TransformerConfig, device: torch.device, compi
                   "fp8-tensorwise": Float8CurrentScaling(fp8_format=Format.HYBRID),
                   "fp8-tensorwise-amax": Float8CurrentScaling(fp8_format=Format.HYBRID),
                   "fp8-tensorwise-nomlp": Float8CurrentScaling(fp8_format=Format.HYBRID),
-                  "fp8-rowwise": Float8RowwiseScaling(fp8_format=Format.HYBRID)}[name]
+                  "fp8-rowwise": Float8RowwiseScaling(fp8_format=Format.HYBRID),
+                  "fp8-blockwise": Float8BlockwiseScaling(), "fp8-mxfp8": Float8MXScaling()}[name]
         holder = convert_to_fp8(holder, recipe, fuse_projections=not name.endswith("-unfused"),
                                 fuse_mlp=not name.endswith(("-unfused", "-nomlp")))
         ctx = holder.layer_context

@@ -51,7 +51,10 @@ CONFIGS: dict[str, list[str]] = {
 # "<config>+<variant>": the configuration with these flags added
 VARIANTS: dict[str, list[str]] = {"": [], "nographs": ["--cuda-graphs", "off"], "nomlpfuse": ["--no-fp8-fuse-mlp"],
                                   "fp8attn": ["--fp8-dot-product-attention"],
-                                  "tensorwise": ["--fp8-recipe", "tensorwise"]}
+                                  "tensorwise": ["--fp8-recipe", "tensorwise"],
+                                  "rowwise": ["--fp8-recipe", "rowwise"],
+                                  "blockwise": ["--fp8-recipe", "blockwise", "--fp8-format", "e4m3"],
+                                  "mxfp8": ["--fp8-recipe", "mxfp8", "--fp8-format", "e4m3"]}
 
 
 # micro-batch per model where --batch would not fit one 141 GB GPU (BF16 and FP8 run the same batch)

@@ -250,6 +250,16 @@ class Trainer:
         """The TransformerLM itself (under DDP, the wrapped module)."""
         return cast("TransformerLM", self.model.module if hasattr(self.model, "module") else self.model)
 
+    @property
+    def attention_kernel(self) -> str:
+        """The attention the layers run: SDPA, or under per-batch masks FlexAttention's block-sparse kernel (CUDA)
+        or SDPA over a dense bool mask."""
+        if self.bd3lm is not None:
+            return "FlexAttention, block mask" if self._flex else "SDPA, dense mask"
+        if self.attention.needs_masks():
+            return "FlexAttention, block mask" if self.device.type == "cuda" else "SDPA, dense mask"
+        return "SDPA"
+
     def _layer_graphs(self) -> LayerGraphs | None:
         """CUDA graphs of the layers (--cuda-graphs), or None where they are off or cannot apply."""
         mode = self.config.train.cuda_graphs
@@ -691,10 +701,11 @@ def setup(config: RunConfig) -> Trainer:
     trainer = Trainer(config, ctx, cfg, model, loaders, tokenizer)
     if ctx.is_main:
         n_params = sum(p.numel() for p in model.parameters())
-        log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention%s | device %s%s | "
+        log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention (%s)%s | device %s%s | "
                  "world %d (dp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
                  config.model.model_path, n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
                  cfg.attn_mask_type + (f" block-diffusion (blocks of {cfg.block_size})" if cfg.block_size else ""),
+                 trainer.attention_kernel,
                  f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
                  ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
                  ctx.dp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
