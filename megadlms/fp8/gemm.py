@@ -18,6 +18,7 @@ gradient without FP8 (fp8_wgrad=False), `bias_grad` the bias gradient.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -92,8 +93,22 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale
     scale_inv_b [1, N] (rowwise). Returns [M, N] in out_dtype.
     """
     _check_operands(a, b)
+    if a.device.type == "cpu" and scale_inv_a.dim() and not _cpu_rowwise_scaled_mm():
+        # torch builds whose CPU `_scaled_mm` takes per-tensor scales only: the same product, dequantized first
+        return ((a.float() * scale_inv_a) @ (b.float() * scale_inv_b)).to(out_dtype)
     return torch._scaled_mm(a, b, scale_a=_aligned(scale_inv_a), scale_b=_aligned(scale_inv_b), out_dtype=out_dtype,
                             use_fast_accum=use_fast_accum)
+
+
+@functools.cache
+def _cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes one scale per row (newer builds do; older ones assert)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _aligned(scale: torch.Tensor) -> torch.Tensor:
