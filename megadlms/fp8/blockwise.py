@@ -23,9 +23,10 @@ Scale layouts (what `torch.nn.functional.scaled_mm`'s BlockWise1x128 / BlockWise
 Quantized tensors are zero-padded to multiples of 128 in both dimensions (zeros change no amax and add nothing
 to a GEMM); the caller slices the GEMM output back.
 
-On CUDA the tile casts run as one Triton pass that writes the tiles and, on request, the transposed tiles; its
-first call per (dtype, format, options) is checked bitwise against the torch reference here, which is also the
-CPU path. The GEMM runs on Hopper (compute capability 9.x) with torch >= 2.10 built with CUDA >= 12.9; on the
+On CUDA each cast is one Triton pass: the tile cast writes the tiles and, on request, the transposed tiles; the
+block cast writes the blocks (and their transpose) with their scales. The first call of each per (dtype, format,
+options) is checked bitwise against the torch reference here, which is also the CPU path.
+The GEMM runs on Hopper (compute capability 9.x) with torch >= 2.10 built with CUDA >= 12.9; on the
 CPU it is emulated (dequantise, fp32 matmul), for tests.
 """
 
@@ -109,11 +110,16 @@ def quantize_tiles(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3, pow2: bool = 
     if _triton_enabled(xp.device):
         key = ("tiles", xp.dtype, fp8_dtype, pow2, transpose)
         if _verdicts.get(key) is None:
-            _verdicts[key] = _check_first_call(xp, fp8_dtype, pow2, transpose)
+            _verdicts[key] = _first_call_agrees("tile", _tiles_triton, _tiles_pair_reference, xp, fp8_dtype, pow2,
+                                                transpose)
         if _verdicts[key]:
             return _tiles_triton(xp, fp8_dtype, pow2, transpose)
-    tiles = _tiles_reference(xp, fp8_dtype, pow2)
-    return tiles, (_tiles_reference(xp.t(), fp8_dtype, pow2) if transpose else None)
+    return _tiles_pair_reference(xp, fp8_dtype, pow2, transpose)
+
+
+def _tiles_pair_reference(xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
+                          ) -> tuple[Quantized, Quantized | None]:
+    return _tiles_reference(xp, fp8_dtype, pow2), (_tiles_reference(xp.t(), fp8_dtype, pow2) if transpose else None)
 
 
 def block_scale_buffer(scale_inv: torch.Tensor) -> torch.Tensor:
@@ -130,7 +136,19 @@ def quantize_blocks(w: torch.Tensor, fp8_dtype: torch.dtype = E4M3, pow2: bool =
     [K', N'] with the transposed scales (the same FP8 values: a block's scale does not depend on orientation)."""
     if w.dim() != 2:
         raise ValueError(f"quantize_blocks: w must be 2-D [out, in], got shape {tuple(w.shape)}")
-    wp = _pad_to_blocks(w)
+    wp = _pad_to_blocks(w).contiguous()
+    if _triton_enabled(wp.device):
+        key = ("blocks", wp.dtype, fp8_dtype, pow2, transpose)
+        if _verdicts.get(key) is None:
+            _verdicts[key] = _first_call_agrees("block", _blocks_triton, _blocks_reference, wp, fp8_dtype, pow2,
+                                                transpose)
+        if _verdicts[key]:
+            return _blocks_triton(wp, fp8_dtype, pow2, transpose)
+    return _blocks_reference(wp, fp8_dtype, pow2, transpose)
+
+
+def _blocks_reference(wp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
+                      ) -> tuple[Quantized, Quantized | None]:
     n, k = wp.shape
     blocks = wp.float().view(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     scale = tile_scale(blocks.abs().amax(dim=(1, 3)), fp8_dtype, pow2)  # [N/128, K/128]
@@ -282,6 +300,30 @@ if triton is not None:
             tl.store(st_ptr + pr.to(tl.int64) * C + c0 + lc,
                      tl.math.div_rn(tl.full(scale_t.shape, 1.0, tl.float32), scale_t))
 
+    @triton.jit
+    def _blocks_kernel(w_ptr, q_ptr, s_ptr, t_ptr, st_ptr, N, K, LS, LST, FMAX: tl.constexpr, MBITS: tl.constexpr,
+                       EMIN: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr, B: tl.constexpr):
+        # one 128x128 block of w [N, K]: its amax -> one scale; the block cast once, stored as is and (TRANSPOSE)
+        # at its transposed place in w^T [K, N]; its scale_inv at (block row, block col) of the [N/128, LS] buffer
+        # and at the transposed place of the [K/128, LST] buffer
+        pr = tl.program_id(0)
+        pc = tl.program_id(1)
+        r0 = pr.to(tl.int64) * B
+        c0 = pc.to(tl.int64) * B
+        lr = tl.arange(0, B)
+        lc = tl.arange(0, B)
+        x = tl.load(w_ptr + (r0 + lr[:, None]) * K + c0 + lc[None, :]).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        scale = _scale_of(tl.zeros([B], tl.float32) + amax, FMAX, POW2)  # [B], all equal
+        y = fp8_round(tl.minimum(tl.maximum(x * scale[:, None], -FMAX), FMAX), MBITS, EMIN)
+        tl.store(q_ptr + (r0 + lr[:, None]) * K + c0 + lc[None, :], y.to(q_ptr.dtype.element_ty))
+        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        first = lr == 0
+        tl.store(s_ptr + pr * LS + pc + lr * 0, inv, mask=first)
+        if TRANSPOSE:
+            tl.store(t_ptr + (c0 + lc[None, :]) * N + r0 + lr[:, None], y.to(t_ptr.dtype.element_ty))
+            tl.store(st_ptr + pc * LST + pr + lr * 0, inv, mask=first)
+
 
 def _tiles_triton(xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
                   ) -> tuple[Quantized, Quantized | None]:
@@ -296,17 +338,31 @@ def _tiles_triton(xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpos
     return Quantized(q, s.t()), (Quantized(qt, st.t()) if transpose else None)
 
 
-def _check_first_call(xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool) -> bool:
-    """Whether the Triton cast reproduces the torch reference bit for bit on `xp`; warns and returns False if not
-    (the caller then keeps the torch path for this variant)."""
-    got = _tiles_triton(xp, fp8_dtype, pow2, transpose)
-    want = (_tiles_reference(xp, fp8_dtype, pow2), _tiles_reference(xp.t(), fp8_dtype, pow2) if transpose else None)
+def _blocks_triton(wp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
+                   ) -> tuple[Quantized, Quantized | None]:
+    n, k = wp.shape
+    nb, kb = n // BLOCK, k // BLOCK
+    q = torch.empty(n, k, dtype=fp8_dtype, device=wp.device)
+    s = torch.ones(nb, _round_up(kb, 4), dtype=torch.float32, device=wp.device)  # padding columns stay 1.0
+    qt = torch.empty(k, n, dtype=fp8_dtype, device=wp.device) if transpose else q
+    st = torch.ones(kb, _round_up(nb, 4), dtype=torch.float32, device=wp.device) if transpose else s
+    mbits, emin = _GRID[fp8_dtype]
+    _blocks_kernel[(nb, kb)](wp, q, s, qt, st, n, k, s.shape[1], st.shape[1], FMAX=FP8_MAX[fp8_dtype], MBITS=mbits,
+                             EMIN=emin, POW2=pow2, TRANSPOSE=transpose, B=BLOCK, num_warps=8)
+    return Quantized(q, s), (Quantized(qt, st) if transpose else None)
+
+
+def _first_call_agrees(what: str, kernel, reference, xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool,
+                       transpose: bool) -> bool:
+    """Whether the Triton `what` cast reproduces the torch reference bit for bit on `xp`; warns and returns False if
+    not (the caller then keeps the torch path for this variant)."""
+    got, want = kernel(xp, fp8_dtype, pow2, transpose), reference(xp, fp8_dtype, pow2, transpose)
     for g, w in zip(got, want):
         if g is None or w is None:  # both None without the transpose
             continue
         if not (torch.equal(g.data.view(torch.uint8), w.data.view(torch.uint8)) and torch.equal(g.scale_inv,
                                                                                                   w.scale_inv)):
-            warnings.warn(f"blockwise FP8: the Triton tile cast differs from the torch reference for {xp.dtype} -> "
+            warnings.warn(f"blockwise FP8: the Triton {what} cast differs from the torch reference for {xp.dtype} -> "
                           f"{fp8_dtype} (pow2={pow2}, transpose={transpose}); using the torch cast", stacklevel=3)
             return False
     return True

@@ -175,7 +175,7 @@ class RowwiseQuantizer(Quantizer):
 
     def _cols(self, x: torch.Tensor) -> Operand:
         q, si, _ = quantize_rowwise(x, self.fp8_dtype, 0, self.recipe.margin)  # one scale per column: si [1, C]
-        return Operand(q.t().contiguous(), si.reshape(-1, 1))
+        return Operand(transpose_fp8(q), si.reshape(-1, 1))
 
 
 class BlockwiseQuantizer(Quantizer):
@@ -206,7 +206,7 @@ class BlockwiseQuantizer(Quantizer):
             return self.quantize(source(), rows=False, cols=True).col_copy()
         q, buf = rows
         kb = -(-q.shape[1] // BLOCK)
-        return Operand(q.t().contiguous(), block_scale_buffer(buf[:, :kb].t()))
+        return Operand(transpose_fp8(q), block_scale_buffer(buf[:, :kb].t()))
 
     def check_device(self, device_index: int) -> None:
         check_blockwise_gemm_support(device_index)

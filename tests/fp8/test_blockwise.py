@@ -3,6 +3,13 @@ the three GEMMs of a linear layer against dequantise-then-matmul."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -154,6 +161,46 @@ def test_gemm_support_errors_name_what_is_needed(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "12.6")
     with pytest.raises(FP8UnsupportedError, match="CUDA >= 12.9"):
         check(0)
+
+
+INTERPRETED = textwrap.dedent("""
+    import torch
+    from megadlms.fp8 import blockwise as bw
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 384, generator=g) * 0.02
+    w[3, 5], w[130, 1], w[:128, 128:256] = 7.0, -3e-9, 0.0  # an outlier, a subnormal-bound value, a zero block
+    for dtype, fp8, pow2 in ((torch.float32, torch.float8_e4m3fn, False), (torch.bfloat16, torch.float8_e4m3fn, True),
+                             (torch.bfloat16, torch.float8_e5m2, False)):
+        wp = w.to(dtype)
+        for kernel, reference in ((bw._blocks_triton, bw._blocks_reference),
+                                  (bw._tiles_triton, bw._tiles_pair_reference)):
+            for got, want in zip(kernel(wp, fp8, pow2, True), reference(wp, fp8, pow2, True)):
+                assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (kernel, dtype, fp8)
+                assert torch.equal(got.scale_inv, want.scale_inv), (kernel, dtype, fp8, pow2)
+    print("bitwise")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_triton_tile_and_block_casts_match_the_reference_in_the_interpreter():
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "bitwise" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_triton_block_cast_matches_the_reference_on_cuda():
+    w = outliers(300, 520, seed=8).cuda() * 0.02
+    for fp8_dtype, pow2 in ((E4M3, False), (E4M3, True)):
+        bw._verdicts.clear()
+        got = bw.quantize_blocks(w, fp8_dtype, pow2=pow2, transpose=True)
+        assert all(bw._verdicts.values())  # the Triton kernel ran and agreed with the reference on its first call
+        want = bw._blocks_reference(bw._pad_to_blocks(w), fp8_dtype, pow2, True)
+        for g, r in zip(got, want):
+            assert torch.equal(g.data.view(torch.uint8), r.data.view(torch.uint8))
+            assert torch.equal(g.scale_inv, r.scale_inv)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
