@@ -14,6 +14,8 @@ from .errors import MegaDLMsError
 ATTN_MASK_TYPES = ("bidirectional", "causal")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
+# the recipes whose weights --fp8-param-gather can gather in FP8 exactly (a per-tensor or per-block weight scale)
+FP8_PARAM_GATHER_RECIPES = ("delayed", "tensorwise", "blockwise")
 E4M3_ONLY_RECIPES = {"blockwise": "E4M3 is what torch's blockwise GEMM takes (gradients included)",
                      "mxfp8": "MXFP8 is E4M3 for every operand"}
 FP8_AMAX_ALGOS = ("max", "most_recent")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ConfigError, check_at_least, check_choice
+from ..config import FP8_PARAM_GATHER_RECIPES, ConfigError, check_at_least, check_choice
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 BACKENDS = ("nccl", "gloo")
@@ -37,3 +37,23 @@ class ParallelConfig:
         if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
             return "optim"
         return self.data_parallel_sharding_strategy
+
+
+def check_fp8_param_gather(fp8: bool, fp8_recipe: str, parallel: ParallelConfig) -> None:
+    """Raise ConfigError (one line) where --fp8-param-gather has nothing to gather in FP8 or could not be exact
+    whatever the world size (`parallelize.apply_fp8_param_gather` checks the rest: ranks and shapes)."""
+    if not fp8:
+        raise ConfigError("--fp8-param-gather gathers the weights of FP8 layers; add --fp8-format e4m3 (or hybrid) "
+                          "or drop --fp8-param-gather")
+    if fp8_recipe not in FP8_PARAM_GATHER_RECIPES:
+        raise ConfigError(f"--fp8-param-gather works with --fp8-recipe {', '.join(FP8_PARAM_GATHER_RECIPES)}, not "
+                          f"{fp8_recipe} (its input-gradient GEMM casts the high-precision weight along the other "
+                          "dimension, which an FP8-gathered weight no longer has); drop --fp8-param-gather or pick "
+                          "one of those recipes")
+    if parallel.sharding_strategy == "no_shard":
+        raise ConfigError("--fp8-param-gather casts the weight shards FSDP2 all-gathers, and --data-parallel-"
+                          "sharding-strategy no_shard shards none; add --use-distributed-optimizer or pick optim, "
+                          "optim_grads or optim_grads_params")
+    if parallel.tensor_model_parallel_size > 1:
+        raise ConfigError(f"--fp8-param-gather takes FSDP2 alone, not with --tensor-model-parallel-size "
+                          f"{parallel.tensor_model_parallel_size}; drop one of them")

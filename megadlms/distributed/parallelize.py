@@ -1,7 +1,7 @@
 """The model-transformation pipeline, in one fixed order (`build_parallel_model`):
 
-    construct (plain single-device model) -> FP8 conversion -> tensor parallel -> activation checkpointing
-    -> torch.compile -> FSDP2 / DDP
+    construct (plain single-device model) -> FP8 conversion -> [FP8 parameter all-gather] -> tensor parallel
+    -> activation checkpointing -> torch.compile -> FSDP2 / DDP
 
 Each step is a function of its own. (The trainer captures the layers in CUDA graphs afterwards, once its
 optimizer exists: `megadlms.training.cuda_graphs`.)
@@ -17,9 +17,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..build import apply_fp8, construct_model
-from ..config import TransformerConfig
+from ..config import ConfigError, TransformerConfig
 from ..model import TransformerLM
-from .config import ParallelConfig
+from .config import ParallelConfig, check_fp8_param_gather
 from .data_parallel import apply_ddp, apply_fsdp
 from .init import ParallelContext
 from .tensor_parallel import apply_tensor_parallel
@@ -64,12 +64,44 @@ def _meshes(ctx: ParallelContext, strategy: str) -> tuple[DeviceMesh | None, Dev
     return ctx.mesh["tp"], ctx.mesh["dp"]
 
 
+def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig) -> int:
+    """--fp8-param-gather: FSDP2 gathers the FP8 linears' weights in FP8, each rank casting its shard
+    (`megadlms.fp8.param_gather`); the members of each fused projection share the fused GEMM's scale. Call it
+    after the FP8 conversion and before `fully_shard`. Returns the number of weights gathered in FP8.
+
+    Raises ConfigError / ParamGatherError (one line) where there is nothing to gather in FP8 or the gather could
+    not be exact: no FSDP2 sharding, one data-parallel rank, tensor parallelism, a recipe or a shape that cannot."""
+    from ..fp8 import fp8_modules
+    from ..fp8.fused_mlp import fused_projections
+    from ..fp8.param_gather import RECIPES, check_gather_shardable, enable_fp8_param_gather
+
+    check_fp8_param_gather(bool(model.config.fp8), model.config.fp8_recipe, parallel)
+    if ctx.dp_size < 2:
+        raise ConfigError("--fp8-param-gather: this run has one data-parallel rank, so FSDP2 gathers nothing; launch "
+                          "more ranks (torchrun --nproc-per-node N) or drop --fp8-param-gather")
+    linears = list(fp8_modules(model))
+    names = {id(m): n for n, m in model.named_modules()}
+    for m in linears:
+        check_gather_shardable(f"{names[id(m)]}.weight", m.weight.shape, RECIPES[type(m.recipe)], ctx.dp_size)
+    groups = [tuple(g.members()) for g in fused_projections(model)]
+    grouped = {id(m) for g in groups for m in g}
+    groups += [(m,) for m in linears if id(m) not in grouped]
+    n = enable_fp8_param_gather(groups, ctx.dp_size)
+    if ctx.is_main:
+        log.info("FP8 parameter all-gather: %d weights gathered as FP8 (%s scaling)", n, model.config.fp8_recipe)
+    return n
+
+
 def build_parallel_model(cfg: TransformerConfig, ctx: ParallelContext, parallel: ParallelConfig, *,
                          activation_checkpointing: bool = False, compile: bool = False,
-                         param_dtype: torch.dtype | None = None) -> nn.Module:
-    """The whole pipeline: the model of `cfg` on `ctx.device`, in FP8 when `cfg.fp8`, then parallelized."""
+                         param_dtype: torch.dtype | None = None, fp8_param_gather: bool = False) -> nn.Module:
+    """The whole pipeline: the model of `cfg` on `ctx.device`, in FP8 when `cfg.fp8`, then parallelized.
+
+    fp8_param_gather: FSDP2 all-gathers the FP8 layers' weights in FP8 (`apply_fp8_param_gather`)."""
     model = construct_model(cfg, device=ctx.device)
     model = apply_fp8(model, cfg)
+    if fp8_param_gather:
+        apply_fp8_param_gather(model, ctx, parallel)
     return parallelize_model(model, ctx, parallel, activation_checkpointing=activation_checkpointing,
                              compile=compile, param_dtype=param_dtype)
 

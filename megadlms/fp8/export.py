@@ -8,11 +8,19 @@ Layout of an export folder:
 With fp8=True (--fp8), each FP8 linear (the Float8Linear layers of an FP8 model; for a BF16 model the
 linears `convert_to_fp8` would convert) is stored as
     <name>.weight            float8_e4m3fn [out, in]
-    <name>.weight_scale_inv  float32 [1] (scaling "tensor") or [out, 1] ("row"): the dequantization
-                             factor, weight ~= weight.float() * weight_scale_inv
+    <name>.weight_scale_inv  float32 [1] (scaling "tensor"), [out, 1] ("row") or [ceil(out/128), ceil(in/128)]
+                             ("block": one scale per 128x128 block, DeepSeek-V3's layout): the dequantization
+                             factor, weight ~= weight.float() * weight_scale_inv (per block, repeated over it)
 and every other tensor (embedding, norms, LM head, biases, BF16 layers) in bfloat16; without fp8
-everything is bfloat16. The safetensors header metadata records "megadlms.fp8" ("tensor", "row" or
-"none"). `load_fp8_export` builds a model that runs those FP8 weights directly in `torch._scaled_mm`.
+everything is bfloat16. The safetensors header metadata records "megadlms.fp8" ("tensor", "row", "block" or
+"none"). `load_fp8_export` builds a model that runs those FP8 weights directly in the FP8 GEMMs (block scales:
+torch's blockwise GEMM on Hopper; emulated on the CPU).
+
+`export_hf` writes the same tensors as a Hugging Face folder instead (transformers' names and config.json); with
+block scaling its config.json carries the `quantization_config` of transformers' fine-grained FP8 (DeepSeek-V3's:
+`quant_method` "fp8", `fmt` "e4m3", `activation_scheme` "dynamic", `weight_block_size` [128, 128], and the
+linears kept in BF16 under `modules_to_not_convert`), which transformers loads as FP8 layers on a GPU of compute
+capability >= 8.9 and dequantises to BF16 elsewhere.
 """
 
 from __future__ import annotations
@@ -29,6 +37,14 @@ from torch import nn
 from ..config import TransformerConfig
 from ..errors import MegaDLMsError
 from ..model import RotaryEmbedding, TransformerLM, compute_dtype
+from .blockwise import (
+    BLOCK,
+    block_scale_buffer,
+    blockwise_gemm,
+    check_blockwise_gemm_support,
+    quantize_blocks,
+    quantize_tiles,
+)
 from .convert import fp8_eligible, fp8_layer_range
 from .gemm import scaled_mm
 from .hardware import check_fp8_support
@@ -37,11 +53,18 @@ from .quantize import E4M3, FP8_MAX, amax_to_scale, quantize, round_up16
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-SCALINGS = ("tensor", "row")
+SCALINGS = ("tensor", "row", "block")
+# transformers' fine-grained FP8 (FineGrainedFP8Config), as DeepSeek-V3's config.json has it
+HF_BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [BLOCK, BLOCK]}
 
 
 class ExportFolderError(MegaDLMsError, FileNotFoundError):
     """A folder given as an export is not one; the message says what it lacks and how to write one."""
+
+
+class ExportFormatError(MegaDLMsError, ValueError):
+    """An export option that the chosen format cannot store; the message names the option to change."""
 
 
 def fp8_linear_names(model: TransformerLM) -> list[str]:
@@ -55,24 +78,30 @@ def fp8_linear_names(model: TransformerLM) -> list[str]:
     return [f"layers.{i}.{n}" for i in keep for n, m in model.layers[i].named_modules() if fp8_eligible(m)]
 
 
+def scaling_of(cfg: TransformerConfig) -> str:
+    """The export scaling that matches the recipe a model was trained with: "block" for blockwise, else "tensor"."""
+    return "block" if cfg.fp8 and cfg.fp8_recipe == "blockwise" else "tensor"
+
+
 def quantize_weight(w: torch.Tensor, scaling: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (float8_e4m3fn [out, in], scale_inv fp32 [1] or [out, 1]); w ~= q * scale_inv."""
+    """w [out, in] -> (float8_e4m3fn [out, in], scale_inv fp32 [1], [out, 1] or, "block", [ceil(out/128),
+    ceil(in/128)]); w ~= q * scale_inv (block scales repeated over their 128x128 blocks)."""
     if scaling not in SCALINGS:
         raise ValueError(f"scaling={scaling!r} must be one of {SCALINGS}")
     w = w.detach().float()
+    if scaling == "block":  # the cast of blockwise training (its weights' 128x128 blocks)
+        blocks, _ = quantize_blocks(w)
+        n, k = w.shape
+        return blocks.data[:n, :k].contiguous(), blocks.scale_inv[:, : -(-k // BLOCK)].contiguous()
     amax = w.abs().amax().reshape(1) if scaling == "tensor" else w.abs().amax(dim=1, keepdim=True)
     scale = amax_to_scale(amax, FP8_MAX[E4M3])
     return quantize(w, scale, E4M3), scale.reciprocal()
 
 
-def export_model(model: TransformerLM, cfg: TransformerConfig, save_dir: str | Path, *, fp8: bool = False,
-                 scaling: str = "tensor", tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
-    """Write `model` as an inference export (see the module docstring). Returns a summary:
-    {'path', 'bytes' (the safetensors file), 'bf16_bytes' (the same export all in BF16), 'fp8_tensors'}."""
-    from safetensors.torch import save_file
-
-    save_dir = Path(save_dir)
-    save_dir.mkdir(parents=True, exist_ok=True)
+def export_tensors(model: TransformerLM, *, fp8: bool = False, scaling: str = "tensor"
+                   ) -> tuple[dict[str, torch.Tensor], set[str], int]:
+    """The tensors of an export under our names (see the module docstring), on the CPU: (tensors, the names of the
+    FP8 linears, the bytes of the same weights all in BF16)."""
     fp8_names = set(fp8_linear_names(model)) if fp8 else set()
     tensors: dict[str, torch.Tensor] = {}
     bf16_bytes = 0
@@ -85,6 +114,18 @@ def export_model(model: TransformerLM, cfg: TransformerConfig, save_dir: str | P
             tensors[f"{module}.weight_scale_inv"] = scale_inv.cpu().contiguous()
         else:
             tensors[name] = p.detach().to(torch.bfloat16).cpu().contiguous()
+    return tensors, fp8_names, bf16_bytes
+
+
+def export_model(model: TransformerLM, cfg: TransformerConfig, save_dir: str | Path, *, fp8: bool = False,
+                 scaling: str = "tensor", tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
+    """Write `model` as an inference export (see the module docstring). Returns a summary:
+    {'path', 'bytes' (the safetensors file), 'bf16_bytes' (the same export all in BF16), 'fp8_tensors'}."""
+    from safetensors.torch import save_file
+
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    tensors, fp8_names, bf16_bytes = export_tensors(model, fp8=fp8, scaling=scaling)
     meta = {"format": "pt", "megadlms.fp8": scaling if fp8 else "none"}
     path = save_dir / WEIGHTS
     save_file(tensors, str(path), metadata=meta)
@@ -97,13 +138,38 @@ def export_model(model: TransformerLM, cfg: TransformerConfig, save_dir: str | P
             "fp8_tensors": len(fp8_names)}
 
 
+def export_hf(model: TransformerLM, cfg: TransformerConfig, save_dir: str | Path, *, fp8: bool = False,
+              scaling: str = "block", tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
+    """Write `model` as a Hugging Face folder that `transformers.AutoModelForCausalLM.from_pretrained` loads: the
+    tensors of `export_tensors` under transformers' names, its config.json (with the fine-grained FP8
+    `quantization_config` for FP8 weights: block scaling only), the tokenizer files of `tokenizer_dir`.
+    Returns the summary `export_model` returns."""
+    from ..interop.hf import SAFE_WEIGHTS_NAME, save_hf_model
+
+    if fp8 and scaling != "block":
+        raise ExportFormatError(f"a Hugging Face FP8 export takes block scaling (transformers' fine-grained FP8, "
+                                f"128x128 weight blocks), not {scaling!r}; use --fp8-scaling block, or drop --hf")
+    tensors, fp8_names, bf16_bytes = export_tensors(model, fp8=fp8, scaling=scaling)
+    quantization = None
+    if fp8:
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in fp8_names]
+        keep = ["lm_head"] + [f"model.{n}" for n in linears if n != "lm_head"]
+        quantization = {**HF_BLOCK_FP8, "modules_to_not_convert": keep}
+    save_dir = save_hf_model(model, cfg, save_dir, tokenizer_dir=tokenizer_dir, tensors=tensors,
+                             quantization_config=quantization)
+    size = sum(f.stat().st_size for f in Path(save_dir).glob("*.safetensors"))
+    return {"path": str(Path(save_dir) / SAFE_WEIGHTS_NAME), "bytes": size, "bf16_bytes": bf16_bytes,
+            "fp8_tensors": len(fp8_names)}
+
+
 class Float8InferenceLinear(nn.Module):
     """A linear layer running a stored FP8 weight directly: y = x @ (weight * weight_scale_inv)^T + bias.
 
-    weight: float8_e4m3fn [out, in]; weight_scale_inv: fp32 [1] (per tensor) or [out, 1] (per
-    output channel); bias: [out] or None. The input is cast to E4M3 on the fly with its own current
-    scale (per tensor, or per row when the weight is per channel, as rowwise `_scaled_mm` needs).
-    x [..., in] -> [..., out] in the compute dtype. Dims that are not multiples of 16 are padded.
+    weight: float8_e4m3fn [out, in]; weight_scale_inv: fp32 [1] (per tensor), [out, 1] (per output channel) or
+    [ceil(out/128), ceil(in/128)] (per 128x128 block); bias: [out] or None. The input is cast to E4M3 on the fly
+    with its own current scale (per tensor; per row when the weight is per channel, as rowwise `_scaled_mm` needs;
+    per 1x128 tile with block scales, as blockwise training casts it, for torch's blockwise GEMM).
+    x [..., in] -> [..., out] in the compute dtype. Dims that are not multiples of 16 (128 for blocks) are padded.
     """
 
     weight: torch.Tensor
@@ -117,7 +183,8 @@ class Float8InferenceLinear(nn.Module):
             raise ValueError(f"scaling={scaling!r} must be one of {SCALINGS}")
         self.in_features, self.out_features, self.scaling = in_features, out_features, scaling
         self.register_buffer("weight", torch.zeros(out_features, in_features, device=device, dtype=E4M3))
-        shape = (1,) if scaling == "tensor" else (out_features, 1)
+        shape = {"tensor": (1,), "row": (out_features, 1),
+                 "block": (-(-out_features // BLOCK), -(-in_features // BLOCK))}[scaling]
         self.register_buffer("weight_scale_inv", torch.ones(shape, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device, dtype=dtype) if bias else None)
 
@@ -135,6 +202,8 @@ class Float8InferenceLinear(nn.Module):
         m = x2.shape[0]
         if m == 0:
             return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
+        if self.scaling == "block":
+            return self._forward_blocks(x2, out_dtype).reshape(*x.shape[:-1], n)
         mp, kp, np_ = round_up16(m), round_up16(k), round_up16(n)
         xp = F.pad(x2, (0, kp - k, 0, mp - m)) if (mp, kp) != (m, k) else x2.contiguous()
         w, w_si = self.weight, self.weight_scale_inv
@@ -154,6 +223,18 @@ class Float8InferenceLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(out_dtype)
         return y.reshape(*x.shape[:-1], n)
+
+    def _forward_blocks(self, x2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """x2 [M, K] (1x128 tiles) @ the 128x128-block weight^T -> [M, N] (+ bias)."""
+        n, k = self.weight.shape
+        np_, kp = -(-n // BLOCK) * BLOCK, -(-k // BLOCK) * BLOCK
+        w = self.weight
+        if (np_, kp) != (n, k):  # pad the fp8 bytes (0x00 is +0.0 in E4M3)
+            w = F.pad(w.view(torch.uint8), (0, kp - k, 0, np_ - n)).view(E4M3)
+        xq, _ = quantize_tiles(x2)  # padded to multiples of 128
+        y = blockwise_gemm(xq.data, xq.scale_inv, w, block_scale_buffer(self.weight_scale_inv), out_dtype)
+        y = y[: x2.shape[0], :n]
+        return y + self.bias.to(out_dtype) if self.bias is not None else y
 
 
 def load_fp8_export(path: str | Path, device: torch.device | str = "cpu",
@@ -177,6 +258,8 @@ def load_fp8_export(path: str | Path, device: torch.device | str = "cpu",
     tensors = load_file(str(path / WEIGHTS), device=str(device))
     if scaling != "none":
         check_fp8_support(device)
+    if scaling == "block" and device.type == "cuda":
+        check_blockwise_gemm_support(device.index if device.index is not None else torch.cuda.current_device())
     with torch.device("meta"):
         model = TransformerLM(cfg.replace(fp8=False))
     for name in [k[: -len(".weight_scale_inv")] for k in tensors if k.endswith(".weight_scale_inv")]:

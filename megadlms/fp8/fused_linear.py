@@ -40,6 +40,7 @@ from . import triton_cast
 from .gemm import Operand, aligned_scalars, bias_grad, fp8_gemm, wgrad_high_precision
 from .kernels import amax_of, cast_fp8, cast_fp8_cat, current_scale, record_amax, transpose_fp8
 from .linear import GRAD, INPUT, WEIGHT, Float8Linear, FP8WeightCache, check_device_once, take_fp8_weights
+from .param_gather import gathered_fp8, gathered_scale_group
 from .quantize import pad_2d, quant_stats, round_up16
 from .state import FP8GlobalStateManager
 
@@ -157,6 +158,9 @@ class FusedFloat8Projection(nn.Module):
         c = self.weight_cache
         if mods[0].weights_frozen and c is not None:
             return c  # recast outside the graph, into this cache's tensors (fp8.graph_weights)
+        gathered = [gathered_fp8(m.weight) for m in mods]
+        if any(op is not None for op in gathered):
+            return self._gathered_weight(mods, gathered)
         keys = [(m.weight._version, m.weight.data_ptr(), m.weight.dtype, m.weight.device) for m in mods]
         if c is not None and all(m.weight_cache is mc and mc.key == key for m, mc, key in zip(mods, c.members, keys)):
             if want_t and c.keep_t:
@@ -196,6 +200,26 @@ class FusedFloat8Projection(nn.Module):
                                  tuple(w.shape[0] for w in ws))
         self.weight_cache = group if first.cache_weight else None
         return group
+
+    def _gathered_weight(self, mods: list[Float8Linear], ops: list[Operand | None]) -> GroupWeightCache:
+        """The concatenated FP8 weight from members FSDP2 gathered in FP8 (`param_gather`), uncached. They were
+        cast with the group's one scale (the one `group_weight` computes), so their rows concatenate into the
+        operand the fused cast makes: the same FP8 values, no second rounding."""
+        group = gathered_scale_group(mods[0].weight)
+        if group is None or group.members != tuple(mods) or any(gathered_scale_group(m.weight) is not group
+                                                                 for m in mods):
+            raise RuntimeError(f"the members of {self.extra_repr()} were not gathered in FP8 as one scale group: "
+                               "enable_fp8_param_gather must get a fused projection's members together")
+        first = mods[0]
+        ready = first.quantizers[INPUT].keeps_history and all(m.scales_ready() for m in mods)
+        scales = torch.stack([m.fp8_scale for m in mods]).amin(0) if ready else None  # [3]: input, weight, grad
+        scale_invs = aligned_scalars(scales.reciprocal())[:, 0] if scales is not None else None
+        datas = [op.data for op in ops if op is not None]
+        scale_inv = ops[0].scale_inv if ops[0] is not None else None
+        assert scale_inv is not None  # every member was gathered
+        members = tuple(FP8WeightCache(None, d, scale_inv) for d in datas)
+        return GroupWeightCache(members, torch.cat(datas), None, scale_inv, scales, scale_invs,
+                                tuple(d.shape[0] for d in datas))
 
 
 def cast_group_operand(mods: tuple[Float8Linear, ...], x: torch.Tensor, role: int, fp8_dtype: torch.dtype,

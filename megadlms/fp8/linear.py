@@ -32,6 +32,7 @@ from torch import nn
 from ..model import compute_dtype
 from .gemm import Operand, aligned_scalars, bias_grad, dequant_scale, fp8_gemm, wgrad_high_precision
 from .hardware import check_fp8_support
+from .param_gather import gathered_fp8
 from .quantize import pad_2d, quant_stats, round_up16
 from .quantizer import FP8Tensor, make_quantizer
 from .recipe import DelayedScaling, Recipe, check_recipe
@@ -319,7 +320,8 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
     def fp8_weight(self, grad_follows: bool, want_t: bool | None = None) -> FP8WeightCache:
         """The FP8 weight for this step: cast on the first micro-batch after the weight changed (`weight_key`);
         `fp8_step` also drops the cache explicitly, which covers updates that leave the counter alone (fused
-        optimizers, writes through `.data`).
+        optimizers, writes through `.data`). A weight FSDP2 gathered in FP8 (--fp8-param-gather) is used as it
+        came, uncached: each gather brings the current weight (its cast's statistics are recorded by the gather).
 
         grad_follows: whether a backward can follow this forward. want_t: whether a new cast also writes the
         transposed copy for the input gradient in the same pass (None: when a backward follows and the cache keeps
@@ -329,6 +331,9 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         if self.weights_frozen and self.weight_cache is not None:
             return self.weight_cache  # recast outside the graph, into this cache's tensors (fp8.graph_weights)
         w = self.local_params()[0]
+        gathered = gathered_fp8(w)
+        if gathered is not None:  # FSDP2 gathered it in FP8, cast as this layer casts (fp8.param_gather)
+            return FP8WeightCache(None, *gathered, self.step_scale_invs())
         key = self.weight_key()
         cache = self.weight_cache
         if cache is None or (key is not None and cache.key != key):

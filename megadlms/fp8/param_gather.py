@@ -1,99 +1,232 @@
-"""FP8 parameter all-gather under FSDP2: each rank casts its weight shard to FP8 before the all-gather, so the
-collective carries 1 byte per weight element (plus the block scales), and the gathered FP8 weight feeds the GEMM.
+"""FP8 parameter all-gather under FSDP2 (--fp8-param-gather): each rank casts its shard of an FP8 linear's weight
+to FP8 before the all-gather, so the collective carries 1 byte per weight element (plus, blockwise, one fp32
+scale per 128x128 block), and the gathered FP8 weight is the GEMM operand: the layer casts nothing.
 
-`Float8GatherWeight` wraps a high-precision weight (it stays the parameter the optimizer updates) and implements
-FSDP2's all-gather extension points:
-- `fsdp_pre_all_gather` casts the local shard: `tensorwise` with one scale from the amax reduced (MAX) across the
-  shard group, so every rank casts with the scale of the whole weight; `blockwise` per 128x128 block, which is
-  the cast of the whole weight when every shard holds whole 128-row blocks (checked). The FP8 bytes travel as
-  uint8 (gloo cannot send FP8), the block scales as fp32.
-- `fsdp_post_all_gather` returns a `Float8GatheredWeight`: the gathered FP8 data and scale, which the FP8 linear
-  reads with `gathered_fp8` instead of casting the weight itself.
-Either way the FP8 weight equals the cast of the unsharded weight bit for bit, so training is unchanged.
+The gathered FP8 weight is, bit for bit, the cast the layer would have made of the unsharded weight, so training
+is unchanged (`megadlms.distributed.parallelize` applies it between the FP8 conversion and `fully_shard`):
 
-How it plugs into the FP8 core: the weight quantizer of a `tensorwise` (current scaling) or `blockwise` recipe
-first asks `gathered_fp8(weight)`; the FSDP step of the model transformation pipeline calls
-`enable_fp8_param_gather` on the FP8 linears before `fully_shard` (flag --fp8-param-gather). Delayed scaling is
-left out: its weight scale comes from a history, not from the weight being gathered.
+    tensorwise  one scale per weight from the weight's amax: each rank computes its shard's amax, the amaxes are
+                MAX-reduced across the shard group (one small all-reduce per weight and gather), and every rank
+                casts its rows with the scale of the whole weight through the layer's own quantizer.
+    delayed     the weight scale of the last `fp8_step` (the same on every rank: buffers are replicated, the
+                histories reduced), or before the first step the scale of the reduced amax; the reduced amax is
+                what the cast records in the history, as the cast of the unsharded weight would.
+    blockwise   each 128x128 block has its own scale: a shard holding whole 128-row blocks casts them exactly as
+                the unsharded weight's cast would, with no collective (checked: rows divisible by 128 x shards).
+
+Rowwise and MXFP8 cannot: the transposed weight of their input-gradient GEMM is cast from the high-precision
+weight along the other dimension, which the gathered FP8 weight no longer has.
+
+Fused projections (q/k/v, gate/up: `fused_linear.FusedFloat8Projection`) run one GEMM over the concatenated
+weights with one scale, from the largest of the members' amaxes (or, delayed, the smallest member scale). The
+members of such a group are therefore cast with the group's scale before the all-gather (a `ScaleGroup`: each
+member's hook reduces the amaxes of all members' shards), and the fused path concatenates the gathered FP8 rows.
+That is exact: concatenating FP8 values cast with one shared scale is the cast of the concatenation, which is
+what the fused path does without the gather. (Concatenating members cast with their own scales and re-scaling
+them to a shared one would round twice.) A member that runs alone uses the group's scale too: still a valid
+cast of its weight (its amax is within the group's), only not the bits of its own-scale cast.
+
+The FSDP2 extension points (`fsdp_pre_all_gather` / `fsdp_post_all_gather`, as torchao's float8 all-gather uses):
+`Float8GatherWeight` wraps the high-precision weight (it stays the parameter the optimizer updates and the
+checkpoint saves); FSDP2 shards it with the ops in `_KEEP`, so each shard is again a `Float8GatherWeight`, whose
+pre-all-gather hook casts it (FP8 bytes sent as uint8: gloo has no FP8 type). The post-all-gather hook returns a
+`Float8GatheredWeight`, which `gathered_fp8` hands to the layer as its GEMM operand.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.utils._pytree import tree_map
 
+from ..config import FP8_PARAM_GATHER_RECIPES
 from ..errors import MegaDLMsError
-from .blockwise import BLOCK, quantize_blocks, tile_scale
-from .recipe import E4M3, FP8_MAX
+from .blockwise import BLOCK, block_scale_buffer
+from .gemm import Operand
+from .kernels import amax_of, cast_fp8, current_scale, record_amax
+from .quantizer import WEIGHT_ROLE, FP8Tensor
+from .recipe import DelayedScaling, Float8BlockwiseScaling, Float8CurrentScaling, Recipe
 
-__all__ = ["KINDS", "Float8GatherWeight", "Float8GatheredWeight", "GatheredFP8", "ParamGatherError",
-           "enable_fp8_param_gather", "gathered_fp8", "check_gather_shardable", "quantize_weight_tensorwise"]
+# a Float8Linear, the layer whose weight is gathered (linear.py, which imports this module, defines it)
+FP8Layer = Any
 
-KINDS = ("tensorwise", "blockwise")
+__all__ = ["RECIPES", "ParamGatherError", "ScaleGroup", "Float8GatherWeight", "Float8GatheredWeight",
+           "check_gather_recipe", "check_gather_shardable", "enable_fp8_param_gather", "gathered_fp8",
+           "gathered_scale_group", "unwrap_gather_weight"]
+
+# the recipes whose FP8 weight can be gathered exactly, by --fp8-recipe name
+RECIPES = {DelayedScaling: "delayed", Float8CurrentScaling: "tensorwise", Float8BlockwiseScaling: "blockwise"}
 
 
 class ParamGatherError(MegaDLMsError, ValueError):
-    """The FP8 parameter all-gather cannot be exact for this weight and sharding; the message says what to change."""
+    """The FP8 parameter all-gather cannot be exact for this recipe, weight or sharding; the message says what to
+    change."""
 
 
-class GatheredFP8(NamedTuple):
-    """A gathered FP8 weight: data [N, K] fp8; scale_inv [] (tensorwise) or [N/128, K/128] fp32 (blockwise)."""
-
-    data: torch.Tensor
-    scale_inv: torch.Tensor
-    kind: str
-
-
-def quantize_weight_tensorwise(w: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype = E4M3,
-                               pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale_inv []) of w cast with the scale of `amax` (the whole weight's amax, possibly reduced across
-    ranks): q = cast(clamp(w * scale)), scale = fp8_max / amax."""
-    scale = tile_scale(amax.reshape(()), fp8_dtype, pow2)
-    fmax = FP8_MAX[fp8_dtype]
-    return (w.float() * scale).clamp_(-fmax, fmax).to(fp8_dtype), scale.reciprocal()
-
-
-def check_gather_shardable(name: str, shape: torch.Size | tuple[int, ...], kind: str, world_size: int) -> None:
-    """Raise ParamGatherError unless gathering weight `name` [N, K] in FP8 over `world_size` shards is exact."""
-    if kind not in KINDS:
-        raise ParamGatherError(f"--fp8-param-gather works with the recipes {', '.join(KINDS)}, not {kind!r} (its "
-                               "weight scale does not come from the weight being gathered); drop --fp8-param-gather")
-    if len(shape) != 2:
-        raise ParamGatherError(f"FP8 parameter all-gather: {name} has shape {tuple(shape)}; only 2-D weights [N, K] "
-                               "are cast")
-    if kind == "blockwise" and shape[0] % (BLOCK * world_size):
+def check_gather_recipe(recipe: str) -> None:
+    """Raise ParamGatherError unless --fp8-recipe `recipe` can gather its weights in FP8."""
+    if recipe not in FP8_PARAM_GATHER_RECIPES:
         raise ParamGatherError(
-            f"blockwise FP8 parameter all-gather: {name} has {shape[0]} rows, which {world_size} FSDP shards cannot "
-            f"split into whole 128-row blocks (needs a multiple of {BLOCK * world_size}); use --fp8-recipe tensorwise "
-            "with --fp8-param-gather, a shard group size that divides the row blocks, or drop --fp8-param-gather")
+            f"--fp8-param-gather works with --fp8-recipe {', '.join(FP8_PARAM_GATHER_RECIPES)}, not {recipe} (its "
+            "input-gradient GEMM casts the high-precision weight along the other dimension, which an FP8-gathered "
+            "weight no longer has); drop --fp8-param-gather or pick one of those recipes")
 
 
-def enable_fp8_param_gather(linears: Iterable[nn.Linear], kind: str, world_size: int, fp8_dtype: torch.dtype = E4M3,
-                            pow2: bool = False) -> int:
-    """Wrap the `weight` of each module in `linears` in a Float8GatherWeight (call before `fully_shard`).
+def check_gather_shardable(name: str, shape: torch.Size | tuple[int, ...], recipe: str, shards: int) -> None:
+    """Raise ParamGatherError unless weight `name` [N, K] gathered in FP8 over `shards` ranks is exact."""
+    check_gather_recipe(recipe)
+    if len(shape) != 2:
+        raise ParamGatherError(f"--fp8-param-gather: {name} has shape {tuple(shape)}; only 2-D weights [N, K] are "
+                               "gathered in FP8")
+    if recipe == "blockwise" and shape[0] % (BLOCK * shards):
+        raise ParamGatherError(
+            f"--fp8-param-gather with --fp8-recipe blockwise: {name} has {shape[0]} rows, which {shards} FSDP "
+            f"shards cannot split into whole 128-row blocks (it needs a multiple of {BLOCK * shards}); use "
+            "--fp8-recipe tensorwise, fewer data-parallel ranks, or drop --fp8-param-gather")
 
-    Returns the number of weights wrapped. Raises ParamGatherError where the gather could not be exact."""
+
+def _shard(layer: FP8Layer) -> torch.Tensor:
+    """The high-precision local shard of `layer`'s weight, as FSDP2 holds it between gathers."""
+    w = layer.weight
+    local = getattr(w, "_local_tensor", w)  # a DTensor's local tensor
+    if not isinstance(local, Float8GatherWeight):
+        raise RuntimeError(f"{type(layer).__name__}.weight is {type(local).__name__}, not the sharded "
+                           "Float8GatherWeight: the FP8 all-gather of a fused group reads its members' shards")
+    return local._tensor
+
+
+class ScaleGroup:
+    """FP8 linears whose gathered weights share one per-tensor scale: a fused projection's members (the fused
+    GEMM's weight scale), or one linear alone (its own scale)."""
+
+    def __init__(self, members: Sequence[FP8Layer]):
+        self.members: tuple[FP8Layer, ...] = tuple(members)
+        self._stats_epochs = [-1] * len(self.members)
+
+    def __repr__(self) -> str:
+        return f"ScaleGroup({', '.join(type(m).__name__ for m in self.members)})"
+
+    def local_amaxes(self, index: int, shard: torch.Tensor) -> torch.Tensor:
+        """[members] fp32: max |shard| of each member's weight on this rank (0 for an empty shard), given member
+        `index`'s shard (the others' are read from their modules). Computed afresh for every gather: the version
+        counters of FSDP2's local shards do not see the optimizer's in-place updates (they happen on the DTensor),
+        so nothing cheap says a kept value is current; a group costs one amax pass per member and gather more."""
+        shards = [shard if i == index else _shard(m) for i, m in enumerate(self.members)]
+        return torch.stack([amax_of(s) if s.numel() else s.new_zeros((), dtype=torch.float32) for s in shards])
+
+    def cast_shard(self, index: int, shard: torch.Tensor, group: Any) -> Operand:
+        """The FP8 cast of member `index`'s weight shard [rows, K] with the scale the unsharded weight's cast
+        would use (module docstring): (q [rows, K'] fp8, scale_inv 0-dim or 128x128 block scales [rows/128, L4]).
+        group: the shard group (None: one rank holds the whole weight)."""
+        layer = self.members[index]
+        quantizer = layer.quantizers[WEIGHT_ROLE]
+        if not quantizer.per_tensor:  # blockwise: blocks local to the shard
+            return quantizer.quantize(shard, rows=True).row_copy()
+        amaxes = self.local_amaxes(index, shard)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+        if len(self.members) == 1:  # the layer's own cast, with the unsharded weight's amax
+            scale_invs = layer.step_scale_invs()
+            return quantizer.quantize(shard, rows=True, record=layer.training, amax=amaxes[0],
+                                      scale_inv=scale_invs[WEIGHT_ROLE] if scale_invs is not None else None
+                                      ).row_copy()
+        # the fused GEMM's scale, as `FusedFloat8Projection.group_weight` computes it
+        fp8_dtype = quantizer.fp8_dtype
+        delayed = quantizer.keeps_history
+        if delayed and all(m.scales_ready() for m in self.members):
+            scales = torch.stack([m.fp8_scale for m in self.members]).amin(0)
+            scale, scale_inv = scales[WEIGHT_ROLE], scales.reciprocal()[WEIGHT_ROLE]
+        else:
+            scale, scale_inv = current_scale(list(amaxes.unbind()), fp8_dtype, layer.recipe.margin)
+        if delayed and layer.training:  # each member's own amax into its own history
+            record_amax([layer.fp8_amax_history[0, WEIGHT_ROLE]], amaxes[index])
+        q, _, scale_inv, _ = cast_fp8(shard, scale, None, fp8_dtype, layer.recipe.margin, scale_inv=scale_inv)
+        assert q is not None  # asked for
+        return Operand(q, scale_inv)
+
+    def record_stats(self, index: int, shard: torch.Tensor, op: Operand) -> None:
+        """FP8 telemetry of the weight role: this rank's shard cast, once per statistics window."""
+        layer = self.members[index]
+        if layer.collect_fp8_stats and self._stats_epochs[index] != layer.stats_epoch and shard.numel():
+            layer.record_cast(WEIGHT_ROLE, shard, FP8Tensor(rows=op), shard.numel())
+            self._stats_epochs[index] = layer.stats_epoch
+
+
+def enable_fp8_param_gather(groups: Iterable[Sequence[FP8Layer]], shards: int) -> int:
+    """Wrap the weight of every FP8 linear in `groups` in a Float8GatherWeight (call before `fully_shard`).
+
+    groups: the linears, as the sets that share one scale (a fused projection's members) or one each.
+    shards: the FSDP shard group's size. Returns the number of weights wrapped; raises ParamGatherError where the
+    gather cannot be exact."""
     n = 0
-    for mod in linears:
-        w = mod.weight
-        check_gather_shardable(f"{type(mod).__name__}.weight", w.shape, kind, world_size)
-        if not isinstance(w.data, Float8GatherWeight):
-            mod.weight = nn.Parameter(Float8GatherWeight(w.data, kind, fp8_dtype, pow2), requires_grad=w.requires_grad)
-        n += 1
+    for members in groups:
+        group = ScaleGroup(members)
+        kinds = {type(m.recipe) for m in group.members}
+        if len(group.members) > 1 and (len(kinds) > 1 or not group.members[0].quantizers[WEIGHT_ROLE].per_tensor):
+            raise ParamGatherError(f"FP8 parameter all-gather: the members of {group} must share one per-tensor "
+                                   "recipe to share a scale")
+        for i, layer in enumerate(group.members):
+            recipe: Recipe = layer.recipe
+            name = RECIPES.get(type(recipe), type(recipe).__name__)
+            check_gather_shardable(f"{type(layer).__name__}({layer.in_features}, {layer.out_features}).weight",
+                                   layer.weight.shape, name, shards)
+            w = layer.weight
+            inner = w._tensor if isinstance(w, Float8GatherWeight) else w.data
+            layer.weight = nn.Parameter(Float8GatherWeight(inner, group, i), requires_grad=w.requires_grad)
+            if not getattr(layer, "_plain_weight_hook", False):
+                layer.register_state_dict_post_hook(_plain_weight_in_state_dict)
+                layer._plain_weight_hook = True
+            n += 1
     return n
 
 
-def gathered_fp8(weight: torch.Tensor) -> GatheredFP8 | None:
-    """The FP8 data and scale that FSDP2 gathered for `weight`, or None when it was gathered in high precision."""
-    if isinstance(weight, Float8GatheredWeight):
-        return GatheredFP8(weight._data, weight._scale_inv, weight._kind)
-    return None
+def unwrap_gather_weight(t: torch.Tensor) -> torch.Tensor:
+    """The high-precision tensor of a (possibly DTensor-sharded) Float8GatherWeight, sharing its storage; other
+    tensors as they are."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, Float8GatherWeight):
+        from torch.distributed.tensor import DTensor
+
+        assert isinstance(t, DTensor)  # it has a local tensor
+        return DTensor.from_local(local._tensor, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+    return t._tensor if isinstance(t, Float8GatherWeight) else t
+
+
+def _plain_weight_in_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+                                ) -> None:
+    """Checkpoints hold the master weight as a plain (DTensor of a) tensor: the FP8 all-gather leaves no trace in
+    them, so they load with or without --fp8-param-gather."""
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = unwrap_gather_weight(state_dict[key])
+
+
+def gathered_fp8(weight: torch.Tensor) -> Operand | None:
+    """The FP8 GEMM operand FSDP2 gathered for `weight` (padded as the layer's own cast pads: per-tensor to
+    multiples of 16, blockwise to 128 with the block-scale buffer), or None when it was not gathered in FP8."""
+    if not isinstance(weight, Float8GatheredWeight):
+        return None
+    q, si = weight._data, weight._scale_inv
+    n, k = q.shape
+    if weight._blocks:
+        rows, cols = -(-n // BLOCK) * BLOCK, -(-k // BLOCK) * BLOCK
+        si = block_scale_buffer(si)
+    else:
+        rows, cols = -(-n // 16) * 16, -(-k // 16) * 16
+    if (rows, cols) != (n, k):
+        q = F.pad(q.view(torch.uint8), (0, cols - k, 0, rows - n)).view(q.dtype)  # FP8 zeros are 0x00
+    return Operand(q, si)
+
+
+def gathered_scale_group(weight: torch.Tensor) -> ScaleGroup | None:
+    """The ScaleGroup whose scale an FP8-gathered weight was cast with (None when it was not gathered in FP8)."""
+    return weight._group if isinstance(weight, Float8GatheredWeight) else None
 
 
 # ops after which a wrapped weight stays wrapped: the ones FSDP2 uses to shard, pad, view and copy a parameter
@@ -107,29 +240,26 @@ _KEEP = {
 
 
 class Float8GatherWeight(torch.Tensor):
-    """A high-precision weight (any float dtype) that FSDP2 all-gathers in FP8.
+    """A high-precision weight [N, K] (any float dtype) that FSDP2 all-gathers in FP8: member `index` of `group`.
 
     Every op runs on the wrapped tensor (the optimizer updates it in place); the sharding ops in `_KEEP` return a
     wrapped result, so FSDP2's shard of this weight is again a Float8GatherWeight and calls the hooks below."""
 
     _tensor: torch.Tensor
-    _kind: str
-    _fp8_dtype: torch.dtype
-    _pow2: bool
+    _group: ScaleGroup
+    _index: int
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, kind: str, fp8_dtype: torch.dtype = E4M3, pow2: bool = False):
+    def __new__(cls, tensor: torch.Tensor, group: ScaleGroup, index: int):
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
             layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
 
-    def __init__(self, tensor: torch.Tensor, kind: str, fp8_dtype: torch.dtype = E4M3, pow2: bool = False):
-        if kind not in KINDS:
-            raise ParamGatherError(f"FP8 parameter all-gather kind={kind!r} must be one of {', '.join(KINDS)}")
-        self._tensor, self._kind, self._fp8_dtype, self._pow2 = tensor, kind, fp8_dtype, pow2
+    def __init__(self, tensor: torch.Tensor, group: ScaleGroup, index: int):
+        self._tensor, self._group, self._index = tensor, group, index
 
     def __repr__(self) -> str:  # type: ignore[override]  # a plain repr, without torch's tensor_contents
-        return f"Float8GatherWeight({self._kind}, {self._fp8_dtype}, {self._tensor})"
+        return f"Float8GatherWeight({self._tensor})"
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's idiom
 
@@ -148,77 +278,83 @@ class Float8GatherWeight(torch.Tensor):
         if func not in _KEEP:
             return out
         w = like[0]
-        return tree_map(lambda t: Float8GatherWeight(t, w._kind, w._fp8_dtype, w._pow2)
-                        if isinstance(t, torch.Tensor) else t, out)
+        return tree_map(lambda t: Float8GatherWeight(t, w._group, w._index) if isinstance(t, torch.Tensor) else t,
+                        out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], (self._kind, self._fp8_dtype, self._pow2)
+        return ["_tensor"], (self._group, self._index)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return Float8GatherWeight(inner["_tensor"], *meta)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """Cast this shard to FP8. Returns ((data as uint8 [, block scales]), metadata)."""
+        """Cast this shard to FP8. Returns ((FP8 bytes as uint8 [, block scales fp32]), metadata)."""
+        layer = self._group.members[self._index]
+        recipe = RECIPES.get(type(layer.recipe), type(layer.recipe).__name__)
+        shards = mesh.size()
+        check_gather_shardable(f"{type(layer).__name__}.weight", tuple(outer_size), recipe, shards)
         w = self._tensor
-        ws = mesh.size()
-        check_gather_shardable(type(module).__name__ + ".weight", tuple(outer_size), self._kind, ws)
-        rows = -(-outer_size[0] // ws)  # FSDP2 pads every shard to the first one's rows
-        group = mesh.get_group() if mesh.ndim == 1 else mesh.get_group(mesh.ndim - 1)
-        if self._kind == "tensorwise":
-            amax = w.abs().amax().float() if w.numel() else torch.zeros((), device=w.device)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-            q, scale_inv = quantize_weight_tensorwise(w, amax, self._fp8_dtype, self._pow2)
-            q = F.pad(q.view(torch.uint8), (0, 0, 0, rows - q.shape[0]))
-            return (q,), ("tensorwise", self._fp8_dtype, scale_inv)
-        blocks, _ = quantize_blocks(w, self._fp8_dtype, self._pow2)
-        k = w.shape[1]
-        scale_inv = blocks.scale_inv[:, : -(-k // BLOCK)].contiguous()
-        return (blocks.data[:, :k].contiguous().view(torch.uint8), scale_inv), ("blockwise", self._fp8_dtype, None)
+        rows, k = -(-outer_size[0] // shards), outer_size[1]  # FSDP2 pads every shard to the first one's rows
+        op = self._group.cast_shard(self._index, w, mesh.get_group())
+        self._group.record_stats(self._index, w, op)
+        q = op.data[: w.shape[0], :k].contiguous().view(torch.uint8)  # the casts pad to 16 or 128 columns
+        fp8_dtype = op.data.dtype
+        if op.scale_inv.dim() == 0:  # per tensor: the same scale on every rank, kept as metadata
+            q = F.pad(q, (0, 0, 0, rows - q.shape[0]))
+            return (q,), (fp8_dtype, op.scale_inv)
+        blocks = op.scale_inv[:, : -(-k // BLOCK)].contiguous()  # [rows/128, K/128]: the buffer's padding off
+        return (q, blocks), (fp8_dtype, None)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The gathered FP8 weight (and the tensors whose storage FSDP2 frees after use)."""
-        kind, fp8_dtype, scale_inv = metadata
+        fp8_dtype, scale_inv = metadata
         data = all_gather_outputs[0].view(fp8_dtype)
-        if kind == "blockwise":
+        blocks = scale_inv is None
+        if blocks:
             scale_inv = all_gather_outputs[1]
         if out is not None:  # a later all-gather into the same storage: only the scale is new
             out._scale_inv = scale_inv
             return None
-        return Float8GatheredWeight(data, scale_inv, kind, param_dtype), (all_gather_outputs[0],)
+        return Float8GatheredWeight(data, scale_inv, blocks, self._group, param_dtype), (all_gather_outputs[0],)
 
 
 class Float8GatheredWeight(torch.Tensor):
-    """The unsharded weight after an FP8 all-gather: FP8 data [N, K] and its scale, presenting as a `dtype`
-    tensor of shape [N, K]. Views FSDP2 takes keep the FP8 data; any other op sees the dequantised weight."""
+    """The unsharded weight after an FP8 all-gather: FP8 data [N, K] and its scale_inv (0-dim, or 128x128 block
+    scales [N/128, K/128] with `blocks`), presenting as a `dtype` tensor [N, K]. The views FSDP2 takes keep the FP8
+    data; any other op sees the dequantised weight (a plain linear outside fp8_autocast, for instance)."""
 
     _data: torch.Tensor
     _scale_inv: torch.Tensor
-    _kind: str
+    _blocks: bool
+    _group: ScaleGroup
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, kind: str, dtype: torch.dtype):
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, blocks: bool, group: ScaleGroup,
+                dtype: torch.dtype):
         return torch.Tensor._make_wrapper_subclass(cls, data.size(), strides=data.stride(),
                                                    storage_offset=data.storage_offset(), dtype=dtype,
                                                    device=data.device, requires_grad=False)
 
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, kind: str, dtype: torch.dtype):
-        self._data, self._scale_inv, self._kind = data, scale_inv, kind
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, blocks: bool, group: ScaleGroup,
+                 dtype: torch.dtype):
+        self._data, self._scale_inv, self._blocks, self._group = data, scale_inv, blocks, group
 
     def __repr__(self) -> str:  # type: ignore[override]  # a plain repr, without torch's tensor_contents
-        return f"Float8GatheredWeight({self._kind}, {tuple(self._data.shape)}, {self._data.dtype})"
+        kind = "128x128 blocks" if self._blocks else "per tensor"
+        return f"Float8GatheredWeight({tuple(self._data.shape)}, {self._data.dtype}, {kind})"
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's idiom
 
     def dequantize(self) -> torch.Tensor:
-        if self._kind == "tensorwise":
+        if not self._blocks:
             return (self._data.float() * self._scale_inv).to(self.dtype)
         s = self._scale_inv.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
         return (self._data.float() * s[: self._data.shape[0], : self._data.shape[1]]).to(self.dtype)
 
     def _rewrap(self, data: torch.Tensor) -> Float8GatheredWeight:
-        scale = self._scale_inv if self._kind == "tensorwise" else self._scale_inv[: -(-data.shape[0] // BLOCK)]
-        return Float8GatheredWeight(data, scale, self._kind, self.dtype)
+        scale = self._scale_inv[: -(-data.shape[0] // BLOCK)] if self._blocks else self._scale_inv
+        return Float8GatheredWeight(data, scale, self._blocks, self._group, self.dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

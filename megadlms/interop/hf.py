@@ -412,16 +412,22 @@ def plain_state_dict(model: torch.nn.Module, cfg: TransformerConfig) -> dict[str
 
 def save_hf_model(model: torch.nn.Module, cfg: TransformerConfig, save_dir: str | Path, *,
                   tokenizer_dir: str | Path | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                  dtype: torch.dtype | str | None = None) -> Path:
+                  dtype: torch.dtype | str | None = None, tensors: Mapping[str, torch.Tensor] | None = None,
+                  quantization_config: dict[str, Any] | None = None) -> Path:
     """Export `model` as a folder that `transformers.AutoModelForCausalLM.from_pretrained` loads with
     its stock classes: safetensors (sharded above `max_shard_size` bytes), config.json,
     generation_config.json, and the tokenizer files of `tokenizer_dir`.
 
-    dtype: of the saved weights (None keeps the model's). Returns `save_dir`.
+    dtype: of the saved weights (None keeps the model's). tensors: what to write instead of the model's state
+    dict, under our names, as they are (an FP8 export's weights with their `<linear>.weight_scale_inv` scales:
+    `megadlms.fp8.export.export_hf`); quantization_config: config.json's entry describing them. Returns `save_dir`.
     """
     save_dir = Path(save_dir)
     check_vocab_fits(cfg, tokenizer_dir)
-    hf_sd = megadlms_state_dict_to_hf(model.state_dict(), cfg, strict=False)
+    source = model.state_dict() if tensors is None else tensors
+    scales = {k: v for k, v in (tensors or {}).items() if k.endswith(".weight_scale_inv")}
+    hf_sd = megadlms_state_dict_to_hf({k: v for k, v in source.items() if k not in scales}, cfg, strict=False)
+    hf_sd.update({_hf_name(k): v for k, v in scales.items()})
     dt = _to_dtype(dtype)
     if dt is not None:
         hf_sd = {k: v.to(dt) if v.is_floating_point() else v for k, v in hf_sd.items()}
@@ -433,6 +439,8 @@ def save_hf_model(model: torch.nn.Module, cfg: TransformerConfig, save_dir: str 
                       "AutoTokenizer.from_pretrained will not load the export", stacklevel=2)
     token_ids = _special_token_ids(save_dir if copied else None)
     hf_cfg = megadlms_config_to_hf(cfg, dtype=saved_dtype, token_ids=token_ids)
+    if quantization_config is not None:
+        hf_cfg["quantization_config"] = quantization_config
     (save_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     if hf_cfg["model_type"] == "qwen2" and "tokenizer.json" in copied:
         _check_autotokenizer(save_dir)

@@ -133,6 +133,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="attention in FP8 too: cuDNN's FP8 flash attention (Hopper or newer; needs the "
                         "nvidia-cudnn-frontend package), delayed scaling; a little faster, but it lowers model "
                         "quality (docs/fp8.md)")
+    g.add_argument("--fp8-param-gather", action="store_true",
+                   help="FSDP2 all-gathers the FP8 layers' weights in FP8 (1 byte per element): each rank casts its "
+                        "shard first (delayed, tensorwise, blockwise; needs a sharding strategy)")
     g.add_argument("--first-last-layers-bf16", action="store_true",
                    help="keep the first/last transformer layers in BF16 (counts below)")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)

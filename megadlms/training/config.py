@@ -28,7 +28,7 @@ from ..config import (
 )
 from ..data.args import DataSourceConfig
 from ..diffusion.objective import PMASK_MODES, RUNNING_MODES, ObjectiveConfig
-from ..distributed.config import ParallelConfig
+from ..distributed.config import ParallelConfig, check_fp8_param_gather
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -188,6 +188,7 @@ class FP8Config:
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
     fp8_stats: bool = False  # log amax / underflow / saturation per tensor role every log interval
+    fp8_param_gather: bool = False  # FSDP2 all-gathers the FP8 layers' weights in FP8 (megadlms.fp8.param_gather)
 
     def __post_init__(self) -> None:
         if self.fp8_format is not None:
@@ -243,6 +244,8 @@ class RunConfig:
     data: DataSourceConfig = field(default_factory=DataSourceConfig)
 
     def __post_init__(self) -> None:
+        if self.fp8.fp8_param_gather:
+            check_fp8_param_gather(self.fp8.enabled, self.fp8.fp8_recipe, self.parallel)
         if self.fp8.fp8_dot_product_attention and not self.fp8.enabled:
             raise ConfigError("--fp8-dot-product-attention runs attention in FP8 inside the FP8 layers; add "
                               "--fp8-format hybrid (or e4m3), or drop it")

@@ -687,7 +687,8 @@ def setup(config: RunConfig) -> Trainer:
                         "linears alone (docs/fp8.md)", how)
     model = build_parallel_model(cfg, ctx, config.parallel,
                                  activation_checkpointing=t.recompute_granularity == "full",
-                                 compile=t.compile_on(ctx.device), param_dtype=t.compute_dtype(ctx.device))
+                                 compile=t.compile_on(ctx.device), param_dtype=t.compute_dtype(ctx.device),
+                                 fp8_param_gather=config.fp8.fp8_param_gather)
     global_batch = t.global_batch_size or t.micro_batch_size * ctx.dp_size
     n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
     data_cfg = data.loader_config(seq_length=cfg.seq_length, micro_batch_size=t.micro_batch_size, seed=t.seed,
