@@ -175,6 +175,11 @@ class TransformerConfig:
         attn = (6 if self.causal else 12) * self.num_layers * s * self.num_attention_heads * self.head_dim
         return 6.0 * self.num_matmul_params() + attn
 
+    def attention_flops_per_pair(self) -> float:
+        """Training FLOPs of attention per (query, key) pair attended: 12*L*H_attn (QK^T and PV, forward and
+        backward). A bidirectional row of S tokens attends S^2 pairs, a causal one S(S+1)/2."""
+        return 12.0 * self.num_layers * self.num_attention_heads * self.head_dim
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

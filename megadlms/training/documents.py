@@ -83,3 +83,17 @@ class AttentionPlan:
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
+
+
+def attended_pairs(segment_ids: torch.Tensor, document_masks: bool, causal: bool) -> int:
+    """The (query, key) pairs attention computes over rows of segment ids [B, L] (host tensor): within each
+    document under document-level masks, else over whole rows; n^2 per span of n tokens, n(n+1)/2 causal. What the
+    trainer's FLOPs count for packed windows (`TransformerConfig.attention_flops_per_pair`)."""
+    b, length = segment_ids.shape
+    if document_masks:
+        ids = segment_ids.long()
+        span = int(ids.max()) + 1 if ids.numel() else 1
+        counts = torch.bincount((ids + torch.arange(b).unsqueeze(1) * span).flatten()).double()
+    else:
+        counts = torch.full((b,), float(length), dtype=torch.float64)
+    return int((counts * (counts + 1) / 2).sum() if causal else (counts * counts).sum())

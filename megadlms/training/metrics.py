@@ -42,11 +42,11 @@ def memory_gib(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-def throughput(tokens: int, seconds: float, flops_per_token: float, world_size: int,
+def throughput(tokens: int, seconds: float, flops: float, world_size: int,
                peak_tflops: float | None) -> dict[str, float | None]:
-    """tokens: global tokens in `seconds`. TFLOP/s and MFU are per device."""
+    """tokens, flops: global tokens and training FLOPs in `seconds`. TFLOP/s and MFU are per device."""
     tok_s = tokens / seconds
-    tflops = tok_s * flops_per_token / world_size / 1e12
+    tflops = flops / seconds / world_size / 1e12
     return {"tokens_per_s": tok_s, "tflops_per_device": tflops,
             "mfu": tflops / peak_tflops if peak_tflops else None}
 

@@ -42,7 +42,7 @@ from . import checkpoint as ckpt
 from .config import RunConfig
 from .cuda_graphs import LayerGraphs
 from .divergence import DivergenceGuard, check_finite_state
-from .documents import AttentionPlan
+from .documents import AttentionPlan, attended_pairs
 from .metrics import MetricSinks, WandbConfig, bf16_peak_tflops, format_log_line, memory_gib, throughput
 from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_grad_norm, set_lr
 from .preemption import RunControl
@@ -218,6 +218,7 @@ class Trainer:
         self.flops_per_token = cfg.flops_per_token(cfg.seq_length)
         if self.bd3lm is not None:
             self.flops_per_token = bd3lm.flops_per_token(cfg, self.bd3lm.block_size)
+        self.matmul_flops_per_token = 6.0 * cfg.num_matmul_params()  # the linears and the LM head
         self.peak = bf16_peak_tflops(self.device)
         self.sinks = MetricSinks(t.tensorboard_dir, config.checkpoint.save or t.tensorboard_dir, enabled=ctx.is_main,
                                  wandb=WandbConfig.from_run(config))
@@ -359,10 +360,13 @@ class Trainer:
         every conversation of the global batch, however they fall into micro-batches and ranks."""
         dp, r = self.ctx.dp_size, self.ctx.dp_rank
         batches = []
+        pairs = []
         for m in range(count):
             t0 = time.perf_counter()
             sample = next(it)
             self.data_wait_s += time.perf_counter() - t0
+            pairs.append(attended_pairs(sample[:, 2, :self.cfg.seq_length], self.attention.reset_attention_mask,
+                                        self.cfg.causal))
             sample = sample.to(self.device, non_blocking=True)
             rows = slice(m * dp * self.mbs + r * self.mbs, m * dp * self.mbs + (r + 1) * self.mbs)
             batches.append(prepare_sft_batch(sample, (noise.t[rows], noise.u[rows]), self.objective))
@@ -371,11 +375,12 @@ class Trainer:
             dist.all_reduce(total, group=self.ctx.dp_group)
         denominator = (total / (count * dp)).clamp(min=1.0)
         length = self.cfg.seq_length
-        for b in batches:
+        for b, n_pairs in zip(batches, pairs):
             mask, positions = self.attention.for_batch(b.inputs, b.segment_ids)
             counted = _HostCount(b.weights) if self.loss_chunk_tokens else None
             yield (b.inputs, b.targets, b.weights), length, counted, {
-                "attention_mask": mask, "position_ids": positions, "denominator": denominator}
+                "attention_mask": mask, "position_ids": positions, "denominator": denominator,
+                "attended_pairs": n_pairs}
 
     def train_step(self) -> dict[str, Any]:
         model, opt = self.model, self.optimizer
@@ -393,16 +398,20 @@ class Trainer:
         noise = self._draw_noise(self.sampler)
         self.attention.begin_step(it, self.cfg.seq_length)
         loss_sum = torch.zeros((), device=self.device)
-        tokens = 0
+        tokens, flops = 0, 0.0
         train_iter = self._train_iter
         assert train_iter is not None  # set when `run` starts
         for m, ((inputs, targets, weights), length, rows, extra) in enumerate(
                 self._micro_batches(train_iter, noise, self.accum)):
+            pairs = extra.pop("attended_pairs", None)  # packed documents: the pairs their masks allow
             with self._grad_sync(last=m == self.accum - 1), self._compile_stance(length):
                 loss = self._loss(inputs, targets, weights, rows, **extra)
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
-            tokens += length * self.mbs * self.ctx.dp_size
+            mb_tokens = length * self.mbs * self.ctx.dp_size
+            tokens += mb_tokens
+            flops += mb_tokens * self.flops_per_token if pairs is None else self.ctx.dp_size * (
+                length * self.mbs * self.matmul_flops_per_token + pairs * self.cfg.attention_flops_per_pair())
         if collect:
             enable_fp8_stats(model, False)
         grad_norm = self._clip_grads()
@@ -418,7 +427,7 @@ class Trainer:
         self.state.consumed_samples += self.global_batch
         self.state.consumed_tokens += tokens
         return {"loss": self.guard.finite_loss(loss_sum / self.accum), "grad_norm": grad_norm, "lr": lr,
-                "tokens": tokens}
+                "tokens": tokens, "flops": flops}
 
     def _draw_noise(self, sampler: MaskSampler, evaluation: bool = False):
         """One global batch's noise. Block diffusion trains on whole windows (no varilen cut): every block is
@@ -585,20 +594,22 @@ class Trainer:
             bar = tqdm(total=t.train_iters, initial=self.state.iteration, unit="it", dynamic_ncols=True)
         if t.eval_interval and self.state.iteration == 0:  # the starting point of the validation curve
             self._log_eval(bar)
-        window_t0, window_tokens, window_loss, window_n = time.perf_counter(), 0, None, 0
+        window_t0, window_tokens, window_flops, window_loss, window_n = time.perf_counter(), 0, 0.0, None, 0
         last_saved = None
         self.control.install()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 0
         while self.state.iteration < t.train_iters:
             step = self.train_step()
             window_tokens += step["tokens"]
+            window_flops += step["flops"]
             window_loss = step["loss"] if window_loss is None else window_loss + step["loss"]
             window_n += 1
             if bar is not None:
                 bar.update(1)
             it = self.state.iteration
             if it % t.log_interval == 0 or it == t.train_iters:
-                self._log(step, window_loss, window_n, window_tokens, time.perf_counter() - window_t0, bar)
-                window_t0, window_tokens, window_loss, window_n = time.perf_counter(), 0, None, 0
+                self._log(step, window_loss, window_n, window_tokens, window_flops, time.perf_counter() - window_t0,
+                          bar)
+                window_t0, window_tokens, window_flops, window_loss, window_n = time.perf_counter(), 0, 0.0, None, 0
                 self.data_wait_s = 0.0
             paused = time.perf_counter()  # evaluation and saving do not count towards throughput
             if t.eval_interval and it % t.eval_interval == 0 and it < t.train_iters:
@@ -625,8 +636,8 @@ class Trainer:
         self.control.report(self.state.iteration, save.save, last_saved == self.state.iteration, ctx.is_main)
         return self.state
 
-    def _log(self, step: dict[str, Any], loss_sum: torch.Tensor, steps: int, tokens: int, seconds: float,
-             bar: Any) -> None:
+    def _log(self, step: dict[str, Any], loss_sum: torch.Tensor, steps: int, tokens: int, flops: float,
+             seconds: float, bar: Any) -> None:
         skipped = self.guard.end_window(self.state.iteration)  # raises after --max-skipped-steps in a row
         loss = loss_sum / max(steps - skipped, 1)  # the mean over the steps not skipped
         if self.ctx.distributed:  # the loss of the global batch, not of rank 0's share
@@ -635,7 +646,7 @@ class Trainer:
         loss_value = loss.item() if skipped < steps else float("nan")
         m = {"iteration": self.state.iteration, "loss": loss_value, "lr": step["lr"],
              "grad_norm": float(step["grad_norm"]), "consumed_samples": self.state.consumed_samples,
-             **throughput(tokens, seconds, self.flops_per_token, self.ctx.world_size, self.peak),
+             **throughput(tokens, seconds, flops, self.ctx.world_size, self.peak),
              "memory_gib": memory_gib(self.device), "data_wait_share": self.data_wait_s / max(seconds, 1e-9)}
         if skipped:
             m["skipped_steps"] = skipped

@@ -6,8 +6,8 @@ import torch
 from megadlms.data.indexed import IndexedDatasetBuilder
 from megadlms.data.sft import loss_mask_prefix
 from megadlms.training.args import parse_train_args
-from megadlms.training.documents import AttentionPlan
-from megadlms.training.trainer import train
+from megadlms.training.documents import AttentionPlan, attended_pairs
+from megadlms.training.trainer import setup, train
 
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
          "--seq-length", "24", "--device", "cpu", "--no-compile", "--num-workers", "0", "--eval-iters", "0",
@@ -55,9 +55,20 @@ def test_sft_with_annealing_resumes_exactly(tmp_path):
     common = SMALL + ["--sft", "--data-path", _chat_data(tmp_path), "--micro-batch-size", "2",
                       "--global-batch-size", "4", "--train-iters", "4", "--model-running-mode", "difflm-shift",
                       "--attention-anneal-iters", "3", "--lr", "3e-3"]
-    straight = train(parse_train_args(common + ["--save", str(tmp_path / "a")]))
+    trainer = setup(parse_train_args(common + ["--save", str(tmp_path / "a")]))
+    straight = trainer.run()
     train(parse_train_args(common + ["--save", str(tmp_path / "b"), "--save-interval", "2", "--exit-interval", "2"]))
     resumed = train(parse_train_args(common + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")]))
     assert len(_losses(straight)) == 4
     assert _losses(resumed) == _losses(straight)[2:]
     assert all(np.isfinite(_losses(straight)))
+    # TFLOP/s counts attention over each conversation's own pairs: below the whole-window count, above the linears
+    per_token = [m["tflops_per_device"] * 1e12 / m["tokens_per_s"] for m in straight.history]
+    assert all(6 * trainer.cfg.num_matmul_params() < f < trainer.cfg.flops_per_token() for f in per_token)
+
+
+def test_attended_pairs_count_each_document_alone():
+    seg = torch.tensor([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]])
+    assert attended_pairs(seg, document_masks=True, causal=False) == (9 + 4 + 1) + 36
+    assert attended_pairs(seg, document_masks=True, causal=True) == (6 + 3 + 1) + 21
+    assert attended_pairs(seg, document_masks=False, causal=False) == 2 * 36
