@@ -151,7 +151,7 @@ class FusedFloat8Projection(nn.Module):
         mods = self._members
         if not self.quantizers[INPUT].keeps_history or not all(m.scales_ready() for m in mods):
             return None
-        return StepScales.of(torch.stack([cast(torch.Tensor, m.fp8_scale) for m in mods]).amin(0))  # [3]
+        return StepScales(torch.stack([cast(torch.Tensor, m.fp8_scale) for m in mods]).amin(0))  # [3]
 
     def fp8_weight(self, grad_follows: bool, want_t: bool | None = None) -> FP8WeightCache:
         """The concatenated FP8 weight for this step: cast on the first micro-batch after any member's weight

@@ -164,7 +164,7 @@ class DelayedScalingState(_ModuleMixin):
         per step with the FP8 weight; else None."""
         if self.fp8_scale is None or not self.scales_ready():
             return None
-        return StepScales.of(self.fp8_scale)
+        return StepScales(self.fp8_scale)
 
     def mark_scales_ready(self) -> None:
         """Scales exist from now on (`fp8_step` wrote them)."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -80,17 +80,22 @@ class FP8Tensor:
         return self.cols
 
 
-class StepScales(NamedTuple):
-    """Delayed scaling's per-tensor scales of one optimizer step, one per tensor role ([roles] fp32), with their
-    inverses (each a 16-byte aligned 0-dim view: a GEMM scale without a copy), made once per step with the FP8
-    weight and used by every cast of the step."""
+class StepScales:
+    """Delayed scaling's per-tensor scales of one optimizer step, one per tensor role ([roles] fp32), and their
+    inverses; made once per step with the FP8 weight and used by every cast of the step."""
 
-    scales: torch.Tensor
-    scale_invs: torch.Tensor
+    __slots__ = ("scales", "_scale_invs")
 
-    @staticmethod
-    def of(scales: torch.Tensor) -> StepScales:
-        return StepScales(scales, aligned_scalars(scales.reciprocal())[:, 0])
+    def __init__(self, scales: torch.Tensor):
+        self.scales = scales
+        self._scale_invs: torch.Tensor | None = None
+
+    @property
+    def scale_invs(self) -> torch.Tensor:
+        """1 / scales, each a 16-byte aligned 0-dim view (a GEMM scale without a copy); made on first use."""
+        if self._scale_invs is None:
+            self._scale_invs = aligned_scalars(self.scales.reciprocal())[:, 0]
+        return self._scale_invs
 
 
 class Quantizer:
@@ -328,9 +333,9 @@ class GroupQuantizer(Quantizer):
         without their high-precision concatenation; each member's own amax recorded into its own slot.
         amaxes: max |ws[i]| where kept by the weights' writer (None entries are computed)."""
         slots = self.amax_slots() if record else []
-        scale, scale_inv = self._scales(step)
-        if scale is not None:
-            q, t = cast_fp8_cat(list(ws), scale, self.fp8_dtype, cols, slots or None)
+        if step is not None:
+            q, t = cast_fp8_cat(list(ws), step.scales[self.role], self.fp8_dtype, cols, slots or None)
+            scale_inv = step.scale_invs[self.role]
         else:  # one current scale from the largest of the members' amaxes
             kept = amaxes if amaxes is not None else [None] * len(ws)
             found = [a if a is not None else amax_of(w) for a, w in zip(kept, ws)]
@@ -338,7 +343,6 @@ class GroupQuantizer(Quantizer):
                 torch._foreach_maximum_(slots, found)
             scale, scale_inv = current_scale(found, self.fp8_dtype, self.recipe.margin)
             q, t = cast_fp8_cat(list(ws), scale, self.fp8_dtype, cols)
-        assert scale_inv is not None
         return FP8Tensor(Operand(q, scale_inv), Operand(t, scale_inv) if t is not None else None)
 
     def quantize_cols(self, parts: Sequence[torch.Tensor], padded_rows: int, rows: bool = True, cols: bool = False,

@@ -117,7 +117,7 @@ def test_group_quantizer_casts_with_one_scale_and_records_into_every_member():
     for m, scales in zip(layers, ([1.0, 2.0, 4.0], [8.0, 0.5, 16.0])):
         m.fp8_scale.copy_(torch.tensor(scales))
         m.mark_scales_ready()
-    step = StepScales.of(torch.stack([m.fp8_scale for m in layers]).amin(0))
+    step = StepScales(torch.stack([m.fp8_scale for m in layers]).amin(0))
     x = torch.randn(16, 32)
     xq = x_in.quantize(x, cols=False, record=True, step=step)
     assert torch.equal(_bytes(xq.rows.data), _bytes(quantize(x, torch.tensor(1.0), E4M3)))
