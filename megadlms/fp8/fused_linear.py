@@ -53,7 +53,8 @@ from .quantize import quant_stats, round_up16
 from .quantizer import FP8Tensor, GroupQuantizer, StepScales
 from .state import FP8GlobalStateManager
 
-_SETTINGS = ("recipe", "fp8_wgrad", "cache_weight", "fprop_fast_accum", "backward_fast_accum", "training")
+# what the members of a fusion share (else it runs them one by one)
+SHARED_SETTINGS = ("recipe", "fp8_wgrad", "cache_weight", "fprop_fast_accum", "backward_fast_accum", "training")
 
 
 class FusedFloat8Projection(nn.Module):
@@ -125,7 +126,7 @@ class FusedFloat8Projection(nn.Module):
                 return False
             if m.weight.shape[1] != k or m.weight.shape[0] % 16 or k % 16 or m.weight.device != x.device:
                 return False
-            if any(getattr(m, s) != getattr(first, s) for s in _SETTINGS):
+            if any(getattr(m, s) != getattr(first, s) for s in SHARED_SETTINGS):
                 return False
         return x.shape[-1] == k
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..model import MLP, SwiGLU, compute_dtype
 from . import triton_swiglu
-from .fused_linear import _SETTINGS, FusedFloat8Projection
+from .fused_linear import SHARED_SETTINGS, FusedFloat8Projection
 from .gemm import Operand, fp8_gemm
 from .linear import GRAD, INPUT, Float8Linear, FP8WeightCache, bprop, fprop, take_fp8_weights
 from .quantize import pad_2d, round_up16
@@ -63,7 +63,7 @@ class FusedFloat8MLP(nn.Module):
             return None
         if not all(type(getattr(mlp, n)) is Float8Linear for n in ("gate_proj", "up_proj", "down_proj")):
             return None
-        gate, up, down = (cast_linear(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+        gate, up, down = (_float8_linear(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
         if not down.quantizers[GRAD].per_tensor:
             return None
         gate_up = mlp.gate_up_fusion
@@ -77,7 +77,7 @@ class FusedFloat8MLP(nn.Module):
 
     @property
     def down(self) -> Float8Linear:
-        return cast_linear(self.mlp.down_proj)
+        return _float8_linear(self.mlp.down_proj)
 
     def extra_repr(self) -> str:
         return "gate_proj, up_proj, act_fn, down_proj"
@@ -99,8 +99,9 @@ class FusedFloat8MLP(nn.Module):
             return False
         if down.weight.shape[1] != gu[0].weight.shape[0] or down.weight.shape[0] % 16:
             return False
-        if any(m.collect_fp8_stats for m in (*gu, down)) or any(getattr(down, s) != getattr(gu[0], s)
-                                                                for s in _SETTINGS):
+        if any(m.collect_fp8_stats for m in (*gu, down)):
+            return False
+        if any(getattr(down, s) != getattr(gu[0], s) for s in SHARED_SETTINGS):  # one set for the three layers
             return False
         delayed = down.quantizers[INPUT].keeps_history
         if delayed and not all(m.scales_ready() for m in (*gu, down)):  # scales exist from the first fp8_step on
@@ -121,12 +122,13 @@ class FusedFloat8MLP(nn.Module):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def cast_linear(m: nn.Module | torch.Tensor) -> Float8Linear:
+def _float8_linear(m: nn.Module | torch.Tensor) -> Float8Linear:
+    """An MLP projection that conversion made a Float8Linear (checked by the fusion before it is built)."""
     assert isinstance(m, Float8Linear)
     return m
 
 
-def swiglu_cast(y: torch.Tensor, quantizer: Quantizer, w: FP8WeightCache, cols: bool, record: bool
+def swiglu_to_fp8(y: torch.Tensor, quantizer: Quantizer, w: FP8WeightCache, cols: bool, record: bool
                 ) -> FP8Tensor | None:
     """h = silu(gate) * up of y = [gate, up] [Mp, 2F] written straight to FP8 (and h^T when `cols`) with the scale
     of `quantizer` (the down projection's input); None where the fused kernel is off."""
@@ -141,7 +143,7 @@ def swiglu_cast(y: torch.Tensor, quantizer: Quantizer, w: FP8WeightCache, cols: 
     return FP8Tensor(Operand(out[0], scale_inv), Operand(out[1], scale_inv) if out[1] is not None else None)
 
 
-def swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+def swiglu_grads_to_fp8(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                     row_scales: tuple[torch.Tensor, torch.Tensor] | None, quantizer: Quantizer, w: FP8WeightCache,
                     rows: bool, cols: bool) -> FP8Tensor | None:
     """The SwiGLU's derivatives [d_gate, d_up] [Mp, 2F] from dh [Mp, F] written straight to FP8 (`rows` and/or
@@ -162,7 +164,7 @@ def swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
 class _FusedFloat8MLPFn(torch.autograd.Function):
     """x [M, H], W_gate, W_up [F, H], W_down [H, F] -> down(silu(x W_gate^T) * (x W_up^T)) [M, H]: the gate/up
     group's and the down layer's FP8 GEMMs (`linear.fprop` / `bprop`) with the SwiGLU between them fused into the
-    casts on both sides (`swiglu_cast` / `swiglu_bwd_cast`)."""
+    casts on both sides (`swiglu_to_fp8` / `swiglu_grads_to_fp8`)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, gate_up: FusedFloat8Projection, down: Float8Linear,
@@ -178,7 +180,7 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         # the SwiGLU straight into the down projection's FP8 input (h and h^T for its weight gradient)
         wd = down.fp8_weight(grad_follows)
         f = y.shape[1] // 2
-        hq = swiglu_cast(y, down.quantizers[INPUT], wd, need_wdown, down.training)
+        hq = swiglu_to_fp8(y, down.quantizers[INPUT], wd, need_wdown, down.training)
         if hq is None:  # the kernel is off: BF16 SwiGLU, then the down projection's own cast
             h = triton_swiglu.swiglu_ref(y[:, :f], y[:, f:]).to(out_dtype)
             hq = down.quantize_input(h, m * f, need_wdown, wd)
@@ -225,7 +227,7 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         else:
             (y,) = saved_y
             gate, up, row_scales = y[:, :f], y[:, f:], None
-        dq = swiglu_bwd_cast(dh, gate, up, row_scales, gate_up.quantizers[GRAD], wgu, need_dx, need_wgu)
+        dq = swiglu_grads_to_fp8(dh, gate, up, row_scales, gate_up.quantizers[GRAD], wgu, need_dx, need_wgu)
         if dq is None:  # the kernel is off: BF16 derivatives, then the group's own gradient cast
             if row_scales is not None:
                 gate, up = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
