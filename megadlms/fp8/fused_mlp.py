@@ -140,7 +140,7 @@ def swiglu_to_fp8(y: torch.Tensor, quantizer: Quantizer, w: FP8WeightCache, cols
     out = triton_swiglu.checked_swiglu_cast(y, scale, quantizer.fp8_dtype, cols, slots[0] if slots else None)
     if out is None:
         return None
-    return FP8Tensor(Operand(out[0], scale_inv), Operand(out[1], scale_inv) if out[1] is not None else None)
+    return FP8Tensor.per_tensor(*out, scale_inv)
 
 
 def swiglu_grads_to_fp8(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
@@ -157,8 +157,7 @@ def swiglu_grads_to_fp8(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                                                 quantizer.amax_slots())
     if out is None:
         return None
-    q, t = out
-    return FP8Tensor(Operand(q, scale_inv) if q is not None else None, Operand(t, scale_inv) if t is not None else None)
+    return FP8Tensor.per_tensor(*out, scale_inv)
 
 
 class _FusedFloat8MLPFn(torch.autograd.Function):

@@ -62,6 +62,12 @@ class FP8Tensor:
     rows: Operand | None = None
     cols: Operand | None = None
 
+    @staticmethod
+    def per_tensor(q: torch.Tensor | None, t: torch.Tensor | None, scale_inv: torch.Tensor) -> FP8Tensor:
+        """The copies a per-tensor cast made, q [R, C] and/or q^T [C, R] (None where not made), with their scale."""
+        return FP8Tensor(Operand(q, scale_inv) if q is not None else None,
+                         Operand(t, scale_inv) if t is not None else None)
+
     def any_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [R, C], scale_inv broadcastable to it) from whichever copy exists: what telemetry compares x with."""
         if self.rows is not None:
@@ -153,7 +159,7 @@ class CurrentQuantizer(Quantizer):
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
                  amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
         q, t, si, _ = cast_fp8(x, None, None, self.fp8_dtype, self.recipe.margin, rows, cols, amax=amax)
-        return FP8Tensor(Operand(q, si) if q is not None else None, Operand(t, si) if t is not None else None)
+        return FP8Tensor.per_tensor(q, t, si)
 
 
 class DelayedQuantizer(Quantizer):
@@ -191,7 +197,7 @@ class DelayedQuantizer(Quantizer):
         slot = self.amax_slot() if record else None
         q, t, si, _ = cast_fp8(x, scale, slot, self.fp8_dtype, self.recipe.margin, rows, cols, amax=amax,
                                scale_inv=scale_inv)
-        return FP8Tensor(Operand(q, si) if q is not None else None, Operand(t, si) if t is not None else None)
+        return FP8Tensor.per_tensor(q, t, si)
 
     def fused_scale(self, step: StepScales | None, amax: Callable[[], torch.Tensor | None]
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -324,7 +330,7 @@ class GroupQuantizer(Quantizer):
         slots = self.amax_slots() if record else None
         q, t, si, _ = cast_fp8(x, scale, slots, self.fp8_dtype, self.recipe.margin, rows, cols, amax=amax,
                                scale_inv=scale_inv)
-        return FP8Tensor(Operand(q, si) if q is not None else None, Operand(t, si) if t is not None else None)
+        return FP8Tensor.per_tensor(q, t, si)
 
     def quantize_cat(self, ws: Sequence[torch.Tensor], cols: bool = False, record: bool = False,
                      amaxes: Sequence[torch.Tensor | None] | None = None, step: StepScales | None = None
@@ -343,7 +349,7 @@ class GroupQuantizer(Quantizer):
                 torch._foreach_maximum_(slots, found)
             scale, scale_inv = current_scale(found, self.fp8_dtype, self.recipe.margin)
             q, t = cast_fp8_cat(list(ws), scale, self.fp8_dtype, cols)
-        return FP8Tensor(Operand(q, scale_inv), Operand(t, scale_inv) if t is not None else None)
+        return FP8Tensor.per_tensor(q, t, scale_inv)
 
     def quantize_cols(self, parts: Sequence[torch.Tensor], padded_rows: int, rows: bool = True, cols: bool = False,
                       record: bool = False, step: StepScales | None = None) -> FP8Tensor:
@@ -354,7 +360,7 @@ class GroupQuantizer(Quantizer):
         slots = self.amax_slots() if record else None
         q, t, si = cast_fp8_cols(parts, scale, slots, self.fp8_dtype, self.recipe.margin, padded_rows, rows, cols,
                                  scale_inv=scale_inv)
-        return FP8Tensor(Operand(q, si) if q is not None else None, Operand(t, si) if t is not None else None)
+        return FP8Tensor.per_tensor(q, t, si)
 
     def fused_scale(self, step: StepScales | None, amax: Callable[[], torch.Tensor | None]
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
