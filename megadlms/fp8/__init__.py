@@ -10,10 +10,11 @@ Which code runs where:
     recipe.py      the recipes (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling)
     quantizer.py   one quantizer per (tensor role, recipe): a recipe is a kind of quantizer
     gemm.py        the FP8 GEMMs (fprop, dgrad, wgrad), the only caller of torch._scaled_mm
-    linear.py      Float8Linear: one autograd function over its quantizers and the GEMM helper
+    linear.py      Float8Linear: one autograd function over its quantizers and the GEMM helper, which also
+                   runs the fused groups' concatenated weights
     fusions.py     the fusions conversion installs (a registry), as modules in the model's fusion slots:
-                   fused_linear.py (q/k/v and gate/up as one GEMM), fused_mlp.py (the MLP as one function,
-                   the SwiGLU fused into its casts)
+                   fused_linear.py (q/k/v and gate/up as one GEMM, with group quantizers), fused_mlp.py (the MLP
+                   as one function of the same GEMMs, the SwiGLU fused into its casts)
     kernels.py     the cast / transpose / amax kernels (triton_cast.py, triton_swiglu.py) and their references
     convert.py     convert_to_fp8, fp8_step; state.py: fp8_autocast; attention.py: FP8 attention (cuDNN, opt-in);
                    swiglu.py: FP8 activation storage; monitor.py: telemetry; weight_amax.py: current scaling's

@@ -90,10 +90,12 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
         if param.device.type == "cuda":  # the recipe's own GEMM (blockwise: Hopper, MXFP8: Blackwell)
             index = param.device.index if param.device.index is not None else torch.cuda.current_device()
             make_quantizer(recipe, recipe.fp8_format.fwd_dtype, None, 0).check_device(index)
+    attention_recipe: DelayedScaling | None = None
     if dot_product_attention:
         if not isinstance(recipe, DelayedScaling):
             raise ValueError(f"FP8 attention (--fp8-dot-product-attention) takes delayed scaling, got {recipe}; "
                              "use --fp8-recipe delayed or drop --fp8-dot-product-attention")
+        attention_recipe = recipe
         if param is not None:
             check_fp8_attention_support(param.device)
     fused = 0
@@ -106,14 +108,16 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
                                                                       fprop_fast_accum=fprop_fast_accum))
             elif activation_func_fp8_input_store and type(child) is SwiGLU:
                 _set_child(layer, name, SwiGLUFP8InputStore())
-            elif dot_product_attention and type(child) is DotProductAttention:
-                fp8_attention = Float8DotProductAttention(recipe, device=param.device if param is not None else None)
+            elif attention_recipe is not None and type(child) is DotProductAttention:
+                fp8_attention = Float8DotProductAttention(attention_recipe,
+                                                          device=param.device if param is not None else None)
                 _set_child(layer, name, fp8_attention.train(child.training))
         fused += install_fusions(layer, {"fuse_projections": fuse_projections, "fuse_mlp": fuse_mlp})
     if (fuse_projections or fuse_mlp) and len(fp8_layers) and not fused:
         log.info("FP8 fusions (fused q/k/v, gate/up, MLP) take per-tensor scales: with %s the FP8 linears run "
                  "unfused", type(recipe).__name__)
-    model.layer_context = functools.partial(fp8_autocast, enabled=True, fp8_recipe=recipe)
+    # (the model is typed as any nn.Module, whose attributes the checker reads as tensors or modules)
+    setattr(model, "layer_context", functools.partial(fp8_autocast, enabled=True, fp8_recipe=recipe))
     return model
 
 
@@ -122,7 +126,10 @@ def fp8_modules(model: nn.Module) -> Iterator[Float8Linear]:
     return (m for m in model.modules() if isinstance(m, Float8Linear))
 
 
-def fp8_scaling_modules(model: nn.Module) -> Iterator[nn.Module]:
+ScalingModule = Float8Linear | Float8DotProductAttention  # FP8 modules with amax histories and scales
+
+
+def fp8_scaling_modules(model: nn.Module) -> Iterator[ScalingModule]:
     """Every module with FP8 amax histories and scales (Float8Linears, FP8 attention): what `fp8_step` updates."""
     return (m for m in model.modules() if isinstance(m, (Float8Linear, Float8DotProductAttention)))
 
@@ -207,7 +214,7 @@ def _default_group(group: Any) -> Any:
     return group if dist.get_world_size(group) > 1 else None
 
 
-def reduce_amaxes(modules: list[Float8Linear], group: Any = None) -> None:
+def reduce_amaxes(modules: list[ScalingModule], group: Any = None) -> None:
     """MAX-reduce the current-step amax slot of every module across `group` in one all_reduce.
 
     The slots (one amax per role) of all modules are concatenated into one fp32 tensor (which gloo and NCCL
@@ -216,7 +223,7 @@ def reduce_amaxes(modules: list[Float8Linear], group: Any = None) -> None:
     group = _default_group(group)
     if group is None or not modules:
         return
-    slots = [m.fp8_amax_history[0] for m in modules]
+    slots = [_delayed_state(m)[0][0] for m in modules]
     flat = torch.cat(slots)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     torch._foreach_copy_(slots, list(flat.split([s.numel() for s in slots])))
@@ -236,14 +243,20 @@ def _role_maxima(fmt: Any, roles: int, bwd_roles: tuple[int, ...], device: torch
     return t
 
 
-def _update_scales(recipe: DelayedScaling, modules: list[nn.Module]) -> None:
+def _delayed_state(m: ScalingModule) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax history, scales) of a module with delayed scaling."""
+    assert m.fp8_amax_history is not None and m.fp8_scale is not None, "delayed scaling keeps both"
+    return m.fp8_amax_history, m.fp8_scale
+
+
+def _update_scales(recipe: DelayedScaling, modules: list[ScalingModule]) -> None:
     """New scales from the histories, then roll each history (slot 0 = the new step, zeroed). The modules share
     one type (the same roles): each role's scale uses the forward or the backward format's maximum.
 
     Tensor ops on stacked buffers: a fixed number of kernels whatever the layer count, no sync.
     """
-    hists = [m.fp8_amax_history for m in modules]
-    scales = [m.fp8_scale for m in modules]
+    states = [_delayed_state(m) for m in modules]
+    hists, scales = [h for h, _ in states], [s for _, s in states]
     # a non-finite amax (a diverging step, skipped by the optimizer) is not kept: 0 leaves that scale as it was
     h = torch.nan_to_num(torch.stack(hists), nan=0.0, posinf=0.0, neginf=0.0)  # [n, L, roles]
     amax = h[:, 0] if recipe.amax_compute_algo == "most_recent" else h.amax(dim=1)  # [n, roles]
@@ -269,11 +282,11 @@ def fp8_step(model: nn.Module, group: Any = None) -> None:
     3. drop the cached FP8 weights, so the next forward casts the updated weights.
     """
     modules = list(fp8_scaling_modules(model))
-    delayed = [m for m in modules if isinstance(m.recipe, DelayedScaling)]
-    reduce_amaxes([m for m in delayed if m.recipe.reduce_amax], group)
-    groups: dict[tuple, list[nn.Module]] = defaultdict(list)
-    for m in delayed:
-        groups[(m.recipe, m.fp8_amax_history.device, type(m))].append(m)
+    delayed = [(m, m.recipe) for m in modules if isinstance(m.recipe, DelayedScaling)]
+    reduce_amaxes([m for m, recipe in delayed if recipe.reduce_amax], group)
+    groups: dict[tuple[DelayedScaling, torch.device, type], list[ScalingModule]] = defaultdict(list)
+    for m, recipe in delayed:
+        groups[(recipe, _delayed_state(m)[0].device, type(m))].append(m)
     for (recipe, _, _), members in groups.items():
         _update_scales(recipe, members)
     for m in modules:

@@ -9,8 +9,10 @@ FP8 casts on both sides of it (`triton_swiglu`).
 Against the unfused FP8 layers (`FusedFloat8Projection` for gate/up, the compiled SwiGLU, the down
 `Float8Linear`), neither h nor [d_gate, d_up] is written in BF16 and read back by a cast kernel: per layer
 12 * tokens * ffn bytes less memory traffic, and no BF16 rounding before the FP8 one. Everything else is the
-same code: the concatenated gate/up weight and its scales come from the group's `FusedFloat8Projection`, the
-down weight from its `Float8Linear`; amax histories, scales and state_dict keys stay on the member modules.
+same code: the gate/up group and the down `Float8Linear` make their FP8 weights and cast their own operands
+(`linear.fprop` / `bprop`, the GEMMs of every FP8 linear); the fused casts take their scales from the quantizers
+of the operands they write (`Quantizer.fused_scale`: the down projection's input, the gate/up group's gradient).
+Amax histories, scales and state_dict keys stay on the member modules.
 
 Current (tensorwise) scaling needs the scale of h and of [d_gate, d_up] before their casts: a pass of its own
 first (`triton_swiglu.swiglu_amax` / `swiglu_bwd_amax`) reads the fused kernel's inputs and computes the amax of
@@ -31,13 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model import SwiGLU, compute_dtype
+from ..model import MLP, SwiGLU, compute_dtype
 from . import triton_swiglu
-from .fused_linear import FusedFloat8Projection, cast_grad_parts, cast_group_operand
+from .fused_linear import SHARED_SETTINGS, FusedFloat8Projection
 from .gemm import Operand, fp8_gemm
-from .kernels import current_scale
-from .linear import GRAD, INPUT, Float8Linear, take_fp8_weights
+from .linear import GRAD, INPUT, Float8Linear, FP8WeightCache, bprop, fprop, take_fp8_weights
 from .quantize import pad_2d, round_up16
+from .quantizer import FP8Tensor, Quantizer
 from .state import FP8GlobalStateManager
 from .swiglu import SwiGLUFP8InputStore, quantize_rows
 
@@ -48,7 +50,7 @@ class FusedFloat8MLP(nn.Module):
     buffers; `gate_up` is the gate/up group whose concatenated FP8 weight it uses (the MLP's `gate_up_fusion`
     when that is set)."""
 
-    def __init__(self, mlp: nn.Module, gate_up: FusedFloat8Projection):
+    def __init__(self, mlp: MLP, gate_up: FusedFloat8Projection):
         super().__init__()
         self._mlp = (mlp,)  # the MLP it runs, in a tuple: its parent, not a child
         self.gate_up = gate_up
@@ -57,18 +59,25 @@ class FusedFloat8MLP(nn.Module):
     @classmethod
     def of(cls, mlp: nn.Module) -> FusedFloat8MLP | None:
         """The fusion of `mlp`, or None unless its three projections are Float8Linears of a per-tensor recipe."""
+        if not isinstance(mlp, MLP):
+            return None
         if not all(type(getattr(mlp, n)) is Float8Linear for n in ("gate_proj", "up_proj", "down_proj")):
             return None
-        if not mlp.down_proj.quantizers[GRAD].per_tensor:
+        gate, up, down = (_float8_linear(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+        if not down.quantizers[GRAD].per_tensor:
             return None
         gate_up = mlp.gate_up_fusion
         if not isinstance(gate_up, FusedFloat8Projection):
-            gate_up = FusedFloat8Projection((mlp.gate_proj, mlp.up_proj), ("gate_proj", "up_proj"))
+            gate_up = FusedFloat8Projection((gate, up), ("gate_proj", "up_proj"))
         return cls(mlp, gate_up)
 
     @property
-    def mlp(self) -> nn.Module:
+    def mlp(self) -> MLP:
         return self._mlp[0]
+
+    @property
+    def down(self) -> Float8Linear:
+        return _float8_linear(self.mlp.down_proj)
 
     def extra_repr(self) -> str:
         return "gate_proj, up_proj, act_fn, down_proj"
@@ -90,7 +99,9 @@ class FusedFloat8MLP(nn.Module):
             return False
         if down.weight.shape[1] != gu[0].weight.shape[0] or down.weight.shape[0] % 16:
             return False
-        if any(m.collect_fp8_stats for m in (*gu, down)) or down.recipe != gu[0].recipe:
+        if any(m.collect_fp8_stats for m in (*gu, down)):
+            return False
+        if any(getattr(down, s) != getattr(gu[0], s) for s in SHARED_SETTINGS):  # one set for the three layers
             return False
         delayed = down.quantizers[INPUT].keeps_history
         if delayed and not all(m.scales_ready() for m in (*gu, down)):  # scales exist from the first fp8_step on
@@ -101,60 +112,78 @@ class FusedFloat8MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0 or not self._fusable(x):
             return self._unfused(x)
-        mlp = self.mlp
-        gu = tuple(self.gate_up.members())
-        down = mlp.down_proj
-        ws = (gu[0].weight, gu[1].weight, down.weight)
+        gate, up = self.gate_up.members()
+        ws = (gate.weight, up.weight, self.down.weight)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         grad_follows = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws))
         self.num_fused_calls += 1
-        out = _FusedFloat8MLPFn.apply(x2, self, gu, down, compute_dtype(x), grad_follows,
-                                      isinstance(mlp.act_fn, SwiGLUFP8InputStore), *ws)
+        out = _FusedFloat8MLPFn.apply(x2, self.gate_up, self.down, compute_dtype(x), grad_follows,
+                                      isinstance(self.mlp.act_fn, SwiGLUFP8InputStore), *ws)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def _float8_linear(m: nn.Module | torch.Tensor) -> Float8Linear:
+    """An MLP projection that conversion made a Float8Linear (checked by the fusion before it is built)."""
+    assert isinstance(m, Float8Linear)
+    return m
+
+
+def swiglu_to_fp8(y: torch.Tensor, quantizer: Quantizer, w: FP8WeightCache, cols: bool, record: bool
+                ) -> FP8Tensor | None:
+    """h = silu(gate) * up of y = [gate, up] [Mp, 2F] written straight to FP8 (and h^T when `cols`) with the scale
+    of `quantizer` (the down projection's input); None where the fused kernel is off."""
+    scaling = quantizer.fused_scale(w.step, lambda: triton_swiglu.checked_swiglu_amax(y))
+    if scaling is None:
+        return None
+    scale, scale_inv = scaling
+    slots = quantizer.amax_slots() if record else []
+    out = triton_swiglu.checked_swiglu_cast(y, scale, quantizer.fp8_dtype, cols, slots[0] if slots else None)
+    if out is None:
+        return None
+    return FP8Tensor.per_tensor(*out, scale_inv)
+
+
+def swiglu_grads_to_fp8(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                    row_scales: tuple[torch.Tensor, torch.Tensor] | None, quantizer: Quantizer, w: FP8WeightCache,
+                    rows: bool, cols: bool) -> FP8Tensor | None:
+    """The SwiGLU's derivatives [d_gate, d_up] [Mp, 2F] from dh [Mp, F] written straight to FP8 (`rows` and/or
+    `cols`) with the scale of `quantizer` (the gate/up group's gradient), its amax recorded; None where the fused
+    kernel is off. gate, up: the forward's, in FP8 with `row_scales` where kept so."""
+    scaling = quantizer.fused_scale(w.step, lambda: triton_swiglu.checked_swiglu_bwd_amax(dh, gate, up, row_scales))
+    if scaling is None:
+        return None
+    scale, scale_inv = scaling
+    out = triton_swiglu.checked_swiglu_bwd_cast(dh, gate, up, scale, quantizer.fp8_dtype, rows, cols, row_scales,
+                                                quantizer.amax_slots())
+    if out is None:
+        return None
+    return FP8Tensor.per_tensor(*out, scale_inv)
+
+
 class _FusedFloat8MLPFn(torch.autograd.Function):
-    """x [M, H], W_gate, W_up [F, H], W_down [H, F] -> down(silu(x W_gate^T) * (x W_up^T)) [M, H]."""
+    """x [M, H], W_gate, W_up [F, H], W_down [H, F] -> down(silu(x W_gate^T) * (x W_up^T)) [M, H]: the gate/up
+    group's and the down layer's FP8 GEMMs (`linear.fprop` / `bprop`) with the SwiGLU between them fused into the
+    casts on both sides (`swiglu_to_fp8` / `swiglu_grads_to_fp8`)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fused: FusedFloat8MLP, gu: tuple[Float8Linear, Float8Linear],
-                down: Float8Linear, out_dtype: torch.dtype, grad_follows: bool, store_fp8: bool,
+    def forward(ctx: Any, x: torch.Tensor, gate_up: FusedFloat8Projection, down: Float8Linear,
+                out_dtype: torch.dtype, grad_follows: bool, store_fp8: bool,
                 w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-        recipe = down.recipe
-        fwd = recipe.fp8_format.fwd_dtype
-        delayed = down.quantizers[INPUT].keeps_history
-        record = delayed and down.training  # amax histories: delayed scaling only
         m, k = x.shape
-        mp = round_up16(m)
-        xp = pad_2d(x, mp, k)
-        need_wgu = any(ctx.needs_input_grad[7:9])
-        need_wdown = ctx.needs_input_grad[9]
+        need_wgu = any(ctx.needs_input_grad[6:8])
+        need_wdown = ctx.needs_input_grad[8]
         # the gate/up projection: one cast of x (and x^T for its weight gradient), one GEMM
-        # uncached weights: W^T for the input gradient is made in the backward (as in the layers' own paths)
-        wgu = fused.gate_up.group_weight(list(gu), grad_follows and (w_gate.requires_grad or w_up.requires_grad)
-                                          and down.cache_weight)
-        xq, x_si, xt = cast_group_operand(gu, xp, INPUT, fwd, wgu, record, True, need_wgu)
-        y = fp8_gemm(Operand(xq, x_si), wgu.rows, out_dtype, gu[0].fprop_fast_accum)  # [mp, 2F]
+        xp = pad_2d(x, round_up16(m), k)
+        wgu = gate_up.fp8_weight(grad_follows)
+        y, xq = fprop(gate_up, xp, m * k, wgu, need_wgu, out_dtype)  # [mp, 2F]
         # the SwiGLU straight into the down projection's FP8 input (h and h^T for its weight gradient)
         wd = down.fp8_weight(grad_follows)
         f = y.shape[1] // 2
-        out, h_si = None, None
-        if delayed:
-            h_slot = down.fp8_amax_history[0, INPUT] if record else None
-            h_si = wd.scale_inv_of(INPUT)
-            out = triton_swiglu.checked_swiglu_cast(y, down.fp8_scale[INPUT], fwd, need_wdown, h_slot)
-        else:  # current scaling: the amax of h first, from y (h is never written in BF16)
-            h_amax = triton_swiglu.checked_swiglu_amax(y)
-            if h_amax is not None:
-                h_scale, h_si = current_scale([h_amax], fwd, recipe.margin)
-                out = triton_swiglu.checked_swiglu_cast(y, h_scale, fwd, need_wdown)
-        if out is not None:
-            hq, ht = out
-        else:  # the kernel is off: BF16 SwiGLU, then the down projection's own cast
+        hq = swiglu_to_fp8(y, down.quantizers[INPUT], wd, need_wdown, down.training)
+        if hq is None:  # the kernel is off: BF16 SwiGLU, then the down projection's own cast
             h = triton_swiglu.swiglu_ref(y[:, :f], y[:, f:]).to(out_dtype)
-            h8 = down.quantize(h, INPUT, m * f, cols=need_wdown, record=record, scale_inv=h_si)
-            (hq, h_si), ht = h8.rows, h8.cols.data if h8.cols is not None else None
-        result = fp8_gemm(Operand(hq, h_si), wd.rows, out_dtype, down.fprop_fast_accum)[:m]
+            hq = down.quantize_input(h, m * f, need_wdown, wd)
+        result = fp8_gemm(hq.row_copy(), wd.rows, out_dtype, down.fprop_fast_accum)[:m]
         # what the backward needs: x^T and h^T (weight gradients), gate/up (the SwiGLU's derivative)
         saved_y: tuple[torch.Tensor, ...] = ()
         if grad_follows:
@@ -164,33 +193,32 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
                 saved_y = (gq, uq, g_si.reshape(-1), u_si.reshape(-1))
             else:
                 saved_y = (y,)
-        ctx.save_for_backward(xt, x_si, ht, h_si, *saved_y)  # x^T [H, mp], h^T [F, mp]: the wgrad operands
-        ctx.fused, ctx.gu, ctx.down, ctx.wgu, ctx.wd = fused, gu, down, wgu, wd
+        x_cols, h_cols = xq.cols, hq.cols  # x^T [H, mp], h^T [F, mp]: the wgrad operands
+        ctx.save_for_backward(*(x_cols or (None, None)), *(h_cols or (None, None)), *saved_y)
+        ctx.gate_up, ctx.down, ctx.wgu, ctx.wd = gate_up, down, wgu, wd
         ctx.keep_weights = down.cache_weight
         ctx.dims = (m, k, f)
         ctx.x_dtype, ctx.out_dtype = x.dtype, out_dtype
         ctx.w_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
         ctx.store_fp8 = store_fp8
-        ctx.delayed = delayed
         return result
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        gu, down = ctx.gu, ctx.down
+        gate_up: FusedFloat8Projection = ctx.gate_up
+        down: Float8Linear = ctx.down
         wgu, wd = take_fp8_weights(ctx, "wgu", "wd")
-        bwd = down.recipe.fp8_format.bwd_dtype
         x_saved, x_si, h_saved, h_si, *saved_y = ctx.saved_tensors
         m, k, f = ctx.dims
-        mp = round_up16(m)
         need_dx = ctx.needs_input_grad[0]
-        need_wg, need_wu, need_wd = ctx.needs_input_grad[7:10]
+        need_wg, need_wu, need_wd = ctx.needs_input_grad[6:9]
         need_wgu = need_wg or need_wu
-        bwd_fast = down.backward_fast_accum
-        # the down projection: one cast of d_out (q and d_out^T), dgrad -> dh, wgrad
-        g = pad_2d(d_out.contiguous(), mp, d_out.shape[1])
-        g8 = down.quantize(g, GRAD, m * d_out.shape[1], cols=need_wd, scale_inv=wd.scale_inv_of(GRAD))
-        dh = fp8_gemm(g8.rows, down.fp8_weight_dgrad(wd), ctx.out_dtype, bwd_fast)  # [mp, F]
-        d_wdown = fp8_gemm(g8.cols, Operand(h_saved, h_si), ctx.w_dtypes[2], bwd_fast) if need_wd else None
+        # the down projection: one cast of d_out (q and d_out^T), dgrad -> dh [mp, F] (unsliced), wgrad
+        g8 = down.quantize_grad((d_out.contiguous(),), True, need_wd, wd)
+        h_cols = Operand(h_saved, h_si) if need_wd else None
+        dh, (d_wdown,) = bprop(down, wd, g8, h_cols, (round_up16(m), f), (k,), ctx.out_dtype, ctx.w_dtypes[2:],
+                               True, (need_wd,))
+        assert dh is not None
         # the SwiGLU's derivative straight into the gate/up gradient's FP8 operands
         if ctx.store_fp8:
             gate, up, g_rs, u_rs = saved_y
@@ -198,34 +226,16 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         else:
             (y,) = saved_y
             gate, up, row_scales = y[:, :f], y[:, f:], None
-        out = None
-        if ctx.delayed:
-            slots = [mod.fp8_amax_history[0, GRAD] for mod in gu]
-            out = triton_swiglu.checked_swiglu_bwd_cast(dh, gate, up, wgu.scales[GRAD], bwd, need_dx, need_wgu,
-                                                        row_scales, slots)
-            d_si = wgu.scale_invs[GRAD]
-        else:  # current scaling: the derivatives' amax first, from the same inputs
-            d_amax = triton_swiglu.checked_swiglu_bwd_amax(dh, gate, up, row_scales)
-            if d_amax is not None:
-                d_scale, d_si = current_scale([d_amax], bwd, down.recipe.margin)
-                out = triton_swiglu.checked_swiglu_bwd_cast(dh, gate, up, d_scale, bwd, need_dx, need_wgu,
-                                                            row_scales)
-        if out is not None:
-            dq, dt = out
-        else:  # the kernel is off: BF16 derivatives, then the group's own gradient cast
+        dq = swiglu_grads_to_fp8(dh, gate, up, row_scales, gate_up.quantizers[GRAD], wgu, need_dx, need_wgu)
+        if dq is None:  # the kernel is off: BF16 derivatives, then the group's own gradient cast
             if row_scales is not None:
                 gate, up = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
             d_gate, d_up = (d.to(ctx.out_dtype) for d in triton_swiglu.swiglu_bwd_ref(dh, gate, up))
-            dq, d_si, dt = cast_grad_parts(gu, (d_gate, d_up), bwd, wgu, ctx.delayed, need_dx, need_wgu, mp)
-        dx = None
-        if need_dx:
-            dx = fp8_gemm(Operand(dq, d_si), wgu.cols(), ctx.x_dtype, bwd_fast)[:m]
-        d_wg = d_wu = None
-        if need_wgu:
-            dw = fp8_gemm(Operand(dt, d_si), Operand(x_saved, x_si), ctx.w_dtypes[0], bwd_fast)  # [2F, H]
-            d_wg = dw[:f].to(ctx.w_dtypes[0]) if need_wg else None
-            d_wu = dw[f:].to(ctx.w_dtypes[1]) if need_wu else None
-        return dx, None, None, None, None, None, None, d_wg, d_wu, d_wdown
+            dq = gate_up.quantize_grad((d_gate, d_up), need_dx, need_wgu, wgu)
+        x_cols = Operand(x_saved, x_si) if need_wgu else None
+        dx, (d_wg, d_wu) = bprop(gate_up, wgu, dq, x_cols, (m, k), (f, f), ctx.x_dtype, ctx.w_dtypes[:2], need_dx,
+                                 (need_wg, need_wu))
+        return dx, None, None, None, None, None, d_wg, d_wu, d_wdown
 
 
 def fused_projections(module: nn.Module) -> list[FusedFloat8Projection]:

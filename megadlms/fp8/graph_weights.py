@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import cast
 
 import torch
 from torch import nn
 
-from .fused_linear import FusedFloat8Projection, GroupWeightCache
+from .fused_linear import FusedFloat8Projection
 from .fused_mlp import fused_projections
 from .linear import WEIGHT, Float8Linear, FP8WeightCache
 
@@ -41,9 +40,14 @@ def _copy_into(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
     dst.copy_(src)
 
 
-def _members(g: FusedFloat8Projection) -> list[Float8Linear]:
-    """A fused group's members, which are Float8Linears (`FusedFloat8Projection.of` makes groups only of them)."""
-    return cast("list[Float8Linear]", g.members())
+def _copy_weight(old: FP8WeightCache, new: FP8WeightCache) -> None:
+    """A fresh cast into the captured cache's tensors: q, its scale inverse and the step's delayed scales (a layer's
+    own are its scale buffer itself); no dgrad: these caches hold q only."""
+    _copy_into(old.q, new.q)
+    _copy_into(old.scale_inv, new.scale_inv)
+    if old.step is not None and new.step is not None:
+        _copy_into(old.step.scales, new.step.scales)
+        _copy_into(old.step.scale_invs, new.step.scale_invs)
 
 
 class StepFP8Weights:
@@ -55,7 +59,7 @@ class StepFP8Weights:
         grouped = {id(m) for g in self.groups for m in g.members()}
         self.modules = [m for m in layers.modules() if isinstance(m, Float8Linear)]
         self.single = [m for m in self.modules if id(m) not in grouped]
-        self.captured_groups: list[GroupWeightCache] = []
+        self.captured_groups: list[FP8WeightCache] = []
         self.captured_single: list[FP8WeightCache] = []
         self.num_refreshes = 0
 
@@ -70,10 +74,9 @@ class StepFP8Weights:
     # Each cast is the eager cache path, writing q only: the backward graph transposes it for the input gradient
     # on every replay and does not keep the transpose.
     @staticmethod
-    def _cast_group(g: FusedFloat8Projection) -> GroupWeightCache:
-        c = g.group_weight(_members(g), want_t=False)
-        c.keep_t = False
-        for mc in c.members:
+    def _cast_group(g: FusedFloat8Projection) -> FP8WeightCache:
+        c = g.fp8_weight(False, want_t=False)
+        for mc in (c, *c.members):
             mc.keep_dgrad = False
         return c
 
@@ -116,19 +119,17 @@ class StepFP8Weights:
                 self._refresh_single(m, kept)
         self.num_refreshes += 1
 
-    def _refresh_group(self, g: FusedFloat8Projection, old: GroupWeightCache) -> None:
+    def _refresh_group(self, g: FusedFloat8Projection, old: FP8WeightCache) -> None:
         new = self._cast_group(g)
-        for name in ("q", "scale_inv", "scales", "scale_invs"):  # no t: these caches hold q only
-            _copy_into(getattr(old, name), getattr(new, name))
-        for m, om, nm in zip(_members(g), old.members, new.members):
+        _copy_weight(old, new)
+        for m, om, nm in zip(g.members(), old.members, new.members):
             om.key = nm.key
             m.weight_cache = om
         g.weight_cache = old
 
     def _refresh_single(self, m: Float8Linear, old: FP8WeightCache) -> None:
         new = self._cast_single(m)
-        for name in ("q", "scale_inv", "scale_invs"):
-            _copy_into(getattr(old, name), getattr(new, name))
+        _copy_weight(old, new)
         old.key = new.key
         m.weight_cache = old
 

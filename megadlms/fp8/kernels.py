@@ -2,7 +2,8 @@
 
     kernel            call                         CUDA (Triton, one formulation)     torch reference
     cast (+transpose) `cast_fp8`                   triton_cast.cast_transpose          quantize.quantize (compiled)
-    cast of a concat  `cast_fp8_cat`               triton_cast.cast_transpose per part the same, over torch.cat
+    cast of a concat  `cast_fp8_cat` (rows),       triton_cast.cast_transpose per part the same, over torch.cat
+                      `cast_fp8_cols` (columns)
     transpose         `transpose_fp8`              triton_cast.cast_transpose (scale 1) q.t().contiguous()
     amax              `amax_of`                    triton_cast.amax                    ATen's inf-norm
     current scale     `current_scale`              triton_cast.current_scale           quantize.amax_to_scale
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from . import triton_cast
-from .quantize import FP8_MAX, amax_to_scale, round_to_fp8_grid
+from .quantize import FP8_MAX, amax_to_scale, pad_2d, round_to_fp8_grid
 
 
 def amax_of(x: torch.Tensor) -> torch.Tensor:
@@ -245,3 +246,48 @@ def _cast_cat_triton(ws: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: tor
             return None
         row += r
     return q, t
+
+
+def cast_fp8_cols(parts: Sequence[torch.Tensor], scale: torch.Tensor | None,
+                  amax_slot: torch.Tensor | Sequence[torch.Tensor] | None, fp8_dtype: torch.dtype, margin: int,
+                  padded_rows: int, want_q: bool = True, want_t: bool = False, scale_inv: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Per-tensor FP8 cast of the column-concatenation [p_1, ..., p_n] of 2-D tensors p_i [M, C_i] (contiguous),
+    zero-padded to `padded_rows` rows, with one scale: (q [padded_rows, sum C_i] or None, q^T [sum C_i, padded_rows]
+    or None, scale_inv). scale, amax_slot, margin, scale_inv: as `cast_fp8` (the amax is that of all parts). Where
+    the Triton kernel runs each part is cast straight into its blocks of q and q^T (no concatenation pass);
+    elsewhere the parts are concatenated, padded and cast by `cast_fp8`."""
+    m = parts[0].shape[0]
+    slots = _slots(amax_slot)
+    if all(triton_cast.available(p) for p in parts):
+        amaxes: list[torch.Tensor] = []
+        if scale is not None:
+            kernel_scale, kernel_scale_inv = scale, scale_inv if scale_inv is not None else scale.reciprocal()
+            in_kernel = slots if len(slots) <= triton_cast.MAX_AMAX_OUTS else []
+        else:
+            amaxes = [amax_of(p) for p in parts]
+            kernel_scale, kernel_scale_inv = current_scale(amaxes, fp8_dtype, margin)
+            in_kernel = []
+        ncat = sum(p.shape[1] for p in parts)
+        alloc = torch.empty if padded_rows == m else torch.zeros  # padding rows: zeros
+        q = alloc(padded_rows, ncat, dtype=fp8_dtype, device=parts[0].device) if want_q else None
+        t = alloc(ncat, padded_rows, dtype=fp8_dtype, device=parts[0].device) if want_t else None
+        col = 0
+        for p in parts:
+            n = p.shape[1]
+            out = triton_cast.checked_cast_transpose(p, kernel_scale, fp8_dtype, want_q, want_t, in_kernel,
+                                                     q[:m, col:col + n] if q is not None else None,
+                                                     t[col:col + n, :m] if t is not None else None)
+            if out is None:
+                # the kernel is off for this part: the path below casts (and records) again; the parts cast so
+                # far raised the slots by max-updates, which are harmless to repeat
+                break
+            col += n
+        else:
+            if slots and not in_kernel:
+                record_amax(slots, torch.stack(amaxes or [amax_of(p) for p in parts]).amax())
+            return q, t, kernel_scale_inv
+    g = torch.cat(list(parts), dim=1) if len(parts) > 1 else parts[0]
+    q, t, scale_inv, _ = cast_fp8(pad_2d(g, padded_rows, g.shape[1]), scale, slots, fp8_dtype, margin, want_q, want_t,
+                                  scale_inv=scale_inv)
+    return q, t, scale_inv

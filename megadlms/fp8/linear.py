@@ -12,6 +12,11 @@ sliced, so any batch shape works. The gradient is always the left operand, which
 within what the CUDA kernels accept. Nothing here depends on the recipe: a new recipe is a new
 quantizer kind (and its GEMM call in gemm.py).
 
+The same autograd function runs a group of linears that read one input (`fused_linear.FusedFloat8Projection`:
+q/k/v, gate/up) as one GEMM over their concatenated weights: it asks the module it runs for (`FP8Projection`)
+for the step's FP8 weight and for the casts of the input and of the output gradient, and does the GEMMs
+(`fprop`, `bprop`, which the fused MLP calls too), padding, slicing, biases and the weight-gradient choice itself.
+
 What is saved for backward: the FP8 copy of the input (1 byte/element) and the FP8 weight, which
 is shared with the per-step weight cache. Without that cache (`cache_weight=False`) the FP8 weight is
 freed when the layer's backward returns, and its transpose for the input gradient is made in the
@@ -23,18 +28,19 @@ the BF16 GEMM of the unquantized tensors.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..model import compute_dtype
-from .gemm import Operand, aligned_scalars, bias_grad, dequant_scale, fp8_gemm, wgrad_high_precision
+from .gemm import Operand, bias_grad, dequant_scale, fp8_gemm, wgrad_high_precision
 from .hardware import check_fp8_support
 from .param_gather import gathered_fp8
 from .quantize import pad_2d, quant_stats, round_up16
-from .quantizer import FP8Tensor, make_quantizer
+from .quantizer import FP8Tensor, Quantizer, StepScales, make_quantizer
 from .recipe import DelayedScaling, Recipe, check_recipe
 from .state import FP8GlobalStateManager
 
@@ -98,21 +104,23 @@ def take_fp8_weights(ctx: Any, *names: str) -> tuple[Any, ...]:
 
 
 class FP8WeightCache:
-    """The FP8 copies of one weight for one optimizer step (reused by every micro-batch of the step).
+    """The FP8 copy of one weight, or of a fused group's concatenated weights, for one optimizer step (reused by
+    every micro-batch of the step).
 
     q [Np, Kp] row-major with scale_inv (0-dim, or [Np, 1] rowwise): the fprop operand (`rows`); `dgrad`: W^T
     [Kp, Np] with its scale_inv, the dgrad operand (`gemm.Operand`), made on first use unless the cast made it.
+    step: delayed scaling's scales of this step (`StepScales`), for the input and gradient casts of every
+    micro-batch; None before the first `fp8_step` and for other recipes. members: a group's per-member caches (views
+    of q's row blocks, which a member called on its own uses); () for one weight.
     """
 
-    __slots__ = ("key", "q", "scale_inv", "dgrad", "stats_epoch", "scale_invs", "keep_dgrad")
+    __slots__ = ("key", "q", "scale_inv", "dgrad", "stats_epoch", "step", "keep_dgrad", "members")
 
-    def __init__(self, key: tuple | None, q: torch.Tensor, scale_inv: torch.Tensor,
-                 scale_invs: torch.Tensor | None = None):
-        self.key, self.q, self.scale_inv = key, q, scale_inv
+    def __init__(self, key: Any, q: torch.Tensor, scale_inv: torch.Tensor, step: StepScales | None = None,
+                 members: tuple[FP8WeightCache, ...] = ()):
+        self.key, self.q, self.scale_inv, self.step, self.members = key, q, scale_inv, step, members
         self.dgrad: Operand | None = None
         self.stats_epoch = -1
-        # delayed scaling: 1 / fp8_scale [3] of this step, for the input and gradient casts of every micro-batch
-        self.scale_invs = scale_invs
         # whether a dgrad copy the backward makes is kept for later micro-batches; False for the caches CUDA graphs
         # read (fp8.graph_weights), which hold q only
         self.keep_dgrad = True
@@ -121,9 +129,6 @@ class FP8WeightCache:
     def rows(self) -> Operand:
         """q with its scale_inv: the fprop GEMM's operand."""
         return Operand(self.q, self.scale_inv)
-
-    def scale_inv_of(self, role: int) -> torch.Tensor | None:
-        return self.scale_invs[role] if self.scale_invs is not None else None
 
 
 class DelayedScalingState(_ModuleMixin):
@@ -155,12 +160,12 @@ class DelayedScalingState(_ModuleMixin):
             self._ready = bool(self.fp8_initialized)
         return self._ready
 
-    def step_scale_invs(self) -> torch.Tensor | None:
-        """Delayed scaling once scales exist: 1 / fp8_scale [roles], each entry a 16-byte aligned 0-dim view (a
-        GEMM scale without a copy), computed once per step with the FP8 weight; else None."""
+    def step_scales(self) -> StepScales | None:
+        """Delayed scaling once scales exist: this step's scales and their inverses (`StepScales`), computed once
+        per step with the FP8 weight; else None."""
         if self.fp8_scale is None or not self.scales_ready():
             return None
-        return aligned_scalars(self.fp8_scale.reciprocal())[:, 0]
+        return StepScales(self.fp8_scale)
 
     def mark_scales_ready(self) -> None:
         """Scales exist from now on (`fp8_step` wrote them)."""
@@ -310,12 +315,24 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
 
     # ------------------------------------------------------------------ casts
     def quantize(self, x: torch.Tensor, role: int, numel: int, rows: bool = True, cols: bool = False,
-                 record: bool = True, scale_inv: torch.Tensor | None = None, stats: bool = True) -> FP8Tensor:
+                 record: bool = True, step: StepScales | None = None, stats: bool = True) -> FP8Tensor:
         """x [R, C] (padded) cast by this layer's quantizer of `role`; telemetry records it when on."""
-        t = self.quantizers[role].quantize(x, rows, cols, record, scale_inv=scale_inv)
+        t = self.quantizers[role].quantize(x, rows, cols, record, step=step)
         if stats and self.collect_fp8_stats:
             self.record_cast(role, x, t, numel)
         return t
+
+    def quantize_input(self, x: torch.Tensor, numel: int, cols: bool, w: FP8WeightCache) -> FP8Tensor:
+        """The input x [Mp, Kp] (padded; `numel` elements without the padding): `rows` for the forward GEMM, and
+        `cols` (x^T) for the weight gradient when asked; its amax recorded in training."""
+        return self.quantize(x, INPUT, numel, cols=cols, record=self.training, step=w.step)
+
+    def quantize_grad(self, gs: tuple[torch.Tensor, ...], rows: bool, cols: bool, w: FP8WeightCache) -> FP8Tensor:
+        """The output gradient (gs = (g,), g [M, N] contiguous), padded to multiples of 16: `rows` for the input
+        gradient, `cols` (g^T) for the weight gradient."""
+        (g,) = gs
+        m, n = g.shape
+        return self.quantize(pad_2d(g, round_up16(m), round_up16(n)), GRAD, m * n, rows, cols, step=w.step)
 
     def fp8_weight(self, grad_follows: bool, want_t: bool | None = None) -> FP8WeightCache:
         """The FP8 weight for this step: cast on the first micro-batch after the weight changed (`weight_key`);
@@ -333,7 +350,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         w = self.local_params()[0]
         gathered = gathered_fp8(w)
         if gathered is not None:  # FSDP2 gathered it in FP8, cast as this layer casts (fp8.param_gather)
-            return FP8WeightCache(None, *gathered, self.step_scale_invs())
+            return FP8WeightCache(None, *gathered, self.step_scales())
         key = self.weight_key()
         cache = self.weight_cache
         if cache is None or (key is not None and cache.key != key):
@@ -343,10 +360,9 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
             if want_t is None:
                 want_t = grad_follows and w.requires_grad and self.cache_weight
             want_t = want_t and quantizer.cols_in_same_pass
-            scale_invs = self.step_scale_invs()
-            t = quantizer.quantize(wp, True, want_t, record=self.training, amax=self.kept_weight_amax(),
-                                   scale_inv=scale_invs[WEIGHT] if scale_invs is not None else None)
-            cache = FP8WeightCache(key, *t.row_copy(), scale_invs)
+            step = self.step_scales()
+            t = quantizer.quantize(wp, True, want_t, record=self.training, amax=self.kept_weight_amax(), step=step)
+            cache = FP8WeightCache(key, *t.row_copy(), step)
             cache.dgrad = t.cols  # the input-gradient GEMM's operand, when made in the same pass
             self.num_weight_casts += 1
             if self.cache_weight:
@@ -360,15 +376,8 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
     def fp8_weight_dgrad(self, cache: FP8WeightCache) -> Operand:
         """W^T [Kp, Np] with its scale_inv: the right operand of dx = g @ W (made from `cache` or, rowwise, cast
         again from the master weight), kept in the cache for later micro-batches when it may."""
-        if cache.dgrad is not None:
-            return cache.dgrad
-        def master() -> torch.Tensor:
-            return pad_2d(self.local_params()[0].detach(), *cache.q.shape)
-
-        dgrad = self.quantizers[WEIGHT].cols_of(cache.rows, master)
-        if cache.keep_dgrad:
-            cache.dgrad = dgrad
-        return dgrad
+        return weight_dgrad(cache, self.quantizers[WEIGHT], lambda: pad_2d(self.local_params()[0].detach(),
+                                                                             *cache.q.shape))
 
     # ------------------------------------------------------------------ forward
     # Outside torch.compile's graphs: a compiled model breaks its graph here and runs this layer
@@ -389,8 +398,19 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         # whether a backward can follow (grad mode is off inside autograd.Function.forward): then the
         # casts also write the transposed FP8 copies the backward GEMMs take
         grad_follows = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        y = _Float8LinearFn.apply(x2, weight, bias, self, compute_dtype(x), grad_follows)
+        (y,) = run_fp8_projection(self, x2, compute_dtype(x), grad_follows, (weight,), (bias,))
         return y.reshape(*x.shape[:-1], n)
+
+
+def weight_dgrad(cache: FP8WeightCache, quantizer: Quantizer, master: Callable[[], torch.Tensor]) -> Operand:
+    """`cache.dgrad`, or the transposed operand made now from the cached rows (`master`: the padded high-precision
+    weight, for kinds that cast the transpose from it), kept in the cache when it may."""
+    if cache.dgrad is not None:
+        return cache.dgrad
+    dgrad = quantizer.cols_of(cache.rows, master)
+    if cache.keep_dgrad:
+        cache.dgrad = dgrad
+    return dgrad
 
 
 def check_recipe_in_force(recipe: Recipe, what: str) -> None:
@@ -402,59 +422,136 @@ def check_recipe_in_force(recipe: Recipe, what: str) -> None:
                          "(convert_to_fp8(model, recipe)) or run it under its own recipe")
 
 
+class FP8Projection(Protocol):
+    """What `run_fp8_projection` computes with: a module whose FP8 GEMM is y = x @ W^T for one weight (a
+    `Float8Linear`) or for the row-concatenation [W_1; ...; W_n] of a fused group's weights
+    (`fused_linear.FusedFloat8Projection`). It owns the FP8 weight of the step and the casts of the input and of the
+    output gradient (its quantizers, telemetry included); the GEMMs, padding, slicing, bias and weight-gradient
+    choices are the function's."""
+
+    @property
+    def fp8_wgrad(self) -> bool: ...  # the weight gradient as an FP8 GEMM (else in the compute dtype)
+
+    @property
+    def cache_weight(self) -> bool: ...  # the FP8 weight kept for the step's later micro-batches
+
+    @property
+    def fprop_fast_accum(self) -> bool: ...
+
+    @property
+    def backward_fast_accum(self) -> bool: ...
+
+    def fp8_weight(self, grad_follows: bool) -> FP8WeightCache: ...
+
+    def fp8_weight_dgrad(self, cache: FP8WeightCache) -> Operand: ...
+
+    def quantize_input(self, x: torch.Tensor, numel: int, cols: bool, w: FP8WeightCache) -> FP8Tensor: ...
+
+    def quantize_grad(self, gs: tuple[torch.Tensor, ...], rows: bool, cols: bool, w: FP8WeightCache
+                      ) -> FP8Tensor: ...
+
+
+def run_fp8_projection(proj: FP8Projection, x: torch.Tensor, out_dtype: torch.dtype, grad_follows: bool,
+                       weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
+                       ) -> tuple[torch.Tensor, ...]:
+    """x [M, K] -> the outputs x @ W_i^T + b_i [M, N_i] of `proj`'s weights (`_Float8LinearFn`), in out_dtype."""
+    out = _Float8LinearFn.apply(x, proj, out_dtype, grad_follows, *weights, *biases)
+    return cast("tuple[torch.Tensor, ...]", out)
+
+
+def fprop(proj: FP8Projection, xp: torch.Tensor, numel: int, w: FP8WeightCache, want_cols: bool,
+          out_dtype: torch.dtype) -> tuple[torch.Tensor, FP8Tensor]:
+    """The forward GEMM of `proj`: xp [Mp, Kp] (padded; `numel` elements without the padding) cast (with x^T for
+    the weight gradient when `want_cols`), y = x @ W^T -> (y [Mp, Np] in out_dtype, padded; the FP8 input)."""
+    xq = proj.quantize_input(xp, numel, want_cols, w)
+    return fp8_gemm(xq.row_copy(), w.rows, out_dtype, proj.fprop_fast_accum), xq
+
+
+def bprop(proj: FP8Projection, w: FP8WeightCache, gq: FP8Tensor, x_cols: Operand | None, dims: tuple[int, int],
+          sizes: tuple[int, ...], x_dtype: torch.dtype, w_dtypes: tuple[torch.dtype, ...], need_dx: bool,
+          need_w: tuple[bool, ...]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """The backward GEMMs of `proj` from its FP8 output gradient gq [Mp, sum N_i] (`rows` where need_dx, `cols`
+    where x_cols): dx = g @ W -> [M, K] in x_dtype, and with x_cols (x^T [Kp, Mp]) the weight gradients
+    dW_i = g_i^T @ x -> [N_i, K] in w_dtypes[i] (one GEMM, the row blocks of its output) where need_w[i]."""
+    m, k = dims
+    fast = proj.backward_fast_accum
+    dx = None
+    dws: list[torch.Tensor | None] = [None] * len(sizes)
+    if need_dx:
+        dx = fp8_gemm(gq.row_copy(), proj.fp8_weight_dgrad(w), x_dtype, fast)[:m, :k]
+    if x_cols is not None:
+        dw = fp8_gemm(gq.col_copy(), x_cols, w_dtypes[0], fast)[:sum(sizes), :k]
+        parts = dw.split(sizes) if len(sizes) > 1 else (dw,)
+        dws = [d.to(dt) if need else None for d, dt, need in zip(parts, w_dtypes, need_w)]
+    return dx, dws
+
+
 class _Float8LinearFn(torch.autograd.Function):
-    """x [M, K], weight [N, K], bias [N] | None -> y [M, N] with FP8 GEMMs (see the module docstring): the layer's
-    three quantizers make the operands, `gemm` runs fprop, dgrad and wgrad."""
+    """x [M, K], weights W_i [N_i, K], biases b_i [N_i] | None -> the outputs y_i = x @ W_i^T + b_i [M, N_i], column
+    blocks of one FP8 GEMM over the concatenated weights (n = 1: a Float8Linear; see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Float8Linear,
-                out_dtype: torch.dtype, grad_follows: bool) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, proj: FP8Projection, out_dtype: torch.dtype, grad_follows: bool,
+                *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        n_w = len(params) // 2
+        ws = cast("tuple[torch.Tensor, ...]", params[:n_w])
+        bs = params[n_w:]
         m, k = x.shape
-        n = weight.shape[0]
+        sizes = tuple(wi.shape[0] for wi in ws)
         xp = pad_2d(x, round_up16(m), round_up16(k))
-        w = layer.fp8_weight(grad_follows)
+        w = proj.fp8_weight(grad_follows)
         # with an FP8 weight gradient ahead, the input's cast also makes x^T (K-major over tokens) for it
-        fp8_wgrad = ctx.needs_input_grad[1] and layer.fp8_wgrad
-        xq = layer.quantize(xp, INPUT, m * k, cols=fp8_wgrad, record=layer.training, scale_inv=w.scale_inv_of(INPUT))
-        y = fp8_gemm(xq.row_copy(), w.rows, out_dtype, layer.fprop_fast_accum)[:m, :n]
-        if bias is not None:
-            y = y + bias.to(out_dtype)
+        need_w = any(ctx.needs_input_grad[4:4 + n_w])
+        fp8_wgrad = need_w and proj.fp8_wgrad
+        y, xq = fprop(proj, xp, m * k, w, fp8_wgrad, out_dtype)
+        y = y[:m, :sum(sizes)]
+        if any(b is not None for b in bs):
+            y = y + _concat_biases(bs, sizes, out_dtype, y.device)
         x_saved = x_saved_si = None
-        if ctx.needs_input_grad[1]:
+        if need_w:
             if fp8_wgrad:
                 x_saved, x_saved_si = xq.col_copy()  # [Kp, Mp]: the wgrad GEMM's right operand
             else:
-                x_saved = x.to(out_dtype)  # the BF16 weight gradient needs the unquantized input
+                x_saved = x.to(out_dtype)  # the weight gradient in the compute dtype needs the unquantized input
         ctx.save_for_backward(x_saved, x_saved_si)
-        ctx.layer, ctx.wcache, ctx.fp8_wgrad = layer, w, layer.fp8_wgrad
-        ctx.keep_weights = layer.cache_weight
-        ctx.dims = (m, k, n)
-        ctx.x_dtype, ctx.w_dtype, ctx.out_dtype = x.dtype, weight.dtype, out_dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y
+        ctx.proj, ctx.wcache, ctx.fp8_wgrad = proj, w, proj.fp8_wgrad
+        ctx.keep_weights = proj.cache_weight
+        ctx.dims, ctx.sizes = (m, k), sizes
+        ctx.x_dtype, ctx.out_dtype = x.dtype, out_dtype
+        ctx.w_dtypes = tuple(wi.dtype for wi in ws)
+        ctx.b_dtypes = tuple(b.dtype if b is not None else None for b in bs)
+        # column blocks of one GEMM output; their gradients arrive separately and are cast straight into the
+        # blocks of one FP8 gradient (no concatenation pass)
+        return tuple(y.split(sizes, dim=1)) if n_w > 1 else (y,)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        layer: Float8Linear = ctx.layer
+    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        proj: FP8Projection = ctx.proj
         x_saved, x_saved_si = ctx.saved_tensors
-        (wcache,) = take_fp8_weights(ctx, "wcache")
-        m, k, n = ctx.dims
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        fp8_wgrad = need_dw and ctx.fp8_wgrad
-        g = g.contiguous()
-        dx = dw = db = None
+        (w,) = take_fp8_weights(ctx, "wcache")
+        n_w = len(ctx.sizes)
+        need_dx = ctx.needs_input_grad[0]
+        need_w, need_b = ctx.needs_input_grad[4:4 + n_w], ctx.needs_input_grad[4 + n_w:]
+        fp8_wgrad = any(need_w) and ctx.fp8_wgrad
+        gs = tuple(g.contiguous() for g in gs)
+        dx = None
+        dws: list[torch.Tensor | None] = [None] * n_w
         if need_dx or fp8_wgrad:
             # from g at once: g for the input gradient, g^T (K-major over tokens) for the weight gradient
-            gq = layer.quantize(pad_2d(g, round_up16(m), round_up16(n)), GRAD, m * n, rows=need_dx, cols=fp8_wgrad,
-                                scale_inv=wcache.scale_inv_of(GRAD))
-            if need_dx:
-                dx = fp8_gemm(gq.row_copy(), layer.fp8_weight_dgrad(wcache), ctx.x_dtype,
-                              layer.backward_fast_accum)[:m, :k]
-            if fp8_wgrad:
-                dw = fp8_gemm(gq.col_copy(), Operand(x_saved, x_saved_si), ctx.w_dtype,
-                              layer.backward_fast_accum)[:n, :k]
-        if need_dw and not ctx.fp8_wgrad:
-            dw = wgrad_high_precision(g, x_saved, ctx.out_dtype, ctx.w_dtype)
-        if need_db:
-            db = bias_grad(g, ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+            gq = proj.quantize_grad(gs, need_dx, fp8_wgrad, w)
+            x_cols = Operand(x_saved, x_saved_si) if fp8_wgrad else None
+            dx, dws = bprop(proj, w, gq, x_cols, ctx.dims, ctx.sizes, ctx.x_dtype, ctx.w_dtypes, need_dx, need_w)
+        if any(need_w) and not ctx.fp8_wgrad:  # per weight: exactly the unfused layers' GEMMs
+            dws = [wgrad_high_precision(g, x_saved, ctx.out_dtype, dt) if need else None
+                   for g, dt, need in zip(gs, ctx.w_dtypes, need_w)]
+        dbs = [bias_grad(g, dt) if need else None for g, dt, need in zip(gs, ctx.b_dtypes, need_b)]
+        return (dx, None, None, None, *dws, *dbs)
+
+
+def _concat_biases(bs: tuple[torch.Tensor | None, ...], sizes: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """The biases of the output's column blocks as one row [sum N_i] in `dtype` (zeros for a weight without)."""
+    if len(bs) == 1:
+        assert bs[0] is not None
+        return bs[0].to(dtype)
+    return torch.cat([(b if b is not None else torch.zeros(n, device=device)).to(dtype) for b, n in zip(bs, sizes)])

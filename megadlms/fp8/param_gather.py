@@ -49,7 +49,7 @@ from ..errors import MegaDLMsError
 from .blockwise import BLOCK, block_scale_buffer
 from .gemm import Operand
 from .kernels import amax_of, cast_fp8, current_scale, record_amax
-from .quantizer import WEIGHT_ROLE, FP8Tensor
+from .quantizer import WEIGHT_ROLE, FP8Tensor, StepScales
 from .recipe import DelayedScaling, Float8BlockwiseScaling, Float8CurrentScaling, Recipe
 
 # a Float8Linear, the layer whose weight is gathered (linear.py, which imports this module, defines it)
@@ -131,16 +131,14 @@ class ScaleGroup:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
         if len(self.members) == 1:  # the layer's own cast, with the unsharded weight's amax
-            scale_invs = layer.step_scale_invs()
             return quantizer.quantize(shard, rows=True, record=layer.training, amax=amaxes[0],
-                                      scale_inv=scale_invs[WEIGHT_ROLE] if scale_invs is not None else None
-                                      ).row_copy()
-        # the fused GEMM's scale, as `FusedFloat8Projection.group_weight` computes it
+                                      step=layer.step_scales()).row_copy()
+        # the fused GEMM's scale, as `FusedFloat8Projection` takes it (`step_scales`, `GroupQuantizer.quantize_cat`)
         fp8_dtype = quantizer.fp8_dtype
         delayed = quantizer.keeps_history
         if delayed and all(m.scales_ready() for m in self.members):
-            scales = torch.stack([m.fp8_scale for m in self.members]).amin(0)
-            scale, scale_inv = scales[WEIGHT_ROLE], scales.reciprocal()[WEIGHT_ROLE]
+            step = StepScales(torch.stack([m.fp8_scale for m in self.members]).amin(0))
+            scale, scale_inv = step.scales[WEIGHT_ROLE], step.scale_invs[WEIGHT_ROLE]
         else:
             scale, scale_inv = current_scale(list(amaxes.unbind()), fp8_dtype, layer.recipe.margin)
         if delayed and layer.training:  # each member's own amax into its own history

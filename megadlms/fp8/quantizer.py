@@ -13,10 +13,16 @@ its recipe keeps a history. The recipe is a kind of quantizer, chosen once when 
     BlockwiseQuantizer   activations/gradients in 1x128 tiles along each copy's own K (`rows` and `cols` from one
                          pass), weights in 128x128 blocks (`blockwise.py`); padded to multiples of 128
     MXQuantizer          MXFP8: one E8M0 scale per 32 elements along each copy's own K (`mx.py`)
+    GroupQuantizer       one role of the members of a fused group (per-tensor kinds): one scale for the group's
+                         shared operand (the input, the concatenated gradient) and its concatenated weight
+
+A per-tensor cast that another kernel performs (the fused MLP's SwiGLU casts) takes its scale from `fused_scale`
+and records into `amax_slots`.
 
 The delayed scaling state (amax history, scales, whether scales exist yet) stays in the owning module's buffers
 (`fp8_amax_history[:, role]`, `fp8_scale[role]`: the state_dict keys, reduced across ranks and updated by
-`fp8_step` for all modules at once); a delayed quantizer reads and writes its column through `owner`.
+`fp8_step` for all modules at once); a delayed quantizer reads and writes its column through `owner`. The scales
+of one step, with their inverses, travel with the step's FP8 weight to every cast of the step (`StepScales`).
 
 Adding a recipe: a recipe dataclass, a Quantizer subclass producing its scale layout in `Operand`, its entry in
 `QUANTIZER_KINDS` and its kernel call in `gemm.fp8_gemm`. Kinds whose GEMM needs more than FP8 support check the
@@ -25,15 +31,15 @@ device in `check_device` (called when a model is converted on a GPU).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .blockwise import BLOCK, block_scale_buffer, check_blockwise_gemm_support, quantize_blocks, quantize_tiles
-from .gemm import Operand, dequant_scale
-from .kernels import cast_fp8, transpose_fp8
+from .gemm import Operand, aligned_scalars, dequant_scale
+from .kernels import amax_of, cast_fp8, cast_fp8_cat, cast_fp8_cols, current_scale, transpose_fp8
 from .mx import check_mx_gemm_support, quantize_mx
 from .quantize import quantize_rowwise
 from .recipe import (
@@ -56,6 +62,12 @@ class FP8Tensor:
     rows: Operand | None = None
     cols: Operand | None = None
 
+    @staticmethod
+    def per_tensor(q: torch.Tensor | None, t: torch.Tensor | None, scale_inv: torch.Tensor) -> FP8Tensor:
+        """The copies a per-tensor cast made, q [R, C] and/or q^T [C, R] (None where not made), with their scale."""
+        return FP8Tensor(Operand(q, scale_inv) if q is not None else None,
+                         Operand(t, scale_inv) if t is not None else None)
+
     def any_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [R, C], scale_inv broadcastable to it) from whichever copy exists: what telemetry compares x with."""
         if self.rows is not None:
@@ -72,6 +84,24 @@ class FP8Tensor:
         """`cols`, where the caller asked the cast for it."""
         assert self.cols is not None, "the cast made no transposed copy"
         return self.cols
+
+
+class StepScales:
+    """Delayed scaling's per-tensor scales of one optimizer step, one per tensor role ([roles] fp32), and their
+    inverses; made once per step with the FP8 weight and used by every cast of the step."""
+
+    __slots__ = ("scales", "_scale_invs")
+
+    def __init__(self, scales: torch.Tensor):
+        self.scales = scales
+        self._scale_invs: torch.Tensor | None = None
+
+    @property
+    def scale_invs(self) -> torch.Tensor:
+        """1 / scales, each a 16-byte aligned 0-dim view (a GEMM scale without a copy); made on first use."""
+        if self._scale_invs is None:
+            self._scale_invs = aligned_scalars(self.scales.reciprocal())[:, 0]
+        return self._scale_invs
 
 
 class Quantizer:
@@ -95,13 +125,24 @@ class Quantizer:
         return f"{type(self).__name__}({self.fp8_dtype})"
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
         """x [R, C] (any float dtype, padded to multiples of 16) -> its FP8 `rows` and/or `cols`.
 
         record: add x's amax to the scaling history (delayed scaling; ignored elsewhere).
-        amax: max |x| when the caller knows it (a weight's kept amax); scale_inv: 1 / the delayed scale when the
-        caller has it for the step already."""
+        amax: max |x| when the caller knows it (a weight's kept amax); step: this step's delayed scales, when the
+        caller has them (from its FP8 weight)."""
         raise NotImplementedError
+
+    def amax_slots(self) -> list[torch.Tensor]:
+        """Where a cast of this role records its amax (delayed scaling's history slots; none for other kinds)."""
+        return []
+
+    def fused_scale(self, step: StepScales | None, amax: Callable[[], torch.Tensor | None]
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(scale, scale_inv) of a per-tensor cast that another kernel performs: current scaling's from `amax()`
+        (max |x|, computed by the caller's kernel), None when that gives None (its kernel is off)."""
+        a = amax()
+        return current_scale([a], self.fp8_dtype, self.recipe.margin) if a is not None else None
 
     def cols_of(self, rows: Operand, source: Callable[[], torch.Tensor]) -> Operand:
         """The transposed operand of a tensor x [R, C] whose `rows` exist already (a cached FP8 weight); `source`
@@ -116,9 +157,9 @@ class CurrentQuantizer(Quantizer):
     """Per-tensor current scaling: scale = (fp8_max / amax(x)) / 2**margin (`Float8CurrentScaling`)."""
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
         q, t, si, _ = cast_fp8(x, None, None, self.fp8_dtype, self.recipe.margin, rows, cols, amax=amax)
-        return FP8Tensor(Operand(q, si) if q is not None else None, Operand(t, si) if t is not None else None)
+        return FP8Tensor.per_tensor(q, t, si)
 
 
 class DelayedQuantizer(Quantizer):
@@ -143,13 +184,26 @@ class DelayedQuantizer(Quantizer):
         """This step's amax of this role in the history (fp32 0-dim view, raised in place by casts)."""
         return self.owner.fp8_amax_history[0, self.role]
 
+    def amax_slots(self) -> list[torch.Tensor]:
+        return [self.amax_slot()]
+
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
-        scale = self.scale()
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
+        scale: torch.Tensor | None
+        if step is not None:
+            scale, scale_inv = step.scales[self.role], step.scale_invs[self.role]
+        else:
+            scale, scale_inv = self.scale(), None
         slot = self.amax_slot() if record else None
         q, t, si, _ = cast_fp8(x, scale, slot, self.fp8_dtype, self.recipe.margin, rows, cols, amax=amax,
-                               scale_inv=scale_inv if scale is not None else None)
-        return FP8Tensor(Operand(q, si) if q is not None else None, Operand(t, si) if t is not None else None)
+                               scale_inv=scale_inv)
+        return FP8Tensor.per_tensor(q, t, si)
+
+    def fused_scale(self, step: StepScales | None, amax: Callable[[], torch.Tensor | None]
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if step is not None:
+            return step.scales[self.role], step.scale_invs[self.role]
+        return super().fused_scale(step, amax)
 
 
 class RowwiseQuantizer(Quantizer):
@@ -161,7 +215,7 @@ class RowwiseQuantizer(Quantizer):
     recipe: Float8MXScaling
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
         out = FP8Tensor()
         if rows:
             q, si, _ = quantize_rowwise(x, self.fp8_dtype, 1, self.recipe.margin)  # si [R, 1]
@@ -194,7 +248,7 @@ class BlockwiseQuantizer(Quantizer):
         return f"BlockwiseQuantizer({self.fp8_dtype}, {'128x128 blocks' if self.blocks else '1x128 tiles'})"
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
         if self.blocks:
             q, t = quantize_blocks(x, self.fp8_dtype, self.recipe.pow2_scales, transpose=cols)
             return FP8Tensor(Operand(*q) if rows else None, Operand(*t) if t is not None else None)
@@ -231,7 +285,7 @@ class MXQuantizer(Quantizer):
     recipe: Float8MXScaling
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, scale_inv: torch.Tensor | None = None) -> FP8Tensor:
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
         out = FP8Tensor()
         if rows:
             out.rows = Operand(*quantize_mx(x, self.recipe.rounding))
@@ -244,6 +298,76 @@ class MXQuantizer(Quantizer):
 
     def check_device(self, device_index: int) -> None:
         check_mx_gemm_support(device_index)
+
+
+class GroupQuantizer(Quantizer):
+    """One tensor role of the members of a fused group (per-tensor kinds: delayed or current scaling): the casts of
+    the group's operands with one scale for the whole group.
+
+    The scale: the step's shared delayed scale (`StepScales` made by the group: the smallest of the members'
+    scales, i.e. the largest amax any of them saw), else (current scaling, and delayed scaling before the first
+    `fp8_step`) one from the amax of the operand being cast. Delayed scaling records into every member's history:
+    a shared operand's amax into each member's slot, each member's own weight amax into its own."""
+
+    def __init__(self, members: Sequence[Quantizer], role: int):
+        super().__init__(members[0].recipe, members[0].fp8_dtype)
+        self.members, self.role = tuple(members), role
+        self.keeps_history = members[0].keeps_history
+
+    def __repr__(self) -> str:
+        return f"GroupQuantizer({self.fp8_dtype}, role={self.role}, {len(self.members)} members)"
+
+    def amax_slots(self) -> list[torch.Tensor]:
+        return [s for m in self.members for s in m.amax_slots()]
+
+    def _scales(self, step: StepScales | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (step.scales[self.role], step.scale_invs[self.role]) if step is not None else (None, None)
+
+    def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
+        """The shared operand x [R, C] (the group's input), x's amax recorded into every member's slot."""
+        scale, scale_inv = self._scales(step)
+        slots = self.amax_slots() if record else None
+        q, t, si, _ = cast_fp8(x, scale, slots, self.fp8_dtype, self.recipe.margin, rows, cols, amax=amax,
+                               scale_inv=scale_inv)
+        return FP8Tensor.per_tensor(q, t, si)
+
+    def quantize_cat(self, ws: Sequence[torch.Tensor], cols: bool = False, record: bool = False,
+                     amaxes: Sequence[torch.Tensor | None] | None = None, step: StepScales | None = None
+                     ) -> FP8Tensor:
+        """The members' weights ws[i] [N_i, K] as one operand [sum N_i, K] (`rows`, and `cols` = its transpose),
+        without their high-precision concatenation; each member's own amax recorded into its own slot.
+        amaxes: max |ws[i]| where kept by the weights' writer (None entries are computed)."""
+        slots = self.amax_slots() if record else []
+        if step is not None:
+            q, t = cast_fp8_cat(list(ws), step.scales[self.role], self.fp8_dtype, cols, slots or None)
+            scale_inv = step.scale_invs[self.role]
+        else:  # one current scale from the largest of the members' amaxes
+            kept = amaxes if amaxes is not None else [None] * len(ws)
+            found = [a if a is not None else amax_of(w) for a, w in zip(kept, ws)]
+            if slots:
+                torch._foreach_maximum_(slots, found)
+            scale, scale_inv = current_scale(found, self.fp8_dtype, self.recipe.margin)
+            q, t = cast_fp8_cat(list(ws), scale, self.fp8_dtype, cols)
+        return FP8Tensor.per_tensor(q, t, scale_inv)
+
+    def quantize_cols(self, parts: Sequence[torch.Tensor], padded_rows: int, rows: bool = True, cols: bool = False,
+                      record: bool = False, step: StepScales | None = None) -> FP8Tensor:
+        """The column blocks parts[i] [M, N_i] (the members' output gradients) as one operand [M, sum N_i] zero-padded
+        to `padded_rows` rows, without their high-precision concatenation; the amax of all of them recorded into every
+        member's slot."""
+        scale, scale_inv = self._scales(step)
+        slots = self.amax_slots() if record else None
+        q, t, si = cast_fp8_cols(parts, scale, slots, self.fp8_dtype, self.recipe.margin, padded_rows, rows, cols,
+                                 scale_inv=scale_inv)
+        return FP8Tensor.per_tensor(q, t, si)
+
+    def fused_scale(self, step: StepScales | None, amax: Callable[[], torch.Tensor | None]
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        scale, scale_inv = self._scales(step)
+        if scale is not None and scale_inv is not None:
+            return scale, scale_inv
+        return super().fused_scale(step, amax)
 
 
 QUANTIZER_KINDS: dict[type, type[Quantizer]] = {DelayedScaling: DelayedQuantizer,
@@ -264,5 +388,5 @@ def make_quantizer(recipe: Recipe, fp8_dtype: torch.dtype, owner: Any, role: int
     return kind(recipe, fp8_dtype)
 
 
-__all__ = ["FP8Tensor", "Quantizer", "CurrentQuantizer", "DelayedQuantizer", "RowwiseQuantizer", "BlockwiseQuantizer",
-           "MXQuantizer", "QUANTIZER_KINDS", "WEIGHT_ROLE", "make_quantizer"]
+__all__ = ["FP8Tensor", "StepScales", "Quantizer", "CurrentQuantizer", "DelayedQuantizer", "RowwiseQuantizer",
+           "BlockwiseQuantizer", "MXQuantizer", "GroupQuantizer", "QUANTIZER_KINDS", "WEIGHT_ROLE", "make_quantizer"]

@@ -132,7 +132,7 @@ def test_fused_group_members_cast_with_the_fused_weights_scale(recipe):
         for i, m in enumerate(mods):
             m.fp8_amax_history[0, 1] = 0.5 * (i + 1)
         fp8_step(model)
-    want = fused.group_weight(mods, want_t=False)
+    want = fused.fp8_weight(grad_follows=False)
     masters = [m.weight.detach().clone() for m in mods]
     group = ScaleGroup(mods)
     for i, m in enumerate(mods):

@@ -17,8 +17,10 @@ from megadlms.fp8.quantizer import (
     CurrentQuantizer,
     DelayedQuantizer,
     FP8Tensor,
+    GroupQuantizer,
     MXQuantizer,
     RowwiseQuantizer,
+    StepScales,
     make_quantizer,
 )
 from megadlms.fp8.recipe import Float8BlockwiseScaling, Float8MXScaling
@@ -85,6 +87,49 @@ def test_weight_quantizer_of_a_layer_reads_its_module_state():
     assert layer.quantizers[WEIGHT].owner is layer and layer.quantizers[WEIGHT].role == WEIGHT
     moved = layer.to(torch.float64)  # buffers replaced in place stay the ones the quantizer reads
     assert moved.quantizers[WEIGHT].amax_slot().data_ptr() == moved.fp8_amax_history[0, WEIGHT].data_ptr()
+
+
+def _bytes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def test_group_quantizer_casts_with_one_scale_and_records_into_every_member():
+    """A fused group's casts: before scales exist one scale from the amax of what is cast (the concatenated weights:
+    the largest member amax), each member's own weight amax and the shared operands' amax recorded; with the step's
+    scales the smallest member scale of the role, as its inverse an aligned view of the step's."""
+    layers = [Float8Linear(32, n, recipe=DelayedScaling(amax_history_len=2, fp8_format=Format.E4M3)) for n in (16, 32)]
+    layers[1].weight.data *= 4
+    x_in, w_q, g_q = (GroupQuantizer([m.quantizers[r] for m in layers], r) for r in (INPUT, WEIGHT, GRAD))
+    ws = [m.weight.detach() for m in layers]
+    t = w_q.quantize_cat(ws, cols=True, record=True)
+    scale = amax_to_scale(ws[1].abs().amax(), 448.0)
+    assert torch.equal(_bytes(t.rows.data), _bytes(quantize(torch.cat(ws), scale, E4M3)))
+    assert torch.equal(_bytes(t.cols.data), _bytes(t.rows.data).t()) and t.rows.scale_inv == 1 / scale
+    assert [float(m.fp8_amax_history[0, WEIGHT]) for m in layers] == [float(w.abs().amax()) for w in ws]
+    parts = (torch.randn(21, 16), torch.randn(21, 32) * 5)  # the members' output gradients
+    g = g_q.quantize_cols(parts, 32, rows=True, cols=True, record=True)
+    cat = torch.cat(parts, 1)
+    ref = quantize(cat, amax_to_scale(cat.abs().amax(), 448.0), E4M3)
+    assert g.rows.data.shape == (32, 48) and not _bytes(g.rows.data[21:]).any()  # zero padding rows
+    assert torch.equal(_bytes(g.rows.data[:21]), _bytes(ref))
+    assert torch.equal(_bytes(g.cols.data), _bytes(g.rows.data).t())
+    assert all(m.fp8_amax_history[0, GRAD] == cat.abs().amax() for m in layers)
+    for m, scales in zip(layers, ([1.0, 2.0, 4.0], [8.0, 0.5, 16.0])):
+        m.fp8_scale.copy_(torch.tensor(scales))
+        m.mark_scales_ready()
+    step = StepScales(torch.stack([m.fp8_scale for m in layers]).amin(0))
+    x = torch.randn(16, 32)
+    xq = x_in.quantize(x, cols=False, record=True, step=step)
+    assert torch.equal(_bytes(xq.rows.data), _bytes(quantize(x, torch.tensor(1.0), E4M3)))
+    assert xq.rows.scale_inv.data_ptr() == step.scale_invs[INPUT].data_ptr() and xq.cols is None
+    assert all(m.fp8_amax_history[0, INPUT] == x.abs().amax() for m in layers)
+    assert torch.equal(step.scales, torch.tensor([1.0, 0.5, 4.0])) and step.scale_invs.data_ptr() % 16 == 0
+    # a cast another kernel performs: the step's scale, or (current scaling) one from that kernel's amax
+    assert g_q.fused_scale(step, lambda: None) == (step.scales[GRAD], step.scale_invs[GRAD])
+    assert g_q.amax_slots()[1].data_ptr() == layers[1].fp8_amax_history[0, GRAD].data_ptr()
+    current = CurrentQuantizer(Float8CurrentScaling(), E4M3)
+    assert current.fused_scale(None, lambda: None) is None and current.amax_slots() == []
+    assert current.fused_scale(None, lambda: torch.tensor(4.0))[0] == 112.0
 
 
 def _dq_tiles(x: torch.Tensor) -> torch.Tensor:
