@@ -140,6 +140,19 @@ def test_fused_group_members_cast_with_the_fused_weights_scale(recipe):
     ops = [group.cast_shard(i, w, None) for i, w in enumerate(masters)]
     assert torch.equal(torch.cat([op.data for op in ops]).view(torch.uint8), want.q.view(torch.uint8))
     assert all(torch.equal(op.scale_inv, want.scale_inv) for op in ops)
+    # gathered in FP8, the members' rows are the fused GEMM's weight, with the group's step scales, uncached
+    for m, op in zip(mods, ops):
+        m.weight = torch.nn.Parameter(Float8GatheredWeight(op.data, op.scale_inv, False, group, torch.float32),
+                                      requires_grad=False)
+    fused.invalidate_fp8_weight_cache()
+    got = fused.fp8_weight(grad_follows=True)
+    assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(got.scale_inv,
+                                                                                          want.scale_inv)
+    assert [mc.q.shape[0] for mc in got.members] == [m.out_features for m in mods] and fused.weight_cache is None
+    if recipe == "delayed":
+        assert torch.equal(got.step.scales, want.step.scales) and float(got.step.scales[1]) == pytest.approx(448 / 1.5)
+    else:
+        assert got.step is None and want.step is None
 
 
 def test_gathered_weight_is_the_operand_of_the_layers_cast():
