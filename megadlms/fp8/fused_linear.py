@@ -20,7 +20,9 @@ largest amax seen by any member), or come from the amax of the operand being cas
 and the first step of delayed scaling). Delayed scaling records each member's own weight amax and
 the shared input/gradient amax into every member's history, so after one `fp8_step` the members of
 a group hold equal input and gradient scales. With equal member scales every output equals the
-unfused layers' output for the same inputs (each element is the same FP8 product).
+unfused layers' output for the same inputs (each element is the same FP8 product). Members that FSDP2 gathered
+in FP8 (`param_gather`) arrive cast with that weight scale: their rows, concatenated, are the step's weight
+(uncached, no second rounding).
 
 Whenever fusion does not apply (outside an enabled fp8_autocast, rowwise recipe, hooks on a member
 (tensor parallelism), DTensor weights, mixed member settings), the call falls back to calling the
