@@ -1,6 +1,7 @@
 """`megadlms plot`: writes the image and says where; bad input is one line."""
 
 import json
+import sys
 
 import matplotlib.image
 
@@ -30,3 +31,10 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert plot.main([str(run), "--output", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "metrics.jsonl:1 is a JSON list, expected an object" in err
+
+
+def test_missing_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert plot.main([str(write_run(tmp_path / "a")), "--output", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == "megadlms plot: error: megadlms plot needs the 'matplotlib' package: pip install 'megadlms[plot]'\n"
