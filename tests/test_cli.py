@@ -53,11 +53,13 @@ def test_every_error_class_keeps_its_builtin_base():
     from megadlms.fp8.export import ExportFolderError
     from megadlms.fp8.hardware import FP8UnsupportedError
     from megadlms.interop.hf import InteropError
+    from megadlms.jsonl import JSONLinesError
     from megadlms.training.checkpoint import CheckpointError
 
     builtin = {ConfigError: ValueError, DataError: ValueError, IndexedDatasetError: ValueError,
                PreprocessError: ValueError, TokenizerError: ValueError, InteropError: ValueError,
-               CheckpointError: RuntimeError, FP8UnsupportedError: RuntimeError, ExportFolderError: FileNotFoundError}
+               CheckpointError: RuntimeError, FP8UnsupportedError: RuntimeError, ExportFolderError: FileNotFoundError,
+               JSONLinesError: ValueError}
     for cls, base in builtin.items():
         assert issubclass(cls, MegaDLMsError) and issubclass(cls, base), cls
 

@@ -25,8 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("megadlms.cli.export", "export inference weights (BF16 or FP8) as safetensors"),
     "fp8-check": ("megadlms.cli.fp8_check", "check FP8 support of this device and run one FP8 GEMM"),
     "ckpt": ("megadlms.cli.ckpt", "check checkpoint folders against their checksums (ckpt verify DIR)"),
-    "eval": ("megadlms.eval.cli", "evaluate: lm-evaluation-harness tasks, or the validation ELBO (--ppl)"),
-    "plot": ("megadlms.eval.plot", "draw training curves (loss, validation ELBO, tokens/s, FP8) of runs"),
+    "eval": ("megadlms.cli.eval", "evaluate: lm-evaluation-harness tasks, or the validation ELBO (--ppl)"),
+    "plot": ("megadlms.cli.plot", "draw training curves (loss, validation ELBO, tokens/s, FP8) of runs"),
 }
 
 

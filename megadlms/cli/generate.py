@@ -26,6 +26,7 @@ from ..diffusion.fast_sampler import fast_generate_tokens
 from ..diffusion.sampler import REMASKING, generate_tokens, prepare_prompts
 from ..errors import report_errors
 from ..generate.ar import ar_generate_tokens
+from ..jsonl import read_jsonl
 
 if TYPE_CHECKING:
     from ..model import TransformerLM
@@ -149,15 +150,9 @@ def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
         path = Path(args.prompt_file)
         if not path.is_file():
             raise ConfigError(f"--prompt-file {path} does not exist")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n} is not valid JSON ({e})") from e
-            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                raise ConfigError(f'{path}:{n} needs a "prompt" string, got {line[:80]!r}')
+        for n, rec in read_jsonl(path):
+            if not isinstance(rec.get("prompt"), str):
+                raise ConfigError(f'{path}:{n} needs a "prompt" string, got the keys {sorted(rec)[:10]}')
             records.append(rec)
     if not records:
         raise ConfigError("no prompts: pass --prompt TEXT (repeatable) or --prompt-file FILE.jsonl")

@@ -1,5 +1,5 @@
-"""Evaluation: likelihoods and perplexity bounds of DLMs, the lm-evaluation-harness model class (`harness`),
-`megadlms eval` and `megadlms plot`.
+"""Evaluation: likelihoods and perplexity bounds of DLMs (`likelihood`, `validation`), the lm-evaluation-harness
+model class (`harness`), training curves (`plot`). The commands on top: `megadlms.cli.eval`, `megadlms.cli.plot`.
 
-`harness` and the commands import optional extras (lm_eval, matplotlib) when used; `likelihood` needs none.
+`harness` and `plot` import optional extras (lm_eval, matplotlib) when used; the rest needs none.
 """

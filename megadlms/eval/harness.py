@@ -3,7 +3,7 @@
     import megadlms.eval.harness, lm_eval
     lm_eval.simple_evaluate(model="megadlms", model_args="load=runs/tiny,mc_num=32", tasks=["hellaswag"])
 
-or `megadlms eval --load runs/tiny --tasks hellaswag` (megadlms.eval.cli). The three request types:
+or `megadlms eval --load runs/tiny --tasks hellaswag` (megadlms.cli.eval). The three request types:
 - loglikelihood: masked-diffusion checkpoints by LLaDA's Monte-Carlo estimator (`mc_num` draws, `cfg`,
   `greedy` = decode | argmax | off), causal (vanilla) checkpoints exactly;
 - loglikelihood_rolling: documents in windows of the model's length; the deterministic ELBO over
@@ -41,6 +41,7 @@ from .likelihood import (
 from .loading import load_model
 
 import_extra("lm_eval", "eval", "megadlms.eval.harness")  # missing: one line naming the extra, not a traceback
+import lm_eval.models  # noqa: E402,F401 (its built-in names, hf ...: the registry loads them only while empty)
 from lm_eval.api.model import TemplateLM  # noqa: E402 (after that check)
 from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402

@@ -1,4 +1,4 @@
-"""`megadlms plot RUN_DIR [RUN_DIR ...] --output curves.png`: training curves of runs, side by side.
+"""Training curves of runs, side by side (`megadlms plot RUN_DIR [RUN_DIR ...] --output curves.png`).
 
 Reads each run's `metrics.jsonl` (written by `megadlms train` into --save, or --tensorboard-dir) and draws, one
 colour per run: the training loss, the validation loss (the ELBO), tokens/s and, for runs logged with
@@ -8,31 +8,12 @@ record.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from ..errors import import_extra, report_errors
-
-HELP = "draw training curves (loss, validation ELBO, tokens/s, FP8 amax / underflow) of one or more runs"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders holding metrics.jsonl (or the files)")
-    p.add_argument("--output", default="curves.png", help="image file to write (png, pdf, svg)")
-    p.add_argument("--labels", default=None, help="comma-separated names for the runs (default: folder names)")
-    p.add_argument("--title", default=None)
-    return p
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plot", help=HELP, description=HELP)
-    add_arguments(p)
-    p.set_defaults(run=run)
-    return p
+from ..errors import import_extra
+from ..jsonl import read_jsonl
 
 
 def read_metrics(run: str | Path) -> dict[str, list[dict[str, Any]]]:
@@ -43,14 +24,8 @@ def read_metrics(run: str | Path) -> dict[str, list[dict[str, Any]]]:
         raise ConfigError(f"{run}: no metrics.jsonl there; pass the --save (or --tensorboard-dir) folder of a "
                          "`megadlms train` run")
     by_split: dict[str, dict[int, dict[str, Any]]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n} is not valid JSON ({e})") from e
-        if isinstance(rec, dict) and "iteration" in rec:
+    for _, rec in read_jsonl(path):
+        if "iteration" in rec:
             by_split.setdefault(rec.get("split", "train"), {})[int(rec["iteration"])] = rec
     return {split: [recs[i] for i in sorted(recs)] for split, recs in by_split.items()}
 
@@ -109,21 +84,3 @@ def plot_runs(runs: list[str], output: str, labels: list[str] | None = None, tit
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def run(args: argparse.Namespace) -> int:
-    def go() -> int:
-        labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
-        out = plot_runs(args.runs, args.output, labels, args.title)
-        print(f"wrote {out}", file=sys.stderr)
-        return 0
-
-    return report_errors("megadlms plot", go)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run(add_arguments(argparse.ArgumentParser(prog="megadlms plot", description=HELP)).parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -740,9 +740,10 @@ def train(config: RunConfig) -> TrainState:
 
 
 def print_sample(trainer: Trainer, prompt: str = "Once upon a time,", gen_length: int = 48,
-                 block_length: int = 8) -> None:
+                 block_length: int = 6) -> None:
     """Finish the demo with a sample from the trained DLM: LLaDA's sampler, one token per step, low-confidence
-    remasking inside short blocks (a small model's text stays coherent when it is decoded nearly left to right)."""
+    remasking inside short blocks (a small model's text stays coherent when it is decoded nearly left to right;
+    blocks of one token, plain left to right, repeat words more often than blocks of 4 to 8)."""
     from ..diffusion.sampler import generate
 
     tok, cfg = trainer.tokenizer, trainer.cfg

@@ -82,6 +82,18 @@ def test_generation_task_uses_the_sampler_and_stops(run):
         assert "\n" not in s["resps"][0][0] and "." not in s["resps"][0][0]
 
 
+def test_registered_by_name_beside_the_harness_models(run, eval_files):
+    from lm_eval.api.registry import get_model
+    from lm_eval.models.dummy import DummyLM
+
+    assert get_model("megadlms") is MegaDLMsLM and get_model("dummy") is DummyLM  # lm_eval's own names still load
+    # what `--model megadlms --model_args k=v,...` builds: the values arrive as strings
+    model_args = ",".join(f"{k}={v}" for k, v in {"load": eval_files["dlm"], **ARGS}.items())
+    by_name = get_model("megadlms").create_from_arg_string(model_args)
+    pairs = _reqs([("The cat sat", " on the mat")])
+    assert by_name.loglikelihood(pairs) == run[0].loglikelihood(pairs)
+
+
 def test_seeds_make_runs_identical(eval_files):
     pairs = [("The cat sat", " on the mat"), ("Once", " upon a time")]
     a = MegaDLMsLM(load=str(eval_files["dlm"]), **{**ARGS, "seed": 5, "greedy": "off"})

@@ -1,11 +1,13 @@
-"""`megadlms plot`: curves of several runs (one with FP8 telemetry) in one image; one-line errors."""
+"""Training curves of several runs (one with FP8 telemetry) in one image; metrics read by iteration."""
 
 import json
 
 import matplotlib.image
 import pytest
 
+from megadlms.config import ConfigError
 from megadlms.eval import plot
+from megadlms.jsonl import JSONLinesError
 
 
 def write_run(path, fp8, offset=0.0):
@@ -23,27 +25,26 @@ def write_run(path, fp8, offset=0.0):
     return path
 
 
-def test_two_runs_on_one_figure(tmp_path, capsys):
-    fp8, bf16 = write_run(tmp_path / "fp8", True), write_run(tmp_path / "bf16", False, offset=0.1)
-    recs = plot.read_metrics(fp8)
+def test_read_metrics_keeps_the_last_of_repeated_iterations(tmp_path):
+    recs = plot.read_metrics(write_run(tmp_path / "r", False, offset=0.5))
     assert [r["iteration"] for r in recs["train"]] == [10, 20, 30, 40] and len(recs["valid"]) == 2
-    out = tmp_path / "curves.png"
-    assert plot.main([str(fp8), str(bf16), "--output", str(out), "--title", "FP8 vs BF16"]) == 0
-    img = matplotlib.image.imread(out)
-    assert img.shape[:2] == (2 * 396, 3 * 572)  # 2 rows x 3 panels: loss, valid, tokens/s; amax, underflow
-    assert f"wrote {out}" in capsys.readouterr().err
-    plain = tmp_path / "plain.png"
-    plot.plot_runs([str(bf16)], str(plain))
+    assert recs["valid"][1]["loss"] == pytest.approx(4.4)
+
+
+def test_two_runs_on_one_figure(tmp_path):
+    fp8, bf16 = write_run(tmp_path / "fp8", True), write_run(tmp_path / "bf16", False, offset=0.1)
+    out = plot.plot_runs([str(fp8), str(bf16)], str(tmp_path / "curves.png"), title="FP8 vs BF16")
+    assert matplotlib.image.imread(out).shape[:2] == (2 * 396, 3 * 572)  # loss, valid, tokens/s; amax, underflow
+    plain = plot.plot_runs([str(bf16)], str(tmp_path / "plain.png"))
     assert matplotlib.image.imread(plain).shape[:2] == (396, 3 * 572)  # no FP8 telemetry: one row
 
 
-def test_bad_input_is_one_line(tmp_path, capsys):
-    assert plot.main([str(tmp_path / "missing")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no metrics.jsonl there" in err
+def test_bad_input_names_the_run_and_line(tmp_path):
+    with pytest.raises(ConfigError, match="no metrics.jsonl there"):
+        plot.read_metrics(tmp_path / "missing")
     run = write_run(tmp_path / "r", False)
-    assert plot.main([str(run), "--labels", "a,b", "--output", str(tmp_path / "x.png")]) == 2
-    assert "--labels has 2 names for 1 runs" in capsys.readouterr().err
-    (run / "metrics.jsonl").write_text("{not json\n")
-    with pytest.raises(plot.ConfigError, match=r"metrics.jsonl:1 is not valid JSON"):
+    with pytest.raises(ConfigError, match="--labels has 2 names for 1 runs"):
+        plot.plot_runs([str(run)], str(tmp_path / "x.png"), labels=["a", "b"])
+    (run / "metrics.jsonl").write_text('{"iteration": 1}\n{not json\n')
+    with pytest.raises(JSONLinesError, match=r"metrics.jsonl:2 is not valid JSON"):
         plot.read_metrics(run)

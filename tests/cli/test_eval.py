@@ -7,10 +7,11 @@ import zlib
 import pytest
 import torch
 
+from megadlms.cli import eval as cli
 from megadlms.config import TransformerConfig
 from megadlms.data import default_tokenizer_path, load_tokenizer, preprocess_jsonl
-from megadlms.eval import cli
 from megadlms.eval import likelihood as lk
+from megadlms.eval.validation import validation_windows
 from megadlms.model import TransformerLM
 from megadlms.training.checkpoint import save_model_checkpoint
 
@@ -79,7 +80,8 @@ def test_ppl_compares_two_checkpoints_per_mask_ratio(eval_files, tmp_path, capsy
     assert code == 0, err
     report = json.loads((tmp_path / "out" / "ppl.json").read_text())
     assert report["windows"] == 3 and report["mask_ratios"] == [0.25, 0.5, 1.0]
-    windows = cli.validation_windows(cli.add_arguments(cli.argparse.ArgumentParser()).parse_args(argv), tok, 16)
+    windows = validation_windows(tok, data_path=prefix, seq_length=16, samples=3, split="0,1,0",
+                                 data_cache_path=str(tmp_path / "cache"))
     for name, model in ((str(eval_files["dlm"]), eval_files["models"]["dlm"]),
                         (str(eval_files["dlm2"]), eval_files["models"]["dlm2"])):
         nll = lk.elbo_nll(model, [([], w[:16]) for w in windows], mask_id=1, ratios=[0.25, 0.5, 1.0], seed=1234)
@@ -121,7 +123,8 @@ def test_ppl_of_a_block_diffusion_checkpoint_is_its_nelbo(tmp_path, capsys):
     assert code == 0, err
     report = json.loads((tmp_path / "out" / "ppl.json").read_text())["models"][str(tmp_path / "bd3lm")]
     assert report["mode"] == "block diffusion (block 4)" and "NELBO" in out
-    windows = cli.validation_windows(cli.add_arguments(cli.argparse.ArgumentParser()).parse_args(argv), tok, 16)
+    windows = validation_windows(tok, data_path=str(tmp_path / "corpus_text_document"), seq_length=16, samples=2,
+                                 split="0,1,0", data_cache_path=str(tmp_path / "cache"))
     expect = 0.0
     for w in windows:  # each window's noise from the seed and its own tokens
         g = torch.Generator().manual_seed(1234 * 1_000_003 + zlib.crc32(str(w[:16]).encode()))

@@ -12,19 +12,15 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import math
 import sys
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import ConfigError
-from ..errors import import_extra, report_errors
-from .likelihood import DEFAULT_RATIOS, ar_loglikelihood, elbo_nll
-
-HELP = "evaluate a model: lm-evaluation-harness tasks, or the validation ELBO per mask ratio (--ppl)"
+from ..errors import import_extra
+from ..eval.likelihood import DEFAULT_RATIOS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -69,20 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `eval` on an argparse subparsers object; the parser's `run` default runs it."""
-    p = subparsers.add_parser("eval", help=HELP, description=HELP)
-    add_arguments(p)
-    p.set_defaults(run=run)
-    return p
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run `megadlms eval`; returns the exit code (2 on bad input, printed as one line)."""
-    return report_errors("megadlms eval", lambda: _run(args))
-
-
-def _run(args: argparse.Namespace) -> int:
+    """Run `megadlms eval`: harness tasks, or with --ppl the validation ELBO; returns the exit status."""
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
     if args.ppl:
@@ -139,7 +123,7 @@ def _run_harness(args: argparse.Namespace) -> int:
     import lm_eval
     from lm_eval.utils import make_table
 
-    from .harness import MegaDLMsLM
+    from ..eval.harness import MegaDLMsLM
 
     kwargs = model_kwargs(args)
     known = set(inspect.signature(MegaDLMsLM.__init__).parameters) - {"self", "model"}
@@ -184,68 +168,19 @@ def _ratios(text: str) -> list[float]:
     return ratios
 
 
-def validation_windows(args: argparse.Namespace, tokenizer: Any, seq_length: int) -> list[list[int]]:
-    """The first --eval-samples windows [seq_length + 1] of --data-path's validation split."""
-    from ..data import DataConfig, build_loaders
-
-    if not args.data_path:
-        raise ConfigError("--ppl needs --data-path PREFIX (a Megatron .bin/.idx dataset, from `megadlms preprocess`)")
-    if args.eval_samples < 1:
-        raise ConfigError(f"--eval-samples {args.eval_samples} must be >= 1")
-    cfg = DataConfig(data_path=[args.data_path], split=args.split, data_cache_path=args.data_cache_path,
-                     seq_length=seq_length, micro_batch_size=1, seed=args.seed, num_workers=0,
-                     eval_samples=args.eval_samples)
-    valid = build_loaders(cfg, tokenizer, require_train=False).valid
-    if valid is None:
-        raise ConfigError(f"--split {args.split} leaves no validation documents in {args.data_path}; give the "
-                         "validation part a share, e.g. --split 98,2,0")
-    it = iter(valid)
-    return [next(it)[0].tolist() for _ in range(args.eval_samples)]
-
-
-def score_windows(model: Any, cfg: Any, windows: list[list[int]], *, seq_length: int, ratios: list[float],
-                  mask_id: int | None, seed: int, batch_size: int) -> torch.Tensor:
-    """Summed loss over the windows' tokens, fp64: per mask ratio [R] for a masked-diffusion model (each entry
-    (L / k) x CE over k masked tokens, summed over windows), or the exact NLL [1] for a causal model."""
-    if cfg.attn_mask_type == "causal":
-        pairs = [(w[:1], w[1:seq_length + 1]) for w in windows]
-        return torch.tensor([-sum(lp for lp, _ in ar_loglikelihood(model, pairs, batch_size=batch_size))],
-                            dtype=torch.float64)
-    if mask_id is None:
-        raise ConfigError("the ELBO of a masked-diffusion model needs its [MASK] id: the checkpoint config has no "
-                         "mask_token_id; pass --mask-token ID")
-    if cfg.block_size is not None:  # block diffusion: its own NELBO (noise per block), not a per-ratio ELBO
-        return torch.tensor([bd3lm_nelbo_sum(model, windows, seq_length=seq_length, block_size=cfg.block_size,
-                                             mask_id=mask_id, seed=seed)], dtype=torch.float64)
-    pairs = [([], w[:seq_length]) for w in windows]
-    return elbo_nll(model, pairs, mask_id=mask_id, ratios=ratios, seed=seed, batch_size=batch_size).sum(0)
-
-
-def bd3lm_nelbo_sum(model: Any, windows: list[list[int]], *, seq_length: int, block_size: int, mask_id: int,
-                    seed: int) -> float:
-    """The BD3-LM NELBO summed over the windows' tokens (nats). Each window draws its noise from a generator seeded by
-    `seed` and its own tokens, so a score does not depend on the order or on how ranks split the windows."""
-    from ..diffusion.bd3lm import nelbo
-
-    if seq_length % block_size:
-        raise ConfigError(f"--seq-length {seq_length} must be a multiple of the checkpoint's block size {block_size}")
-    device = next(model.parameters()).device
-    total = 0.0
-    for w in windows:
-        g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(str(w[:seq_length]).encode()))
-        tokens = torch.tensor([w[:seq_length]], device=device)
-        total += float(nelbo(model, tokens, block_size=block_size, mask_token_id=mask_id, generator=g)[0]) * seq_length
-    return total
-
-
 def _run_ppl(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from ..data import load_tokenizer
     from ..distributed.init import init_parallel
-    from .loading import load_model
+    from ..eval.loading import load_model
+    from ..eval.validation import format_ppl_table, model_report, score_windows, validation_windows
 
     ratios = _ratios(args.mask_ratios)
+    if not args.data_path:
+        raise ConfigError("--ppl needs --data-path PREFIX (a Megatron .bin/.idx dataset, from `megadlms preprocess`)")
+    if args.eval_samples < 1:
+        raise ConfigError(f"--eval-samples {args.eval_samples} must be >= 1")
     ctx = init_parallel(None if args.device == "auto" else args.device)
     model, cfg, tok_dir = load_model(load=args.load, hf_model=args.hf_model, fp8_export=args.fp8_export,
                                      iteration=args.iteration, device=ctx.device, dtype=args.dtype)
@@ -260,7 +195,8 @@ def _run_ppl(args: argparse.Namespace) -> int:
     for _, _, c in models:
         if seq_length > c.max_position_embeddings:
             raise ConfigError(f"--seq-length {seq_length} exceeds max_position_embeddings={c.max_position_embeddings}")
-    windows = validation_windows(args, tokenizer, seq_length)
+    windows = validation_windows(tokenizer, data_path=args.data_path, seq_length=seq_length, samples=args.eval_samples,
+                                 split=args.split, seed=args.seed, data_cache_path=args.data_cache_path)
     mine = windows[ctx.rank::ctx.world_size]  # under torchrun each rank scores its share; the sums are reduced
     report: dict[str, Any] = {"data_path": args.data_path, "windows": len(windows), "seq_length": seq_length,
                               "mask_ratios": ratios, "models": {}}
@@ -271,17 +207,7 @@ def _run_ppl(args: argparse.Namespace) -> int:
                                   seed=args.seed, batch_size=args.batch_size).to(ctx.device)
         if ctx.world_size > 1:
             dist.all_reduce(total)
-        per_token = (total / (len(windows) * seq_length)).tolist()
-        if c.block_size is not None:
-            report["models"][name] = {"mode": f"block diffusion (block {c.block_size})", "nelbo": per_token[0],
-                                      "elbo": per_token[0], "elbo_ppl": math.exp(min(per_token[0], 50))}
-        elif c.attn_mask_type == "causal":
-            report["models"][name] = {"mode": "autoregressive", "nll": per_token[0],
-                                      "ppl": math.exp(min(per_token[0], 50))}
-        else:
-            elbo = sum(per_token) / len(per_token)
-            report["models"][name] = {"mode": "masked diffusion", "loss_per_ratio": per_token, "elbo": elbo,
-                                      "elbo_ppl": math.exp(min(elbo, 50))}
+        report["models"][name] = model_report(c, (total / (len(windows) * seq_length)).tolist())
     if ctx.rank != 0:
         return 0
     table = format_ppl_table(report)
@@ -294,24 +220,11 @@ def _run_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_ppl_table(report: dict[str, Any]) -> str:
-    """A markdown table: the loss per mask ratio per model, then the ELBO and its perplexity bound."""
-    names = list(report["models"])
-    lines = [f"validation ELBO: {report['windows']} windows x {report['seq_length']} tokens of {report['data_path']}",
-             "", "| mask ratio | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    for j, r in enumerate(report["mask_ratios"]):
-        cells = [f"{m['loss_per_ratio'][j]:.4f}" if "loss_per_ratio" in m else "-" for m in report["models"].values()]
-        lines.append(f"| {r:g} | " + " | ".join(cells) + " |")
-    bound = [f"{m.get('elbo', m.get('nll')):.4f}" for m in report["models"].values()]
-    ppl = [f"{m.get('elbo_ppl', m.get('ppl')):.3f}" for m in report["models"].values()]
-    lines.append("| ELBO (nats/token; AR: exact NLL; BD3-LM: its NELBO) | " + " | ".join(bound) + " |")
-    lines.append("| perplexity (upper bound; AR: exact) | " + " | ".join(ppl) + " |")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(prog="megadlms eval", description=HELP))
-    return run(parser.parse_args(argv))
+    """`megadlms eval ARGV`, with its one-line errors."""
+    from . import run_command
+
+    return run_command("eval", sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,97 @@
+"""The validation ELBO of trained models, side by side on the same windows and masks (`megadlms eval --ppl`).
+
+A masked-diffusion model is scored per mask ratio (its ELBO is the mean over the ratios: a perplexity upper
+bound), a causal model by its exact NLL, a block-diffusion model by its BD3-LM NELBO.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import torch
+
+from ..config import ConfigError
+from .likelihood import ar_loglikelihood, elbo_nll
+
+
+def validation_windows(tokenizer: Any, *, data_path: str, seq_length: int, samples: int, split: str = "969,30,1",
+                       seed: int = 1234, data_cache_path: str | None = None) -> list[list[int]]:
+    """The first `samples` windows [seq_length + 1] of the validation split of a Megatron dataset prefix."""
+    from ..data import DataConfig, build_loaders
+
+    if samples < 1:
+        raise ConfigError(f"samples={samples} must be >= 1 (validation windows to score)")
+    cfg = DataConfig(data_path=[data_path], split=split, data_cache_path=data_cache_path, seq_length=seq_length,
+                     micro_batch_size=1, seed=seed, num_workers=0, eval_samples=samples)
+    valid = build_loaders(cfg, tokenizer, require_train=False).valid
+    if valid is None:
+        raise ConfigError(f"--split {split} leaves no validation documents in {data_path}; give the validation "
+                          "part a share, e.g. --split 98,2,0")
+    it = iter(valid)
+    return [next(it)[0].tolist() for _ in range(samples)]
+
+
+def score_windows(model: Any, cfg: Any, windows: list[list[int]], *, seq_length: int, ratios: list[float],
+                  mask_id: int | None, seed: int, batch_size: int) -> torch.Tensor:
+    """Summed loss over the windows' tokens, fp64: per mask ratio [R] for a masked-diffusion model (each entry
+    (L / k) x CE over k masked tokens, summed over windows), the exact NLL [1] for a causal model, the NELBO [1]
+    for a block-diffusion model."""
+    if cfg.attn_mask_type == "causal":
+        pairs = [(w[:1], w[1:seq_length + 1]) for w in windows]
+        return torch.tensor([-sum(lp for lp, _ in ar_loglikelihood(model, pairs, batch_size=batch_size))],
+                            dtype=torch.float64)
+    if mask_id is None:
+        raise ConfigError("the ELBO of a masked-diffusion model needs its [MASK] id: the checkpoint config has no "
+                          "mask_token_id; pass --mask-token ID")
+    if cfg.block_size is not None:  # block diffusion: its own NELBO (noise per block), not a per-ratio ELBO
+        return torch.tensor([bd3lm_nelbo_sum(model, windows, seq_length=seq_length, block_size=cfg.block_size,
+                                             mask_id=mask_id, seed=seed)], dtype=torch.float64)
+    pairs = [([], w[:seq_length]) for w in windows]
+    return elbo_nll(model, pairs, mask_id=mask_id, ratios=ratios, seed=seed, batch_size=batch_size).sum(0)
+
+
+def bd3lm_nelbo_sum(model: Any, windows: list[list[int]], *, seq_length: int, block_size: int, mask_id: int,
+                    seed: int) -> float:
+    """The BD3-LM NELBO summed over the windows' tokens (nats). Each window draws its noise from a generator seeded by
+    `seed` and its own tokens, so a score does not depend on the order or on how ranks split the windows."""
+    from ..diffusion.bd3lm import nelbo
+
+    if seq_length % block_size:
+        raise ConfigError(f"--seq-length {seq_length} must be a multiple of the checkpoint's block size {block_size}")
+    device = next(model.parameters()).device
+    total = 0.0
+    for w in windows:
+        g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(str(w[:seq_length]).encode()))
+        tokens = torch.tensor([w[:seq_length]], device=device)
+        total += float(nelbo(model, tokens, block_size=block_size, mask_token_id=mask_id, generator=g)[0]) * seq_length
+    return total
+
+
+def model_report(cfg: Any, per_token: list[float]) -> dict[str, Any]:
+    """One model's entry of the report from its per-token loss (`score_windows` / tokens): the mode, the bound
+    (or exact NLL) and its perplexity."""
+    if cfg.block_size is not None:
+        return {"mode": f"block diffusion (block {cfg.block_size})", "nelbo": per_token[0], "elbo": per_token[0],
+                "elbo_ppl": math.exp(min(per_token[0], 50))}
+    if cfg.attn_mask_type == "causal":
+        return {"mode": "autoregressive", "nll": per_token[0], "ppl": math.exp(min(per_token[0], 50))}
+    elbo = sum(per_token) / len(per_token)
+    return {"mode": "masked diffusion", "loss_per_ratio": per_token, "elbo": elbo,
+            "elbo_ppl": math.exp(min(elbo, 50))}
+
+
+def format_ppl_table(report: dict[str, Any]) -> str:
+    """A markdown table: the loss per mask ratio per model, then the ELBO and its perplexity bound."""
+    names = list(report["models"])
+    lines = [f"validation ELBO: {report['windows']} windows x {report['seq_length']} tokens of {report['data_path']}",
+             "", "| mask ratio | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for j, r in enumerate(report["mask_ratios"]):
+        cells = [f"{m['loss_per_ratio'][j]:.4f}" if "loss_per_ratio" in m else "-" for m in report["models"].values()]
+        lines.append(f"| {r:g} | " + " | ".join(cells) + " |")
+    bound = [f"{m.get('elbo', m.get('nll')):.4f}" for m in report["models"].values()]
+    ppl = [f"{m.get('elbo_ppl', m.get('ppl')):.3f}" for m in report["models"].values()]
+    lines.append("| ELBO (nats/token; AR: exact NLL; BD3-LM: its NELBO) | " + " | ".join(bound) + " |")
+    lines.append("| perplexity (upper bound; AR: exact) | " + " | ".join(ppl) + " |")
+    return "\n".join(lines)

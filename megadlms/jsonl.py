@@ -1,0 +1,42 @@
+"""JSON-lines files (one JSON object per line), read with errors that name the file and the line.
+
+Used for prompt files (`megadlms generate --prompt-file`) and run metrics (`metrics.jsonl`, `megadlms plot`).
+The corpus preprocessor reads its input in parallel chunks and keeps its own reader.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .errors import MegaDLMsError
+
+
+class JSONLinesError(MegaDLMsError, ValueError):
+    """A line of a JSON-lines file is not a JSON object; the message names the file and the line."""
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number from 1, record) for every non-blank line of `path`, read lazily.
+
+    A line that is not UTF-8, not JSON or not a JSON object raises `JSONLinesError` ("FILE:LINE is not valid
+    JSON (...)"); a missing file raises FileNotFoundError, which the command line reports as one line.
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise JSONLinesError(f"{path}:{n} is not valid UTF-8 (byte {e.start}); save the file as UTF-8") from e
+            except json.JSONDecodeError as e:
+                raise JSONLinesError(f"{path}:{n} is not valid JSON ({e.msg} at column {e.colno}): "
+                                     f"{raw[:80].decode('utf-8', 'replace').rstrip()!r}") from e
+            if not isinstance(rec, dict):
+                raise JSONLinesError(f"{path}:{n} is a JSON {type(rec).__name__}, expected an object "
+                                     "{\"key\": value, ...} on each line")
+            yield n, rec
