@@ -22,10 +22,10 @@ from megadlms.presets import preset_config
 from megadlms.training.triton_adamw import StreamingAdamW, adamw_update_, available
 
 
-def parameter_shapes(preset: str, layers: int) -> list[torch.Size]:
+def parameter_shapes(preset: str, layers: int, **overrides) -> list[torch.Size]:
     """The shapes of the model's parameters, from the model built on the meta device (no memory)."""
     with torch.device("meta"):
-        model = TransformerLM(preset_config(preset, num_layers=layers))
+        model = TransformerLM(preset_config(preset, num_layers=layers, **overrides))
     return [p.shape for p in model.parameters()]
 
 
@@ -96,15 +96,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--smoke", action="store_true",
-                    help="the tiny preset, 2 layers, one tile, on the CPU (needs TRITON_INTERPRET=1)")
+                    help="the tiny preset narrowed, 1 layer, one tile, on the CPU (needs TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if args.smoke:
-        args.preset, args.layers, args.iters = "tiny", 2, 1
+        args.preset, args.layers, args.iters = "tiny", 1, 1
+    # the interpreter runs each tile in Python: few parameters, yet the embedding and both MLP weights large enough
+    # for StreamingAdamW's kernel (min_numel)
+    narrow = {"hidden_size": 128, "ffn_hidden_size": 512} if args.smoke else {}
     dev = torch.device("cpu" if args.smoke else "cuda")
     if not available(dev):
         sys.exit(f"the Triton AdamW kernel cannot run on {dev} (on the CPU: set TRITON_INTERPRET=1)")
     gen = torch.Generator(device=dev).manual_seed(0)
-    params = [torch.randn(s, device=dev, generator=gen) * 0.02 for s in parameter_shapes(args.preset, args.layers)]
+    shapes = parameter_shapes(args.preset, args.layers, **narrow)
+    params = [torch.randn(s, device=dev, generator=gen) * 0.02 for s in shapes]
     grads = [torch.randn(s, device=dev, generator=gen) * 1e-3 for s in (p.shape for p in params)]
     n = sum(p.numel() for p in params)
     scale = torch.tensor(1.0, device=dev)  # the clipping divisor (1: unclipped; the agreement check stays exact)

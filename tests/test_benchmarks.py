@@ -33,11 +33,17 @@ SMOKES = {
 }
 
 
+def _env(**extra: str) -> dict[str, str]:
+    """The scripts' environment: this checkout first on the path, one OpenMP thread (the smokes' matrices are
+    tiny: a second thread only contends with the other test worker)."""
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": "1", **extra}
+
+
 @pytest.mark.parametrize("name", list(SMOKES))
 def test_benchmark_smoke(name, tmp_path):
     args, expect = SMOKES[name]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "MEGADLMS_CACHE": str(tmp_path / "cache"), "OUT": str(tmp_path / "out")}
+    env = _env(MEGADLMS_CACHE=str(tmp_path / "cache"), OUT=str(tmp_path / "out"))
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -50,8 +56,7 @@ def test_benchmark_smoke(name, tmp_path):
 def test_fp8_cast_sweep_smoke(tmp_path):
     """The cast sweep in Triton's interpreter on the CPU: one tile, the formulations checked and timed (rounded in
     fp32 arithmetic: the interpreter's emulation of the FP8 conversion does not round to nearest even)."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "TRITON_INTERPRET": "1"}
+    env = _env(TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_cast_sweep.py"), "--smoke", "--tiles",
                           "64x64x4", "--modes", "0,3", "--roundings", "sw"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
@@ -63,8 +68,7 @@ def test_fp8_cast_sweep_smoke(tmp_path):
 def test_fp8_cast_sweep_amax_smoke(tmp_path):
     """The amax sweeps (current scaling's amax kernel, the fused MLP's amax passes) in Triton's interpreter: every
     tile agrees with torch, and each tensor gets its summary line."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "TRITON_INTERPRET": "1"}
+    env = _env(TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_cast_sweep.py"), "--smoke", "--kinds",
                           "amax,swiglu_amax"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -77,8 +81,7 @@ def test_fp8_cast_sweep_amax_smoke(tmp_path):
 def test_adamw_speed_smoke(tmp_path):
     """The optimizer benchmark with the AdamW kernel in Triton's interpreter: it runs, and StreamingAdamW agrees with
     torch's fused AdamW."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "TRITON_INTERPRET": "1"}
+    env = _env(TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "adamw_speed.py"), "--smoke"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -138,7 +141,7 @@ def test_step_time_breakdown_of_a_result():
 def test_fp8_store_check_smoke(tmp_path):
     """The transposed-store check in Triton's interpreter: every kernel and formulation runs, and the interpreter's
     stores are right (a counting error would show here as a bad call)."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = _env()
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_store_check.py"), "--smoke"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
