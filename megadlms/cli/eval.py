@@ -21,18 +21,13 @@ import torch
 from ..config import ConfigError
 from ..errors import import_extra
 from ..eval.likelihood import DEFAULT_RATIOS
+from .model_args import add_model_source
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--load", metavar="DIR", help="a megadlms checkpoint folder (as written by `megadlms train`)")
-    src.add_argument("--hf-model", metavar="DIR", help="a Hugging Face model folder (e.g. `megadlms convert` output)")
-    src.add_argument("--fp8-export", metavar="DIR", help="a model exported with FP8 weights (`megadlms export`)")
-    g.add_argument("--iteration", type=int, default=None, help="with --load: this iteration (default: the latest)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the one stored with the model)")
+    add_model_source(g)
     g.add_argument("--mask-token", type=int, default=None, help="the [MASK] id (default: the model config's)")
-    g.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if available), cpu, cuda, cuda:N")
     g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="weights dtype: auto = bf16 on GPU, fp32 on CPU (FP8 models keep their FP8 layers)")
     g.add_argument("--batch-size", type=int, default=8, help="rows per forward")

@@ -27,6 +27,7 @@ from ..diffusion.sampler import REMASKING, generate_tokens, prepare_prompts
 from ..errors import report_errors
 from ..generate.ar import ar_generate_tokens
 from ..jsonl import read_jsonl
+from .model_args import add_model_source
 
 if TYPE_CHECKING:
     from ..model import TransformerLM
@@ -34,13 +35,7 @@ if TYPE_CHECKING:
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--load", metavar="DIR", help="a megadlms checkpoint folder (as written by `megadlms train`)")
-    src.add_argument("--hf-model", metavar="DIR", help="a Hugging Face model folder (e.g. `megadlms convert` output)")
-    src.add_argument("--fp8-export", metavar="DIR", help="a model exported with FP8 weights")
-    g.add_argument("--iteration", type=int, default=None, help="with --load: this iteration (default: the latest)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the one stored with the model)")
-    g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    add_model_source(g)
     g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="weights dtype: auto = bf16 on GPU, fp32 on CPU (FP8 exports keep their own)")
 

@@ -106,15 +106,7 @@ def quantize_tiles(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3, pow2: bool = 
     [C', R'/128] column-major. On CUDA one Triton pass writes both (after a first-call check)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_tiles: x must be 2-D [rows, cols], got shape {tuple(x.shape)}")
-    xp = _pad_to_blocks(x).contiguous()
-    if _triton_enabled(xp.device):
-        key = ("tiles", xp.dtype, fp8_dtype, pow2, transpose)
-        if _verdicts.get(key) is None:
-            _verdicts[key] = _first_call_agrees("tile", _tiles_triton, _tiles_pair_reference, xp, fp8_dtype, pow2,
-                                                transpose)
-        if _verdicts[key]:
-            return _tiles_triton(xp, fp8_dtype, pow2, transpose)
-    return _tiles_pair_reference(xp, fp8_dtype, pow2, transpose)
+    return _cast_padded("tile", _pad_to_blocks(x).contiguous(), fp8_dtype, pow2, transpose)
 
 
 def _tiles_pair_reference(xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
@@ -136,15 +128,22 @@ def quantize_blocks(w: torch.Tensor, fp8_dtype: torch.dtype = E4M3, pow2: bool =
     [K', N'] with the transposed scales (the same FP8 values: a block's scale does not depend on orientation)."""
     if w.dim() != 2:
         raise ValueError(f"quantize_blocks: w must be 2-D [out, in], got shape {tuple(w.shape)}")
-    wp = _pad_to_blocks(w).contiguous()
-    if _triton_enabled(wp.device):
-        key = ("blocks", wp.dtype, fp8_dtype, pow2, transpose)
+    return _cast_padded("block", _pad_to_blocks(w).contiguous(), fp8_dtype, pow2, transpose)
+
+
+def _cast_padded(what: str, xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
+                 ) -> tuple[Quantized, Quantized | None]:
+    """The `what` ('tile' or 'block') cast of xp (padded to multiples of 128): the Triton kernel on CUDA once its
+    first call agreed with the torch reference, else the reference."""
+    kernel, reference = (_tiles_triton, _tiles_pair_reference) if what == "tile" else (_blocks_triton,
+                                                                                        _blocks_reference)
+    if _triton_enabled(xp.device):
+        key = (what, xp.dtype, fp8_dtype, pow2, transpose)
         if _verdicts.get(key) is None:
-            _verdicts[key] = _first_call_agrees("block", _blocks_triton, _blocks_reference, wp, fp8_dtype, pow2,
-                                                transpose)
+            _verdicts[key] = _first_call_agrees(what, kernel, reference, xp, fp8_dtype, pow2, transpose)
         if _verdicts[key]:
-            return _blocks_triton(wp, fp8_dtype, pow2, transpose)
-    return _blocks_reference(wp, fp8_dtype, pow2, transpose)
+            return kernel(xp, fp8_dtype, pow2, transpose)
+    return reference(xp, fp8_dtype, pow2, transpose)
 
 
 def _blocks_reference(wp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
@@ -276,29 +275,36 @@ if triton is not None:
         return tl.where(ok, scale, 1.0)
 
     @triton.jit
+    def _load_tile(x_ptr, C, B: tl.constexpr):
+        # this program's 128x128 tile of x [*, C] (fp32) with its first row and column and the lane ranges
+        r0 = tl.program_id(0).to(tl.int64) * B
+        c0 = tl.program_id(1).to(tl.int64) * B
+        lr = tl.arange(0, B)
+        lc = tl.arange(0, B)
+        return tl.load(x_ptr + (r0 + lr[:, None]) * C + c0 + lc[None, :]).to(tl.float32), r0, c0, lr, lc
+
+    @triton.jit
+    def _to_grid(y, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr):
+        # y (x * scale) clamped to the FP8 range and rounded to the FP8 grid, still fp32
+        return fp8_round(tl.minimum(tl.maximum(y, -FMAX), FMAX), MBITS, EMIN)
+
+    @triton.jit
     def _tiles_kernel(x_ptr, q_ptr, s_ptr, t_ptr, st_ptr, R, C, FMAX: tl.constexpr, MBITS: tl.constexpr,
                       EMIN: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr, B: tl.constexpr):
         # one 128x128 tile of x [R, C] (both multiples of 128): row amaxes -> the 1x128 tiles of x, column amaxes
         # -> the 1x128 tiles of x^T; each cast from the same fp32 values read once
-        pr = tl.program_id(0)
-        pc = tl.program_id(1)
-        r0 = pr.to(tl.int64) * B
-        c0 = pc.to(tl.int64) * B
-        lr = tl.arange(0, B)
-        lc = tl.arange(0, B)
-        x = tl.load(x_ptr + (r0 + lr[:, None]) * C + c0 + lc[None, :]).to(tl.float32)
+        x, r0, c0, lr, lc = _load_tile(x_ptr, C, B)
         ax = tl.abs(x)
         scale = _scale_of(tl.max(ax, axis=1), FMAX, POW2)  # [B]: one per row
-        y = fp8_round(tl.minimum(tl.maximum(x * scale[:, None], -FMAX), FMAX), MBITS, EMIN)
+        y = _to_grid(x * scale[:, None], FMAX, MBITS, EMIN)
         tl.store(q_ptr + (r0 + lr[:, None]) * C + c0 + lc[None, :], y.to(q_ptr.dtype.element_ty))
-        tl.store(s_ptr + pc.to(tl.int64) * R + r0 + lr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+        tl.store(s_ptr + c0 // B * R + r0 + lr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
         if TRANSPOSE:
             scale_t = _scale_of(tl.max(ax, axis=0), FMAX, POW2)  # [B]: one per column
-            yt = fp8_round(tl.minimum(tl.maximum(x * scale_t[None, :], -FMAX), FMAX), MBITS, EMIN)
+            yt = _to_grid(x * scale_t[None, :], FMAX, MBITS, EMIN)
             # x^T [C, R]: element (c, r) at c * R + r, stored from the untransposed tile through its addresses
             tl.store(t_ptr + (c0 + lc[None, :]) * R + r0 + lr[:, None], yt.to(t_ptr.dtype.element_ty))
-            tl.store(st_ptr + pr.to(tl.int64) * C + c0 + lc,
-                     tl.math.div_rn(tl.full(scale_t.shape, 1.0, tl.float32), scale_t))
+            tl.store(st_ptr + r0 // B * C + c0 + lc, tl.math.div_rn(tl.full(scale_t.shape, 1.0, tl.float32), scale_t))
 
     @triton.jit
     def _blocks_kernel(w_ptr, q_ptr, s_ptr, t_ptr, st_ptr, N, K, LS, LST, FMAX: tl.constexpr, MBITS: tl.constexpr,
@@ -306,23 +312,17 @@ if triton is not None:
         # one 128x128 block of w [N, K]: its amax -> one scale; the block cast once, stored as is and (TRANSPOSE)
         # at its transposed place in w^T [K, N]; its scale_inv at (block row, block col) of the [N/128, LS] buffer
         # and at the transposed place of the [K/128, LST] buffer
-        pr = tl.program_id(0)
-        pc = tl.program_id(1)
-        r0 = pr.to(tl.int64) * B
-        c0 = pc.to(tl.int64) * B
-        lr = tl.arange(0, B)
-        lc = tl.arange(0, B)
-        x = tl.load(w_ptr + (r0 + lr[:, None]) * K + c0 + lc[None, :]).to(tl.float32)
+        x, r0, c0, lr, lc = _load_tile(w_ptr, K, B)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         scale = _scale_of(tl.zeros([B], tl.float32) + amax, FMAX, POW2)  # [B], all equal
-        y = fp8_round(tl.minimum(tl.maximum(x * scale[:, None], -FMAX), FMAX), MBITS, EMIN)
+        y = _to_grid(x * scale[:, None], FMAX, MBITS, EMIN)
         tl.store(q_ptr + (r0 + lr[:, None]) * K + c0 + lc[None, :], y.to(q_ptr.dtype.element_ty))
         inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
         first = lr == 0
-        tl.store(s_ptr + pr * LS + pc + lr * 0, inv, mask=first)
+        tl.store(s_ptr + r0 // B * LS + c0 // B + lr * 0, inv, mask=first)
         if TRANSPOSE:
             tl.store(t_ptr + (c0 + lc[None, :]) * N + r0 + lr[:, None], y.to(t_ptr.dtype.element_ty))
-            tl.store(st_ptr + pc * LST + pr + lr * 0, inv, mask=first)
+            tl.store(st_ptr + c0 // B * LST + r0 // B + lr * 0, inv, mask=first)
 
 
 def _tiles_triton(xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
