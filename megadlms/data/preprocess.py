@@ -139,14 +139,9 @@ def _encode_chunk(task: tuple[str, int, list[bytes]]) -> dict:
         if not raw.strip():
             continue  # blank lines (e.g. a trailing newline) are not documents
         try:
-            text = raw.rstrip(b"\r\n").decode("utf-8")  # without the line break, JSON error columns are true
-        except UnicodeDecodeError as e:
-            bad.append((lineno, f"not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r})"))
-            continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            bad.append((lineno, f"not valid JSON ({e.msg} at column {e.colno})"))
+            obj = _json_line(raw)
+        except ValueError as e:
+            bad.append((lineno, str(e)))
             continue
         if not isinstance(obj, dict):
             bad.append((lineno, f"a JSON {type(obj).__name__}, expected an object with keys {list(keys)}"))
@@ -184,6 +179,18 @@ def _encode_chunk(task: tuple[str, int, list[bytes]]) -> dict:
     return {"path": path, "keys": result, "bad": bad, "bytes": nbytes, "docs": ndocs}
 
 
+def _json_line(raw: bytes) -> Any:
+    """The JSON value of one input line; ValueError naming what is wrong with a line that is not UTF-8 JSON."""
+    try:
+        text = raw.rstrip(b"\r\n").decode("utf-8")  # without the line break, JSON error columns are true
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+
+
 def _init_chat_worker(renderer: ChatRenderer, dtype: str) -> None:
     _WORKER.update(renderer=renderer, dtype=np.dtype(dtype))
 
@@ -202,12 +209,9 @@ def _encode_chat_chunk(task: tuple[str, int, list[bytes]]) -> dict:
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
-        except UnicodeDecodeError as e:
-            bad.append((lineno, f"not valid UTF-8 (byte {e.start})"))
-            continue
-        except json.JSONDecodeError as e:
-            bad.append((lineno, f"not valid JSON ({e.msg} at column {e.colno})"))
+            obj = _json_line(raw)
+        except ValueError as e:
+            bad.append((lineno, str(e)))
             continue
         try:
             ids, mask = renderer.encode(record_messages(obj))
