@@ -19,18 +19,9 @@ from ..fp8.gemm import scaled_mm
 from ..fp8.hardware import FP8UnsupportedError, check_fp8_support, default_device, fp8_backend_note
 from ..fp8.quantize import E4M3, quantize_tensorwise
 from ..fp8.quantizer import make_quantizer
-from ..fp8.recipe import (
-    DelayedScaling,
-    Float8BlockwiseScaling,
-    Float8CurrentScaling,
-    Float8MXScaling,
-    Float8RowwiseScaling,
-    Recipe,
-)
+from ..fp8.recipe import RECIPE_CLASSES, Recipe
 
-RECIPES: dict[str, Recipe] = {"delayed": DelayedScaling(), "tensorwise": Float8CurrentScaling(),
-                              "rowwise": Float8RowwiseScaling(), "blockwise": Float8BlockwiseScaling(),
-                              "mxfp8": Float8MXScaling()}
+RECIPES: dict[str, Recipe] = {name: cls() for name, cls in RECIPE_CLASSES.items()}  # each with its defaults
 
 # E4M3 keeps 3 mantissa bits: ~2-3% relative error per operand on Gaussian data, ~4% for a product
 MAX_REL_ERROR = 0.08

@@ -206,26 +206,35 @@ class DelayedQuantizer(Quantizer):
         return super().fused_scale(step, amax)
 
 
-class RowwiseQuantizer(Quantizer):
-    """One scale per row (`Float8RowwiseScaling`): `rows` scaled per row of x, `cols` per column of x (a cast of
-    its own from x: the contracted dimension of the backward GEMMs is the other one)."""
+class _SeparateCastsQuantizer(Quantizer):
+    """A kind whose transposed copy is a cast of its own from x (its scales run along the other dimension, the one
+    the backward GEMMs contract): `rows` from `_rows(x)`, `cols` from `_cols(x)`."""
 
     per_tensor = False
     cols_in_same_pass = False
-    recipe: Float8MXScaling
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
                  amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
-        out = FP8Tensor()
-        if rows:
-            q, si, _ = quantize_rowwise(x, self.fp8_dtype, 1, self.recipe.margin)  # si [R, 1]
-            out.rows = Operand(q, si)
-        if cols:
-            out.cols = self._cols(x)
-        return out
+        return FP8Tensor(self._rows(x) if rows else None, self._cols(x) if cols else None)
 
     def cols_of(self, rows: Operand, source: Callable[[], torch.Tensor]) -> Operand:
         return self._cols(source())
+
+    def _rows(self, x: torch.Tensor) -> Operand:
+        raise NotImplementedError
+
+    def _cols(self, x: torch.Tensor) -> Operand:
+        raise NotImplementedError
+
+
+class RowwiseQuantizer(_SeparateCastsQuantizer):
+    """One scale per row (`Float8RowwiseScaling`): `rows` scaled per row of x, `cols` per column of x."""
+
+    recipe: Float8RowwiseScaling
+
+    def _rows(self, x: torch.Tensor) -> Operand:
+        q, si, _ = quantize_rowwise(x, self.fp8_dtype, 1, self.recipe.margin)  # si [R, 1]
+        return Operand(q, si)
 
     def _cols(self, x: torch.Tensor) -> Operand:
         q, si, _ = quantize_rowwise(x, self.fp8_dtype, 0, self.recipe.margin)  # one scale per column: si [1, C]
@@ -276,25 +285,17 @@ def _tiles(data: torch.Tensor, scale_inv: torch.Tensor) -> Operand:
     return Operand(data, scale_inv)
 
 
-class MXQuantizer(Quantizer):
-    """`Float8MXScaling`: `rows` with one E8M0 scale per 32 elements of each row, `cols` the same of x^T (a cast of
-    its own: the blocks run along the contracted dimension)."""
+class MXQuantizer(_SeparateCastsQuantizer):
+    """`Float8MXScaling`: `rows` with one E8M0 scale per 32 elements of each row, `cols` the same of x^T (the blocks
+    run along the contracted dimension)."""
 
-    per_tensor = False
-    cols_in_same_pass = False
     recipe: Float8MXScaling
 
-    def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
-        out = FP8Tensor()
-        if rows:
-            out.rows = Operand(*quantize_mx(x, self.recipe.rounding))
-        if cols:
-            out.cols = Operand(*quantize_mx(x.t(), self.recipe.rounding))
-        return out
+    def _rows(self, x: torch.Tensor) -> Operand:
+        return Operand(*quantize_mx(x, self.recipe.rounding))
 
-    def cols_of(self, rows: Operand, source: Callable[[], torch.Tensor]) -> Operand:
-        return Operand(*quantize_mx(source().t(), self.recipe.rounding))
+    def _cols(self, x: torch.Tensor) -> Operand:
+        return Operand(*quantize_mx(x.t(), self.recipe.rounding))
 
     def check_device(self, device_index: int) -> None:
         check_mx_gemm_support(device_index)

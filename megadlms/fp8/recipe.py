@@ -182,7 +182,11 @@ class Float8MXScaling:
 
 
 Recipe = DelayedScaling | Float8CurrentScaling | Float8RowwiseScaling | Float8BlockwiseScaling | Float8MXScaling
-RECIPE_TYPES = (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Float8BlockwiseScaling, Float8MXScaling)
+# --fp8-recipe NAME -> its recipe class
+RECIPE_CLASSES: dict[str, type[Recipe]] = {"delayed": DelayedScaling, "tensorwise": Float8CurrentScaling,
+                                           "rowwise": Float8RowwiseScaling, "blockwise": Float8BlockwiseScaling,
+                                           "mxfp8": Float8MXScaling}
+RECIPE_TYPES = tuple(RECIPE_CLASSES.values())
 
 
 def check_recipe(recipe: object) -> Recipe:
