@@ -14,7 +14,6 @@ import collections
 import glob
 import gzip
 import hashlib
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MegaDLMsError, report_errors
+from ..jsonl import decode_json_line
 from .chat import CHAT_KEY, BadRecord, ChatRenderer, record_messages
 from .indexed import IndexedDatasetBuilder, dataset_exists, optimal_dtype
 from .sft import loss_mask_prefix
@@ -139,7 +139,7 @@ def _encode_chunk(task: tuple[str, int, list[bytes]]) -> dict:
         if not raw.strip():
             continue  # blank lines (e.g. a trailing newline) are not documents
         try:
-            obj = _json_line(raw)
+            obj = decode_json_line(raw)
         except ValueError as e:
             bad.append((lineno, str(e)))
             continue
@@ -179,18 +179,6 @@ def _encode_chunk(task: tuple[str, int, list[bytes]]) -> dict:
     return {"path": path, "keys": result, "bad": bad, "bytes": nbytes, "docs": ndocs}
 
 
-def _json_line(raw: bytes) -> Any:
-    """The JSON value of one input line; ValueError naming what is wrong with a line that is not UTF-8 JSON."""
-    try:
-        text = raw.rstrip(b"\r\n").decode("utf-8")  # without the line break, JSON error columns are true
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
-
-
 def _init_chat_worker(renderer: ChatRenderer, dtype: str) -> None:
     _WORKER.update(renderer=renderer, dtype=np.dtype(dtype))
 
@@ -209,7 +197,7 @@ def _encode_chat_chunk(task: tuple[str, int, list[bytes]]) -> dict:
         if not raw.strip():
             continue
         try:
-            obj = _json_line(raw)
+            obj = decode_json_line(raw)
         except ValueError as e:
             bad.append((lineno, str(e)))
             continue
