@@ -218,7 +218,6 @@ class Trainer:
         self.flops_per_token = cfg.flops_per_token(cfg.seq_length)
         if self.bd3lm is not None:
             self.flops_per_token = bd3lm.flops_per_token(cfg, self.bd3lm.block_size)
-        self.matmul_flops_per_token = 6.0 * cfg.num_matmul_params()  # the linears and the LM head
         self.peak = bf16_peak_tflops(self.device)
         self.sinks = MetricSinks(t.tensorboard_dir, config.checkpoint.save or t.tensorboard_dir, enabled=ctx.is_main,
                                  wandb=WandbConfig.from_run(config))
@@ -408,10 +407,8 @@ class Trainer:
                 loss = self._loss(inputs, targets, weights, rows, **extra)
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
-            mb_tokens = length * self.mbs * self.ctx.dp_size
-            tokens += mb_tokens
-            flops += mb_tokens * self.flops_per_token if pairs is None else self.ctx.dp_size * (
-                length * self.mbs * self.matmul_flops_per_token + pairs * self.cfg.attention_flops_per_pair())
+            tokens += length * self.mbs * self.ctx.dp_size
+            flops += self._micro_batch_flops(length, pairs)
         if collect:
             enable_fp8_stats(model, False)
         grad_norm = self._clip_grads()
@@ -428,6 +425,16 @@ class Trainer:
         self.state.consumed_tokens += tokens
         return {"loss": self.guard.finite_loss(loss_sum / self.accum), "grad_norm": grad_norm, "lr": lr,
                 "tokens": tokens, "flops": flops}
+
+    def _micro_batch_flops(self, length: int, pairs: int | None) -> float:
+        """Training FLOPs of one micro-batch of rows `length` long, summed over the data-parallel ranks (each
+        taken as this one). pairs: the (query, key) pairs of packed documents (`documents.attended_pairs`), whose
+        attention is counted over those pairs instead of whole rows."""
+        tokens = length * self.mbs
+        if pairs is None:
+            return self.ctx.dp_size * tokens * self.flops_per_token
+        return self.ctx.dp_size * (tokens * 6.0 * self.cfg.num_matmul_params()
+                                   + pairs * self.cfg.attention_flops_per_pair())
 
     def _draw_noise(self, sampler: MaskSampler, evaluation: bool = False):
         """One global batch's noise. Block diffusion trains on whole windows (no varilen cut): every block is
