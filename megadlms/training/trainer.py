@@ -487,6 +487,7 @@ class Trainer:
                 noise = self._draw_noise(sampler, evaluation=True)
                 self.attention.begin_step(self.config.train.train_iters, self.cfg.seq_length)  # the final attention
                 for (inputs, targets, weights), _, rows, extra in self._micro_batches(it, noise, self.accum):
+                    extra.pop("attended_pairs", None)
                     total += self._loss(inputs, targets, weights, rows, **extra)
                     n += 1
         if self.ctx.distributed:
