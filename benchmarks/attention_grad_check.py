@@ -80,7 +80,8 @@ def grads(model: torch.nn.Module, batch, flex: bool, dtype: torch.dtype | None) 
         logits = model.logits(hidden[:, :targets.shape[1]])
         loss = weighted_cross_entropy(logits, targets, weights)
     loss.backward()
-    return float(loss.detach()), {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    named = model.named_parameters()
+    return float(loss.detach()), {n: p.grad.detach().float().clone() for n, p in named if p.grad is not None}
 
 
 def to_fp8(model: TransformerLM, base) -> TransformerLM:

@@ -56,7 +56,7 @@ def same_token_bound(trainer, mode: str, block: int | None, a: argparse.Namespac
     """Nats per token of tokens 1..L-1 given token 0, averaged over the validation windows and noise draws, and
     the standard error of that mean over the windows."""
     model, n = trainer.base_model.eval(), a.seq_length
-    mask_id = trainer.cfg.mask_token_id
+    mask_id = trainer.model_config.mask_token_id
     loader = trainer.loaders.valid
     loader.load_state_dict({"consumed_samples": 0})
     it = iter(loader)

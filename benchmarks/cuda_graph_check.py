@@ -56,9 +56,8 @@ def _losses(t, iters: int) -> list[float]:
 
 
 def _loss_and_grads(t, batch) -> tuple[float, list[torch.Tensor]]:
-    inputs, targets, weights = batch
     t.optimizer.zero_grad(set_to_none=True)
-    loss = t._loss(inputs, targets, weights)
+    loss = t._loss(batch)
     loss.backward()
     grads = [p.grad.detach().float().clone() for layer in t.model.layers for p in layer.parameters()]
     t.optimizer.zero_grad(set_to_none=True)
@@ -121,7 +120,6 @@ def main() -> None:
         os.environ["MEGADLMS_EMULATE_CUDA_GRAPHS"] = "1"
     # nine trainers in one process (3 variants x off/off/on), plus cut lengths: more than the default 8 graphs
     torch._dynamo.config.recompile_limit = 64
-    from megadlms.diffusion.objective import prepare_batch
     from megadlms.fp8 import fp8_graph_capture
 
     recovery = check_failed_capture() if not a.smoke else "failed capture: not checked (CPU)"
@@ -136,9 +134,8 @@ def main() -> None:
         got = _losses(g, a.iters)
         graphs = g.layer_graphs
         # one micro-batch at the trained weights: replayed graphs vs the eager layers, same FP8 state
-        noise = g.sampler.draw(g.global_batch, g.cfg.seq_length, g.accum, 0.0)
-        sample = next(g._train_iter).to(g.device)
-        batch = prepare_batch(sample, (noise.t[:g.mbs], noise.u[:g.mbs]), g.cfg.seq_length, g.objective)
+        noise = g.objective.draw_noise(g.sampler, g.global_batch, g.accum, evaluation=True)  # whole windows
+        batch = next(g.objective.micro_batches(g._train_iter, noise, 1, g.device))
         with fp8_graph_capture(g.model):  # restores the FP8 buffers after the two passes; casts afresh
             replays = graphs.num_replays
             l_graph, gr_graph = _loss_and_grads(g, batch)

@@ -84,10 +84,10 @@ def sync_calls(trainer, steps: int) -> dict[str, int]:
 
 def host_times(trainer, steps: int) -> tuple[list[float], list[float]]:
     """Per step: the host's ms in `train_step`, and its ms waiting for the masked-token count."""
-    from megadlms.training import trainer as trainer_module
+    from megadlms.training import objectives as objectives_module
 
     waits: list[float] = []
-    original = trainer_module._HostCount.get
+    original = objectives_module.HostCount.get
 
     def timed_get(self):
         t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def host_times(trainer, steps: int) -> tuple[list[float], list[float]]:
         waits.append((time.perf_counter() - t0) * 1e3)
         return value
 
-    trainer_module._HostCount.get = timed_get
+    objectives_module.HostCount.get = timed_get
     step_ms = []
     try:
         for _ in range(steps):
@@ -103,7 +103,7 @@ def host_times(trainer, steps: int) -> tuple[list[float], list[float]]:
             trainer.train_step()
             step_ms.append((time.perf_counter() - t0) * 1e3)
     finally:
-        trainer_module._HostCount.get = original
+        objectives_module.HostCount.get = original
     return step_ms, waits
 
 

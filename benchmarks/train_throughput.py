@@ -191,7 +191,8 @@ def worker(spec: dict) -> None:
     gpu_step_ms = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
     loss = float(torch.stack(losses).float().mean())
     tok_s = tokens / dt
-    fpt = trainer.cfg.flops_per_token(trainer.cfg.seq_length)
+    mc = trainer.model_config
+    fpt = mc.flops_per_token(mc.seq_length)
     res = {"config": spec["name"], "batch": spec["batch"], "accum": trainer.accum, "tokens_per_s": tok_s,
            "ms_per_step": dt / spec["steps"] * 1e3,
            "tflops": tok_s * fpt / 1e12, "mfu": tok_s * fpt / 989e12, "loss": loss,
@@ -203,7 +204,7 @@ def worker(spec: dict) -> None:
            "gc_ms": gc_ms[0], "data_wait_ms": trainer.data_wait_s * 1e3,
            "params_m": sum(p.numel() for p in trainer.model.parameters()) / 1e6,
            "loss_chunk_tokens": trainer.loss_chunk_tokens, "compile": trainer.compiled,
-           "fp8": f"{trainer.cfg.fp8_format}/{trainer.cfg.fp8_recipe}" if trainer.cfg.fp8 else "off",
+           "fp8": f"{mc.fp8_format}/{mc.fp8_recipe}" if mc.fp8 else "off",
            "cuda_graphs": trainer.layer_graphs is not None and trainer.layer_graphs.num_replays > 0}
     if cuda:
         res["memory"] = memory_breakdown()

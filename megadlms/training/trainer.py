@@ -21,19 +21,12 @@ from typing import TYPE_CHECKING, Any, Iterator, cast
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError, TransformerConfig
 from ..diffusion import bd3lm
-from ..diffusion.objective import (
-    MaskSampler,
-    chunked_weighted_cross_entropy,
-    prepare_batch,
-    prepare_sft_batch,
-    weighted_cross_entropy,
-)
+from ..diffusion.objective import MaskSampler
 from ..distributed.data_parallel import grad_sync_context
 from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
 from ..distributed.parallelize import build_parallel_model
@@ -42,8 +35,9 @@ from . import checkpoint as ckpt
 from .config import RunConfig
 from .cuda_graphs import LayerGraphs
 from .divergence import DivergenceGuard, check_finite_state
-from .documents import AttentionPlan, attended_pairs
+from .documents import AttentionPlan
 from .metrics import MetricSinks, WandbConfig, bf16_peak_tflops, format_log_line, memory_gib, throughput
+from .objectives import Batch, Objective, Sharding, build_objective
 from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_grad_norm, set_lr
 from .preemption import RunControl
 from .triton_adamw import StreamingAdamW
@@ -106,29 +100,6 @@ def resolve_model_config(config: RunConfig, vocab_size: int | None, mask_id: int
     return cfg
 
 
-class _HostCount:
-    """count_nonzero of a tensor for the host. On CUDA it is copied to pinned memory behind the work queued
-    so far: made before the forward is queued and read after it, the count is there long before the host asks,
-    so reading it does not wait for the forward (as a `nonzero()` after the forward would: the GPU
-    would then sit idle until the host has queued the next kernels).
-    """
-
-    def __init__(self, t: torch.Tensor):
-        self._ready = None
-        if not t.is_cuda:  # nothing runs ahead on the CPU
-            self._host = torch.count_nonzero(t)
-            return
-        self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
-        self._host.copy_(torch.count_nonzero(t), non_blocking=True)
-        self._ready = torch.cuda.Event()
-        self._ready.record()
-
-    def get(self) -> int:
-        if self._ready is not None:
-            self._ready.synchronize()
-        return int(self._host)
-
-
 def _attention_plan(config: RunConfig, cfg: TransformerConfig, eod_id: int | None,
                     device: torch.device) -> AttentionPlan:
     """The AttentionPlan of the run: document-level attention and position resets default on with --sft."""
@@ -144,6 +115,25 @@ def _attention_plan(config: RunConfig, cfg: TransformerConfig, eod_id: int | Non
     return AttentionPlan(reset_attention_mask=sft if reset_mask is None else reset_mask,
                          reset_position_ids=sft if reset_pos is None else reset_pos, anneal_iters=anneal,
                          causal=cfg.causal, eod_id=eod_id, seed=config.train.seed + 3, device=device)
+
+
+def _objective(config: RunConfig, model_config: TransformerConfig, attention: AttentionPlan, ctx: ParallelContext,
+               device: torch.device, compiled: bool, loss_chunk_tokens: int, on_data_wait) -> Objective:
+    """The run's objective (`megadlms.training.objectives`)."""
+    obj = config.objective
+    bd3lm_config = None
+    if obj.model_running_mode == "bd3lm":  # a missing block size is reported by Bd3lmConfig, naming the flag
+        bd3lm_config = bd3lm.Bd3lmConfig(
+            block_size=model_config.block_size, seq_length=model_config.seq_length,  # type: ignore[arg-type]
+            mask_token_id=model_config.mask_token_id,  # type: ignore[arg-type]
+            clip_min=obj.bd3lm_clip_min, clip_max=obj.bd3lm_clip_max, noise_per=obj.bd3lm_noise_per,
+            eval_eps=obj.difflm_eps)
+    sharding = Sharding(config.train.micro_batch_size, ctx.dp_rank, ctx.dp_size,
+                        ctx.dp_group if ctx.distributed else None)
+    # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
+    return build_objective(obj.objective(model_config.mask_token_id), model_config, attention, sharding,
+                           sft=config.data.sft, bd3lm_config=bd3lm_config, flex=device.type == "cuda" and compiled,
+                           loss_chunk_tokens=loss_chunk_tokens, on_data_wait=on_data_wait)
 
 
 def _seed_all(seed: int) -> None:
@@ -170,58 +160,52 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 class Trainer:
     """Owns the model, optimizer, schedule, data and objective of one run."""
 
-    def __init__(self, config: RunConfig, ctx: ParallelContext, cfg: TransformerConfig, model: nn.Module,
-                 loaders: Any, tokenizer: Any | None = None):
-        """config: the run's settings; cfg: the model's architecture (`resolve_model_config`); model: built by
-        `build_parallel_model`; loaders: `megadlms.data.build_loaders`'s."""
-        self.config, self.ctx, self.cfg, self.model = config, ctx, cfg, model
+    def __init__(self, run_config: RunConfig, ctx: ParallelContext, model_config: TransformerConfig,
+                 model: nn.Module, loaders: Any, tokenizer: Any | None = None):
+        """run_config: the run's settings; model_config: the model's architecture (`resolve_model_config`); model:
+        built by `build_parallel_model`; loaders: `megadlms.data.build_loaders`'s."""
+        self.run_config, self.ctx, self.model_config, self.model = run_config, ctx, model_config, model
         self.loaders, self.tokenizer = loaders, tokenizer
         self.device = ctx.device
-        t = config.train
-        self.compiled = t.compile_on(self.device)
-        self.mbs = t.micro_batch_size
-        self.global_batch = t.global_batch_size or self.mbs * ctx.dp_size
+        train_cfg = run_config.train
+        self.compiled = train_cfg.compile_on(self.device)
+        self.mbs = train_cfg.micro_batch_size
+        self.global_batch = train_cfg.global_batch_size or self.mbs * ctx.dp_size
         if self.global_batch % (self.mbs * ctx.dp_size):
             raise ConfigError(f"--global-batch-size {self.global_batch} is not divisible by --micro-batch-size "
                              f"{self.mbs} x data-parallel size {ctx.dp_size}")
         self.accum = self.global_batch // (self.mbs * ctx.dp_size)
-        obj = config.objective
-        self.objective = obj.objective(cfg.mask_token_id)
-        self.sampler = MaskSampler(t.seed + 1, device=self.device)
-        # block diffusion: its own noise and inputs, one forward over x_t (+) x_0 under the block-diffusion mask
-        # (a missing block size is reported by Bd3lmConfig, as one line naming the flag)
-        self.bd3lm = None if obj.model_running_mode != "bd3lm" else bd3lm.Bd3lmConfig(
-            block_size=cfg.block_size, seq_length=cfg.seq_length,  # type: ignore[arg-type]
-            mask_token_id=cfg.mask_token_id,  # type: ignore[arg-type]
-            clip_min=obj.bd3lm_clip_min, clip_max=obj.bd3lm_clip_max, noise_per=obj.bd3lm_noise_per,
-            eval_eps=obj.difflm_eps)
-        # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
-        self._flex = self.device.type == "cuda" and self.compiled
-        self.sft = config.data.sft
-        self.attention = _attention_plan(config, cfg, getattr(loaders, "eod_id", None), self.device)
-        self.optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay,
-                                         betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+        self.sampler = MaskSampler(train_cfg.seed + 1, device=self.device)
+        self.attention = _attention_plan(run_config, model_config, getattr(loaders, "eod_id", None), self.device)
+        # large vocabularies: the fused, masked-rows-only LM head + loss (the [tokens, V] logits dominate memory)
+        chunk = train_cfg.loss_chunk_tokens
+        self.loss_chunk_tokens = (8192 if model_config.vocab_size >= 32768 else 0) if chunk is None else chunk
+        self.data_wait_s = 0.0
+        self.objective = _objective(run_config, model_config, self.attention, ctx, self.device, self.compiled,
+                                    self.loss_chunk_tokens, self._count_data_wait)
+        self.optimizer = build_optimizer(model, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
+                                         betas=(train_cfg.adam_beta1, train_cfg.adam_beta2), eps=train_cfg.adam_eps)
         allocate_optimizer_state(self.optimizer)  # before any activation: the state gets segments of its own
-        if cfg.fp8 and isinstance(self.optimizer, StreamingAdamW):
+        if model_config.fp8 and isinstance(self.optimizer, StreamingAdamW):
             # current scaling: each weight's amax comes out of the optimizer's update, not a pass before its cast
             # (a checkpoint's load refreshes them: Float8Linear.load_state_dict)
             from ..fp8 import attach_weight_amaxes
 
             self.optimizer.publish_amaxes(attach_weight_amaxes(model))
-        decay_iters = t.lr_decay_iters or t.train_iters
-        self.schedule = LRSchedule(lr=t.lr, min_lr=t.min_lr, warmup_iters=t.lr_warmup_iters, decay_iters=decay_iters,
-                                   decay_style=t.lr_decay_style,
-                                   wsd_decay_iters=t.lr_wsd_decay_iters or max(1, decay_iters // 10),
-                                   wsd_decay_style=t.lr_wsd_decay_style)
-        self.autocast_dtype = t.compute_dtype(self.device)  # bf16, or None for fp32
+        decay_iters = train_cfg.lr_decay_iters or train_cfg.train_iters
+        self.schedule = LRSchedule(lr=train_cfg.lr, min_lr=train_cfg.min_lr, warmup_iters=train_cfg.lr_warmup_iters,
+                                   decay_iters=decay_iters,
+                                   decay_style=train_cfg.lr_decay_style,
+                                   wsd_decay_iters=train_cfg.lr_wsd_decay_iters or max(1, decay_iters // 10),
+                                   wsd_decay_style=train_cfg.lr_wsd_decay_style)
+        self.autocast_dtype = train_cfg.compute_dtype(self.device)  # bf16, or None for fp32
         self.state = TrainState()
-        self.flops_per_token = cfg.flops_per_token(cfg.seq_length)
-        if self.bd3lm is not None:
-            self.flops_per_token = bd3lm.flops_per_token(cfg, self.bd3lm.block_size)
+        self.flops_per_token = self.objective.flops_per_token()
         self.peak = bf16_peak_tflops(self.device)
-        self.sinks = MetricSinks(t.tensorboard_dir, config.checkpoint.save or t.tensorboard_dir, enabled=ctx.is_main,
-                                 wandb=WandbConfig.from_run(config))
-        self.fp8 = bool(cfg.fp8)
+        self.sinks = MetricSinks(train_cfg.tensorboard_dir, run_config.checkpoint.save or train_cfg.tensorboard_dir,
+                                 enabled=ctx.is_main,
+                                 wandb=WandbConfig.from_run(run_config))
+        self.fp8 = bool(model_config.fp8)
         # the Float8Linears whose weight cache is off for training and back on for evaluation (same weights)
         self._fp8_uncached: list[Float8Linear] = []
         if self.fp8 and self.accum == 1:
@@ -230,19 +214,16 @@ class Trainer:
             from ..fp8 import set_fp8_weight_caching
 
             self._fp8_uncached = set_fp8_weight_caching(model, False)  # not FSDP's (off for good)
-        # large vocabularies: the fused, masked-rows-only LM head + loss (the [tokens, V] logits dominate memory)
-        chunk = t.loss_chunk_tokens
-        self.loss_chunk_tokens = (8192 if cfg.vocab_size >= 32768 else 0) if chunk is None else chunk
         self.layer_graphs = self._layer_graphs()
         self._train_iter: Iterator[torch.Tensor] | None = None
         self._pending_save: ckpt.PendingCheckpoint | None = None  # --async-save: the write in flight
         self._async_group: dist.ProcessGroup | None = None
-        self.data_wait_s = 0.0
         # non-finite steps skipped on the device; preemption signals and the wall-time limit (their own modules)
-        self.guard = DivergenceGuard(self.optimizer, self.device, t.max_skipped_steps,
+        self.guard = DivergenceGuard(self.optimizer, self.device, train_cfg.max_skipped_steps,
                                      dist.group.WORLD if ctx.distributed else None)
-        self.control = RunControl(self.device, distributed=ctx.distributed, handle_signals=t.exit_signal_handler,
-                                  exit_duration_mins=t.exit_duration_in_mins, guard=self.guard)
+        self.control = RunControl(self.device, distributed=ctx.distributed,
+                                  handle_signals=train_cfg.exit_signal_handler,
+                                  exit_duration_mins=train_cfg.exit_duration_in_mins, guard=self.guard)
         self.save_failures = 0
 
     @property
@@ -250,19 +231,9 @@ class Trainer:
         """The TransformerLM itself (under DDP, the wrapped module)."""
         return cast("TransformerLM", self.model.module if hasattr(self.model, "module") else self.model)
 
-    @property
-    def attention_kernel(self) -> str:
-        """The attention the layers run: SDPA, or under per-batch masks FlexAttention's block-sparse kernel (CUDA)
-        or SDPA over a dense bool mask."""
-        if self.bd3lm is not None:
-            return "FlexAttention, block mask" if self._flex else "SDPA, dense mask"
-        if self.attention.needs_masks():
-            return "FlexAttention, block mask" if self.device.type == "cuda" else "SDPA, dense mask"
-        return "SDPA"
-
     def _layer_graphs(self) -> LayerGraphs | None:
         """CUDA graphs of the layers (--cuda-graphs), or None where they are off or cannot apply."""
-        mode = self.config.train.cuda_graphs
+        mode = self.run_config.train.cuda_graphs
         if mode == "off":
             return None
         # tests on CPU: the same replay logic with EmulatedGraph standing in for CUDA graphs
@@ -274,13 +245,10 @@ class Trainer:
             blockers.append("tensor parallelism (DTensor parameters)")
         if self.ctx.dp_strategy not in ("none", "no_shard"):
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
-        if self.config.train.recompute_granularity:
+        if self.run_config.train.recompute_granularity:
             blockers.append("activation checkpointing (--recompute-granularity) re-runs the forward in backward")
-        if self.bd3lm is not None:
-            blockers.append("block diffusion (bd3lm) runs the layers under an attention mask")
-        if self.attention.reset_attention_mask:
-            blockers.append("document-level attention (--sft / --reset-attention-mask) gives every batch its own "
-                            "attention mask")
+        if (blocker := self.objective.graph_blocker()) is not None:
+            blockers.append(blocker)
         if mode == "on" and blockers:
             raise ConfigError(f"--cuda-graphs on is not possible here: {'; '.join(blockers)}. "
                              "Use --cuda-graphs auto or off.")
@@ -298,117 +266,44 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     # ----------------------------------------------------------------- step
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-              rows: _HostCount | None = None, attention_mask: Any = None, position_ids: torch.Tensor | None = None,
-              denominator: torch.Tensor | None = None) -> torch.Tensor:
-        """attention_mask / position_ids: from the AttentionPlan (None: the model's defaults); denominator: the SFT
-        loss's (None: B * L)."""
-        kw = {} if attention_mask is None and position_ids is None else {
-            "attention_mask": attention_mask, "position_ids": position_ids}
+    def _loss(self, batch: Batch) -> torch.Tensor:
         with self._autocast():
-            if self.bd3lm is not None:  # x_t (+) x_0 in, the hidden states of x_t scored
-                kwargs = bd3lm.forward_kwargs(self.bd3lm, inputs.device, self._flex)
-                hidden = self.model(inputs, output_hidden=True, **kwargs)[:, :targets.shape[1]]
-                if not self.loss_chunk_tokens:
-                    return weighted_cross_entropy(F.linear(hidden, self._output_weight()), targets, weights)
-                return chunked_weighted_cross_entropy(hidden, self._output_weight(), targets, weights,
-                                                      self.loss_chunk_tokens,
-                                                      num_rows=rows.get() if rows is not None else None)
-            if self.loss_chunk_tokens:
-                hidden = self.model(inputs, output_hidden=True, **kw)
-                return chunked_weighted_cross_entropy(hidden, self._output_weight(), targets, weights,
-                                                      self.loss_chunk_tokens,
-                                                      num_rows=rows.get() if rows is not None else None,
-                                                      denominator=denominator)
-            return weighted_cross_entropy(self.model(inputs, **kw), targets, weights, denominator)
+            return self.objective.loss(self.model, batch, self._output_weight)
 
     def _output_weight(self) -> torch.Tensor:
         w = self.base_model.output_weight
         # tensor parallel: the weight is vocabulary-sharded; gather it (every TP rank computes the whole loss)
         return w.full_tensor() if isinstance(w, DTensor) else w
 
-    def _micro_batches(self, it: Iterator[torch.Tensor], noise, count: int):
-        """Yield ((inputs, targets, weights), length, rows, extra) for this rank's `count` micro-batches of one
-        global batch; rows: with the fused LM head, the number of weighted tokens on its way to the host, so that
-        the loss can select them without a device sync after the forward; extra: the loss's keyword arguments
-        (attention mask, position ids, SFT denominator)."""
-        if self.sft:
-            yield from self._sft_micro_batches(it, noise, count)
-            return
-        dp, r = self.ctx.dp_size, self.ctx.dp_rank
-        for m in range(count):
-            t0 = time.perf_counter()
-            sample = next(it)
-            self.data_wait_s += time.perf_counter() - t0  # host time blocked on the loader
-            sample = sample.to(self.device, non_blocking=True)
-            rows = slice(m * dp * self.mbs + r * self.mbs, m * dp * self.mbs + (r + 1) * self.mbs)
-            length = int(noise.lengths[m])
-            if self.bd3lm is not None:
-                batch = bd3lm.prepare_batch(sample, (noise.t[rows], noise.u[rows]), self.bd3lm)
-            else:
-                batch = prepare_batch(sample, (noise.t[rows], noise.u[rows]), length, self.objective)
-            counted = _HostCount(batch[2]) if self.loss_chunk_tokens else None
-            extra = {}
-            if self.attention.needs_masks() or self.attention.reset_position_ids:
-                extra["attention_mask"], extra["position_ids"] = self.attention.for_batch(sample[:, :length], None)
-            yield batch, length, counted, extra
-
-    def _sft_micro_batches(self, it: Iterator[torch.Tensor], noise, count: int):
-        """Packed chat windows: all `count` micro-batches are read first, so that the loss can be divided by the
-        global batch's conversations (summed over the data-parallel ranks): the step's loss is then the mean over
-        every conversation of the global batch, however they fall into micro-batches and ranks."""
-        dp, r = self.ctx.dp_size, self.ctx.dp_rank
-        batches = []
-        pairs = []
-        for m in range(count):
-            t0 = time.perf_counter()
-            sample = next(it)
-            self.data_wait_s += time.perf_counter() - t0
-            pairs.append(attended_pairs(sample[:, 2, :self.cfg.seq_length], self.attention.reset_attention_mask,
-                                        self.cfg.causal))
-            sample = sample.to(self.device, non_blocking=True)
-            rows = slice(m * dp * self.mbs + r * self.mbs, m * dp * self.mbs + (r + 1) * self.mbs)
-            batches.append(prepare_sft_batch(sample, (noise.t[rows], noise.u[rows]), self.objective))
-        total = torch.stack([b.conversations for b in batches]).sum().float()
-        if self.ctx.distributed and dp > 1:
-            dist.all_reduce(total, group=self.ctx.dp_group)
-        denominator = (total / (count * dp)).clamp(min=1.0)
-        length = self.cfg.seq_length
-        for b, n_pairs in zip(batches, pairs):
-            mask, positions = self.attention.for_batch(b.inputs, b.segment_ids)
-            counted = _HostCount(b.weights) if self.loss_chunk_tokens else None
-            yield (b.inputs, b.targets, b.weights), length, counted, {
-                "attention_mask": mask, "position_ids": positions, "denominator": denominator,
-                "attended_pairs": n_pairs}
+    def _count_data_wait(self, seconds: float) -> None:
+        self.data_wait_s += seconds
 
     def train_step(self) -> dict[str, Any]:
         model, opt = self.model, self.optimizer
         it = self.state.iteration
         lr = self.schedule(it)
         # FP8 telemetry is recorded (on device) only in the iteration that ends a log interval
-        t = self.config.train
-        collect = self.fp8 and self.config.fp8.fp8_stats and ((it + 1) % t.log_interval == 0
-                                                              or it + 1 == t.train_iters)
+        train_cfg = self.run_config.train
+        collect = self.fp8 and self.run_config.fp8.fp8_stats and ((it + 1) % train_cfg.log_interval == 0
+                                                                  or it + 1 == train_cfg.train_iters)
         if collect:
             from ..fp8 import enable_fp8_stats
 
             enable_fp8_stats(model, True)
         set_lr(opt, lr)
-        noise = self._draw_noise(self.sampler)
-        self.attention.begin_step(it, self.cfg.seq_length)
+        noise = self.objective.draw_noise(self.sampler, self.global_batch, self.accum)
+        self.attention.begin_step(it, self.model_config.seq_length)
         loss_sum = torch.zeros((), device=self.device)
         tokens, flops = 0, 0.0
         train_iter = self._train_iter
         assert train_iter is not None  # set when `run` starts
-        for m, ((inputs, targets, weights), length, rows, extra) in enumerate(
-                self._micro_batches(train_iter, noise, self.accum)):
-            pairs = extra.pop("attended_pairs", None)  # packed documents: the pairs their masks allow
-            with self._grad_sync(last=m == self.accum - 1), self._compile_stance(length):
-                loss = self._loss(inputs, targets, weights, rows, **extra)
+        for m, batch in enumerate(self.objective.micro_batches(train_iter, noise, self.accum, self.device)):
+            with self._grad_sync(last=m == self.accum - 1), self._compile_stance(batch.inputs.shape[1]):
+                loss = self._loss(batch)
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
-            tokens += length * self.mbs * self.ctx.dp_size
-            flops += self._micro_batch_flops(length, pairs)
+            tokens += batch.tokens
+            flops += batch.flops
         if collect:
             enable_fp8_stats(model, False)
         grad_norm = self._clip_grads()
@@ -426,28 +321,10 @@ class Trainer:
         return {"loss": self.guard.finite_loss(loss_sum / self.accum), "grad_norm": grad_norm, "lr": lr,
                 "tokens": tokens, "flops": flops}
 
-    def _micro_batch_flops(self, length: int, pairs: int | None) -> float:
-        """Training FLOPs of one micro-batch of rows `length` long, summed over the data-parallel ranks (each
-        taken as this one). pairs: the (query, key) pairs of packed documents (`documents.attended_pairs`), whose
-        attention is counted over those pairs instead of whole rows."""
-        tokens = length * self.mbs
-        if pairs is None:
-            return self.ctx.dp_size * tokens * self.flops_per_token
-        return self.ctx.dp_size * (tokens * 6.0 * self.cfg.num_matmul_params()
-                                   + pairs * self.cfg.attention_flops_per_pair())
-
-    def _draw_noise(self, sampler: MaskSampler, evaluation: bool = False):
-        """One global batch's noise. Block diffusion trains on whole windows (no varilen cut): every block is
-        already predicted from clean prefixes of every length that is a multiple of the block size."""
-        if self.bd3lm is not None:
-            return bd3lm.draw_noise(sampler, self.global_batch, self.accum, self.bd3lm, evaluation=evaluation)
-        varilen = 0.0 if evaluation or self.sft else self.objective.varilen_prob  # SFT: whole packed windows
-        return sampler.draw(self.global_batch, self.cfg.seq_length, self.accum, varilen, per_token_t=self.sft)
-
     def _compile_stance(self, length: int) -> contextlib.AbstractContextManager:
         """Tensor-parallel compiled layers run only at the full sequence length; a cut (varilen) micro-batch runs
         eagerly, since DTensor graphs with dynamic shapes recompile for every length or fail to compile."""
-        if self.compiled and self.ctx.tp_size > 1 and length != self.cfg.seq_length:
+        if self.compiled and self.ctx.tp_size > 1 and length != self.model_config.seq_length:
             return torch.compiler.set_stance("force_eager")
         return contextlib.nullcontext()
 
@@ -457,7 +334,7 @@ class Trainer:
 
     def _clip_grads(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.config.train.clip_grad
+        clip = self.run_config.train.clip_grad
         max_norm = clip if clip > 0 else float("inf")
         norm = clip_grad_norm(self.optimizer, params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -465,30 +342,31 @@ class Trainer:
     def _amax_group(self) -> dist.ProcessGroup | None:
         if not self.ctx.distributed:
             return None
-        if self.config.parallel.tp_only_amax_red:
+        if self.run_config.parallel.tp_only_amax_red:
             return self.ctx.tp_group
         return dist.group.WORLD  # data-parallel x tensor-parallel: every rank uses the same scales
 
     # ----------------------------------------------------------------- eval
     @torch.no_grad()
     def evaluate(self) -> float | None:
+        """The validation loss: the objective's loss over --eval-iters global batches of the validation split,
+        the same batches and noise at every evaluation, at the final attention (after any annealing)."""
         loader = self.loaders.valid
-        eval_iters = self.config.train.eval_iters
+        eval_iters = self.run_config.train.eval_iters
         if loader is None or eval_iters <= 0:
             return None
         self.model.eval()
         loader.load_state_dict({"consumed_samples": 0})  # the same batches every evaluation
         it = iter(loader)
-        sampler = MaskSampler(self.config.train.seed + 2, device=self.device)  # the same masks every evaluation
+        sampler = MaskSampler(self.run_config.train.seed + 2, device=self.device)  # the same masks every evaluation
         total = torch.zeros((), device=self.device)
         n = 0
         with self._fp8_eval_weights():  # every batch sees the same weights: cast them once
             for _ in range(eval_iters):
-                noise = self._draw_noise(sampler, evaluation=True)
-                self.attention.begin_step(self.config.train.train_iters, self.cfg.seq_length)  # the final attention
-                for (inputs, targets, weights), _, rows, extra in self._micro_batches(it, noise, self.accum):
-                    extra.pop("attended_pairs", None)
-                    total += self._loss(inputs, targets, weights, rows, **extra)
+                noise = self.objective.draw_noise(sampler, self.global_batch, self.accum, evaluation=True)
+                self.attention.begin_step(self.run_config.train.train_iters, self.model_config.seq_length)
+                for batch in self.objective.micro_batches(it, noise, self.accum, self.device):
+                    total += self._loss(batch)
                     n += 1
         if self.ctx.distributed:
             dist.all_reduce(total, group=self.ctx.dp_group)
@@ -520,7 +398,7 @@ class Trainer:
             return self._save()
         except ckpt.CheckpointSaveError as e:
             self.save_failures += 1
-            allowed = self.config.checkpoint.ckpt_save_failures_ok
+            allowed = self.run_config.checkpoint.ckpt_save_failures_ok
             if self.save_failures > allowed:
                 raise
             log.warning("%s; training goes on (failed save %d of the %d --ckpt-save-failures-ok allows)",
@@ -530,21 +408,21 @@ class Trainer:
     def _save(self) -> Path:
         rank_state = {"rng": _rng_state(self.device), "mask_sampler": self.sampler.state_dict(),
                       "data": self.loaders.train.state_dict(), "attention": self.attention.state_dict()}
-        meta = {"config": self.cfg.to_dict(), "args": self.config.to_flat()}
+        meta = {"config": self.model_config.to_dict(), "args": self.run_config.to_flat()}
         tok_dir = getattr(self.tokenizer, "source_dir", None)
         self.finish_save()  # one checkpoint in flight at a time
-        save_dir = self.config.checkpoint.save
+        save_dir, keep_last = self.run_config.checkpoint.save, self.run_config.checkpoint.ckpt_keep_last
         assert save_dir is not None  # called only with --save
-        if self.config.checkpoint.async_save:
+        if self.run_config.checkpoint.async_save:
             if self.ctx.distributed and self._async_group is None:  # the background write's own collectives
                 self._async_group = dist.new_group(backend="gloo")
             self._pending_save = ckpt.async_save_checkpoint(
                 save_dir, self.state.iteration, self._dcp_state(), rank_state=rank_state, meta=meta,
-                tokenizer_dir=tok_dir, process_group=self._async_group, keep_last=self.config.checkpoint.ckpt_keep_last)
+                tokenizer_dir=tok_dir, process_group=self._async_group, keep_last=keep_last)
             log.info("writing checkpoint %s in the background", self._pending_save.final)
             return self._pending_save.final
         path = ckpt.save_checkpoint(save_dir, self.state.iteration, self._dcp_state(), rank_state=rank_state,
-                                    meta=meta, tokenizer_dir=tok_dir, keep_last=self.config.checkpoint.ckpt_keep_last)
+                                    meta=meta, tokenizer_dir=tok_dir, keep_last=keep_last)
         log.info("saved checkpoint %s", path)
         return path
 
@@ -592,20 +470,20 @@ class Trainer:
 
     # ----------------------------------------------------------------- loop
     def run(self) -> TrainState:
-        t, save, ctx = self.config.train, self.config.checkpoint, self.ctx
+        train_cfg, save, ctx = self.run_config.train, self.run_config.checkpoint, self.ctx
         self.model.train()
         self._train_iter = iter(self.loaders.train)
         bar = None
-        if ctx.is_main and not t.no_progress and sys.stderr.isatty():
+        if ctx.is_main and not train_cfg.no_progress and sys.stderr.isatty():
             from tqdm import tqdm
 
-            bar = tqdm(total=t.train_iters, initial=self.state.iteration, unit="it", dynamic_ncols=True)
-        if t.eval_interval and self.state.iteration == 0:  # the starting point of the validation curve
+            bar = tqdm(total=train_cfg.train_iters, initial=self.state.iteration, unit="it", dynamic_ncols=True)
+        if train_cfg.eval_interval and self.state.iteration == 0:  # the starting point of the validation curve
             self._log_eval(bar)
         window_t0, window_tokens, window_flops, window_loss, window_n = time.perf_counter(), 0, 0.0, None, 0
         last_saved = None
         self.control.install()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 0
-        while self.state.iteration < t.train_iters:
+        while self.state.iteration < train_cfg.train_iters:
             step = self.train_step()
             window_tokens += step["tokens"]
             window_flops += step["flops"]
@@ -614,13 +492,13 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
             it = self.state.iteration
-            if it % t.log_interval == 0 or it == t.train_iters:
+            if it % train_cfg.log_interval == 0 or it == train_cfg.train_iters:
                 self._log(step, window_loss, window_n, window_tokens, window_flops, time.perf_counter() - window_t0,
                           bar)
                 window_t0, window_tokens, window_flops, window_loss, window_n = time.perf_counter(), 0, 0.0, None, 0
                 self.data_wait_s = 0.0
             paused = time.perf_counter()  # evaluation and saving do not count towards throughput
-            if t.eval_interval and it % t.eval_interval == 0 and it < t.train_iters:
+            if train_cfg.eval_interval and it % train_cfg.eval_interval == 0 and it < train_cfg.train_iters:
                 wait = self.data_wait_s
                 self._log_eval(bar)
                 self.data_wait_s = wait
@@ -628,14 +506,14 @@ class Trainer:
                 if self.save() is not None:
                     last_saved = it
             window_t0 += time.perf_counter() - paused
-            if t.exit_interval and it % t.exit_interval == 0:
+            if train_cfg.exit_interval and it % train_cfg.exit_interval == 0:
                 break
             if self.control.after_step(it):  # a stop signal or the time limit, agreed by every rank
                 break
         self.control.uninstall()
         if bar is not None:
             bar.close()
-        if t.eval_iters > 0 and self.state.iteration >= t.train_iters and not self.control.reason:
+        if train_cfg.eval_iters > 0 and self.state.iteration >= train_cfg.train_iters and not self.control.reason:
             self._log_eval(None)
         if save.save and last_saved != self.state.iteration and self.save() is not None:
             last_saved = self.state.iteration
@@ -658,13 +536,13 @@ class Trainer:
              "memory_gib": memory_gib(self.device), "data_wait_share": self.data_wait_s / max(seconds, 1e-9)}
         if skipped:
             m["skipped_steps"] = skipped
-        if self.fp8 and self.config.fp8.fp8_stats:
+        if self.fp8 and self.run_config.fp8.fp8_stats:
             from ..fp8 import fp8_stats
 
             m.update({f"fp8/{k}": v for k, v in fp8_stats(self.model).items()})
         self.state.history.append(m)
         if self.ctx.is_main:
-            line = format_log_line(m, self.config.train.train_iters)
+            line = format_log_line(m, self.run_config.train.train_iters)
             (bar.write if bar is not None else print)(line)
             self.sinks.write(self.state.iteration, m)
 
@@ -725,7 +603,7 @@ def setup(config: RunConfig) -> Trainer:
                  "world %d (dp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
                  config.model.model_path, n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
                  cfg.attn_mask_type + (f" block-diffusion (blocks of {cfg.block_size})" if cfg.block_size else ""),
-                 trainer.attention_kernel,
+                 trainer.objective.attention_kernel(ctx.device),
                  f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
                  ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
                  ctx.dp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
@@ -754,7 +632,7 @@ def print_sample(trainer: Trainer, prompt: str = "Once upon a time,", gen_length
     blocks of one token, plain left to right, repeat words more often than blocks of 4 to 8)."""
     from ..diffusion.sampler import generate
 
-    tok, cfg = trainer.tokenizer, trainer.cfg
+    tok, cfg = trainer.tokenizer, trainer.model_config
     assert tok is not None  # a run that samples has a tokenizer
     model = trainer.base_model
     model.eval()

@@ -227,7 +227,7 @@ def test_validation_reports_the_nelbo_with_the_same_noise_every_time():
 
     trainer = setup(parse_train_args(SMALL + ["--eval-iters", "2", "--train-iters", "4"]))
     first, second = trainer.evaluate(), trainer.evaluate()
-    log_vocab = math.log(trainer.cfg.vocab_size)  # a masked token's CE at init; E[1{masked} / t] = 1
+    log_vocab = math.log(trainer.model_config.vocab_size)  # a masked token's CE at init; E[1{masked} / t] = 1
     assert first == second and 0.7 * log_vocab < first < 1.5 * log_vocab
 
 

@@ -64,7 +64,8 @@ def test_sft_with_annealing_resumes_exactly(tmp_path):
     assert all(np.isfinite(_losses(straight)))
     # TFLOP/s counts attention over each conversation's own pairs: below the whole-window count, above the linears
     per_token = [m["tflops_per_device"] * 1e12 / m["tokens_per_s"] for m in straight.history]
-    assert all(6 * trainer.cfg.num_matmul_params() < f < trainer.cfg.flops_per_token() for f in per_token)
+    mc = trainer.model_config
+    assert all(6 * mc.num_matmul_params() < f < mc.flops_per_token() for f in per_token)
 
 
 def test_attended_pairs_count_each_document_alone():

@@ -1,0 +1,291 @@
+"""The training objectives behind one interface: what the trainer's step, its validation and the tests call.
+
+An objective draws the noise of a global batch, turns this rank's loader samples into typed micro-batches
+(`Batch`: inputs, targets, weights, attention mask, positions, loss normaliser, token and FLOP counts) and
+computes the loss of a micro-batch. The trainer never asks which objective it runs:
+
+- `Pretraining`: masked diffusion (LLaDA / MDLM, `difflm-noshift`), shifted masked diffusion (Dream,
+  `difflm-shift`) and autoregressive (`vanilla`) on token windows, with optional document masks and annealing;
+- `BlockDiffusion`: BD3-LM, one forward over x_t (+) x_0 under the block-diffusion mask;
+- `SupervisedFineTuning`: packed chat windows (LLaDA's SFT for the diffusion modes, the mean over
+  conversations of the response NLL for `vanilla`), the loss divided by the global batch's conversations.
+
+The pure functions (masking, the batch transforms, the losses) stay in `megadlms.diffusion`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError, TransformerConfig
+from ..diffusion import bd3lm
+from ..diffusion.objective import (
+    BatchNoise,
+    MaskSampler,
+    ObjectiveConfig,
+    chunked_weighted_cross_entropy,
+    prepare_batch,
+    prepare_sft_batch,
+    weighted_cross_entropy,
+)
+from .documents import AttentionPlan, attended_pairs
+
+
+class HostCount:
+    """count_nonzero of a tensor for the host. On CUDA it is copied to pinned memory behind the work queued
+    so far: made before the forward is queued and read after it, the count is there long before the host asks,
+    so reading it does not wait for the forward (as a `nonzero()` after the forward would: the GPU
+    would then sit idle until the host has queued the next kernels).
+    """
+
+    def __init__(self, t: torch.Tensor):
+        self._ready = None
+        if not t.is_cuda:  # nothing runs ahead on the CPU
+            self._host = torch.count_nonzero(t)
+            return
+        self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
+        self._host.copy_(torch.count_nonzero(t), non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def get(self) -> int:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return int(self._host)
+
+
+@dataclass
+class Batch:
+    """One micro-batch of this rank, ready for the model and the loss."""
+
+    inputs: torch.Tensor  # long [B, S]: the model's input (BD3-LM: x_t (+) x_0, S = 2L)
+    targets: torch.Tensor  # long [B, L]: scored against the first L positions' predictions
+    weights: torch.Tensor  # fp32 [B, L]: each target's weight in the loss (0: not scored)
+    tokens: int  # tokens of this micro-batch summed over the data-parallel ranks (throughput)
+    flops: float  # training FLOPs of this micro-batch summed over the data-parallel ranks
+    attention_mask: Any = None  # None (the model's own attention), a dense bool mask or a FlexAttention BlockMask
+    position_ids: torch.Tensor | None = None  # None: 0..S-1
+    denominator: torch.Tensor | None = None  # the loss's normaliser (None: B * L)
+    weighted_rows: HostCount | None = None  # with the fused LM head: the count of non-zero weights, for the host
+
+    def model_kwargs(self) -> dict[str, Any]:
+        if self.attention_mask is None and self.position_ids is None:
+            return {}
+        return {"attention_mask": self.attention_mask, "position_ids": self.position_ids}
+
+
+@dataclass
+class Sharding:
+    """Where this rank's micro-batches sit in the global batch."""
+
+    micro_batch_size: int
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: dist.ProcessGroup | None = None  # set when dp_size > 1
+
+    def rows(self, micro_step: int) -> slice:
+        """This rank's rows of the global batch's noise in micro-step `micro_step`."""
+        start = (micro_step * self.dp_size + self.dp_rank) * self.micro_batch_size
+        return slice(start, start + self.micro_batch_size)
+
+
+class Objective:
+    """The interface. `draw_noise` -> `micro_batches` -> `loss` per micro-batch; the same calls for training
+    and validation (evaluation=True: the evaluation noise, whole windows, the final attention)."""
+
+    name = "objective"
+    bound = True  # the loss bounds the NLL from above (diffusion ELBOs); False: it is the exact NLL (AR)
+
+    def __init__(self, model_config: TransformerConfig, attention: AttentionPlan, sharding: Sharding, *,
+                 flex: bool, loss_chunk_tokens: int, on_data_wait: Callable[[float], None] | None = None):
+        self.model_config, self.attention, self.sharding = model_config, attention, sharding
+        self.flex, self.loss_chunk_tokens = flex, loss_chunk_tokens
+        self._on_data_wait = on_data_wait
+
+    # -- what the trainer reports
+    def flops_per_token(self) -> float:
+        return self.model_config.flops_per_token(self.model_config.seq_length)
+
+    def graph_blocker(self) -> str | None:
+        """Why the layers cannot run as CUDA-graph replays under this objective, or None."""
+        if self.attention.reset_attention_mask:
+            return "document-level attention (--sft / --reset-attention-mask) gives every batch its own attention mask"
+        return None
+
+    def attention_kernel(self, device: torch.device) -> str:
+        if self.attention.needs_masks():
+            return "FlexAttention, block mask" if device.type == "cuda" else "SDPA, dense mask"
+        return "SDPA"
+
+    # -- the step
+    def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
+                   evaluation: bool = False) -> BatchNoise:
+        raise NotImplementedError
+
+    def micro_batches(self, samples: Iterator[torch.Tensor], noise: BatchNoise, count: int,
+                      device: torch.device) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: Batch, output_weight: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The micro-batch's loss, fp32 scalar (under the caller's autocast). output_weight: the LM head's
+        weight [V, H], whole (for the fused head + loss)."""
+        length = batch.targets.shape[1]
+        kwargs = batch.model_kwargs()
+        if self.loss_chunk_tokens:
+            hidden = model(batch.inputs, output_hidden=True, **kwargs)[:, :length]
+            rows = batch.weighted_rows.get() if batch.weighted_rows is not None else None
+            return chunked_weighted_cross_entropy(hidden, output_weight(), batch.targets, batch.weights,
+                                                  self.loss_chunk_tokens, num_rows=rows,
+                                                  denominator=batch.denominator)
+        if batch.inputs.shape[1] != length:  # only a prefix of the positions is scored
+            hidden = model(batch.inputs, output_hidden=True, **kwargs)[:, :length]
+            logits = F.linear(hidden, output_weight())
+        else:
+            logits = model(batch.inputs, **kwargs)
+        return weighted_cross_entropy(logits, batch.targets, batch.weights, batch.denominator)
+
+    # -- helpers
+    def _next(self, samples: Iterator[torch.Tensor]) -> torch.Tensor:
+        import time
+
+        t0 = time.perf_counter()
+        sample = next(samples)
+        if self._on_data_wait is not None:
+            self._on_data_wait(time.perf_counter() - t0)  # host time blocked on the loader
+        return sample
+
+    def _counted(self, weights: torch.Tensor) -> HostCount | None:
+        return HostCount(weights) if self.loss_chunk_tokens else None
+
+
+class Pretraining(Objective):
+    """Masked diffusion (shifted or not) or AR on token windows; a micro-step may be cut short (varilen)."""
+
+    def __init__(self, objective: ObjectiveConfig, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.objective = objective
+        self.name = {"difflm-noshift": "masked diffusion", "difflm-shift": "masked diffusion (shifted)",
+                     "vanilla": "autoregressive"}[objective.mode]
+        self.bound = objective.diffusion
+
+    def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
+                   evaluation: bool = False) -> BatchNoise:
+        varilen = 0.0 if evaluation else self.objective.varilen_prob
+        return sampler.draw(global_batch, self.model_config.seq_length, micro_steps, varilen)
+
+    def micro_batches(self, samples: Iterator[torch.Tensor], noise: BatchNoise, count: int,
+                      device: torch.device) -> Iterator[Batch]:
+        sh = self.sharding
+        for m in range(count):
+            sample = self._next(samples).to(device, non_blocking=True)
+            rows = sh.rows(m)
+            length = int(noise.lengths[m])
+            inputs, targets, weights = prepare_batch(sample, (noise.t[rows], noise.u[rows]), length, self.objective)
+            mask, positions = None, None
+            if self.attention.needs_masks() or self.attention.reset_position_ids:
+                mask, positions = self.attention.for_batch(sample[:, :length], None)
+            tokens = length * sh.micro_batch_size * sh.dp_size
+            yield Batch(inputs, targets, weights, tokens=tokens, flops=tokens * self.flops_per_token(),
+                        attention_mask=mask, position_ids=positions, weighted_rows=self._counted(weights))
+
+
+class BlockDiffusion(Objective):
+    """BD3-LM: x_t (+) x_0 through the model under the block-diffusion mask, the hidden states of x_t scored."""
+
+    name = "block diffusion"
+
+    def __init__(self, config: bd3lm.Bd3lmConfig, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.config = config
+
+    def flops_per_token(self) -> float:
+        return bd3lm.flops_per_token(self.model_config, self.config.block_size)
+
+    def graph_blocker(self) -> str | None:
+        return "block diffusion (bd3lm) runs the layers under an attention mask"
+
+    def attention_kernel(self, device: torch.device) -> str:
+        return "FlexAttention, block mask" if self.flex else "SDPA, dense mask"
+
+    def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
+                   evaluation: bool = False) -> BatchNoise:
+        """Whole windows (no varilen cut): every block is already predicted from clean prefixes of every length
+        that is a multiple of the block size."""
+        return bd3lm.draw_noise(sampler, global_batch, micro_steps, self.config, evaluation=evaluation)
+
+    def micro_batches(self, samples: Iterator[torch.Tensor], noise: BatchNoise, count: int,
+                      device: torch.device) -> Iterator[Batch]:
+        sh = self.sharding
+        kwargs = bd3lm.forward_kwargs(self.config, device, self.flex)
+        for m in range(count):
+            sample = self._next(samples).to(device, non_blocking=True)
+            rows = sh.rows(m)
+            inputs, targets, weights = bd3lm.prepare_batch(sample, (noise.t[rows], noise.u[rows]), self.config)
+            tokens = self.config.seq_length * sh.micro_batch_size * sh.dp_size
+            yield Batch(inputs, targets, weights, tokens=tokens, flops=tokens * self.flops_per_token(),
+                        attention_mask=kwargs["attention_mask"], position_ids=kwargs["position_ids"],
+                        weighted_rows=self._counted(weights))
+
+
+class SupervisedFineTuning(Objective):
+    """Packed chat windows. All micro-batches of the step are read first, so that the loss can be divided by the
+    global batch's conversations (summed over the data-parallel ranks): the step's loss is then the mean over
+    every conversation of the global batch, however they fall into micro-batches and ranks."""
+
+    def __init__(self, objective: ObjectiveConfig, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.objective = objective
+        self.name = "SFT, " + ("masked diffusion" if objective.diffusion else "autoregressive")
+        self.bound = objective.diffusion
+
+    def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
+                   evaluation: bool = False) -> BatchNoise:
+        """Whole packed windows; t per position (a conversation takes the t of its first position)."""
+        return sampler.draw(global_batch, self.model_config.seq_length, micro_steps, 0.0, per_token_t=True)
+
+    def micro_batches(self, samples: Iterator[torch.Tensor], noise: BatchNoise, count: int,
+                      device: torch.device) -> Iterator[Batch]:
+        sh, cfg = self.sharding, self.model_config
+        batches, pairs = [], []
+        for m in range(count):
+            sample = self._next(samples)
+            pairs.append(attended_pairs(sample[:, 2, :cfg.seq_length], self.attention.reset_attention_mask,
+                                        cfg.causal))
+            sample = sample.to(device, non_blocking=True)
+            rows = sh.rows(m)
+            batches.append(prepare_sft_batch(sample, (noise.t[rows], noise.u[rows]), self.objective))
+        total = torch.stack([b.conversations for b in batches]).sum().float()
+        if sh.dp_size > 1:
+            dist.all_reduce(total, group=sh.dp_group)
+        denominator = (total / (count * sh.dp_size)).clamp(min=1.0)
+        tokens = cfg.seq_length * sh.micro_batch_size * sh.dp_size
+        for b, n_pairs in zip(batches, pairs):
+            mask, positions = self.attention.for_batch(b.inputs, b.segment_ids)
+            # attention over each conversation's own (query, key) pairs, not whole windows
+            flops = (tokens * 6.0 * cfg.num_matmul_params()
+                     + sh.dp_size * n_pairs * cfg.attention_flops_per_pair())
+            yield Batch(b.inputs, b.targets, b.weights, tokens=tokens, flops=flops, attention_mask=mask,
+                        position_ids=positions, denominator=denominator, weighted_rows=self._counted(b.weights))
+
+
+def build_objective(objective: ObjectiveConfig, model_config: TransformerConfig, attention: AttentionPlan,
+                    sharding: Sharding, *, sft: bool, bd3lm_config: bd3lm.Bd3lmConfig | None, flex: bool,
+                    loss_chunk_tokens: int, on_data_wait: Callable[[float], None] | None = None) -> Objective:
+    """The run's objective: BD3-LM when the model has a block size, SFT on packed chat windows, else
+    pre-training in the objective's running mode."""
+    common = dict(flex=flex, loss_chunk_tokens=loss_chunk_tokens, on_data_wait=on_data_wait)
+    if bd3lm_config is not None:
+        if sft:
+            raise ConfigError("--model-running-mode bd3lm trains on token windows under its own block-diffusion "
+                              "mask: drop --sft")
+        return BlockDiffusion(bd3lm_config, model_config, attention, sharding, **common)
+    if sft:
+        return SupervisedFineTuning(objective, model_config, attention, sharding, **common)
+    return Pretraining(objective, model_config, attention, sharding, **common)
