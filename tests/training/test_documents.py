@@ -73,3 +73,18 @@ def test_attended_pairs_count_each_document_alone():
     assert attended_pairs(seg, document_masks=True, causal=False) == (9 + 4 + 1) + 36
     assert attended_pairs(seg, document_masks=True, causal=True) == (6 + 3 + 1) + 21
     assert attended_pairs(seg, document_masks=False, causal=False) == 2 * 36
+
+
+def test_sft_validates_at_default_flags(tmp_path):
+    """SFT at the default validation (--eval-iters 10, an evaluation at the start and at the end), in both
+    objectives: the validation goes through the same objective as the step."""
+    i, j = SMALL.index("--eval-iters"), SMALL.index("--split")
+    flags = SMALL[:i] + SMALL[i + 2:j] + SMALL[j + 2:]
+    for mode in ("difflm-noshift", "vanilla"):
+        trainer = setup(parse_train_args(flags + ["--sft", "--data-path", _chat_data(tmp_path), "--split", "80,20,0",
+                                                  "--micro-batch-size", "2", "--train-iters", "2",
+                                                  "--model-running-mode", mode]))
+        state = trainer.run()
+        evals = [h["eval_loss"] for h in state.history if "eval_loss" in h]
+        assert len(evals) == 2 and all(np.isfinite(evals)) and all(0 < x < 20 for x in evals), (mode, evals)
+        assert trainer.evaluate() == evals[-1]  # the same batches and noise every evaluation
