@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packed SFT on one GPU along each attention / precision path, losses per iteration side by side:
-# the default (compiled layers, FlexAttention document masks), --no-compile, --no-reset-attention-mask, FP8,
-# and pre-training at the same shape for tokens/s. Logs to $OUT (or ./sft_paths_logs); a table prints last.
+# the default (compiled layers replayed from CUDA graphs, FlexAttention document masks), without the graphs,
+# --no-compile, --no-reset-attention-mask, FP8, and pre-training at the same shape for tokens/s. Logs to $OUT (or ./sft_paths_logs); a table prints last.
 #     bash benchmarks/sft_paths.sh [ITERS] [VARIANTS]      (VARIANTS: comma-separated names below)
 set -u
 OUT=${OUT:-sft_paths_logs}; mkdir -p "$OUT"
@@ -27,9 +27,11 @@ run() {  # run NAME ARGS...
     echo "$name: exit $? in $((SECONDS - t0)) s" >> "$OUT/sft_status.txt"
 }
 run bf16 "${M[@]}" "${S[@]}"
+run bf16_no_graphs "${M[@]}" "${S[@]}" --cuda-graphs off
 run bf16_no_compile "${M[@]}" "${S[@]}" --no-compile
 run bf16_no_doc_mask "${M[@]}" "${S[@]}" --no-reset-attention-mask
 run fp8 "${M[@]}" "${S[@]}" --fp8-format hybrid
+run fp8_no_graphs "${M[@]}" "${S[@]}" --fp8-format hybrid --cuda-graphs off
 run fp8_no_compile "${M[@]}" "${S[@]}" --fp8-format hybrid --no-compile
 run pretrain_bf16 "${M[@]}" --eval-iters 0 --difflm-varilen-prob 0
 run pretrain_fp8 "${M[@]}" --eval-iters 0 --difflm-varilen-prob 0 --fp8-format hybrid

@@ -11,9 +11,13 @@ the addresses the graphs read). The FP8 weight casts are in the forward graph, o
 FP8 weights the graph reads (`fp8.graph_weights`).
 
 `LayerGraphs(model)` replaces the model's `run_layers` hook on the instance; the model's code is unchanged.
-A call is replayed when it matches the captured one: training mode, gradients on, no attention mask or KV
-cache, the same shapes and dtypes, the same autocast and FP8 state, no FP8 telemetry being collected, and no
-earlier replay still waiting for its backward. Every other call runs the layers eagerly, so evaluation,
+A call is replayed when it matches the captured one: training mode, gradients on, no KV cache, the same shapes
+and dtypes, the same kind of attention mask, the same autocast and FP8 state, no FP8 telemetry being collected,
+and no earlier replay still waiting for its backward. An attention mask (a dense bool mask, or a FlexAttention
+BlockMask) is a static input like the activations: a replay copies the batch's mask into the captured one, so
+packed documents and block diffusion replay with their own masks. A BlockMask's `mask_mod` is traced into the
+graph with the tensors it reads; a replay therefore also requires that it reads the same tensors (the
+`AttentionPlan` fills one segment-id buffer per batch on CUDA), and runs eagerly otherwise. Every other call runs the layers eagerly, so evaluation,
 generation, cut (varilen) micro-batches and telemetry steps keep working. Capture happens on the first
 matching call after `arm()`; the trainer arms after one optimizer step, when compiled code and FP8 delayed
 scales exist.
@@ -34,6 +38,7 @@ What a replay relies on:
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import time
@@ -148,12 +153,73 @@ def expandable_graph_pool() -> Iterator[None]:
         setter("expandable_segments:False")
 
 
+def _mask_tensors(mask: Any) -> dict[str, torch.Tensor]:
+    """The tensors an attention mask consists of: a dense mask itself, or a BlockMask's block tables."""
+    if mask is None:
+        return {}
+    if isinstance(mask, torch.Tensor):
+        return {"": mask}
+    return {k: v for k, v in vars(mask).items() if isinstance(v, torch.Tensor)}
+
+
+def _closure_tensors(fn: Any) -> tuple:
+    """(data_ptr, shape) of every tensor a mask_mod reads through its closures (and those of the functions and
+    sequences of functions it closes over, as `and_masks` builds)."""
+    found, stack, seen = [], [fn], set()
+    while stack:
+        f = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, torch.Tensor):
+                    found.append((v.data_ptr(), tuple(v.shape)))
+                elif callable(v):
+                    stack.append(v)
+    return tuple(found)
+
+
+def _mask_key(mask: Any) -> tuple:
+    """What a replay's attention mask must share with the captured one."""
+    if mask is None:
+        return ()
+    tensors = tuple((k, tuple(v.shape), v.dtype) for k, v in _mask_tensors(mask).items())
+    if isinstance(mask, torch.Tensor):
+        return ("dense", tensors)
+    return ("block", tensors, mask.seq_lengths, mask.BLOCK_SIZE, getattr(mask.mask_mod, "__code__", None),
+            _closure_tensors(mask.mask_mod))
+
+
+def _static_mask(mask: Any) -> Any:
+    """A copy of the mask in buffers of its own (the graphs' static input)."""
+    if mask is None or isinstance(mask, torch.Tensor):
+        return None if mask is None else mask.detach().clone()
+    static = copy.copy(mask)
+    for k, v in _mask_tensors(mask).items():
+        setattr(static, k, v.clone())
+    return static
+
+
+def _fill_mask(static: Any, mask: Any) -> None:
+    """Copy a batch's mask into the captured one (same structure, `_mask_key`)."""
+    new = _mask_tensors(mask)
+    for k, buf in _mask_tensors(static).items():
+        if buf.data_ptr() != new[k].data_ptr():
+            buf.copy_(new[k])
+
+
 class _Captured:
     """The static buffers and the two graphs of one capture."""
 
     def __init__(self, key: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  params: tuple[torch.Tensor, ...], fwd: Any, bwd: Any):
         self.key, self.x, self.rope, self.fwd, self.bwd = key, x, rope, fwd, bwd
+        self.mask: Any = None  # the static attention mask (None: the model's own attention)
         self.params = params  # the trainable layer parameters, in the graphs' gradient order
         self.storage: tuple = ()  # LayerGraphs._storage() at capture
         self.weights: Any = None  # fp8.graph_weights.StepFP8Weights when the FP8 weights are cast outside the graphs
@@ -241,7 +307,7 @@ class LayerGraphs:
             return self.eager(x, rope, attn_mask, kv_cache)
         if c is None:
             try:
-                c = self.captured = self._capture(key, x, rope)
+                c = self.captured = self._capture(key, x, rope, attn_mask)
             except RuntimeError as e:  # torch.OutOfMemoryError included
                 if self.strict:
                     raise RuntimeError(f"CUDA graph capture of the layers failed: {e}. Run with --cuda-graphs auto "
@@ -257,6 +323,7 @@ class LayerGraphs:
                 return self.eager(x, rope, attn_mask, kv_cache)
         if c.weights is not None and c.weights.stale():
             c.weights.refresh()  # the first replay after an optimizer step: this step's FP8 weights
+        _fill_mask(c.mask, attn_mask)
         out = _Replay.apply(c, c.params, x, rope[0], rope[1], *c.params)
         c.pending = weakref.ref(out)
         self.num_replays += 1
@@ -271,7 +338,7 @@ class LayerGraphs:
     def _key(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn_mask: torch.Tensor | None,
              kv_cache: Any) -> tuple | None:
         """What a replay must match, or None when this call runs eagerly."""
-        if (not self.armed or not torch.is_grad_enabled() or not self.model.training or attn_mask is not None
+        if (not self.armed or not torch.is_grad_enabled() or not self.model.training
                 or kv_cache is not None or (x.device.type != "cuda" and not self.emulate)):
             return None
         from ..fp8 import FP8GlobalStateManager, fp8_stats_enabled
@@ -282,10 +349,11 @@ class LayerGraphs:
         autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         fp8 = (FP8GlobalStateManager.is_fp8_enabled(), FP8GlobalStateManager.get_fp8_recipe())
         tensors = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in (x, *rope))
-        return tensors, autocast, fp8
+        return tensors, _mask_key(attn_mask), autocast, fp8
 
     # ----------------------------------------------------------------- capture
-    def _capture(self, key: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> _Captured:
+    def _capture(self, key: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 attn_mask: Any) -> _Captured:
         from ..fp8 import FP8GlobalStateManager, fp8_graph_capture
         from ..fp8.graph_weights import StepFP8Weights
 
@@ -297,6 +365,7 @@ class LayerGraphs:
             weights.precast()  # outside fp8_graph_capture: the weights' amaxes of this step stay recorded
         static_x = x.detach().clone().requires_grad_(x.requires_grad)
         static_rope = (rope[0].detach().clone(), rope[1].detach().clone())
+        static_mask = _static_mask(attn_mask)
         params = tuple(p for p in self.model.layers.parameters() if p.requires_grad)
         # the gradient inputs: x (when it needs one) and every trainable layer parameter
         wanted = [t for t in (static_x, *params) if t.requires_grad]
@@ -305,7 +374,7 @@ class LayerGraphs:
             # with the FP8 weights cast outside the graphs the layers read their caches as they are (in the capture,
             # and in an emulated replay, which runs this again)
             with weights.frozen() if weights is not None else contextlib.nullcontext():
-                return self.eager(static_x, static_rope, None, None)
+                return self.eager(static_x, static_rope, static_mask, None)
 
         dev = x.device.type
         # autocast's weight-cast cache would hand the capture casts made outside it (stale after a step)
@@ -334,7 +403,7 @@ class LayerGraphs:
                     c = self._record(key, static_x, static_rope, params, wanted, fwd, bwd, forward)
                 torch.cuda.current_stream(x.device).wait_stream(stream)
         c.storage = self._storage()
-        c.weights = weights
+        c.weights, c.mask = weights, static_mask
         self.capture_seconds = time.perf_counter() - t0
         log.info("CUDA graphs: captured the forward and backward of %d layers (input %s) in %.1f s%s",
                  len(self.model.layers), tuple(x.shape), self.capture_seconds,

@@ -45,6 +45,7 @@ class AttentionPlan:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.seed)
         self._open_upper: torch.Tensor | None = None
+        self._segments: torch.Tensor | None = None
 
     def needs_masks(self) -> bool:
         """Whether batches may carry an attention mask (CUDA-graph replays need none)."""
@@ -68,7 +69,7 @@ class AttentionPlan:
             segment_ids = eod_segment_ids(tokens, self.eod_id) if self.eod_id is not None else None
         mods = []
         if self.reset_attention_mask and segment_ids is not None:
-            mods.append(document_mask_mod(segment_ids, causal=self.causal))
+            mods.append(document_mask_mod(self._segment_buffer(segment_ids), causal=self.causal))
         if self._open_upper is not None:
             mods.append(anneal_mask_mod(self._open_upper[:length, :length]))
         mask = None
@@ -77,6 +78,19 @@ class AttentionPlan:
             mask = build_attention_mask(mod, b, length, length, tokens.device)
         positions = segment_positions(segment_ids) if self.reset_position_ids and segment_ids is not None else None
         return mask, positions
+
+    def _segment_buffer(self, segment_ids: torch.Tensor) -> torch.Tensor:
+        """On CUDA a BlockMask's mask_mod reads the segment ids when its kernels run, so they live in one buffer
+        that each batch refills (the same tensor for every batch: the one a CUDA-graph replay reads). A mask
+        from `for_batch` is therefore valid until the next call, which is queued after the previous batch's
+        kernels on the same stream."""
+        if segment_ids.device.type != "cuda":
+            return segment_ids
+        buf = self._segments
+        if buf is None or buf.shape != segment_ids.shape or buf.dtype != segment_ids.dtype:
+            buf = self._segments = torch.empty_like(segment_ids)
+        buf.copy_(segment_ids)
+        return buf
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}

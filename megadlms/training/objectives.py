@@ -113,12 +113,6 @@ class Objective:
     def flops_per_token(self) -> float:
         return self.model_config.flops_per_token(self.model_config.seq_length)
 
-    def graph_blocker(self) -> str | None:
-        """Why the layers cannot run as CUDA-graph replays under this objective, or None."""
-        if self.attention.reset_attention_mask:
-            return "document-level attention (--sft / --reset-attention-mask) gives every batch its own attention mask"
-        return None
-
     def attention_kernel(self, device: torch.device) -> str:
         if self.attention.needs_masks():
             return "FlexAttention, block mask" if device.type == "cuda" else "SDPA, dense mask"
@@ -207,9 +201,6 @@ class BlockDiffusion(Objective):
 
     def flops_per_token(self) -> float:
         return bd3lm.flops_per_token(self.model_config, self.config.block_size)
-
-    def graph_blocker(self) -> str | None:
-        return "block diffusion (bd3lm) runs the layers under an attention mask"
 
     def attention_kernel(self, device: torch.device) -> str:
         return "FlexAttention, block mask" if self.flex else "SDPA, dense mask"

@@ -247,8 +247,6 @@ class Trainer:
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
         if self.run_config.train.recompute_granularity:
             blockers.append("activation checkpointing (--recompute-granularity) re-runs the forward in backward")
-        if (blocker := self.objective.graph_blocker()) is not None:
-            blockers.append(blocker)
         if mode == "on" and blockers:
             raise ConfigError(f"--cuda-graphs on is not possible here: {'; '.join(blockers)}. "
                              "Use --cuda-graphs auto or off.")

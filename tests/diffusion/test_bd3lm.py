@@ -251,9 +251,15 @@ def test_activation_recompute_and_fp8_linears_train_the_same_objective():
     torch.testing.assert_close(torch.tensor(fp8), torch.tensor(plain), rtol=0.03, atol=0.0)
 
 
-def test_cuda_graphs_on_is_refused_with_the_reason():
+def test_layers_replay_from_cuda_graphs_under_the_block_diffusion_mask(monkeypatch):
+    """The block-diffusion mask is a static input of the captured layers (emulated graphs on the CPU)."""
     from megadlms.training.args import parse_train_args
     from megadlms.training.trainer import setup
 
-    with pytest.raises(ConfigError, match="block diffusion \\(bd3lm\\) runs the layers under an attention mask"):
-        setup(parse_train_args(SMALL + ["--train-iters", "4", "--cuda-graphs", "on"]))
+    argv = SMALL + ["--train-iters", "4", "--lr-warmup-iters", "1"]
+    eager = _losses(_train(argv))
+    monkeypatch.setenv("MEGADLMS_EMULATE_CUDA_GRAPHS", "1")
+    trainer = setup(parse_train_args(argv + ["--cuda-graphs", "on"]))
+    graphed = _losses(trainer.run())
+    assert trainer.layer_graphs.num_replays == 3  # every step after the first (the capture's)
+    assert graphed == pytest.approx(eager, rel=1e-5)

@@ -178,6 +178,51 @@ def test_trainer_with_replayed_layers_matches_eager(monkeypatch, fp8, accum):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_packed_documents_replay_with_each_batch_mask(monkeypatch, tmp_path, fp8):
+    """SFT on packed conversations: every batch brings its own document mask, which a replay copies into the
+    captured one; the losses and weights are the eager run's."""
+    from megadlms.training import trainer as trainer_mod
+    from megadlms.training.args import parse_train_args
+    from tests.training.test_documents import _chat_data
+
+    argv = SMALL + ["--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "4", "--sft",
+                    "--data-path", _chat_data(tmp_path), "--split", "100,0,0", "--log-interval", "1",
+                    "--seq-length", "24"] + (["--fp8-format", "hybrid"] if fp8 else [])
+    eager = trainer_mod.setup(parse_train_args(argv))
+    eager.run()
+    monkeypatch.setenv("MEGADLMS_EMULATE_CUDA_GRAPHS", "1")
+    graphed = trainer_mod.setup(parse_train_args(argv + ["--cuda-graphs", "on"]))
+    graphed.run()
+    assert graphed.layer_graphs.num_replays == 6  # two micro-batches in each step after the first
+    ref = [m["loss"] for m in eager.state.history]
+    assert [m["loss"] for m in graphed.state.history] == pytest.approx(ref, rel=1e-5)
+    for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_block_masks_are_replayed_only_over_the_tensors_captured():
+    """A BlockMask is a static input when its mask_mod reads the same tensors as the captured one (the
+    AttentionPlan's refilled segment buffer); one over other tensors would run stale in a replay."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from megadlms.attention_masks import document_mask_mod
+    from megadlms.training.cuda_graphs import _fill_mask, _mask_key, _static_mask
+
+    seg = torch.zeros(1, 256, dtype=torch.long)
+    first = create_block_mask(document_mask_mod(seg), 1, None, 256, 256, device="cpu")
+    static = _static_mask(first)
+    seg[0, 200:] = 1  # the next batch, in the same buffer
+    again = create_block_mask(document_mask_mod(seg), 1, None, 256, 256, device="cpu")
+    other = create_block_mask(document_mask_mod(seg.clone()), 1, None, 256, 256, device="cpu")
+    assert _mask_key(again) == _mask_key(first) != _mask_key(other)
+    assert not torch.equal(static.kv_num_blocks, again.kv_num_blocks)
+    _fill_mask(static, again)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks"):
+        assert torch.equal(getattr(static, name), getattr(again, name)), name
+    assert _mask_key(torch.ones(1, 1, 4, 4, dtype=torch.bool)) != _mask_key(None)
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_failed_capture_falls_back_to_eager_or_raises(monkeypatch, strict):
     from megadlms.training import cuda_graphs
