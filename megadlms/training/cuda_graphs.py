@@ -17,7 +17,8 @@ and no earlier replay still waiting for its backward. An attention mask (a dense
 BlockMask) is a static input like the activations: a replay copies the batch's mask into the captured one, so
 packed documents and block diffusion replay with their own masks. A BlockMask's `mask_mod` is traced into the
 graph with the tensors it reads; a replay therefore also requires that it reads the same tensors (the
-`AttentionPlan` fills one segment-id buffer per batch on CUDA), and runs eagerly otherwise. Every other call runs the layers eagerly, so evaluation,
+`AttentionPlan` fills one segment-id buffer per batch on CUDA), and runs eagerly otherwise.
+Every other call runs the layers eagerly, so evaluation,
 generation, cut (varilen) micro-batches and telemetry steps keep working. Capture happens on the first
 matching call after `arm()`; the trainer arms after one optimizer step, when compiled code and FP8 delayed
 scales exist.
