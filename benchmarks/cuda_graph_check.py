@@ -32,8 +32,13 @@ from megadlms.training.trainer import setup  # noqa: E402
 # the CPU check: a narrow model and few tokens (the CPU kernel of the FP8 GEMM, torch._scaled_mm, is slow)
 SMOKE_FLAGS = ["--device", "cpu", "--no-compile", "--hidden-size", "32", "--ffn-hidden-size", "64",
                "--num-attention-heads", "2", "--num-query-groups", "1", "--kv-channels", "16"]
+DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]  # a document mask per batch (EOD-separated)
+BD3LM = ["--model-running-mode", "bd3lm", "--block-size", "16"]  # the block-diffusion mask
 VARIANTS = {"bf16": [], "fp8 delayed": ["--fp8-format", "hybrid"],
-            "fp8 tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]}
+            "fp8 tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+            "bf16 documents": DOCUMENTS, "fp8 documents": ["--fp8-format", "hybrid", *DOCUMENTS],
+            "bf16 bd3lm": BD3LM, "fp8 bd3lm": ["--fp8-format", "hybrid", *BD3LM]}
+DEFAULT_VARIANTS = "bf16,fp8 delayed,fp8 tensorwise"
 
 
 def _trainer(flags: list[str], graphs: str, a: argparse.Namespace):
@@ -112,7 +117,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--iters", type=int, default=12)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, graphs emulated (EmulatedGraph)")
     a = p.parse_args()
     if a.smoke:

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# One GPU command that checks the parts other than raw speed (benchmarks/fp8_block.py and
-# train_throughput.py cover that): FP8 numerics on the real kernels, the CLI trainer on qwen3-1.7b
-# (tokens/s, MFU, data-loading share), the trainer's CUDA graphs against eager, FP8 vs BF16 loss
-# curves, the samplers' speed, and the torchrun world-size-1 overhead. Logs go to $OUT (or ./gpu_validation_logs); a summary prints last.
-#     bash benchmarks/gpu_validation.sh
+# The GPU checks of what the CPU cannot run, in three parts of one command each (each under 9 minutes on one
+# H100/H200). Logs go to $OUT (or ./gpu_validation_logs); a short table prints last.
+#     bash benchmarks/gpu_validation.sh correctness   FP8 numerics on the real kernels; the gradients of every
+#                                                     attention plan (compiled FlexAttention) against dense eager;
+#                                                     CUDA-graph replays against eager, masks included
+#     bash benchmarks/gpu_validation.sh speed         the 8B-class block per recipe; the trainer on qwen3-1.7b;
+#                                                     packed SFT against pre-training, BF16 and FP8, losses side
+#                                                     by side
+#     bash benchmarks/gpu_validation.sh quality       FP8 vs BF16 loss curves, the samplers, torchrun overhead
 set -u
-OUT=${OUT:-gpu_validation_logs}; mkdir -p "$OUT"
+PART=${1:-correctness}
+export OUT=${OUT:-gpu_validation_logs}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/megadlms_inductor}
 PY=${PY:-python3}
 step() {  # step NAME SECONDS CMD...: run with a time cap, keep the log, note the exit status
@@ -16,20 +21,44 @@ step() {  # step NAME SECONDS CMD...: run with a time cap, keep the log, note th
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 $PY -c "import torch; print('torch', torch.__version__)" >> "$OUT/gpu.txt"
-step fp8_check 60 $PY -m megadlms fp8-check
-step fp8_numerics 90 $PY benchmarks/fp8_numerics.py
-step train_qwen3_1p7b 150 $PY -m megadlms train --model-path qwen3-1.7b --seq-length 4096 --micro-batch-size 4 \
-    --train-iters 20 --log-interval 5 --eval-iters 0 --no-progress --difflm-varilen-prob 0 --num-workers 2
-step cuda_graph_check 200 $PY benchmarks/cuda_graph_check.py --iters 8
-step generate 120 $PY benchmarks/generate.py
-step fp8_convergence 200 $PY benchmarks/fp8_convergence.py --model-path qwen3-0.6b --iters 150 --seq-length 512 \
-    --mbs 16 --extra=--no-compile --parallel 3 --json-out "$OUT/fp8_convergence.json"
-step torchrun_overhead 150 $PY benchmarks/torchrun_overhead.py --rounds 1 --iters 30
-echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
-echo "=== fp8-check"; tail -6 "$OUT/fp8_check.log"
-echo "=== fp8 numerics"; tail -16 "$OUT/fp8_numerics.log"
-echo "=== megadlms train qwen3-1.7b"; grep -E "^iter|model " "$OUT/train_qwen3_1p7b.log" | tail -5
-echo "=== CUDA graphs vs eager"; tail -5 "$OUT/cuda_graph_check.log"
-echo "=== generate"; tail -8 "$OUT/generate.log"
-echo "=== fp8 convergence"; tail -5 "$OUT/fp8_convergence.log"
-echo "=== torchrun overhead"; tail -6 "$OUT/torchrun_overhead.log"
+case "$PART" in
+correctness)
+    step fp8_check 60 $PY -m megadlms fp8-check
+    step fp8_numerics 90 $PY benchmarks/fp8_numerics.py
+    step attention_grads 240 $PY benchmarks/attention_grad_check.py --plans documents,bd3lm,anneal \
+        --variants eager-flex,compiled-flex,fp8-compiled-flex
+    step cuda_graph_check 240 $PY benchmarks/cuda_graph_check.py --iters 8 \
+        --variants "bf16,fp8 delayed,bf16 documents,fp8 documents,bf16 bd3lm,fp8 bd3lm"
+    echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
+    echo "=== fp8-check"; tail -6 "$OUT/fp8_check.log"
+    echo "=== fp8 numerics"; tail -16 "$OUT/fp8_numerics.log"
+    echo "=== CUDA graphs vs eager"; tail -9 "$OUT/cuda_graph_check.log"
+    echo "=== attention gradients against dense eager"; tail -24 "$OUT/attention_grads.log"
+    ;;
+speed)
+    step fp8_block 200 $PY benchmarks/fp8_block.py --no-attention-bench --no-gemm-bench --iters 10 --warmup 3 \
+        --variants bf16+graphs,fp8-delayed+graphs,fp8-tensorwise+graphs,fp8-blockwise+graphs,fp8-rowwise+graphs \
+        --profile ""
+    step train_throughput 150 $PY benchmarks/train_throughput.py --configs qwen3-1.7b/bf16,qwen3-1.7b/fp8 \
+        --steps 10 --warmup 3 --timeout 70
+    step sft_paths 200 bash benchmarks/sft_paths.sh 10 bf16,fp8,pretrain_bf16,pretrain_fp8
+    echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
+    echo "=== block"; tail -12 "$OUT/fp8_block.log"
+    echo "=== trainer qwen3-1.7b"; tail -6 "$OUT/train_throughput.log"
+    echo "=== packed SFT and pre-training, qwen3-0.6b"; tail -16 "$OUT/sft_paths.log"
+    ;;
+quality)
+    step generate 120 $PY benchmarks/generate.py
+    step fp8_convergence 250 $PY benchmarks/fp8_convergence.py --model-path qwen3-0.6b --iters 150 \
+        --seq-length 512 --mbs 16 --extra=--no-compile --parallel 3 --json-out "$OUT/fp8_convergence.json"
+    step torchrun_overhead 150 $PY benchmarks/torchrun_overhead.py --rounds 1 --iters 30
+    echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
+    echo "=== generate"; tail -8 "$OUT/generate.log"
+    echo "=== fp8 convergence"; tail -5 "$OUT/fp8_convergence.log"
+    echo "=== torchrun overhead"; tail -6 "$OUT/torchrun_overhead.log"
+    ;;
+*)
+    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed or quality" >&2
+    exit 2
+    ;;
+esac
