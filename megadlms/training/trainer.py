@@ -153,7 +153,9 @@ def _seed_all(seed: int) -> None:
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    name, keys, *rest = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+    # plain types (numpy's array as a list) for the weights-only load
+    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), *rest), "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
