@@ -29,6 +29,7 @@ import errno
 import functools
 import io
 import json
+import logging
 import os
 import pathlib
 import pickle
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
 FORMAT = "megadlms-dcp-1"
 LATEST = "latest_checkpointed_iteration.txt"
 META = "meta.json"
+
+log = logging.getLogger("megadlms")
 
 
 class CheckpointError(MegaDLMsError, RuntimeError):
@@ -365,6 +368,30 @@ def find_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path:
         raise CheckpointError(f"checkpoint {path} is missing or incomplete (no {META}); "
                               f"{_listing(load_dir, iteration)}")
     return path
+
+
+def _same_folder(a: str | Path, b: str | Path) -> bool:
+    a, b = Path(a), Path(b)
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def resume_source(load: str | Path, save: str | Path | None, *, iteration: int | None = None,
+                  finetune: bool = False) -> Path | None:
+    """The folder `--load` resumes from, or None where the run starts from scratch: `load` names the `--save`
+    folder and no checkpoint was written there yet (a requeued job whose first attempt ended before its first
+    save; the folder may hold its metrics.jsonl), warned about in one line. A `--load` elsewhere, a `--ckpt-step`,
+    `--finetune`, or a folder with a `latest` pointer or an iteration folder is returned: `find_checkpoint` names
+    what is missing there."""
+    load = Path(load)
+    if (save is None or iteration is not None or finetune or not _same_folder(load, save)
+            or (load / META).is_file() or (load / LATEST).exists() or any(load.glob("iter_*"))):
+        return load
+    if _rank() == 0:
+        log.warning("no checkpoint in %s yet (--load names the --save folder): starting from scratch", load)
+    return None
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

@@ -731,8 +731,10 @@ def setup(config: RunConfig) -> Trainer:
                  f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
                  ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
                  ctx.dp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
-    if config.checkpoint.load:
-        trainer.load(config.checkpoint.load, config.checkpoint.ckpt_step, finetune=config.checkpoint.finetune)
+    ck = config.checkpoint
+    load = ckpt.resume_source(ck.load, ck.save, iteration=ck.ckpt_step, finetune=ck.finetune) if ck.load else None
+    if load is not None:  # None also where --load is the --save folder without a checkpoint yet (a requeued job)
+        trainer.load(str(load), ck.ckpt_step, finetune=ck.finetune)
     return trainer
 
 
