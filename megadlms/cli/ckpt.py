@@ -1,4 +1,5 @@
-"""`megadlms ckpt verify DIR`: check a checkpoint folder offline against the checksums recorded at save.
+"""`megadlms ckpt verify DIR`: check a checkpoint folder offline against the checksums recorded at save, and read
+its DCP metadata and per-rank state as a load does (a file that would run code is refused).
 
 DIR is a --save folder (every iteration in it, and its `latest` pointer) or one iteration folder. Exit status 0
 when everything named is whole, 1 when something is damaged, 2 for a folder that holds no checkpoint.
@@ -24,6 +25,7 @@ def _check_one(path: Path) -> list[str]:
     if not problems:
         try:
             ckpt.read_meta(path)
+            ckpt.check_safe(path)  # its DCP metadata and per-rank state read as a load reads them
         except ckpt.CheckpointError as e:
             problems.append(str(e))
     return problems

@@ -14,26 +14,38 @@ A save goes to `.tmp_iter_*` and is renamed into place only when every file is w
 checkpoint or the new one, never a half one that a resume would trust. A save that fails (a full
 disk, no permission, an I/O error) removes its temporary folder on every rank and raises
 `CheckpointSaveError`, with `latest` still naming the previous checkpoint.
+
+A load never runs code from the checkpoint: the per-rank state and DCP's non-tensor items are read by
+`torch.load(weights_only=True)` (plus the numpy RNG state of earlier versions), DCP's `.metadata` by an
+unpickler that admits DCP's metadata classes only (`SafeFileSystemReader`). A file that needs anything else is
+refused with a `CheckpointError` naming the file and the global it asked for.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
+import functools
+import io
 import json
+import logging
 import os
+import pathlib
+import pickle
 import re
 import shutil
 import warnings
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..config import TransformerConfig
 from ..errors import MegaDLMsError
@@ -44,6 +56,8 @@ if TYPE_CHECKING:
 FORMAT = "megadlms-dcp-1"
 LATEST = "latest_checkpointed_iteration.txt"
 META = "meta.json"
+
+log = logging.getLogger("megadlms")
 
 
 class CheckpointError(MegaDLMsError, RuntimeError):
@@ -356,6 +370,30 @@ def find_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path:
     return path
 
 
+def _same_folder(a: str | Path, b: str | Path) -> bool:
+    a, b = Path(a), Path(b)
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def resume_source(load: str | Path, save: str | Path | None, *, iteration: int | None = None,
+                  finetune: bool = False) -> Path | None:
+    """The folder `--load` resumes from, or None where the run starts from scratch: `load` names the `--save`
+    folder and no checkpoint was written there yet (a requeued job whose first attempt ended before its first
+    save; the folder may hold its metrics.jsonl), warned about in one line. A `--load` elsewhere, a `--ckpt-step`,
+    `--finetune`, or a folder with a `latest` pointer or an iteration folder is returned: `find_checkpoint` names
+    what is missing there."""
+    load = Path(load)
+    if (save is None or iteration is not None or finetune or not _same_folder(load, save)
+            or (load / META).is_file() or (load / LATEST).exists() or any(load.glob("iter_*"))):
+        return load
+    if _rank() == 0:
+        log.warning("no checkpoint in %s yet (--load names the --save folder): starting from scratch", load)
+    return None
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
@@ -412,16 +450,190 @@ def check_loadable(path: str | Path) -> None:
         raise CheckpointError(f"checkpoint {path} is damaged: {what}; {_listing(path.parent, _iteration_of(path))}")
 
 
-def load_app_state(path: str | Path, app_state: dict[str, Any], *, partial: bool = False) -> None:
-    """Load a DCP checkpoint into `app_state` in place (collective). `partial`: keys absent are fine."""
-    planner = dcp.DefaultLoadPlanner(allow_partial_load=partial)
+# ---------------------------------------------------------------------------------------------- safe reading
+_REFUSED = ("which a checkpoint may not contain: refusing to load it (only tensors, numbers, strings and the "
+           "trainer's RNG states are read)")
+
+
+def _refusal(file: str | Path, names: list[str]) -> CheckpointError:
+    shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    return CheckpointError(f"checkpoint file {file} needs {shown}, {_REFUSED}")
+
+
+@functools.cache
+def _numpy_rng_globals() -> tuple[Any, ...]:
+    """What the numpy RNG state of checkpoints of earlier versions needs (a uint32 array; numpy 1 and 2 names)."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    rebuild = core.multiarray._reconstruct
+    return (np.ndarray, np.dtype, type(np.dtype(np.uint32)), (rebuild, "numpy._core.multiarray._reconstruct"),
+            (rebuild, "numpy.core.multiarray._reconstruct"))
+
+
+def _unsafe_globals(f: str | Path | IO[bytes] | None, error: BaseException) -> list[str]:
+    """The globals a weights-only load of `f` refused (read from the pickle, else from torch's message)."""
+    names: list[str] = []
+    try:
+        if f is not None and not isinstance(f, (str, Path)):
+            f.seek(0)
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(f) if f is not None else []
+    except Exception:  # not a readable torch.save archive: only the message can tell
+        pass
+    if not names:
+        m = re.search(r"GLOBAL (\S+)", str(error))
+        names = [m.group(1)] if m else []
+    return names
+
+
+def _load_weights_only(f: str | Path | IO[bytes], shown: str | Path, allow: tuple[Any, ...] = ()) -> Any:
+    """`torch.load(f, weights_only=True)` with the globals `allow` admitted; a file that needs any other global is
+    refused with a CheckpointError naming `shown` and the global. Other errors (a truncated file) pass unchanged."""
+    with torch.serialization.safe_globals(list(allow)):
+        try:
+            return torch.load(f, weights_only=True)
+        except pickle.UnpicklingError as e:
+            names = _unsafe_globals(f, e)
+            if names:
+                raise _refusal(shown, names) from None
+            why = re.search(r"WeightsUnpickler error: (.+)", str(e))  # not torch's advice to load it unsafely
+            if why:
+                raise pickle.UnpicklingError(why.group(1).strip()) from e
+            raise
+
+
+@functools.cache
+def _dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+    """(module, name) -> object of everything DCP's `.metadata` pickle may name: its metadata classes and the torch
+    types they hold."""
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint import metadata as md
+
+    names = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+             "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    allowed: dict[tuple[str, str], Any] = {(md.__name__, n): getattr(md, n) for n in names if hasattr(md, n)}
+    allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a layout by its name
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    for cls in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath, pathlib.WindowsPath):
+        allowed[("pathlib", cls.__name__)] = allowed[(cls.__module__, cls.__name__)] = cls  # StorageMeta's path
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata`: any global outside `_dcp_metadata_globals` is refused (CheckpointError)."""
+
+    def __init__(self, file: IO[bytes], shown: str | Path):
+        super().__init__(file)
+        self.shown = shown
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _dcp_metadata_globals().get((module, name))
+        if obj is None:
+            raise _refusal(self.shown, [f"{module}.{name}"])
+        return obj
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """`dcp.FileSystemReader` whose `.metadata` goes through `_MetadataUnpickler` instead of `pickle.load`; the
+    metadata read first is kept for the load that follows."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        super().__init__(path)
+        self._metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        self._metadata = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        if rank is not None or self._metadata is None:
+            file = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+            with open(file, "rb") as f:
+                metadata = _MetadataUnpickler(f, file).load()
+            if not isinstance(metadata, Metadata):
+                raise CheckpointError(f"checkpoint file {file} holds a {type(metadata).__name__}, not DCP metadata")
+            if rank is not None:
+                return self._stamp(metadata)
+            self._metadata = metadata
+        return self._stamp(self._metadata)
+
+    def _stamp(self, metadata: Metadata) -> Metadata:
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """`DefaultLoadPlanner` whose non-tensor items (the iteration counters, the optimizer's hyper-parameters) are read
+    with `torch.load(weights_only=True)`, not DCP's `weights_only=False`."""
+
+    def __init__(self, checkpoint: Path, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.checkpoint = checkpoint
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata is not None else None
+        shown = self.checkpoint / info.relative_path if info is not None else self.checkpoint
+        obj = _load_weights_only(value, shown)
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def _read_metadata(reader: SafeFileSystemReader, path: Path) -> Metadata:
+    """`reader.read_metadata()`, or a CheckpointError naming `path` (refused or unreadable)."""
+    try:
+        return reader.read_metadata()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: its DCP .metadata cannot be read ({_root_text(e)}); "
+                              f"{_listing(path.parent, _iteration_of(path))}") from e
+
+
+def check_safe(path: str | Path) -> None:
+    """Read the DCP metadata and the per-rank state of checkpoint folder `path` as a load does (no code of theirs
+    runs); CheckpointError when one is refused or cannot be read."""
+    path = Path(path)
+    _read_metadata(SafeFileSystemReader(str(path)), path)
+    for f in sorted(path.glob("rank_*.pt")):
+        m = re.fullmatch(r"rank_(\d+)\.pt", f.name)
+        if m:
+            load_rank_state(path, int(m.group(1)))
+
+
+def load_app_state(path: str | Path, app_state: dict[str, Any], *, partial: bool = False,
+                   reader: SafeFileSystemReader | None = None) -> None:
+    """Load a DCP checkpoint into `app_state` in place (collective). `partial`: keys absent are fine. Nothing of the
+    checkpoint runs as code (`SafeFileSystemReader`, weights-only non-tensor items). reader: one that already read
+    this checkpoint's metadata."""
+    path = Path(path)
+    if reader is None:  # a refused or unreadable .metadata is named here, not inside DCP's retries
+        reader = SafeFileSystemReader(str(path))
+        _read_metadata(reader, path)
+    planner = _SafeLoadPlanner(path, allow_partial_load=partial)
     try:
         with _single_process_quiet():
-            dcp.load(app_state, checkpoint_id=str(path), planner=planner)
+            dcp.load(app_state, storage_reader=reader, planner=planner)
     except (Exception, CheckpointException) as e:
-        if not isinstance(_root(e), (OSError, EOFError, ValueError, KeyError, RuntimeError, IndexError)):
+        root = _root(e)
+        if isinstance(root, CheckpointError):  # a refused item, named by the planner
+            raise root from None
+        if isinstance(root, pickle.UnpicklingError) and (names := _unsafe_globals(None, root)):
+            raise _refusal(f"{path} (a DCP shard)", names) from None
+        if not isinstance(root, (OSError, EOFError, ValueError, KeyError, RuntimeError, IndexError,
+                                 pickle.UnpicklingError)):
             raise
-        path = Path(path)
         raise CheckpointError(f"checkpoint {path} cannot be read ({_root_text(e)}); "
                               f"{_listing(path.parent, _iteration_of(path))}") from e
 
@@ -449,11 +661,8 @@ def load_model_state(path: str | Path, app_state: dict[str, Any]) -> list[str]:
     their fresh values (the first step scales from amaxes, as in a new FP8 run); returns their names. Any other
     tensor the checkpoint lacks is an error."""
     check_loadable(path)
-    try:
-        saved_meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"checkpoint {path}: its DCP .metadata cannot be read ({_root_text(e)}); "
-                              f"{_listing(Path(path).parent, _iteration_of(Path(path)))}") from e
+    reader = SafeFileSystemReader(str(path))
+    saved_meta = _read_metadata(reader, Path(path)).state_dict_metadata
     saved = set(saved_meta)
     for k, t in app_state["model"].items():
         entry = saved_meta.get(f"model.{k}")
@@ -470,7 +679,7 @@ def load_model_state(path: str | Path, app_state: dict[str, Any]) -> list[str]:
                               f"({len(other)} tensors of this model missing): it was saved from another "
                               "architecture; pass --use-checkpoint-args to take its architecture, or the model "
                               "flags it was trained with")
-    load_app_state(path, app_state, partial=bool(absent))
+    load_app_state(path, app_state, partial=bool(absent), reader=reader)
     return absent
 
 
@@ -483,8 +692,10 @@ def load_rank_state(path: str | Path, rank: int | None = None) -> dict[str, Any]
         f = path / "rank_00000.pt"
     if not f.is_file():
         return None
-    try:
-        return torch.load(f, weights_only=False)
+    try:  # tensors and plain types (RNG states, data position); the numpy RNG state of earlier versions
+        return _load_weights_only(f, f, allow=_numpy_rng_globals())
+    except CheckpointError:
+        raise
     except Exception as e:  # a truncated or foreign file: pickle, zip and EOF errors
         raise CheckpointError(f"checkpoint {path}: {f.name} cannot be read ({type(e).__name__}: "
                               f"{str(e).strip()[:160]}); {_listing(path.parent, _iteration_of(path))}") from e

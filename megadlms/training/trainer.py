@@ -143,7 +143,9 @@ def _seed_all(seed: int) -> None:
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    name, keys, *rest = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+    # plain types (numpy's array as a list) for the weights-only load
+    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), *rest), "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -605,8 +607,10 @@ def setup(config: RunConfig) -> Trainer:
                  f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
                  ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
                  ctx.dp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
-    if config.checkpoint.load:
-        trainer.load(config.checkpoint.load, config.checkpoint.ckpt_step, finetune=config.checkpoint.finetune)
+    ck = config.checkpoint
+    load = ckpt.resume_source(ck.load, ck.save, iteration=ck.ckpt_step, finetune=ck.finetune) if ck.load else None
+    if load is not None:  # None also where --load is the --save folder without a checkpoint yet (a requeued job)
+        trainer.load(str(load), ck.ckpt_step, finetune=ck.finetune)
     return trainer
 
 

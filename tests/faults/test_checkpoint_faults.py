@@ -224,3 +224,41 @@ def test_checksums_cover_every_file_written(saved_run):
     recorded = json.loads((folder / "crc32_00000.json").read_text())
     written = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and not p.name.startswith("crc32")}
     assert set(recorded) == written
+
+
+# ---------------------------------------------------------------------------------------------- requeued jobs
+@pytest.mark.parametrize("before", ["metrics-only", "killed-in-first-save", "missing"],
+                         ids=["folder-with-metrics-only->starts-from-scratch",
+                              "temporary-folder-of-a-killed-save->starts-from-scratch",
+                              "no-folder->starts-from-scratch"])
+def test_requeued_run_without_a_checkpoint_starts_from_scratch(tmp_path, saved_run, capsys, caplog, before):
+    """A cluster requeues the same command (`--save D --load D`) after a first attempt that ended before its first
+    save: it trains from iteration 0, exactly as a fresh run."""
+    save = tmp_path / "run"
+    if before != "missing":
+        save.mkdir()
+        (save / "metrics.jsonl").write_text('{"split": "train", "iteration": 1, "loss": 9.0}\n')
+    if before == "killed-in-first-save":
+        (save / ".tmp_iter_0000001").mkdir()
+        (save / ".tmp_iter_0000001" / "rank_00000.pt").write_bytes(b"partial")
+    rc, err = _train(capsys, "--train-iters", "2", "--save", str(save), "--save-interval", "1", "--load", str(save))
+    assert rc == 0, err
+    assert f"no checkpoint in {save} yet (--load names the --save folder): starting from scratch" in caplog.text
+    assert _latest(save) == "2" and _no_temp_folders(save)
+    assert logged_losses(save) == logged_losses(saved_run)  # this run's lines come after the first attempt's
+
+
+def test_load_elsewhere_without_a_checkpoint_stays_an_error(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, err = _train(capsys, "--train-iters", "2", "--save", str(tmp_path / "run"), "--load", str(empty))
+    lines = [x for x in err.splitlines() if "error:" in x]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err
+    assert f"no checkpoint in {empty}: latest_checkpointed_iteration.txt is missing" in lines[0]
+
+
+def test_damaged_save_folder_is_not_taken_for_an_empty_one(run_copy, capsys):
+    """`--load D --save D` where D has checkpoints but lost its `latest` pointer: named, not trained over."""
+    (run_copy / ckpt.LATEST).unlink()
+    rc, err = _train(capsys, "--train-iters", "3", "--save", str(run_copy), "--load", str(run_copy))
+    assert rc == 2 and "latest_checkpointed_iteration.txt is missing" in err and "1, 2" in err
