@@ -9,9 +9,12 @@ exactly with any other.
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing.util  # noqa: F401  (its exit handler is registered before this module's)
 import os
 import signal
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,11 +120,48 @@ class _RankPositions(Sampler):
 def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
     """DataLoader workers ignore SIGINT, SIGTERM and SIGUSR1: a terminal's Ctrl-C and a scheduler's preemption notice
     reach the whole process group, and the training process, which finishes its step and saves first, decides when
-    they end (a worker whose parent died exits by itself)."""
+    they end (a worker whose parent died exits by itself). So SIGTERM cannot stop them: `stop_workers` asks them to
+    end and kills what is left."""
     for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
         sig = getattr(signal, name, None)
         if sig is not None:
             signal.signal(sig, signal.SIG_IGN)
+
+
+# DataLoader iterators whose worker processes may still run; stopped at interpreter exit (`_stop_all_workers`)
+_WITH_WORKERS: weakref.WeakSet = weakref.WeakSet()
+_KILL_WAIT_S = 2.0
+
+
+def stop_workers(it: object) -> None:
+    """End the worker processes of DataLoader iterator `it` (a no-op without workers or when they have ended):
+    torch's shutdown (an end marker to each worker, a short join), then SIGKILL for any worker still alive, since
+    the workers ignore the SIGTERM that torch and multiprocessing end them with."""
+    workers = list(getattr(it, "_workers", ()))
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except Exception:  # a worker that died mid-shutdown: kill what is left below
+            pass
+    for w in workers:
+        if w.is_alive():
+            w.kill()
+    for w in workers:
+        w.join(timeout=_KILL_WAIT_S)
+    _WITH_WORKERS.discard(it)
+
+
+def _stop_all_workers() -> None:
+    """At interpreter exit, before multiprocessing's handler, which SIGTERMs daemonic children and then joins them
+    without a timeout: workers that ignore SIGTERM would keep the process from ever exiting (an exception that
+    leaves a loader's iterator referenced from its traceback, say). atexit runs handlers last-registered first, so
+    this one runs before multiprocessing's (imported above) and torch's DataLoader handler."""
+    for it in list(_WITH_WORKERS):
+        stop_workers(it)
+
+
+atexit.register(_stop_all_workers)
 
 
 class StatefulLoader:
@@ -132,6 +172,7 @@ class StatefulLoader:
     each `next` advances the global `consumed_samples` by micro_batch_size * dp_size. A new `iter()`
     (or one after `load_state_dict`) starts at `consumed_samples`; older iterators stop working.
     Sample positions wrap around `num_samples` (one pass over the cached index), looping epochs forever.
+    `close()` ends the worker processes of its iterators (`--num-workers`); a later `iter()` starts new ones.
     """
 
     def __init__(self, source: SampleSource, *, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
@@ -144,6 +185,7 @@ class StatefulLoader:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.consumed_samples = 0
         self._generation = 0
+        self._iterators: weakref.WeakSet = weakref.WeakSet()  # this loader's DataLoader iterators with workers
 
     @property
     def num_samples(self) -> int:
@@ -162,16 +204,27 @@ class StatefulLoader:
                             num_workers=self.num_workers, pin_memory=self.pin_memory,
                             prefetch_factor=2 if self.num_workers > 0 else None,
                             worker_init_fn=_leave_stop_signals_to_the_trainer if self.num_workers > 0 else None)
-        return self._run(iter(loader), generation)
+        it = iter(loader)
+        if self.num_workers > 0:
+            self._iterators.add(it)
+            _WITH_WORKERS.add(it)
+        return self._run(it, generation)
 
     def _run(self, it: Iterator[torch.Tensor], generation: int) -> Iterator[torch.Tensor]:
         while True:
-            batch = next(it)
             if generation != self._generation:
-                raise RuntimeError(f"this {self.name} iterator is stale: iter() or load_state_dict() was called "
-                                   "since it was made; use the newest iterator")
+                raise RuntimeError(f"this {self.name} iterator is stale: iter(), load_state_dict() or close() was "
+                                   "called since it was made; use the newest iterator")
+            batch = next(it)
             self.consumed_samples += self.global_micro_batch
             yield batch
+
+    def close(self) -> None:
+        """End the worker processes of every iterator made so far (which then refuse, as stale ones do)."""
+        self._generation += 1
+        for it in list(self._iterators):
+            stop_workers(it)
+        self._iterators = weakref.WeakSet()
 
     def state_dict(self) -> dict:
         """Plain ints/strs: consumed_samples (global) plus what identifies the sample order."""
@@ -211,6 +264,12 @@ class Loaders:
         for n in SPLIT_NAMES:
             if getattr(self, n) is not None and n in state:
                 getattr(self, n).load_state_dict(state[n])
+
+    def close(self) -> None:
+        """End the data-loading worker processes of every split (at the end of a run, and when it fails)."""
+        for n in SPLIT_NAMES:
+            if getattr(self, n) is not None:
+                getattr(self, n).close()
 
 
 def _open(prefix: str, tokenizer: Tokenizer, opened: dict[str, IndexedDataset], sft: bool = False

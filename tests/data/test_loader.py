@@ -138,6 +138,22 @@ def test_stale_iterator_refuses(corpus):
         next(it)
 
 
+def test_close_ends_the_workers_and_a_new_iterator_goes_on(corpus):
+    loaders = build_loaders(cfg(corpus, num_workers=2), TOK)
+    its = [iter(loaders.train), iter(loaders.valid)]
+    for it in its:
+        next(it)  # the workers are running
+    workers = [w for it in loaders.train._iterators for w in it._workers] + \
+        [w for it in loaders.valid._iterators for w in it._workers]
+    assert len(workers) == 4 and all(w.is_alive() for w in workers)
+    loaders.close()
+    assert not any(w.is_alive() for w in workers)  # they ignore SIGTERM: close() must not rely on it
+    with pytest.raises(RuntimeError, match="stale"):
+        next(its[0])
+    assert torch.equal(next(iter(loaders.train)), take(build_loaders(cfg(corpus), TOK).train, 2)[1])
+    loaders.close()
+
+
 def test_changed_data_warns_on_resume(corpus):
     state = build_loaders(cfg(corpus), TOK).state_dict()
     other = build_loaders(cfg(corpus, seed=12), TOK)
