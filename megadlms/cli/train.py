@@ -23,7 +23,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> RunConfi
 
 
 def run(config: RunConfig) -> int:
+    from ..training.failure import exit_promptly_on_failure
     from ..training.trainer import train
 
-    train(config)
+    with exit_promptly_on_failure():  # this process ends with the run: nothing may keep it alive after a failure
+        train(config)
     return 0

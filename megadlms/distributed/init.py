@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,3 +123,25 @@ def destroy_parallel() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def abort_parallel(timeout_s: float = 10.0) -> None:
+    """Tear down the process group (if any) after a failure: no barrier, which the other ranks may never reach.
+    NCCL's communicators are aborted (this rank's queued collectives end instead of waiting for peers); gloo's
+    connections close, so a peer waiting on this rank in a collective fails at once instead of at the timeout.
+    Returns after `timeout_s` at most, in case the teardown itself blocks."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+
+    def teardown() -> None:
+        try:
+            if dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        except Exception:  # already broken by the failure: nothing more to release
+            pass
+
+    worker = threading.Thread(target=teardown, name="megadlms-abort-parallel", daemon=True)
+    worker.start()
+    worker.join(timeout_s)

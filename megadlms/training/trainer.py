@@ -616,14 +616,17 @@ def setup(config: RunConfig) -> Trainer:
 
 def train(config: RunConfig) -> TrainState:
     """Train from `config` (from flags: `megadlms.training.args.parse_train_args`); returns the final state."""
-    trainer = setup(config)
-    try:
-        state = trainer.run()
-    finally:
-        trainer.control.uninstall()  # the signal handlers, also when the run stopped on an error
-    if config.train.generate_sample and not trainer.control.reason:  # a run stopped by a signal exits at once
-        print_sample(trainer)  # on every rank: the forward of a sharded model is collective
-    destroy_parallel()
+    from .failure import handled_failures  # on an error: the loader's workers and the process group end at once
+
+    with handled_failures(config) as run:
+        trainer = run.watch(setup(config))
+        try:
+            state = trainer.run()
+        finally:
+            trainer.control.uninstall()  # the signal handlers, also when the run stopped on an error
+        if config.train.generate_sample and not trainer.control.reason:  # a run stopped by a signal exits at once
+            print_sample(trainer)  # on every rank: the forward of a sharded model is collective
+        destroy_parallel()
     return state
 
 
