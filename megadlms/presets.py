@@ -24,6 +24,10 @@ _QWEN3 = dict(kv_channels=128, vocab_size=151936, rotary_base=1e6, norm_epsilon=
 _LLAMA3 = dict(vocab_size=128256, rotary_base=500000.0, norm_epsilon=1e-5, max_position_embeddings=8192,
                untie_embeddings_and_output_weights=True)
 
+_LLADA_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32, ffn_hidden_size=12288,
+                 vocab_size=126464, rotary_base=500000.0, norm_epsilon=1e-5, max_position_embeddings=4096,
+                 seq_length=4096, untie_embeddings_and_output_weights=True, mask_token_id=126336)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU demo: a few million parameters; vocab_size None: the tokenizer's (see `load_model_config`)
     "tiny": dict(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=768,
@@ -39,11 +43,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                      ffn_hidden_size=12288, untie_embeddings_and_output_weights=True, seq_length=4096),
     "llama3-8b": dict(_LLAMA3, num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
                       ffn_hidden_size=14336, seq_length=4096, mask_token_id=128255),
-    # LLaDA-8B: Llama-like, full multi-head attention, its own 126464-token vocabulary
-    "llada-8b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
-                     ffn_hidden_size=12288, vocab_size=126464, rotary_base=500000.0, norm_epsilon=1e-5,
-                     max_position_embeddings=4096, seq_length=4096, untie_embeddings_and_output_weights=True,
-                     mask_token_id=126336),
+    # LLaDA-8B (Base, Instruct): Llama-like, full multi-head attention, its own 126464-token vocabulary
+    "llada-8b": _LLADA_8B,
+    # LLaDA 1.5: LLaDA-8B-Instruct after VRPO preference training, the same shapes
+    "llada-1.5-8b": _LLADA_8B,
+    # Dream-v0-7B (Base, Instruct): Qwen2.5-7B shapes (q/k/v bias, 4 KV heads), the shifted prediction
+    "dream-7b": dict(num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
+                     ffn_hidden_size=18944, vocab_size=152064, rotary_base=1e6, norm_epsilon=1e-6,
+                     max_position_embeddings=131072, seq_length=4096, add_qkv_bias=True,
+                     untie_embeddings_and_output_weights=True, mask_token_id=151666, diffusion_shift=True),
     # GPT-3 13B shapes (40 layers, hidden 5120, 40 heads) with a SwiGLU MLP of the same width budget
     "megatron-13b": dict(num_layers=40, hidden_size=5120, num_attention_heads=40, num_query_groups=40,
                          ffn_hidden_size=13824, vocab_size=151936, rotary_base=10000.0, norm_epsilon=1e-5,

@@ -27,6 +27,7 @@ from megadlms.cli.convert import main
 from megadlms.config import TransformerConfig
 from megadlms.interop import InteropError, load_hf_model, load_hf_state_dict, save_hf_model
 from megadlms.interop.hf import model_from_state_dict
+from megadlms.presets import preset_config
 
 from .helpers import write_tokenizer
 
@@ -231,6 +232,20 @@ def test_bad_input_is_one_line_and_writes_nothing(folder, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "model.safetensors" in err and "blocks.1.q_proj.weight" in err
     assert not (tmp_path / "ck").exists()
+
+
+# ------------------------------------------------------------------------------------------------ presets
+
+
+@pytest.mark.parametrize("preset, params", [("llada-8b", 8.02e9), ("llada-1.5-8b", 8.02e9), ("dream-7b", 7.62e9)])
+def test_presets_have_the_released_shapes(preset, params):
+    cfg = preset_config(preset)
+    from megadlms.interop.hf import expected_shapes
+
+    n = sum(torch.Size(s).numel() for s in expected_shapes(cfg).values())
+    assert abs(n - params) / params < 0.01
+    assert cfg.diffusion_shift == (preset == "dream-7b")
+    assert cfg.mask_token_id == (151666 if preset == "dream-7b" else 126336)
 
 
 def test_model_from_state_dict_of_a_llada_import_round_trips():
