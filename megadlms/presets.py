@@ -1,5 +1,6 @@
 """Model architectures by name: the presets (`--model-path NAME`) and the translation of Hugging Face
-`config.json` dicts to and from `TransformerConfig` (Qwen3 / Qwen2 / Llama), in one place.
+`config.json` dicts to and from `TransformerConfig` (Qwen3 / Qwen2 / Llama, and LLaDA / Dream through
+`megadlms.dlm_formats`), in one place.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from typing import Any
 
 import torch
 
+from . import dlm_formats
 from .config import ConfigError, TransformerConfig
+from .dlm_formats import DREAM_ARCHITECTURE, LLADA_ARCHITECTURE, FormatError
 from .errors import MegaDLMsError
 
 BUNDLED_VOCAB_SIZE = 4096  # the bundled demo tokenizer's; a preset without a vocab_size takes the tokenizer's
@@ -20,6 +23,10 @@ _QWEN3 = dict(kv_channels=128, vocab_size=151936, rotary_base=1e6, norm_epsilon=
               max_position_embeddings=40960, mask_token_id=151669)
 _LLAMA3 = dict(vocab_size=128256, rotary_base=500000.0, norm_epsilon=1e-5, max_position_embeddings=8192,
                untie_embeddings_and_output_weights=True)
+
+_LLADA_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32, ffn_hidden_size=12288,
+                 vocab_size=126464, rotary_base=500000.0, norm_epsilon=1e-5, max_position_embeddings=4096,
+                 seq_length=4096, untie_embeddings_and_output_weights=True, mask_token_id=126336)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU demo: a few million parameters; vocab_size None: the tokenizer's (see `load_model_config`)
@@ -36,11 +43,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                      ffn_hidden_size=12288, untie_embeddings_and_output_weights=True, seq_length=4096),
     "llama3-8b": dict(_LLAMA3, num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
                       ffn_hidden_size=14336, seq_length=4096, mask_token_id=128255),
-    # LLaDA-8B: Llama-like, full multi-head attention, its own 126464-token vocabulary
-    "llada-8b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
-                     ffn_hidden_size=12288, vocab_size=126464, rotary_base=500000.0, norm_epsilon=1e-5,
-                     max_position_embeddings=4096, seq_length=4096, untie_embeddings_and_output_weights=True,
-                     mask_token_id=126336),
+    # LLaDA-8B (Base, Instruct): Llama-like, full multi-head attention, its own 126464-token vocabulary
+    "llada-8b": _LLADA_8B,
+    # LLaDA 1.5: LLaDA-8B-Instruct after VRPO preference training, the same shapes
+    "llada-1.5-8b": _LLADA_8B,
+    # Dream-v0-7B (Base, Instruct): Qwen2.5-7B shapes (q/k/v bias, 4 KV heads), the shifted prediction
+    "dream-7b": dict(num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
+                     ffn_hidden_size=18944, vocab_size=152064, rotary_base=1e6, norm_epsilon=1e-6,
+                     max_position_embeddings=131072, seq_length=4096, add_qkv_bias=True,
+                     untie_embeddings_and_output_weights=True, mask_token_id=151666, diffusion_shift=True),
     # GPT-3 13B shapes (40 layers, hidden 5120, 40 heads) with a SwiGLU MLP of the same width budget
     "megatron-13b": dict(num_layers=40, hidden_size=5120, num_attention_heads=40, num_query_groups=40,
                          ffn_hidden_size=13824, vocab_size=151936, rotary_base=10000.0, norm_epsilon=1e-5,
@@ -50,12 +61,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # HF class -> our family name; the family decides the config fields and the bias layout.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
-_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+    "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
+    LLADA_ARCHITECTURE: "llada", DREAM_ARCHITECTURE: "dream"}
+# config.json's model_type -> our family
+_MODEL_TYPES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "llada": "llada", "Dream": "dream"}
+_FAMILY_ARCHITECTURES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 # transformers' class defaults for fields that a config.json may leave out
 _FAMILY_DEFAULTS = {"qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
                     "qwen2": {"max_position_embeddings": 32768},
-                    "llama": {"max_position_embeddings": 2048}}
+                    "llama": {"max_position_embeddings": 2048},
+                    "dream": {"max_position_embeddings": 32768}}
+# `megadlms convert megadlms-to-hf --hf-format`: as imported (auto), the stock transformers class, or a DLM's own
+HF_FORMATS = ("auto", "stock", "llada", "dream")
 
 
 class InteropError(MegaDLMsError, ValueError):
@@ -117,7 +134,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 
 def hf_family(hf: Mapping[str, Any]) -> str:
-    """'qwen3' | 'qwen2' | 'llama' for a supported config dict; InteropError otherwise."""
+    """'qwen3' | 'qwen2' | 'llama' | 'llada' | 'dream' for a supported config dict; InteropError otherwise."""
     archs = hf.get("architectures") or []
     if archs:
         arch = archs[0]
@@ -129,7 +146,7 @@ def hf_family(hf: Mapping[str, Any]) -> str:
     if model_type not in _MODEL_TYPES:
         raise InteropError(f"unsupported Hugging Face model_type {model_type!r} and no 'architectures' in "
                            f"config.json; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    return model_type
+    return _MODEL_TYPES[model_type]
 
 
 def _check_supported_features(hf: Mapping[str, Any], family: str) -> None:
@@ -150,7 +167,7 @@ def _check_supported_features(hf: Mapping[str, Any], family: str) -> None:
                            "supported (only q/k/v biases, as Qwen2 has)")
     if hf.get("mlp_bias", False):
         raise InteropError("mlp_bias=true is not supported; the MLP projections have no bias")
-    if family in ("qwen3", "qwen2") and hf.get("use_sliding_window", False):
+    if family in ("qwen3", "qwen2", "dream") and hf.get("use_sliding_window", False):
         layer_types = hf.get("layer_types")
         n = hf["num_hidden_layers"]
         sliding = ("sliding_attention" in layer_types) if layer_types else n > hf.get("max_window_layers", n)
@@ -167,15 +184,17 @@ def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None =
     The original bos/eos/pad ids and architecture are kept in `cfg.extra` for a faithful export.
     """
     family = hf_family(hf)
+    if family == "llada":
+        return _llada_to_megadlms(hf, attn_mask_type=attn_mask_type, mask_token_id=mask_token_id)
     _check_supported_features(hf, family)
     defaults = _FAMILY_DEFAULTS[family]
-    if attn_mask_type is None:
-        attn_mask_type = hf.get("attn_mask_type") or ("bidirectional" if hf.get("is_causal") is False else "causal")
+    if attn_mask_type is None:  # Dream's attention is bidirectional whatever the config says
+        attn_mask_type = hf.get("attn_mask_type") or ("bidirectional" if hf.get("is_causal") is False
+                                                      or family == "dream" else "causal")
     heads = hf["num_attention_heads"]
     max_pos = hf.get("max_position_embeddings") or defaults["max_position_embeddings"]
     rope_theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    extra = {"hf_architecture": _MODEL_TYPES[family],
-             "hf_token_ids": {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}}
+    extra: dict[str, Any] = {"hf_architecture": _FAMILY_ARCHITECTURES[family], "hf_token_ids": _token_ids(hf)}
     kwargs: dict[str, Any] = dict(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
@@ -192,14 +211,51 @@ def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None =
         kwargs.update(block_size=block, seq_length=min(4096, max_pos) // block * block)
     if hf.get("model_running_mode") == "difflm-shift":  # written by our export: keep the logits' alignment
         kwargs["diffusion_shift"] = True
+    if family == "dream":
+        kwargs.update(dlm_formats.dream_overrides(hf))
+        if mask_token_id is not None:
+            kwargs["mask_token_id"] = mask_token_id
+        extra["hf_config"] = dict(hf)  # written back on export, with the fields we do not interpret
     try:
         return TransformerConfig(**kwargs)
     except ConfigError as e:
         raise InteropError(f"config.json does not give a valid model: {e}") from e
 
 
-def hf_architecture(cfg: TransformerConfig) -> str:
-    """The stock transformers class that computes exactly what `cfg` does."""
+def _token_ids(hf: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+def _llada_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None,
+                       mask_token_id: int | None) -> TransformerConfig:
+    """A TransformerConfig for a LLaDA config.json dict (bidirectional unless asked otherwise)."""
+    try:
+        fields = dlm_formats.llada_fields(hf)
+    except FormatError as e:
+        raise InteropError(f"LLaDA config.json: {e}") from e
+    except KeyError as e:
+        raise InteropError(f"LLaDA config.json has no {e.args[0]!r} field, which the format requires") from e
+    extra = {"hf_architecture": LLADA_ARCHITECTURE, "hf_token_ids": _token_ids(hf), "hf_config": dict(hf)}
+    try:
+        return TransformerConfig(**fields, attn_mask_type=attn_mask_type or "bidirectional",
+                                 mask_token_id=hf.get("mask_token_id") if mask_token_id is None else mask_token_id,
+                                 extra=extra)
+    except ConfigError as e:
+        raise InteropError(f"config.json does not give a valid model: {e}") from e
+
+
+def hf_architecture(cfg: TransformerConfig, hf_format: str = "auto") -> str:
+    """The Hugging Face class an export of `cfg` names: with hf_format 'auto', LLaDA's or Dream's when the model
+    was imported from one (`cfg.extra['hf_architecture']`), else the stock transformers class that computes
+    exactly what `cfg` does; 'stock', 'llada', 'dream' ask for one."""
+    if hf_format not in HF_FORMATS:
+        raise InteropError(f"hf_format={hf_format!r} is not one of {list(HF_FORMATS)}")
+    own = {"llada": LLADA_ARCHITECTURE, "dream": DREAM_ARCHITECTURE}
+    if hf_format in own:
+        return own[hf_format]
+    recorded = (cfg.extra or {}).get("hf_architecture")
+    if hf_format == "auto" and recorded in own.values():
+        return recorded
     if cfg.qk_layernorm and cfg.add_qkv_bias:
         raise InteropError("qk_layernorm=True together with add_qkv_bias=True has no stock transformers "
                            "architecture (Qwen3 has QK norm without biases, Qwen2 biases without QK norm)")
@@ -209,7 +265,8 @@ def hf_architecture(cfg: TransformerConfig) -> str:
 
 
 def megadlms_config_to_hf(cfg: TransformerConfig, *, dtype: torch.dtype = torch.float32,
-                          token_ids: Mapping[str, int | None] | None = None) -> dict[str, Any]:
+                          token_ids: Mapping[str, int | None] | None = None, hf_format: str = "auto"
+                          ) -> dict[str, Any]:
     """The config.json dict of the stock architecture for `cfg` (plus `mask_token_id`, `attn_mask_type`,
     `model_running_mode`, and for a block-diffusion model `block_size`).
 
@@ -217,11 +274,27 @@ def megadlms_config_to_hf(cfg: TransformerConfig, *, dtype: torch.dtype = torch.
     the attention mask, so `AutoModelForCausalLM.from_pretrained` runs it bidirectionally as saved.
     Token ids: those recorded at import (`cfg.extra['hf_token_ids']`, e.g. Llama 3's list of eos ids)
     win; `token_ids` (bos/eos/pad resolved from the tokenizer) fill the ones not recorded.
+    hf_format: see `hf_architecture`; LLaDA's and Dream's own config.json (`megadlms.dlm_formats`) keep the fields
+    of the config.json the model was imported from.
     """
-    arch = hf_architecture(cfg)
-    family = SUPPORTED_ARCHITECTURES[arch]
+    arch = hf_architecture(cfg, hf_format)
     ids = {k: v for k, v in (token_ids or {}).items() if v is not None}
     ids.update({k: v for k, v in ((cfg.extra or {}).get("hf_token_ids") or {}).items() if v is not None})
+    source = (cfg.extra or {}).get("hf_config")
+    try:
+        if arch == LLADA_ARCHITECTURE:
+            return dlm_formats.llada_config(cfg.to_dict(), source=source, token_ids=ids)
+        if arch == DREAM_ARCHITECTURE:
+            qwen2 = _stock_config(cfg, "Qwen2ForCausalLM", dtype, ids)
+            return dlm_formats.dream_config(qwen2, cfg.to_dict(), source=source)
+    except FormatError as e:
+        raise InteropError(f"cannot export as {arch}: {e}") from e
+    return _stock_config(cfg, arch, dtype, ids)
+
+
+def _stock_config(cfg: TransformerConfig, arch: str, dtype: torch.dtype, ids: Mapping[str, Any]) -> dict[str, Any]:
+    """The config.json dict of the stock transformers class `arch` for `cfg`."""
+    family = SUPPORTED_ARCHITECTURES[arch]
     n = cfg.num_layers
     hf: dict[str, Any] = {
         "architectures": [arch], "model_type": family,

@@ -2,22 +2,27 @@
 
     megadlms convert hf-to-megadlms --hf-model DIR --save DIR [--mask-token ID | --add-mask-token [TOKEN]]
                                     [--attn-mask-type T] [--verify]
-    megadlms convert megadlms-to-hf --load DIR --save DIR [--max-shard-size 5GB] [--verify]
+    megadlms convert megadlms-to-hf --load DIR --save DIR [--max-shard-size 5GB] [--hf-format F] [--verify]
     megadlms convert verify --load DIR --hf-model DIR       (compare an existing pair)
 
-Exit status: 0 on success, 1 when --verify finds the models disagree, 2 on bad input.
+Folders of Qwen3, Qwen2, Llama, LLaDA (`LLaDAModelLM`) and Dream (`DreamModel`) are read; an import is checked
+(and with --verify, verified) before anything is written to --save. Exit status: 0 on success, 1 when --verify
+finds the models disagree, 2 on bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 import torch
 
-from ..config import ATTN_MASK_TYPES
+from ..config import ATTN_MASK_TYPES, TransformerConfig
+from ..dlm_formats import DREAM_ARCHITECTURE, LLADA_ARCHITECTURE
 from ..errors import report_errors
 from ..interop.hf import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -26,6 +31,8 @@ from ..interop.hf import (
     check_vocab_fits,
     copy_tokenizer_files,
     load_hf_model,
+    load_hf_state_dict,
+    megadlms_state_dict_to_hf,
     model_from_state_dict,
     parse_size,
     plain_state_dict,
@@ -35,6 +42,7 @@ from ..interop.hf import (
 )
 from ..interop.mask_token import DEFAULT_MASK_TOKEN, VOCAB_MULTIPLE, add_mask_rows, add_token_to_tokenizer, source_rows
 from ..interop.verify import DEFAULT_TOLERANCE, VerifyResult, verify_against_folder
+from ..presets import HF_FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,10 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="convert_command", metavar="{hf-to-megadlms,megadlms-to-hf,verify}")
     sub.required = True
     imp = sub.add_parser(
-        "hf-to-megadlms", help="import a Hugging Face Qwen3 / Qwen2 / Llama folder as a MegaDLMs checkpoint",
+        "hf-to-megadlms",
+        help="import a Hugging Face Qwen3 / Qwen2 / Llama / LLaDA / Dream folder as a MegaDLMs checkpoint",
         description="Import a local Hugging Face folder (config.json + safetensors, sharded or not) as a "
                     "weights-only checkpoint for `megadlms train --load DIR --finetune`. The folder's tokenizer "
-                    "files are copied into the checkpoint.")
+                    "files (and LLaDA's / Dream's modeling code) are copied into the checkpoint. LLaDA and Dream "
+                    "come in bidirectional with their mask token; Dream with the shifted prediction "
+                    "(difflm-shift).")
     imp.add_argument("--hf-model", required=True, metavar="DIR", help="local Hugging Face model folder")
     imp.add_argument("--save", required=True, metavar="DIR", help="checkpoint folder to write")
     imp.add_argument("--mask-token", default=None, metavar="ID",
@@ -67,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "megadlms-to-hf", help="export a MegaDLMs checkpoint as a Hugging Face folder (stock architecture)",
         description="Export a checkpoint as safetensors + config.json of Qwen3ForCausalLM (QK layernorm), "
                     "Qwen2ForCausalLM (QKV bias) or LlamaForCausalLM, with mask_token_id and attn_mask_type "
-                    "recorded, generation_config.json and the tokenizer files.")
+                    "recorded, generation_config.json and the tokenizer files; or in LLaDA's (LLaDAModelLM) or "
+                    "Dream's (DreamModel) own format, as imported or asked with --hf-format.")
     exp.add_argument("--load", required=True, metavar="DIR", help="checkpoint folder (a --save folder of training)")
     exp.add_argument("--save", required=True, metavar="DIR", help="Hugging Face folder to write")
     exp.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the latest)")
@@ -78,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "the size)")
     exp.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE), metavar="SIZE",
                      help="largest safetensors shard, bytes or e.g. '5GB', '500MB' (default 5GB)")
+    exp.add_argument("--hf-format", choices=HF_FORMATS, default="auto",
+                     help="auto (default): LLaDA's or Dream's own format when imported from one, else the stock "
+                          "transformers class; stock, llada, dream: that format")
     _add_verify(exp)
 
     ver = sub.add_parser(
@@ -112,7 +127,13 @@ def run(args: argparse.Namespace) -> int:
     return report_errors(f"megadlms convert {args.convert_command}", convert)
 
 
-def _report(result: VerifyResult) -> int:
+def _report(result: VerifyResult | str) -> int:
+    if isinstance(result, str):  # a check without logits (`_round_trip`)
+        print(result.split(" ", 1)[1] + (" -> PASSED" if result.startswith("PASSED") else " -> FAILED"))
+        if result.startswith("PASSED"):
+            return 0
+        print("error: verification failed: the conversion does not reproduce the source tensors", file=sys.stderr)
+        return 1
     print(result.summary())
     if not result.passed:
         print(f"error: verification failed: the converted model disagrees with transformers beyond "
@@ -123,7 +144,7 @@ def _report(result: VerifyResult) -> int:
 
 
 def _hf_to_megadlms(args: argparse.Namespace) -> int:
-    from ..training.checkpoint import load_model_from_checkpoint, save_model_checkpoint
+    from ..training.checkpoint import save_model_checkpoint
 
     src = Path(args.hf_model)
     dtype = DTYPES[args.dtype]
@@ -140,27 +161,75 @@ def _hf_to_megadlms(args: argparse.Namespace) -> int:
             sd, cfg = add_mask_rows(plain_state_dict(model, cfg), cfg, mask_id, add_token, tokenizer_ids=mask_id)
             model = model_from_state_dict(cfg, sd, dtype=dtype)
             print(f"added {add_token!r} as id {mask_id} (embedding rows: {cfg.vocab_size})")
+        if args.verify:  # before anything is written to --save
+            weights = plain_state_dict(model, cfg)
+            if add_token is not None:  # compare everything but the added row with the source, at its vocabulary
+                weights, verify_cfg = source_rows(weights, cfg, src, mask_id)
+            else:
+                verify_cfg = cfg
+            rc = _report(_verify_import(weights, verify_cfg, src, args.verify_tol, dtype))
+            if rc:
+                print(f"nothing written to {args.save}", file=sys.stderr)
+                return rc
+        verified = _checksums(plain_state_dict(model, cfg)) if args.verify else {}
+        existed = Path(args.save).exists()
         out = save_model_checkpoint(args.save, model, cfg, iteration=args.iteration,
                                     tokenizer_dir=staging if copied else None)
+    if args.verify and not _written_as_verified(verified, args.save, args.iteration):
+        shutil.rmtree(out, ignore_errors=True)  # a faulty write: take it back
+        if not existed:
+            shutil.rmtree(args.save, ignore_errors=True)
+        print(f"error: verification failed: the checkpoint written to {out} differs from the verified weights "
+              "(a faulty disk or file system?); it was removed", file=sys.stderr)
+        return 1
     n_params = sum(p.numel() for p in model.parameters())
+    mode = "vanilla" if cfg.causal else ("difflm-shift" if cfg.diffusion_shift else "difflm-noshift")
     print(f"imported {cfg.extra['hf_architecture']} ({n_params / 1e6:.2f}M parameters, {cfg.num_layers} layers, "
           f"vocab {cfg.vocab_size}, {'untied' if cfg.untie_embeddings_and_output_weights else 'tied'} head, "
-          f"{cfg.attn_mask_type} attention, mask_token_id={cfg.mask_token_id}) from {src} -> {out}")
+          f"{cfg.attn_mask_type} attention, mask_token_id={cfg.mask_token_id}, {mode}) from {src} -> {out}")
     if not copied:
         print(f"warning: no tokenizer files in {src}; pass --tokenizer-model when training", file=sys.stderr)
     if cfg.attn_mask_type == "bidirectional" and cfg.mask_token_id is None:
         print("note: no mask token recorded; pass --mask-token ID for diffusion training/sampling", file=sys.stderr)
-    if not args.verify:
-        return 0
-    del model
-    saved, saved_cfg, _ = load_model_from_checkpoint(args.save, iteration=args.iteration)
-    weights = plain_state_dict(saved, saved_cfg)
-    if add_token is not None:  # compare everything but the added row with the source, at its vocabulary size
-        weights, saved_cfg = source_rows(weights, saved_cfg, src, mask_id)
-    ours = model_from_state_dict(saved_cfg, weights, dtype=torch.float32)
-    result = verify_against_folder(ours, saved_cfg, src, tolerance=args.verify_tol,
-                                   vocab_limit=tokenizer_vocab_size(src), round_to=dtype)
-    return _report(result)
+    return 0
+
+
+def _checksums(weights: dict[str, torch.Tensor]) -> dict[str, int]:
+    """CRC-32 of each tensor's values in fp32 (a checkpoint loads into fp32 whatever it stores), one at a time."""
+    return {k: zlib.crc32(v.detach().float().contiguous().view(torch.uint8).numpy()) for k, v in weights.items()}
+
+
+def _written_as_verified(verified: dict[str, int], save: str, iteration: int) -> bool:
+    """Whether the checkpoint just written holds exactly the weights whose `_checksums` are `verified`."""
+    from ..training.checkpoint import load_model_from_checkpoint
+
+    saved, saved_cfg, _ = load_model_from_checkpoint(save, iteration=iteration)
+    return _checksums(plain_state_dict(saved, saved_cfg)) == verified
+
+
+def _verify_import(weights: dict[str, torch.Tensor], cfg: TransformerConfig, src: Path, tol: float,
+                   dtype: torch.dtype) -> VerifyResult | str:
+    """The check of an import: transformers' model of the folder against ours (stock architectures); for LLaDA
+    and Dream, whose modeling code transformers does not have, the weights mapped back to the folder's own names
+    and compared tensor by tensor (their logits against the reference code are what tests/interop checks)."""
+    if cfg.extra.get("hf_architecture") in (LLADA_ARCHITECTURE, DREAM_ARCHITECTURE):
+        return _round_trip(weights, cfg, src, dtype)
+    ours = model_from_state_dict(cfg, weights, dtype=torch.float32)
+    return verify_against_folder(ours, cfg, src, tolerance=tol, vocab_limit=tokenizer_vocab_size(src),
+                                 round_to=dtype)
+
+
+def _round_trip(weights: dict[str, torch.Tensor], cfg: TransformerConfig, src: Path, dtype: torch.dtype) -> str:
+    """'PASSED ...' when every tensor of `src` comes back from `weights` equal (after rounding to `dtype`)."""
+    back = megadlms_state_dict_to_hf(weights, cfg)
+    source = load_hf_state_dict(src)
+    tied = [k for k in source if k not in back and k.endswith(("transformer.ff_out.weight", "lm_head.weight"))]
+    differ = [k for k in back if k not in source or not torch.equal(back[k], source[k].to(dtype).to(back[k].dtype))]
+    missing = [k for k in source if k not in back and k not in tied]
+    what = f"verify ({cfg.extra['hf_architecture']}, weights mapped back to {src.name}'s names): {len(back)} tensors"
+    if differ or missing:
+        return f"FAILED {what}; differing {sorted(differ)[:4]}, not produced {sorted(missing)[:4]}"
+    return f"PASSED {what} equal"
 
 
 def _megadlms_to_hf(args: argparse.Namespace) -> int:
@@ -169,10 +238,12 @@ def _megadlms_to_hf(args: argparse.Namespace) -> int:
     model, cfg, meta = load_model_from_checkpoint(args.load, iteration=args.iteration)
     tokenizer_dir = args.tokenizer or meta.get("tokenizer_dir")
     check_vocab_fits(cfg, tokenizer_dir)
+    hf_format = getattr(args, "hf_format", "auto")
     out = save_hf_model(model, cfg, args.save, tokenizer_dir=tokenizer_dir,
-                        max_shard_size=parse_size(args.max_shard_size), dtype=args.dtype)
+                        max_shard_size=parse_size(args.max_shard_size), dtype=args.dtype, hf_format=hf_format)
     shards = sorted(p.name for p in out.glob("model*.safetensors"))
-    print(f"exported {meta.get('path', args.load)} -> {out}: {len(shards)} safetensors file(s), "
+    arch = read_hf_config(out)["architectures"][0]
+    print(f"exported {meta.get('path', args.load)} -> {out}: {arch}, {len(shards)} safetensors file(s), "
           f"{cfg.attn_mask_type} attention, mask_token_id={cfg.mask_token_id}")
     if tokenizer_dir is None:
         print("warning: the checkpoint has no tokenizer; pass --tokenizer DIR so AutoTokenizer can load the export",
@@ -180,6 +251,11 @@ def _megadlms_to_hf(args: argparse.Namespace) -> int:
     if not args.verify:
         return 0
     weights = plain_state_dict(model, cfg)
+    if arch in (LLADA_ARCHITECTURE, DREAM_ARCHITECTURE):  # no transformers class to run: the weights, name by name
+        low = DTYPES[args.dtype] if args.dtype is not None else weights["embed_tokens.weight"].dtype
+        export_cfg = cfg.replace(extra={**cfg.extra, "hf_architecture": arch})
+        return _report(_round_trip({k: v.to(low) if v.is_floating_point() else v for k, v in weights.items()},
+                                   export_cfg, out, low))
     if args.dtype is not None:  # compare against what was written, rounded like the export
         weights = {k: v.to(DTYPES[args.dtype]) if v.is_floating_point() else v for k, v in weights.items()}
     ours = model_from_state_dict(cfg, weights, dtype=torch.float32)
@@ -198,6 +274,11 @@ def _verify_pair(args: argparse.Namespace) -> int:
     hf_conf = read_hf_config(args.hf_model)
     hf_dtype = DTYPES.get(str(hf_conf.get("dtype") or hf_conf.get("torch_dtype") or "float32"), torch.float32)
     low = hf_dtype if hf_dtype != torch.float32 else weights["embed_tokens.weight"].dtype
+    arch = (hf_conf.get("architectures") or [""])[0]
+    if arch in (LLADA_ARCHITECTURE, DREAM_ARCHITECTURE):  # no transformers class to run: the weights, name by name
+        pair_cfg = cfg.replace(extra={**cfg.extra, "hf_architecture": arch, "hf_config": hf_conf})
+        return _report(_round_trip({k: v.to(low) if v.is_floating_point() else v for k, v in weights.items()},
+                                   pair_cfg, Path(args.hf_model), low))
     ours = model_from_state_dict(cfg, {k: v.to(low) if v.is_floating_point() else v for k, v in weights.items()},
                                  dtype=torch.float32)
     return _report(verify_against_folder(ours, cfg, args.hf_model, tolerance=args.verify_tol,

@@ -1,4 +1,6 @@
-"""Hugging Face interop: read and write checkpoints of the stock Qwen3 / Qwen2 / Llama architectures.
+"""Hugging Face interop: read and write checkpoints of the stock Qwen3 / Qwen2 / Llama architectures, and of
+the diffusion models LLaDA (`LLaDAModelLM`, names in `megadlms.interop.llada`) and Dream (`DreamModel`, Qwen2's
+names).
 
 Our `TransformerLM` uses Hugging Face's module names, so the weight mapping is the `model.` prefix
 plus the tied LM head (`lm_head.weight` absent when `tie_word_embeddings`). What this module adds is
@@ -36,12 +38,17 @@ from ..presets import (  # noqa: F401  (the config translation, re-exported: par
     megadlms_config_to_hf,
     read_hf_config,
 )
+from . import llada
 
 # Files a transformers tokenizer is made of (whichever the folder has are copied).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.jinja",
                    "chat_template.json")
 _TOKENIZER_MODEL_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+# The modeling code LLaDA's and Dream's folders ship (their config.json's and tokenizer_config.json's auto_map name
+# it): copied with the tokenizer, so that an export loads with `trust_remote_code=True` as the original does.
+REMOTE_CODE_FILES = ("configuration_llada.py", "modeling_llada.py", "configuration_dream.py", "modeling_dream.py",
+                     "generation_utils.py", "tokenization_dream.py")
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' "5GB"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -67,9 +74,9 @@ def _names(keys: list[str], limit: int = 8) -> str:
 
 
 def _shape_hint(name: str, cfg: TransformerConfig) -> str:
-    if "embed_tokens" in name or "lm_head" in name:
+    if any(k in name for k in ("embed_tokens", "lm_head", "wte", "transformer.ff_out")):
         return f" (vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})"
-    if "proj" in name or "norm" in name:
+    if any(k in name for k in ("proj", "norm", "attn_out", "ff_out")):
         return (f" (hidden_size={cfg.hidden_size}, heads={cfg.num_attention_heads}, kv heads={cfg.num_query_groups}, "
                 f"head_dim={cfg.kv_channels}, intermediate_size={cfg.ffn_hidden_size})")
     return ""
@@ -79,9 +86,11 @@ def _hf_name(name: str) -> str:
     return name if name == "lm_head.weight" else f"model.{name}"
 
 
-def _check_against(ours: dict[str, torch.Tensor], cfg: TransformerConfig, display: Callable[[str], str]) -> None:
-    """Every expected tensor present with its shape; nothing unexpected. display: our name -> name in messages."""
-    expected = expected_shapes(cfg)
+def _check_against(ours: Mapping[str, torch.Tensor], cfg: TransformerConfig, display: Callable[[str], str],
+                   expected: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    """Every expected tensor present with its shape; nothing unexpected. display: name -> name in messages.
+    expected: name -> shape (default: our names for `cfg`)."""
+    expected = expected_shapes(cfg) if expected is None else expected
     missing = [n for n in expected if n not in ours]
     if missing:
         raise InteropError(f"missing tensors {_names([display(n) for n in missing])} for the architecture "
@@ -106,8 +115,11 @@ def hf_state_dict_to_megadlms(hf_state_dict: Mapping[str, torch.Tensor],
 
     Tensors are passed through (same objects, any dtype). Checks names and shapes against `cfg`.
     Tied (`untie_embeddings_and_output_weights=False`): an `lm_head.weight` equal to the embedding is
-    dropped; one that differs is an error (the tie would silently replace it).
+    dropped; one that differs is an error (the tie would silently replace it). A LLaDA config (imported from
+    `LLaDAModelLM`) takes LLaDA's names (`megadlms.interop.llada`).
     """
+    if llada.is_llada(cfg):
+        return _llada_to_megadlms(hf_state_dict, cfg)
     ours: dict[str, torch.Tensor] = {}
     lm_head = None
     for k, v in hf_state_dict.items():
@@ -138,9 +150,29 @@ def hf_state_dict_to_megadlms(hf_state_dict: Mapping[str, torch.Tensor],
     return ours
 
 
+def _llada_to_megadlms(tensors: Mapping[str, torch.Tensor], cfg: TransformerConfig) -> dict[str, torch.Tensor]:
+    """LLaDA names -> ours, checked by LLaDA name and shape first (messages name the file's tensors)."""
+    block = llada.cfg_block_type(cfg)
+    ours_shapes = expected_shapes(cfg)
+    hf_sd = {k: v for k, v in tensors.items() if not k.endswith(_DERIVED_KEYS)}
+    head = llada.PREFIX + "ff_out.weight"
+    if not cfg.untie_embeddings_and_output_weights and head in hf_sd:  # a tied head saved twice
+        wte = hf_sd.get(llada.PREFIX + "wte.weight")
+        if wte is None or hf_sd[head].shape != wte.shape or not torch.equal(hf_sd[head], wte.to(hf_sd[head].dtype)):
+            raise InteropError(f"weight_tying is true but {head} differs from {llada.PREFIX}wte.weight; set "
+                               "weight_tying false in config.json to keep a separate head")
+        hf_sd.pop(head)
+    if cfg.untie_embeddings_and_output_weights and head not in hf_sd:
+        raise InteropError(f"weight_tying is false but the checkpoint has no {head}; set weight_tying true in "
+                           "config.json if the head shares the embedding, or add the missing shard")
+    _check_against(hf_sd, cfg, lambda n: n, expected=llada.expected_shapes(ours_shapes, block))
+    return llada.to_ours(hf_sd, ours_shapes, block)
+
+
 def megadlms_state_dict_to_hf(state_dict: Mapping[str, torch.Tensor], cfg: TransformerConfig, *,
-                              strict: bool = True) -> dict[str, torch.Tensor]:
-    """Our names -> HF names (`model.` prefix; `lm_head.weight` only when untied).
+                              strict: bool = True, hf_format: str = "auto") -> dict[str, torch.Tensor]:
+    """Our names -> HF names (`model.` prefix; `lm_head.weight` only when untied), or LLaDA's names when `cfg`
+    is exported in LLaDA's format (see `megadlms.presets.hf_architecture`).
 
     strict=False drops tensors the plain architecture does not have (e.g. FP8 scale/amax buffers of an
     FP8-converted model, which are training state, not weights); missing or misshapen ones still fail.
@@ -156,6 +188,8 @@ def megadlms_state_dict_to_hf(state_dict: Mapping[str, torch.Tensor], cfg: Trans
                            "tied model")
     ours = dict(state_dict) if strict else {k: v for k, v in state_dict.items() if k in expected}
     _check_against(ours, cfg, lambda n: n)
+    if llada.is_llada(cfg, hf_format):
+        return llada.from_ours(ours, llada.cfg_block_type(cfg))
     return {_hf_name(n): v for n, v in ours.items()}
 
 
@@ -273,9 +307,10 @@ def parse_size(text: str | int) -> int:
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy the transformers tokenizer files found in `src` to `dst`; returns the names copied."""
+    """Copy the transformers tokenizer files (and LLaDA's / Dream's modeling code, `REMOTE_CODE_FILES`) found in
+    `src` to `dst`; returns the names copied."""
     src, dst = Path(src), Path(dst)
-    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    names = [n for n in (*TOKENIZER_FILES, *REMOTE_CODE_FILES) if (src / n).is_file()]
     if names:
         dst.mkdir(parents=True, exist_ok=True)
     for n in names:
@@ -382,16 +417,21 @@ def model_from_state_dict(cfg: TransformerConfig, state_dict: Mapping[str, torch
 def load_hf_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = torch.float32,
                   attn_mask_type: str | None = None, mask_token_id: int | str | None = None
                   ) -> tuple[TransformerLM, TransformerConfig]:
-    """Load a local Hugging Face Qwen3 / Qwen2 / Llama folder as our TransformerLM (in eval mode).
+    """Load a local Hugging Face Qwen3 / Qwen2 / Llama / LLaDA / Dream folder as our TransformerLM (in eval mode).
 
     attn_mask_type: 'bidirectional' | 'causal'; None -> as recorded in config.json (`attn_mask_type` or
-    `is_causal: false`), else causal. mask_token_id: an id or a token string of the folder's tokenizer.
+    `is_causal: false`; always bidirectional for LLaDA and Dream), else causal. mask_token_id: an id or a token
+    string of the folder's tokenizer (default: config.json's `mask_token_id`).
     dtype: of the floating-point weights (None keeps the stored dtype, e.g. bfloat16).
+    Errors name the file: config.json, or the safetensors file holding the tensor at fault.
     """
     folder = Path(path)
     hf = read_hf_config(folder)
     mask_id = resolve_token(mask_token_id, folder) if mask_token_id is not None else None
-    cfg = hf_config_to_megadlms(hf, attn_mask_type=attn_mask_type, mask_token_id=mask_id)
+    try:
+        cfg = hf_config_to_megadlms(hf, attn_mask_type=attn_mask_type, mask_token_id=mask_id)
+    except InteropError as e:
+        raise InteropError(f"{folder / 'config.json'}: {e}") from e
     gen_file = folder / "generation_config.json"
     if gen_file.is_file():  # kept for export (sampling defaults, eos ids)
         try:
@@ -399,49 +439,83 @@ def load_hf_model(path: str | Path, *, device: torch.device | str = "cpu", dtype
         except json.JSONDecodeError as e:
             raise InteropError(f"{gen_file} is not valid JSON: {e}; fix or delete it") from e
     check_vocab_fits(cfg, folder)
-    ours = hf_state_dict_to_megadlms(load_hf_state_dict(folder), cfg)
+    tensors = load_hf_state_dict(folder)
+    try:
+        ours = hf_state_dict_to_megadlms(tensors, cfg)
+    except InteropError as e:
+        raise InteropError(f"{_file_at_fault(folder, str(e))}: {e}") from e
     return model_from_state_dict(cfg, ours, device=device, dtype=_to_dtype(dtype)), cfg
+
+
+def _file_at_fault(folder: Path, message: str) -> Path:
+    """The safetensors file of `folder` holding the first tensor that `message` names (the folder when none)."""
+    index_file = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index_file.is_file():
+        weight_map: dict[str, str] = json.loads(index_file.read_text()).get("weight_map", {})
+    else:
+        weight_map = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                weight_map.update(dict.fromkeys(f.keys(), file.name))
+    hits = [(message.find(name), fname) for name, fname in weight_map.items() if name in message]
+    return folder / min(hits)[1] if hits else folder
 
 
 def plain_state_dict(model: torch.nn.Module, cfg: TransformerConfig) -> dict[str, torch.Tensor]:
     """The weights of `model` under our names, as the plain architecture has them (FP8 training buffers
     such as amax histories left out); missing or misshapen tensors raise InteropError."""
-    hf_sd = megadlms_state_dict_to_hf(model.state_dict(), cfg, strict=False)
-    return {k.removeprefix("model."): v for k, v in hf_sd.items()}
+    expected = expected_shapes(cfg)
+    ours = {k: v for k, v in model.state_dict().items() if k in expected}
+    _check_against(ours, cfg, lambda n: n)
+    return ours
 
 
 def save_hf_model(model: torch.nn.Module, cfg: TransformerConfig, save_dir: str | Path, *,
                   tokenizer_dir: str | Path | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                   dtype: torch.dtype | str | None = None, tensors: Mapping[str, torch.Tensor] | None = None,
-                  quantization_config: dict[str, Any] | None = None) -> Path:
+                  quantization_config: dict[str, Any] | None = None, hf_format: str = "auto") -> Path:
     """Export `model` as a folder that `transformers.AutoModelForCausalLM.from_pretrained` loads with
     its stock classes: safetensors (sharded above `max_shard_size` bytes), config.json,
     generation_config.json, and the tokenizer files of `tokenizer_dir`.
 
     dtype: of the saved weights (None keeps the model's). tensors: what to write instead of the model's state
     dict, under our names, as they are (an FP8 export's weights with their `<linear>.weight_scale_inv` scales:
-    `megadlms.fp8.export.export_hf`); quantization_config: config.json's entry describing them. Returns `save_dir`.
+    `megadlms.fp8.export.export_hf`); quantization_config: config.json's entry describing them.
+    hf_format: 'auto' (LLaDA's or Dream's own format when imported from one, else stock), 'stock', 'llada',
+    'dream' (`megadlms.presets.hf_architecture`); LLaDA and Dream folders load with `trust_remote_code=True` and
+    their modeling code, which is copied from `tokenizer_dir` when there (an import puts it there). Returns
+    `save_dir`.
     """
     save_dir = Path(save_dir)
     check_vocab_fits(cfg, tokenizer_dir)
+    megadlms_config_to_hf(cfg, hf_format=hf_format)  # refuses a model the format cannot hold before writing
     source = model.state_dict() if tensors is None else tensors
     scales = {k: v for k, v in (tensors or {}).items() if k.endswith(".weight_scale_inv")}
-    hf_sd = megadlms_state_dict_to_hf({k: v for k, v in source.items() if k not in scales}, cfg, strict=False)
+    if scales and llada.is_llada(cfg, hf_format):
+        raise InteropError("an FP8 export (weights with .weight_scale_inv scales) has no LLaDA form; export in "
+                           "BF16 (--dtype bfloat16) or with --hf-format stock")
+    hf_sd = megadlms_state_dict_to_hf({k: v for k, v in source.items() if k not in scales}, cfg, strict=False,
+                                      hf_format=hf_format)
     hf_sd.update({_hf_name(k): v for k, v in scales.items()})
     dt = _to_dtype(dtype)
     if dt is not None:
         hf_sd = {k: v.to(dt) if v.is_floating_point() else v for k, v in hf_sd.items()}
-    saved_dtype = hf_sd["model.embed_tokens.weight"].dtype
+    saved_dtype = next(v.dtype for k, v in hf_sd.items() if k.endswith(("embed_tokens.weight", "wte.weight")))
     save_safetensors_sharded(hf_sd, save_dir, max_shard_size=parse_size(max_shard_size))
     copied = copy_tokenizer_files(tokenizer_dir, save_dir) if tokenizer_dir is not None else []
     if tokenizer_dir is not None and not any(n in copied for n in _TOKENIZER_MODEL_FILES):
         warnings.warn(f"no tokenizer files ({', '.join(_TOKENIZER_MODEL_FILES)}) in {tokenizer_dir}; "
                       "AutoTokenizer.from_pretrained will not load the export", stacklevel=2)
     token_ids = _special_token_ids(save_dir if copied else None)
-    hf_cfg = megadlms_config_to_hf(cfg, dtype=saved_dtype, token_ids=token_ids)
+    hf_cfg = megadlms_config_to_hf(cfg, dtype=saved_dtype, token_ids=token_ids, hf_format=hf_format)
     if quantization_config is not None:
         hf_cfg["quantization_config"] = quantization_config
     (save_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    if "auto_map" in hf_cfg and not all((save_dir / f"{ref.split('.')[0]}.py").is_file()
+                                        for ref in hf_cfg["auto_map"].values()):
+        warnings.warn(f"{save_dir} names modeling code in config.json's auto_map ({sorted(hf_cfg['auto_map'])}) "
+                      "that the tokenizer folder did not bring; copy those .py files from the original model "
+                      "to load it with trust_remote_code=True", stacklevel=2)
     if hf_cfg["model_type"] == "qwen2" and "tokenizer.json" in copied:
         _check_autotokenizer(save_dir)
     # the source model's generation_config.json when imported from one, else derived from config.json

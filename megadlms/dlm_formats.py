@@ -1,0 +1,214 @@
+"""The config.json formats of the field's own diffusion models: LLaDA (`LLaDAModelLM`) and Dream (`DreamModel`).
+
+Both are read and written without their modeling code (which ships with the models, `trust_remote_code`):
+
+- **LLaDA** (GSAI-ML/LLaDA-8B-Base, -Instruct, LLaDA-1.5): an OLMo descendant with its own field names
+  (`d_model`, `n_heads`, `n_kv_heads`, `n_layers`, `mlp_hidden_size`, `embedding_size`, `weight_tying`, ...).
+  Block type `llama`: separate q/k/v and a SwiGLU MLP whose `ff_proj` is the gate and `up_proj` the up
+  projection, so `mlp_hidden_size` is the FFN width. Block type `sequential`: q/k/v fused in `att_proj` and
+  gate/up fused in `ff_proj` as [up; gate] (its `swiglu` activation splits the output in halves and gates the
+  first with the second), so the FFN width is `mlp_hidden_size / 2`. Attention is always bidirectional; RMSNorm
+  everywhere; no position embeddings but RoPE.
+- **Dream** (Dream-org/Dream-v0-Base-7B, -Instruct-7B): Qwen2.5's config fields and tensor names, q/k/v with
+  bias, bidirectional attention, and the shifted prediction (the logits at position i predict token i + 1).
+
+An import keeps the source's config.json in `cfg.extra['hf_config']`, so an export writes back the fields this
+module does not interpret (`init_fn`, `precision`, ...) as the original had them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+LLADA_ARCHITECTURE = "LLaDAModelLM"
+DREAM_ARCHITECTURE = "DreamModel"
+LLADA_AUTO_MAP = {"AutoConfig": "configuration_llada.LLaDAConfig",
+                  "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+                  "AutoModel": "modeling_llada.LLaDAModelLM"}
+DREAM_AUTO_MAP = {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"}
+LLADA_MASK_TOKEN_ID = 126336
+DREAM_MASK_TOKEN_ID = 151666
+LLADA_BLOCK_TYPES = ("llama", "sequential")
+
+# LLaDA's config.json as GSAI-ML/LLaDA-8B-Base writes it, less the shapes (filled from the model): what an export
+# of a model that was not imported from LLaDA starts from.
+_LLADA_TEMPLATE: dict[str, Any] = {
+    "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0, "architectures": [LLADA_ARCHITECTURE],
+    "attention_dropout": 0.0, "attention_layer_norm": False, "attention_layer_norm_with_affine": True,
+    "auto_map": LLADA_AUTO_MAP, "bias_for_layer_norm": False, "block_group_size": 1, "block_type": "llama",
+    "embedding_dropout": 0.0, "flash_attention": False, "include_bias": False, "include_qkv_bias": False,
+    "init_cutoff_factor": None, "init_device": "meta", "init_fn": "mitchell", "init_std": 0.02,
+    "input_emb_norm": False, "layer_norm_type": "rms", "layer_norm_with_affine": True, "mlp_ratio": 4,
+    "model_type": "llada", "multi_query_attention": None, "precision": "amp_bf16", "residual_dropout": 0.0,
+    "rope": True, "rope_full_precision": True, "scale_logits": False, "use_cache": False,
+}
+
+# LLaDA options that change the computation away from what TransformerLM does: field -> (LLaDA's default when
+# config.json leaves it out, the value it must have, what another value would mean). Checked on import, so no
+# such checkpoint is converted wrongly.
+_LLADA_REQUIRED: dict[str, tuple[Any, Any, str]] = {
+    "alibi": (False, False, "ALiBi position biases instead of RoPE"),
+    "rope": (False, True, "no rotary embeddings"),
+    "include_bias": (False, False, "biases on every linear layer and norm"),
+    "attention_layer_norm": (False, False, "a LayerNorm over the whole q and k projections"),
+    "input_emb_norm": (False, False, "embeddings scaled by sqrt(d_model)"),
+    "scale_logits": (False, False, "logits scaled by 1/sqrt(d_model)"),
+    "layer_norm_type": ("default", "rms", "a norm other than RMSNorm"),
+    "layer_norm_with_affine": (True, True, "norms without a weight"),
+    "block_group_size": (1, 1, "blocks stored in groups (`block_groups.N` names)"),
+}
+
+
+class FormatError(ValueError):
+    """A config.json of a known format asks for something the model does not implement (raised as InteropError
+    by the callers in `megadlms.presets`)."""
+
+
+def dlm_format(hf: Mapping[str, Any]) -> str | None:
+    """'llada' | 'dream' for a config.json dict of those models (by `architectures`, else `model_type`), else None."""
+    archs = hf.get("architectures") or []
+    if archs:
+        return {LLADA_ARCHITECTURE: "llada", DREAM_ARCHITECTURE: "dream"}.get(archs[0])
+    return {"llada": "llada", "Dream": "dream"}.get(hf.get("model_type"))
+
+
+def llada_block_type(hf: Mapping[str, Any]) -> str:
+    """The block type of a LLaDA config dict ('llama' or 'sequential'); FormatError for another."""
+    block = hf.get("block_type", "sequential")  # LLaDA's ModelConfig default
+    if block not in LLADA_BLOCK_TYPES:
+        raise FormatError(f"block_type={block!r} is not supported; LLaDA's block types 'llama' (separate q/k/v, "
+                          "ff_proj + up_proj) and 'sequential' (fused att_proj, ff_proj) are")
+    return block
+
+
+def _kv_heads(hf: Mapping[str, Any]) -> int:
+    """LLaDA's effective_n_kv_heads."""
+    heads, kv, mqa = hf["n_heads"], hf.get("n_kv_heads"), hf.get("multi_query_attention")
+    if kv is None:
+        return 1 if mqa else heads
+    if mqa is not None and kv != (1 if mqa else heads):
+        raise FormatError(f"n_kv_heads={kv} contradicts multi_query_attention={mqa}; set one of them")
+    return kv
+
+
+def llada_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """TransformerConfig fields (Megatron names) for a LLaDA config.json dict; FormatError for an option the
+    model does not implement, naming the field and the value."""
+    for key, (default, want, meaning) in _LLADA_REQUIRED.items():
+        got = hf.get(key, default)
+        if got != want:
+            raise FormatError(f"{key}={got!r} ({meaning}) is not supported; LLaDA's released models have "
+                              f"{key}={want!r}")
+    if hf.get("bias_for_layer_norm"):
+        raise FormatError("bias_for_layer_norm=true (biases on the norms) is not supported; LLaDA's released "
+                          "models have none")
+    block = llada_block_type(hf)
+    act = hf.get("activation_type", "swiglu")
+    want_act = "silu" if block == "llama" else "swiglu"
+    if act != want_act:
+        raise FormatError(f"activation_type={act!r} with block_type={block!r} is not a gated SiLU MLP; "
+                          f"block_type {block!r} needs activation_type {want_act!r}")
+    d, heads = hf["d_model"], hf["n_heads"]
+    if d % heads:
+        raise FormatError(f"d_model={d} is not divisible by n_heads={heads}")
+    width = hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * d
+    if block == "sequential" and width % 2:
+        raise FormatError(f"mlp_hidden_size={width} must be even for block_type 'sequential' (ff_proj holds the "
+                          "up and gate projections, half each)")
+    rows = hf.get("embedding_size") or hf["vocab_size"]
+    if rows < hf["vocab_size"]:
+        raise FormatError(f"embedding_size={rows} is smaller than vocab_size={hf['vocab_size']}")
+    max_pos = hf.get("max_sequence_length", 1024)
+    return dict(
+        num_layers=hf["n_layers"], hidden_size=d, num_attention_heads=heads, num_query_groups=_kv_heads(hf),
+        kv_channels=d // heads, ffn_hidden_size=width if block == "llama" else width // 2, vocab_size=rows,
+        max_position_embeddings=max_pos, seq_length=min(4096, max_pos),
+        rotary_base=float(hf.get("rope_theta", 10000.0)), norm_epsilon=hf.get("rms_norm_eps", 1e-5),
+        qk_layernorm=False, add_qkv_bias=bool(hf.get("include_qkv_bias", False)),
+        untie_embeddings_and_output_weights=not hf.get("weight_tying", True),
+        init_method_std=hf.get("init_std", 0.02))
+
+
+def llada_config(fields: Mapping[str, Any], *, source: Mapping[str, Any] | None = None,
+                 token_ids: Mapping[str, int | None] | None = None) -> dict[str, Any]:
+    """The LLaDA config.json dict for a model of TransformerConfig `fields` (a `to_dict()`).
+
+    source: the config.json it was imported from (its other fields and block type are kept), else LLaDA-8B's.
+    FormatError when the model is not one LLaDA's code computes (QK norm, a head dim other than d_model/n_heads,
+    causal attention, the shifted prediction, block diffusion).
+    """
+    _refuse(fields, "LLaDA", shift_ok=False)
+    d, heads = fields["hidden_size"], fields["num_attention_heads"]
+    if fields["kv_channels"] * heads != d:
+        raise FormatError(f"kv_channels={fields['kv_channels']} with hidden_size={d} and {heads} heads: LLaDA's "
+                          "head dim is d_model / n_heads; export with --hf-format stock instead")
+    src = dict(source) if source is not None and dlm_format(source) == "llada" else {}
+    out = {**_LLADA_TEMPLATE, **src}
+    block = llada_block_type(out)
+    rows = fields["vocab_size"]
+    vocab = src.get("vocab_size", rows)
+    out.update(
+        architectures=[LLADA_ARCHITECTURE], model_type="llada", auto_map=out.get("auto_map") or LLADA_AUTO_MAP,
+        activation_type="silu" if block == "llama" else "swiglu", d_model=d, n_heads=heads,
+        n_kv_heads=fields["num_query_groups"], multi_query_attention=None, n_layers=fields["num_layers"],
+        mlp_hidden_size=fields["ffn_hidden_size"] * (1 if block == "llama" else 2),
+        vocab_size=vocab if vocab <= rows else rows, embedding_size=rows,
+        max_sequence_length=fields["max_position_embeddings"], rope_theta=float(fields["rotary_base"]),
+        rms_norm_eps=fields["norm_epsilon"], include_qkv_bias=bool(fields["add_qkv_bias"]),
+        weight_tying=not fields["untie_embeddings_and_output_weights"], init_std=fields["init_method_std"],
+        mask_token_id=fields["mask_token_id"])
+    for key in ("eos_token_id", "pad_token_id"):
+        if (token_ids or {}).get(key) is not None:
+            out[key] = token_ids[key]  # type: ignore[index]
+    return dict(sorted(out.items()))
+
+
+def dream_overrides(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """TransformerConfig fields in which a Dream config.json differs from a Qwen2 one: q/k/v biases whatever
+    `attention_bias` says (Dream's attention always has them), the shift, its mask token."""
+    return dict(add_qkv_bias=True, diffusion_shift=True, mask_token_id=hf.get("mask_token_id", DREAM_MASK_TOKEN_ID))
+
+
+def dream_config(qwen2: Mapping[str, Any], fields: Mapping[str, Any], *,
+                 source: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The Dream config.json dict from the Qwen2 one `qwen2` of a model of TransformerConfig `fields`.
+
+    source: the config.json it was imported from (fields not set here are kept). FormatError when Dream's code
+    would compute something else (no q/k/v bias, QK norm, causal attention, no shift, another head dim).
+    """
+    _refuse(fields, "Dream", shift_ok=True)
+    if not fields["diffusion_shift"]:
+        raise FormatError("the model predicts without the shift (difflm-noshift); Dream's samplers read the logits "
+                          "at position i as the prediction of token i + 1: export with --hf-format stock or llada")
+    if not fields["add_qkv_bias"]:
+        raise FormatError("the model has no q/k/v biases, which Dream's attention always has; export with "
+                          "--hf-format stock")
+    if fields["kv_channels"] * fields["num_attention_heads"] != fields["hidden_size"]:
+        raise FormatError(f"kv_channels={fields['kv_channels']}: Dream's head dim is hidden_size / "
+                          "num_attention_heads; export with --hf-format stock")
+    src = dict(source) if source is not None and dlm_format(source) == "dream" else {}
+    out = {**src, **qwen2}
+    for key in ("attn_mask_type", "model_running_mode", "is_causal", "layer_types", "head_dim", "dtype"):
+        out.pop(key, None)  # Dream's code takes none of these; attention is always bidirectional
+    if "max_window_layers" in src:  # inert without a sliding window: as the original has it
+        out["max_window_layers"] = src["max_window_layers"]
+    out.update(architectures=[DREAM_ARCHITECTURE], model_type="Dream",
+               auto_map=src.get("auto_map") or DREAM_AUTO_MAP, rope_scaling=None, use_cache=False,
+               torch_dtype=qwen2.get("dtype"))  # the field's name in the transformers 4.x its code is written for
+    out.pop("rope_parameters", None)  # a transformers 5 field; Dream's code reads rope_theta / rope_scaling
+    return dict(sorted(out.items()))
+
+
+def _refuse(fields: Mapping[str, Any], name: str, *, shift_ok: bool) -> None:
+    if fields["attn_mask_type"] != "bidirectional":
+        raise FormatError(f"the model has {fields['attn_mask_type']} attention; {name}'s code always runs "
+                          "bidirectional attention: export with --hf-format stock")
+    if fields["qk_layernorm"]:
+        raise FormatError(f"the model has QK layernorm, which {name} does not; export with --hf-format stock")
+    if fields.get("block_size") is not None:
+        raise FormatError(f"a block-diffusion model (block_size={fields['block_size']}) has no {name} form; "
+                          "export with --hf-format stock")
+    if fields["diffusion_shift"] and not shift_ok:
+        raise FormatError(f"the model predicts with the shift (difflm-shift), which {name}'s samplers do not "
+                          "apply: export with --hf-format dream or stock")

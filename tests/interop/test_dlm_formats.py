@@ -1,0 +1,256 @@
+"""LLaDA (`LLaDAModelLM`) and Dream (`DreamModel`) folders: import checked against the logits of the models' own
+modeling code, export back to the same files, refusals.
+
+The reference data in tests/interop/data/ (tiny random models saved by the reference classes, and their fp32
+logits on fixed inputs) was made with the modeling code of ZHZisZZ/dllm (`dllm/pipelines/{llada,dream}/models/`,
+commit ca176752) under transformers 4.46.3, the version that code is written for:
+
+    python tools/make_dlm_reference.py --llada-code DIR_WITH_modeling_llada.py \\
+        --dream-code DIR_WITH_modeling_dream.py --out tests/interop/data
+
+Tolerance: max |logit_ours - logit_ref| <= 1e-5 * max(1, max |logit_ref|) on the non-pad positions (fp32 CPU;
+measured: 3e-7 for LLaDA, 2e-6 for Dream; a wrong mapping is off by O(0.1)).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import megadlms.training.checkpoint as ckpt
+from megadlms.cli.convert import main
+from megadlms.config import TransformerConfig
+from megadlms.interop import InteropError, load_hf_model, load_hf_state_dict, save_hf_model
+from megadlms.interop.hf import model_from_state_dict
+from megadlms.presets import preset_config
+
+from .helpers import write_tokenizer
+
+DATA = Path(__file__).parent / "data"
+MODELS = ["llada_llama", "llada_sequential", "dream"]
+TOL = 1e-5
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(DATA / f"{name}_reference.safetensors"))
+
+
+def _max_diff(model, ref, padded: bool) -> tuple[float, float]:
+    keep = ref["attention_mask"].bool() if padded else torch.ones_like(ref["input_ids"], dtype=torch.bool)
+    want = ref["logits_padded" if padded else "logits"]
+    with torch.no_grad():
+        got = model(ref["input_ids"], attention_mask=keep if padded else None)
+    return (got - want)[keep].abs().max().item(), want[keep].abs().max().item()
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """A writable copy of a reference folder, with a small tokenizer (300 ids, mask at the config's id)."""
+    def copy(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(DATA / name, dst)
+        return dst
+    return copy
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_import_matches_the_reference_logits(name, padded):
+    model, cfg = load_hf_model(DATA / name)
+    diff, scale = _max_diff(model, _reference(name), padded)
+    assert diff <= TOL * max(1.0, scale), f"{name}: max |dlogit| {diff:.2e}"
+    assert cfg.attn_mask_type == "bidirectional"
+
+
+def test_import_records_the_formats_settings():
+    llama, llama_cfg = load_hf_model(DATA / "llada_llama")
+    seq, seq_cfg = load_hf_model(DATA / "llada_sequential")
+    _, dream_cfg = load_hf_model(DATA / "dream")
+    assert (llama_cfg.mask_token_id, llama_cfg.vocab_size, llama_cfg.ffn_hidden_size) == (299, 320, 64)
+    assert llama_cfg.untie_embeddings_and_output_weights and not llama_cfg.add_qkv_bias
+    assert llama_cfg.num_query_groups == 2 and not llama_cfg.diffusion_shift
+    # sequential: att_proj split into q/k/v (with bias), ff_proj [up; gate] halves, tied head
+    assert not seq_cfg.untie_embeddings_and_output_weights and seq_cfg.add_qkv_bias and seq_cfg.ffn_hidden_size == 64
+    src = load_hf_state_dict(DATA / "llada_sequential")
+    ff = src["model.transformer.blocks.1.ff_proj.weight"]
+    assert torch.equal(seq.layers[1].mlp.up_proj.weight, ff[:64]) and torch.equal(seq.layers[1].mlp.gate_proj.weight,
+                                                                                     ff[64:])
+    assert torch.equal(seq.layers[0].self_attn.k_proj.bias, src["model.transformer.blocks.0.att_proj.bias"][32:48])
+    assert torch.equal(llama.layers[0].mlp.gate_proj.weight, load_hf_state_dict(DATA / "llada_llama")[
+        "model.transformer.blocks.0.ff_proj.weight"])  # ff_proj is the gate
+    assert dream_cfg.diffusion_shift and dream_cfg.add_qkv_bias and dream_cfg.mask_token_id == 298
+    assert dream_cfg.extra["hf_architecture"] == "DreamModel" and llama_cfg.extra["hf_architecture"] == "LLaDAModelLM"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_export_writes_the_reference_files_back(name, tmp_path):
+    """The same tensors under the same names and the same config.json as the reference class saved: what loads
+    the original loads ours (checked once against the reference class with make_dlm_reference.py --check-export)."""
+    model, cfg = load_hf_model(DATA / name)
+    with pytest.warns(UserWarning, match="auto_map"):  # no modeling code to bring along here
+        out = save_hf_model(model, cfg, tmp_path / "hf")
+    src, back = load_hf_state_dict(DATA / name), load_hf_state_dict(out)
+    assert sorted(src) == sorted(back) and all(torch.equal(src[k], back[k]) for k in src)
+    assert json.loads((out / "config.json").read_text()) == json.loads((DATA / name / "config.json").read_text())
+    reloaded, _ = load_hf_model(out)
+    diff, scale = _max_diff(reloaded, _reference(name), padded=False)
+    assert diff <= TOL * max(1.0, scale)
+
+
+@pytest.mark.parametrize("fmt", ["llada", "dream"])
+def test_a_model_of_ours_exports_in_either_format(fmt, tmp_path):
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=48, vocab_size=128, mask_token_id=5, add_qkv_bias=fmt == "dream",
+                            diffusion_shift=fmt == "dream", untie_embeddings_and_output_weights=True)
+    torch.manual_seed(0)
+    from megadlms.model import TransformerLM
+
+    model = TransformerLM(cfg).eval()
+    with pytest.warns(UserWarning, match="auto_map"):
+        out = save_hf_model(model, cfg, tmp_path / fmt, hf_format=fmt)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["model_type"] == {"llada": "llada", "dream": "Dream"}[fmt] and "auto_map" in conf
+    assert conf["mask_token_id"] == 5
+    back, back_cfg = load_hf_model(out)
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(back(ids), model(ids))
+    assert back_cfg.diffusion_shift == (fmt == "dream")
+
+
+@pytest.mark.parametrize("fmt, changes, match", [
+    ("llada", dict(qk_layernorm=True), "QK layernorm"),
+    ("llada", dict(attn_mask_type="causal"), "causal attention"),
+    ("llada", dict(diffusion_shift=True), "difflm-shift"),
+    ("dream", dict(add_qkv_bias=True), "without the shift"),
+    ("dream", dict(diffusion_shift=True), "no q/k/v biases"),
+])
+def test_export_refuses_what_the_format_cannot_compute(fmt, changes, match, tmp_path):
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, **changes)
+    from megadlms.model import TransformerLM
+
+    with pytest.raises(InteropError, match=match):
+        save_hf_model(TransformerLM(cfg), cfg, tmp_path / "hf", hf_format=fmt)
+    assert not (tmp_path / "hf").exists()
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"block_type": "parallel"}, "block_type='parallel'"),
+    ({"layer_norm_type": "default"}, "layer_norm_type='default'"),
+    ({"activation_type": "gelu"}, "activation_type='gelu'"),
+    ({"alibi": True}, "ALiBi"),
+    ({"include_bias": True}, "include_bias=True"),
+])
+def test_llada_options_it_does_not_compute_are_refused(folder, changes, match):
+    d = folder("llada_llama")
+    conf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**conf, **changes}))
+    with pytest.raises(InteropError, match=match) as e:
+        load_hf_model(d)
+    assert str(d / "config.json") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_shape_mismatch_names_the_file_tensor_and_shapes(folder):
+    d = folder("llada_llama")
+    conf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**conf, "mlp_hidden_size": 96}))
+    with pytest.raises(InteropError, match=r"model\.safetensors: shape mismatch for "
+                                           r"model\.transformer\.blocks\.0\.ff_proj\.weight: the checkpoint has "
+                                           r"\[64, 32\], the config expects \[96, 32\]"):
+        load_hf_model(d)
+
+
+def test_missing_shard_is_named(folder, tmp_path):
+    d = folder("dream")
+    tensors = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = len(names) // 2
+    save_file({k: tensors[k] for k in names[:half]}, str(d / "model-00001-of-00002.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        **{k: "model-00001-of-00002.safetensors" for k in names[:half]},
+        **{k: "model-00002-of-00002.safetensors" for k in names[half:]}}}))
+    with pytest.raises(InteropError, match="missing shard 'model-00002-of-00002.safetensors'"):
+        load_hf_model(d)
+
+
+def test_another_architecture_names_config_json(folder):
+    d = folder("dream")
+    conf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**conf, "architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(InteropError, match=r"config\.json: unsupported Hugging Face architecture 'MistralForCausalLM'"):
+        load_hf_model(d)
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+@pytest.mark.filterwarnings("ignore:.*auto_map")  # the stand-in code file is not all of the model's code
+@pytest.mark.parametrize("name", MODELS)
+def test_convert_round_trip_keeps_mode_mask_and_tokenizer(name, folder, tmp_path, capsys):
+    d = folder(name)
+    write_tokenizer(d, n_ids=300)
+    (d / "modeling_llada.py").write_text("# stands for the model's own code\n")
+    assert main(["hf-to-megadlms", "--hf-model", str(d), "--save", str(tmp_path / "ck"), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED" in out and ("difflm-shift" if name == "dream" else "difflm-noshift") in out
+    _, cfg, meta = ckpt.load_model_from_checkpoint(tmp_path / "ck")
+    assert cfg.diffusion_shift == (name == "dream") and cfg.attn_mask_type == "bidirectional"
+    assert cfg.mask_token_id == json.loads((d / "config.json").read_text())["mask_token_id"]
+    tok = Path(meta["tokenizer_dir"])
+    assert (tok / "tokenizer.json").is_file() and (tok / "modeling_llada.py").is_file()
+    assert main(["megadlms-to-hf", "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "hf"), "--verify"]) == 0
+    src, back = load_hf_state_dict(d), load_hf_state_dict(tmp_path / "hf")
+    assert sorted(src) == sorted(back) and all(torch.equal(src[k], back[k]) for k in src)
+    assert (tmp_path / "hf" / "modeling_llada.py").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+def test_failed_verification_writes_nothing(folder, tmp_path, monkeypatch, capsys):
+    import megadlms.cli.convert as convert
+
+    d = folder("llada_llama")
+    monkeypatch.setattr(convert, "_round_trip", lambda *a: "FAILED verify (forced)")
+    save = tmp_path / "ck"
+    assert main(["hf-to-megadlms", "--hf-model", str(d), "--save", str(save), "--verify"]) == 1
+    assert not save.exists() and "nothing written" in capsys.readouterr().err
+
+
+def test_bad_input_is_one_line_and_writes_nothing(folder, tmp_path, capsys):
+    d = folder("llada_llama")
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["model.transformer.blocks.1.q_proj.weight"] = tensors["model.transformer.blocks.1.q_proj.weight"][:16]
+    save_file(tensors, str(d / "model.safetensors"))
+    assert main(["hf-to-megadlms", "--hf-model", str(d), "--save", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.safetensors" in err and "blocks.1.q_proj.weight" in err
+    assert not (tmp_path / "ck").exists()
+
+
+# ------------------------------------------------------------------------------------------------ presets
+
+
+@pytest.mark.parametrize("preset, params", [("llada-8b", 8.02e9), ("llada-1.5-8b", 8.02e9), ("dream-7b", 7.62e9)])
+def test_presets_have_the_released_shapes(preset, params):
+    cfg = preset_config(preset)
+    from megadlms.interop.hf import expected_shapes
+
+    n = sum(torch.Size(s).numel() for s in expected_shapes(cfg).values())
+    assert abs(n - params) / params < 0.01
+    assert cfg.diffusion_shift == (preset == "dream-7b")
+    assert cfg.mask_token_id == (151666 if preset == "dream-7b" else 126336)
+
+
+def test_model_from_state_dict_of_a_llada_import_round_trips():
+    model, cfg = load_hf_model(DATA / "llada_sequential")
+    again = model_from_state_dict(cfg, model.state_dict())
+    ids = _reference("llada_sequential")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(again(ids), model(ids))
