@@ -39,8 +39,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--untie-embeddings-and-output-weights", action=argparse.BooleanOptionalAction, default=None)
 
     g = p.add_argument_group("diffusion objective")
-    g.add_argument("--model-running-mode", choices=RUNNING_MODES, default="difflm-noshift",
-                   help="difflm-noshift: masked diffusion, bidirectional; difflm-shift: masked diffusion whose "
+    g.add_argument("--model-running-mode", choices=RUNNING_MODES, default=None,
+                   help="default: the mode the model records (difflm-shift for Dream, bd3lm for a block-diffusion "
+                        "checkpoint), else difflm-noshift. difflm-noshift: masked diffusion, bidirectional; "
+                        "difflm-shift: masked diffusion whose "
                         "logits at position i predict token i + 1 (Dream; keeps an AR model's head alignment); "
                         "vanilla: autoregressive, causal; "
                         "bd3lm: block diffusion (blocks of --block-size, AR across blocks)")

@@ -65,7 +65,9 @@ class ModelConfig:
 class DiffusionConfig:
     """The training objective: masked diffusion (difflm-noshift, bidirectional) or autoregressive (vanilla)."""
 
-    model_running_mode: str = "difflm-noshift"
+    # None: the mode the model records (difflm-shift for a shifted model such as Dream, bd3lm for a block-diffusion
+    # checkpoint), else difflm-noshift
+    model_running_mode: str | None = None
     mask_token: int | None = None  # None: the tokenizer's <|mask|>, else the model config's
     difflm_eps: float = 1e-3
     difflm_pmask: str = "sampled"
@@ -77,17 +79,27 @@ class DiffusionConfig:
     bd3lm_noise_per: str = "block"  # bd3lm: one t per "block" or per "sequence"
 
     def __post_init__(self) -> None:
-        check_choice(self, "model_running_mode", RUNNING_MODES)
+        if self.model_running_mode is not None:
+            check_choice(self, "model_running_mode", RUNNING_MODES)
         check_choice(self, "difflm_pmask", PMASK_MODES)
         check_choice(self, "bd3lm_noise_per", ("block", "sequence"))
         check_at_least(self, {"mask_token": 0, "attention_anneal_iters": 0})
 
-    @property
-    def attn_mask_type(self) -> str:
-        return "causal" if self.model_running_mode == "vanilla" else "bidirectional"
+    def running_mode(self, model: dict[str, Any]) -> str:
+        """The run's mode: --model-running-mode, else the one the model's config records, else difflm-noshift.
+        A flag that contradicts a recorded shifted prediction is an error (the model's head predicts token i + 1)."""
+        recorded = ("bd3lm" if model.get("block_size") else
+                    "difflm-shift" if model.get("diffusion_shift") else None)
+        mode = self.model_running_mode
+        if mode is None:
+            return recorded or "difflm-noshift"
+        if recorded == "difflm-shift" and mode == "difflm-noshift":
+            raise ConfigError("--model-running-mode difflm-noshift, but the model predicts token i + 1 at position i "
+                              "(diffusion_shift, as Dream does): drop the flag or use difflm-shift")
+        return mode
 
-    def objective(self, mask_token_id: int | None) -> ObjectiveConfig:
-        return ObjectiveConfig(mode=self.model_running_mode, mask_token_id=mask_token_id or 0, eps=self.difflm_eps,
+    def objective(self, mode: str, mask_token_id: int | None) -> ObjectiveConfig:
+        return ObjectiveConfig(mode=mode, mask_token_id=mask_token_id or 0, eps=self.difflm_eps,
                                pmask=self.difflm_pmask, varilen_prob=self.difflm_varilen_prob)
 
 

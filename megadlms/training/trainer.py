@@ -72,12 +72,13 @@ def resolve_model_config(config: RunConfig, vocab_size: int | None, mask_id: int
             arch["max_position_embeddings"] = max(base["max_position_embeddings"], arch["seq_length"])
         base.update(arch)
     obj = config.objective
-    cfg_dict = {**base, "attn_mask_type": obj.attn_mask_type, **config.fp8.model_fields(),
-                "diffusion_shift": obj.model_running_mode == "difflm-shift"}
+    mode = obj.running_mode(base)
+    cfg_dict = {**base, "attn_mask_type": "causal" if mode == "vanilla" else "bidirectional",
+                **config.fp8.model_fields(), "diffusion_shift": mode == "difflm-shift"}
     # block diffusion: the block size is part of the model (its sampler and exports need it)
-    if obj.block_size is not None and obj.model_running_mode != "bd3lm":
+    if obj.block_size is not None and mode != "bd3lm":
         raise ConfigError(f"--block-size {obj.block_size} is only used with --model-running-mode bd3lm; drop it")
-    if obj.model_running_mode == "bd3lm":
+    if mode == "bd3lm":
         if obj.block_size is None and base.get("block_size") is None:
             raise ConfigError("--model-running-mode bd3lm needs --block-size B (a divisor of --seq-length, e.g. 4)")
         if obj.block_size is not None:
@@ -87,10 +88,10 @@ def resolve_model_config(config: RunConfig, vocab_size: int | None, mask_id: int
     mask = obj.mask_token
     if mask is None:
         mask = mask_id if mask_id is not None else cfg_dict.get("mask_token_id")
-    if obj.model_running_mode != "vanilla" and mask is None:
+    if mode != "vanilla" and mask is None:
         raise ConfigError("no mask token: pass --mask-token ID (the tokenizer has no <|mask|> and the preset none)")
     cfg_dict["mask_token_id"] = mask
-    if obj.model_running_mode == "bd3lm":  # the flag-named errors before the config's own
+    if mode == "bd3lm":  # the flag-named errors before the config's own
         bd3lm.Bd3lmConfig(block_size=cfg_dict["block_size"], seq_length=cfg_dict["seq_length"],
                           clip_min=obj.bd3lm_clip_min, clip_max=obj.bd3lm_clip_max, noise_per=obj.bd3lm_noise_per)
     cfg = TransformerConfig.from_dict(cfg_dict)
@@ -121,8 +122,11 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
                device: torch.device, compiled: bool, loss_chunk_tokens: int, on_data_wait) -> Objective:
     """The run's objective (`megadlms.training.objectives`)."""
     obj = config.objective
+    # the mode `resolve_model_config` built the model for
+    mode = ("bd3lm" if model_config.block_size is not None else "vanilla" if model_config.causal else
+            "difflm-shift" if model_config.diffusion_shift else "difflm-noshift")
     bd3lm_config = None
-    if obj.model_running_mode == "bd3lm":  # a missing block size is reported by Bd3lmConfig, naming the flag
+    if mode == "bd3lm":  # a missing block size is reported by Bd3lmConfig, naming the flag
         bd3lm_config = bd3lm.Bd3lmConfig(
             block_size=model_config.block_size, seq_length=model_config.seq_length,  # type: ignore[arg-type]
             mask_token_id=model_config.mask_token_id,  # type: ignore[arg-type]
@@ -131,7 +135,7 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
     sharding = Sharding(config.train.micro_batch_size, ctx.dp_rank, ctx.dp_size,
                         ctx.dp_group if ctx.distributed else None)
     # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
-    return build_objective(obj.objective(model_config.mask_token_id), model_config, attention, sharding,
+    return build_objective(obj.objective(mode, model_config.mask_token_id), model_config, attention, sharding,
                            sft=config.data.sft, bd3lm_config=bd3lm_config, flex=device.type == "cuda" and compiled,
                            loss_chunk_tokens=loss_chunk_tokens, on_data_wait=on_data_wait)
 

@@ -203,3 +203,21 @@ def test_blockwise_and_mxfp8_track_bf16_and_blockwise_resumes_exactly(tmp_path):
     resumed = run(common + blockwise + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")])
     assert losses(resumed) == straight[4:]
     assert not any("fp8_amax_history" in k for k in _weights(tmp_path / "b"))  # no delayed-scaling state
+
+
+def test_running_mode_defaults_to_the_one_the_model_records(tmp_path):
+    """A shifted model (Dream's prediction of token i + 1) or a block-diffusion checkpoint keeps its mode without
+    --model-running-mode; a flag that contradicts the shift is refused in one line."""
+    base = SMALL + ["--micro-batch-size", "2", "--train-iters", "2"]
+    for mode, extra in (("difflm-shift", []), ("bd3lm", ["--block-size", "4"])):
+        run(base + ["--model-running-mode", mode, *extra, "--save", str(tmp_path / mode)])
+        trainer = setup(parse_train_args(base + ["--load", str(tmp_path / mode), "--use-checkpoint-args",
+                                                 "--finetune"]))
+        assert (trainer.model_config.diffusion_shift, trainer.model_config.block_size) == (
+            (True, None) if mode == "difflm-shift" else (False, 4))
+        assert trainer.objective.name == ("masked diffusion (shifted)" if mode == "difflm-shift"
+                                          else "block diffusion")
+    with pytest.raises(ConfigError, match="drop the flag or use difflm-shift"):
+        setup(parse_train_args(base + ["--load", str(tmp_path / "difflm-shift"), "--use-checkpoint-args",
+                                       "--finetune", "--model-running-mode", "difflm-noshift"]))
+    assert setup(parse_train_args(base)).objective.name == "masked diffusion"  # nothing recorded: the default
