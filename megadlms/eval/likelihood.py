@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError
-from ..diffusion.sampler import guided_logits, model_device
+from ..diffusion.sampler import guided_logits, logits_shift, model_device
 
 Pair = tuple[Sequence[int], Sequence[int]]  # (prefix token ids, target token ids)
 Progress = Callable[[int], None] | None
@@ -97,6 +97,14 @@ def _padded(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device
     return ids.to(device), mask
 
 
+def _aligned(model: nn.Module, logits: torch.Tensor, prefix_lengths: Sequence[int]) -> torch.Tensor:
+    """Logits [B, S, V] whose position i scores token i: a difflm-shift model (Dream) predicts token i at position
+    i - 1, so its logits move one position right (each row needs a prefix for its first target)."""
+    if not any(logits_shift(model, p) for p in prefix_lengths):
+        return logits
+    return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+
 def _score_rows(model: nn.Module, rows: Sequence[_Row], *, mask_id: int, cfg: float, batch_size: int,
                 progress: Progress) -> torch.Tensor:
     """Weighted CE sums fp64 [len(rows)]: weight * sum of CE over each row's masked target positions.
@@ -115,7 +123,8 @@ def _score_rows(model: nn.Module, rows: Sequence[_Row], *, mask_id: int, cfg: fl
             seqs.append(r.prefix + noisy)
             uncond.append([mask_id] * len(r.prefix) + noisy)
         ids, real = _padded(seqs + uncond if cfg > 0 else seqs, mask_id, device)
-        logits = model(ids, attention_mask=real).float()
+        prefixes = [len(r.prefix) for r in batch]
+        logits = _aligned(model, model(ids, attention_mask=real).float(), prefixes * (2 if cfg > 0 else 1))
         if cfg > 0:
             logits = guided_logits(logits, cfg)
         for j, r in enumerate(batch):
@@ -205,6 +214,7 @@ def greedy_decodes_target(model: nn.Module, pairs: Sequence[Pair], *, mask_id: i
         for _ in range(int(steps_left.max())):
             ids = x if cfg <= 0 else torch.cat([x, x.masked_fill(prompt_pos, mask_id)])
             logits = model(ids, attention_mask=None if real is None else real.repeat(ids.shape[0] // x.shape[0], 1))
+            logits = _aligned(model, logits, [len(p) for p, _ in chunk] * (ids.shape[0] // x.shape[0]))
             logits = guided_logits(logits.float(), cfg) if cfg > 0 else logits.float()
             x0 = logits.argmax(-1)
             conf = torch.softmax(logits, -1).gather(-1, x0[..., None]).squeeze(-1)
@@ -235,7 +245,7 @@ def tokens_are_argmax(model: nn.Module, pairs: Sequence[Pair], *, mask_id: int, 
             seq[len(pairs[n][0]) + j] = mask_id
             seqs.append(seq)
         ids, real = _padded(seqs, mask_id, device)
-        logits = model(ids, attention_mask=real)
+        logits = _aligned(model, model(ids, attention_mask=real), [len(pairs[n][0]) for n, _ in chunk])
         for i, (n, j) in enumerate(chunk):
             ok[n] = ok[n] and int(logits[i, len(pairs[n][0]) + j].argmax()) == pairs[n][1][j]
     return ok

@@ -48,7 +48,9 @@ def score_windows(model: Any, cfg: Any, windows: list[list[int]], *, seq_length:
     if cfg.block_size is not None:  # block diffusion: its own NELBO (noise per block), not a per-ratio ELBO
         return torch.tensor([bd3lm_nelbo_sum(model, windows, seq_length=seq_length, block_size=cfg.block_size,
                                              mask_id=mask_id, seed=seed)], dtype=torch.float64)
-    pairs = [([], w[:seq_length]) for w in windows]
+    # a difflm-shift model predicts token i at position i - 1: its first token is the prefix of the rest
+    first = 1 if getattr(cfg, "diffusion_shift", False) else 0
+    pairs = [(w[:first], w[first:seq_length]) for w in windows]
     return elbo_nll(model, pairs, mask_id=mask_id, ratios=ratios, seed=seed, batch_size=batch_size).sum(0)
 
 

@@ -146,3 +146,28 @@ def test_bad_inputs_are_one_line_errors():
         lk.elbo_nll(model, [([1], [])], mask_id=MASK)
     with pytest.raises(ConfigError, match="must be in"):
         lk.elbo_nll(model, PAIRS, mask_id=MASK, ratios=[0.0, 0.5])
+
+
+class _Shifted(torch.nn.Module):
+    """A difflm-shift view of a model: position i gives the logits that score token i + 1 (Dream's alignment)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.config = TransformerConfig(**{**inner.config.to_dict(), "diffusion_shift": True})
+
+    def forward(self, ids, attention_mask=None):
+        logits = self.inner(ids, attention_mask=attention_mask)
+        return torch.cat([logits[:, 1:], logits[:, -1:]], dim=1)
+
+
+def test_shifted_models_are_scored_at_the_position_before_each_token():
+    model = tiny()
+    shifted = _Shifted(model)
+    torch.testing.assert_close(lk.elbo_nll(shifted, PAIRS, mask_id=MASK, seed=0),
+                               lk.elbo_nll(model, PAIRS, mask_id=MASK, seed=0))
+    assert lk.tokens_are_argmax(shifted, PAIRS, mask_id=MASK) == lk.tokens_are_argmax(model, PAIRS, mask_id=MASK)
+    assert (lk.greedy_decodes_target(shifted, PAIRS, mask_id=MASK)
+            == lk.greedy_decodes_target(model, PAIRS, mask_id=MASK))
+    with pytest.raises(ConfigError, match="prompt"):
+        lk.elbo_nll(shifted, [([], [20, 21])], mask_id=MASK)
