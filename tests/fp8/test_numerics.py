@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import pytest
 
-from .numerics_losses import cases, load_fixture, train
+from .numerics_losses import cases, exact_fixture, load_fixture, train
 
 CROSS_SECTION = ("delayed-hybrid-fused-autocast", "tensorwise-hybrid-unfused-bf16wgrad", "rowwise-e4m3-fused-fp8store")
 
 
 @pytest.mark.parametrize("name", CROSS_SECTION)
 def test_losses_equal_the_fixture(name):
-    assert train(*cases()[name]) == load_fixture()[name]
+    """Bit for bit on a machine kind the fixture has recorded; elsewhere within the FP8 tolerance (other CPU
+    kernels round the last bits differently)."""
+    got, ref = train(*cases()[name]), load_fixture()[name]
+    if exact_fixture():
+        assert got == ref
+    else:
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-3)
+        assert got["weights_abs_sum"] == pytest.approx(ref["weights_abs_sum"], rel=1e-3)
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
