@@ -169,7 +169,13 @@ def _run_ppl(args: argparse.Namespace) -> int:
     from ..data import load_tokenizer
     from ..distributed.init import init_parallel
     from ..eval.loading import load_model
-    from ..eval.validation import format_ppl_table, model_report, score_windows, validation_windows
+    from ..eval.validation import (
+        format_ppl_table,
+        model_report,
+        objective_loss_sum,
+        score_windows,
+        validation_windows,
+    )
 
     ratios = _ratios(args.mask_ratios)
     if not args.data_path:
@@ -200,9 +206,16 @@ def _run_ppl(args: argparse.Namespace) -> int:
         with torch.no_grad():
             total = score_windows(m, c, mine, seq_length=seq_length, ratios=ratios, mask_id=mask_id,
                                   seed=args.seed, batch_size=args.batch_size).to(ctx.device)
+            objective = objective_loss_sum(m, c, mine, seq_length=seq_length, mask_id=mask_id, seed=args.seed,
+                                           batch_size=args.batch_size)
         if ctx.world_size > 1:
             dist.all_reduce(total)
         report["models"][name] = model_report(c, (total / (len(windows) * seq_length)).tolist())
+        if objective is not None:
+            summed = torch.tensor([objective], dtype=torch.float64, device=ctx.device)
+            if ctx.world_size > 1:
+                dist.all_reduce(summed)
+            report["models"][name]["objective_loss"] = float(summed) / len(windows)
     if ctx.rank != 0:
         return 0
     table = format_ppl_table(report)

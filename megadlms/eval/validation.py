@@ -54,6 +54,44 @@ def score_windows(model: Any, cfg: Any, windows: list[list[int]], *, seq_length:
     return elbo_nll(model, pairs, mask_id=mask_id, ratios=ratios, seed=seed, batch_size=batch_size).sum(0)
 
 
+def objective_loss_sum(model: Any, cfg: Any, windows: list[list[int]], *, seq_length: int, mask_id: int | None,
+                       seed: int, batch_size: int) -> float | None:
+    """The trainer's validation loss of the windows [seq_length + 1], summed over windows: the objective the model
+    trains with (masked diffusion, shifted or not, AR, or BD3-LM) through the same methods as `train`'s step and
+    validation (`megadlms.training.objectives`), with evaluation noise from a generator seeded by `seed`. None for
+    a model without the LM-head weight (a Hugging Face class)."""
+    from ..config import TransformerConfig
+    from ..diffusion import bd3lm
+    from ..diffusion.objective import MaskSampler, ObjectiveConfig
+    from ..training.documents import AttentionPlan
+    from ..training.objectives import Sharding, build_objective
+
+    if not hasattr(model, "output_weight"):
+        return None
+    device = next(model.parameters()).device
+    model_config = TransformerConfig.from_dict({**cfg.to_dict(), "seq_length": seq_length,
+                                                "max_position_embeddings": max(seq_length,
+                                                                               cfg.max_position_embeddings)})
+    mode = ("bd3lm" if cfg.block_size is not None else "vanilla" if cfg.causal else
+            "difflm-shift" if cfg.diffusion_shift else "difflm-noshift")
+    if mode != "vanilla" and mask_id is None:
+        raise ConfigError("the diffusion loss needs the model's [MASK] id: pass --mask-token ID")
+    blocks = None if cfg.block_size is None else bd3lm.Bd3lmConfig(
+        block_size=cfg.block_size, seq_length=seq_length, mask_token_id=mask_id or 0)
+    sampler = MaskSampler(seed, device=device)
+    total = 0.0
+    for start in range(0, len(windows), batch_size):
+        chunk = torch.tensor([w[:seq_length + 1] for w in windows[start:start + batch_size]], device=device)
+        n = chunk.shape[0]
+        objective = build_objective(ObjectiveConfig(mode=mode, mask_token_id=mask_id or 0), model_config,
+                                    AttentionPlan(causal=cfg.causal, device=device), Sharding(n), sft=False,
+                                    bd3lm_config=blocks, flex=False, loss_chunk_tokens=0)
+        noise = objective.draw_noise(sampler, n, 1, evaluation=True)
+        batch = next(objective.micro_batches(iter([chunk]), noise, 1, device))
+        total += float(objective.loss(model, batch, lambda: model.output_weight)) * n
+    return total
+
+
 def bd3lm_nelbo_sum(model: Any, windows: list[list[int]], *, seq_length: int, block_size: int, mask_id: int,
                     seed: int) -> float:
     """The BD3-LM NELBO summed over the windows' tokens (nats). Each window draws its noise from a generator seeded by
@@ -96,4 +134,8 @@ def format_ppl_table(report: dict[str, Any]) -> str:
     ppl = [f"{m.get('elbo_ppl', m.get('ppl')):.3f}" for m in report["models"].values()]
     lines.append("| ELBO (nats/token; AR: exact NLL; BD3-LM: its NELBO) | " + " | ".join(bound) + " |")
     lines.append("| perplexity (upper bound; AR: exact) | " + " | ".join(ppl) + " |")
+    if any(m.get("objective_loss") is not None for m in report["models"].values()):
+        loss = [f"{m['objective_loss']:.4f}" if m.get("objective_loss") is not None else "-"
+                for m in report["models"].values()]
+        lines.append("| training objective (as `train` validates: sampled noise) | " + " | ".join(loss) + " |")
     return "\n".join(lines)

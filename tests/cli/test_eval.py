@@ -100,6 +100,11 @@ def test_ppl_compares_two_checkpoints_per_mask_ratio(eval_files, tmp_path, capsy
     exact = lk.ar_loglikelihood(eval_files["models"]["ar"], [(w[:1], w[1:17]) for w in windows])
     assert ar["mode"] == "autoregressive" and ar["nll"] == pytest.approx(-sum(lp for lp, _ in exact) / 48, rel=1e-6)
     assert "| 0.25 | " in out and f"{ar['ppl']:.3f}" in out
+    # the training objective (the trainer's step and validation methods): for AR the same exact NLL; for masked
+    # diffusion an estimate of the same bound with sampled noise
+    assert ar["objective_loss"] == pytest.approx(ar["nll"], rel=1e-5) and "training objective" in out
+    dlm = json.loads((tmp_path / "out" / "ppl.json").read_text())["models"][str(eval_files["dlm"])]
+    assert 0.5 * dlm["elbo"] < dlm["objective_loss"] < 2 * dlm["elbo"]
 
 
 def test_ppl_of_a_block_diffusion_checkpoint_is_its_nelbo(tmp_path, capsys):
