@@ -45,7 +45,7 @@ class AttentionPlan:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.seed)
         self._open_upper: torch.Tensor | None = None
-        self._segments: torch.Tensor | None = None
+        self._segments: dict[tuple, torch.Tensor] = {}  # per shape and dtype (a cut micro-batch has its own)
 
     def needs_masks(self) -> bool:
         """Whether batches may carry an attention mask (CUDA-graph replays need none)."""
@@ -86,9 +86,10 @@ class AttentionPlan:
         kernels on the same stream."""
         if segment_ids.device.type != "cuda":
             return segment_ids
-        buf = self._segments
-        if buf is None or buf.shape != segment_ids.shape or buf.dtype != segment_ids.dtype:
-            buf = self._segments = torch.empty_like(segment_ids)
+        key = (tuple(segment_ids.shape), segment_ids.dtype)
+        if key not in self._segments:
+            self._segments[key] = torch.empty_like(segment_ids)
+        buf = self._segments[key]
         buf.copy_(segment_ids)
         return buf
 
