@@ -20,9 +20,14 @@ def validation_windows(tokenizer: Any, *, data_path: str, seq_length: int, sampl
                        seed: int = 1234, data_cache_path: str | None = None) -> list[list[int]]:
     """The first `samples` windows [seq_length + 1] of the validation split of a Megatron dataset prefix."""
     from ..data import DataConfig, build_loaders
+    from ..data.sft import is_chat_dataset
 
     if samples < 1:
         raise ConfigError(f"samples={samples} must be >= 1 (validation windows to score)")
+    if is_chat_dataset(data_path):  # the loader's own message names `train --sft`, no flag of this command
+        raise ConfigError(f"--data-path {data_path} is a chat dataset (`megadlms preprocess --chat`, loss masks beside "
+                          "it): the ELBO is scored on plain-text datasets (`megadlms preprocess` without --chat); the "
+                          "validation loss on chat data is what `megadlms train --sft` logs")
     cfg = DataConfig(data_path=[data_path], split=split, data_cache_path=data_cache_path, seq_length=seq_length,
                      micro_batch_size=1, seed=seed, num_workers=0, eval_samples=samples)
     valid = build_loaders(cfg, tokenizer, require_train=False).valid

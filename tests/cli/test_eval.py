@@ -107,6 +107,17 @@ def test_ppl_compares_two_checkpoints_per_mask_ratio(eval_files, tmp_path, capsy
     assert 0.5 * dlm["elbo"] < dlm["objective_loss"] < 2 * dlm["elbo"]
 
 
+def test_ppl_of_a_chat_dataset_is_one_line_naming_what_it_scores(eval_files, tmp_path, capsys):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"prompt": "Who saw the birds?", "response": "Tom saw them."}) + "\n")
+    preprocess_jsonl(chats, tmp_path / "sft", load_tokenizer(), chat=True, prompt_template="Q: {prompt}\nA: ",
+                     progress=False)
+    argv = ["--ppl", "--load", str(eval_files["dlm"]), "--data-path", str(tmp_path / "sft_chat_document"),
+            "--device", "cpu"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and "sft_chat_document is a chat dataset" in err, err
+    assert "scored on plain-text datasets" in err and "add --sft" not in err  # no flag `eval` does not have
+
 def test_ppl_of_a_block_diffusion_checkpoint_is_its_nelbo(tmp_path, capsys):
     from megadlms.diffusion.bd3lm import nelbo
 
