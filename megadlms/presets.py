@@ -151,6 +151,13 @@ def hf_family(hf: Mapping[str, Any]) -> str:
 
 def _check_supported_features(hf: Mapping[str, Any], family: str) -> None:
     """Refuse config features the stock families allow but our model does not implement."""
+    quant = hf.get("quantization_config")
+    if quant:  # e.g. `megadlms export --hf --fp8`: E4M3 weights with scales, which our layers would read as plain
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        raise InteropError(f"quantized weights (quantization_config, quant_method {method!r}) are not supported; "
+                           "use a BF16 / FP32 export (`megadlms convert megadlms-to-hf`, or `megadlms export --hf` "
+                           "without --fp8); FP8 inference weights run from a `megadlms export --fp8` folder "
+                           "(--fp8-export DIR)")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise InteropError(f"hidden_act={act!r} is not supported; the MLP is SwiGLU (hidden_act 'silu')")

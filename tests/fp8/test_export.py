@@ -20,6 +20,7 @@ from megadlms.fp8.export import (
     quantize_weight,
     scaling_of,
 )
+from megadlms.interop import InteropError, load_hf_model
 from megadlms.model import TransformerLM
 
 from .helpers import ref_fake_quant, rel
@@ -198,6 +199,9 @@ def test_hugging_face_block_fp8_export(tmp_path):
         assert ((w.float() * _blocks_of(s, 256, 128) - master).abs() <= master.abs() / 16 + s.max() * 2.0 ** -10).all()
     with pytest.raises(ValueError, match="--fp8-scaling block"):
         export_hf(model, cfg, tmp_path / "hf2", fp8=True, scaling="tensor")
+    # our Hugging Face loader (generate / eval --hf-model) names the quantization instead of the scales' tensors
+    with pytest.raises(InteropError, match="quantization_config, quant_method 'fp8'"):
+        load_hf_model(tmp_path / "hf")
 
 
 def test_transformers_loads_the_block_fp8_export(tmp_path):

@@ -249,6 +249,8 @@ def test_error_unknown_architecture(hf_copy):
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "RoPE scaling 'llama3'"),
     (dict(attention_bias=True), "attention_bias=true"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+     r"quantized weights \(quantization_config, quant_method 'fp8'\).*--fp8-export"),
 ])
 def test_error_unsupported_features(hf_copy, changes, match):
     d = hf_copy("llama")
