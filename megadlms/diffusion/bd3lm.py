@@ -11,7 +11,8 @@ the block-diffusion mask, query q attends key k when
 Only the hidden states of x_t are scored. The loss is the NELBO of the linear schedule (a token is masked
 with probability t; weight 1/t on masked tokens, normalised by the tokens of the batch), with t drawn per
 block or per sequence from U[clip_min, clip_max] (BD3-LM's clipped schedule; [eps, 1] is the plain linear
-schedule and what evaluation always uses, so that the reported number is the bound itself).
+schedule and what evaluation always uses, so that the reported number is the bound itself). The cross-entropy
+is MDLM's SUBS parameterisation by default, as the paper's: the [MASK] logit is -inf before the log-softmax.
 
 The noise comes from the trainer's `MaskSampler` generator (checkpointed: resume is exact) and is drawn for
 the whole global batch, as the other objectives do.
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
-from .objective import BatchNoise, MaskSampler
+from .objective import DIFFUSION_LOSSES, BatchNoise, MaskSampler, subs_logits
 
 NOISE_PER = ("block", "sequence")
 
@@ -41,6 +42,7 @@ class Bd3lmConfig:
     clip_max: float = 1.0
     noise_per: str = "block"  # one t per block (the paper's) or per sequence
     eval_eps: float = 1e-3  # evaluation: t ~ U[eval_eps, 1], the linear schedule's NELBO
+    loss: str = "subs"  # subs: the [MASK] logit -inf before the softmax (the paper's); full-vocab: [MASK] kept
 
     def __post_init__(self) -> None:
         b, n = self.block_size, self.seq_length
@@ -55,10 +57,17 @@ class Bd3lmConfig:
                               "0 < min <= max <= 1 (e.g. 0.3 and 0.8; 1e-3 and 1 is the linear schedule)")
         if self.noise_per not in NOISE_PER:
             raise ConfigError(f"--bd3lm-noise-per {self.noise_per!r} is not one of {list(NOISE_PER)}")
+        if self.loss not in DIFFUSION_LOSSES:
+            raise ConfigError(f"--diffusion-loss {self.loss!r} is not one of {list(DIFFUSION_LOSSES)}")
 
     @property
     def num_blocks(self) -> int:
         return self.seq_length // self.block_size
+
+    @property
+    def subs_mask_id(self) -> int | None:
+        """The token the loss gives no probability (SUBS: the [MASK] id), None for the full vocabulary."""
+        return self.mask_token_id if self.loss == "subs" else None
 
 
 # --------------------------------------------------------------------------- the attention mask
@@ -188,13 +197,16 @@ def flops_per_token(model_cfg: Any, block_size: int) -> float:
 
 @torch.no_grad()
 def nelbo(model: torch.nn.Module, tokens: torch.Tensor, *, block_size: int, mask_token_id: int,
-          generator: torch.Generator | None = None, samples: int = 1, eps: float = 1e-3) -> torch.Tensor:
+          generator: torch.Generator | None = None, samples: int = 1, eps: float = 1e-3,
+          loss: str = "subs") -> torch.Tensor:
     """The BD3-LM NELBO per token of each row (nats), averaged over `samples` noise draws; exp() of its
     mean over tokens bounds the perplexity. tokens long [B, L] with L a multiple of block_size (at most the
     model's positions). Noise: t ~ U[eps, 1] per block, from `generator` (seed it for the same noise every run).
+    loss: subs (default, as trained: the bound of the model the sampler draws from, which never emits [MASK])
+    or full-vocab ([MASK] kept in the softmax).
     """
     b, n = tokens.shape
-    cfg = Bd3lmConfig(block_size=block_size, seq_length=n, mask_token_id=mask_token_id, eval_eps=eps)
+    cfg = Bd3lmConfig(block_size=block_size, seq_length=n, mask_token_id=mask_token_id, eval_eps=eps, loss=loss)
     device = tokens.device
     kwargs = {"attention_mask": dense_block_diffusion_mask(n, block_size, device),
               "position_ids": position_ids(n, device)}
@@ -204,7 +216,9 @@ def nelbo(model: torch.nn.Module, tokens: torch.Tensor, *, block_size: int, mask
         u = torch.rand(b, n, generator=generator, device=device)
         noisy, weights = mask_blocks(tokens, t, u, block_size=block_size, mask_token_id=mask_token_id)
         hidden = model(torch.cat([noisy, tokens], dim=1), output_hidden=True, **kwargs)[:, :n]
-        logits = model.logits(hidden)  # type: ignore[operator]  # a TransformerLM method
-        ce = F.cross_entropy(logits.float().transpose(1, 2), tokens, reduction="none")
-        total += (ce * weights).sum(dim=1).double() / n
+        logits = model.logits(hidden).float()  # type: ignore[operator]  # a TransformerLM method
+        if cfg.subs_mask_id is not None:
+            logits = subs_logits(logits, cfg.subs_mask_id)
+        ce = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
+        total += (torch.where(weights != 0, ce, 0.0) * weights).sum(dim=1).double() / n
     return total / samples

@@ -102,6 +102,7 @@ class Objective:
 
     name = "objective"
     bound = True  # the loss bounds the NLL from above (diffusion ELBOs); False: it is the exact NLL (AR)
+    subs_mask_id: int | None = None  # the loss's SUBS parameterisation: the [MASK] logit -inf; None: full vocabulary
 
     def __init__(self, model_config: TransformerConfig, attention: AttentionPlan, sharding: Sharding, *,
                  flex: bool, loss_chunk_tokens: int, on_data_wait: Callable[[float], None] | None = None):
@@ -137,13 +138,14 @@ class Objective:
             rows = batch.weighted_rows.get() if batch.weighted_rows is not None else None
             return chunked_weighted_cross_entropy(hidden, output_weight(), batch.targets, batch.weights,
                                                   self.loss_chunk_tokens, num_rows=rows,
-                                                  denominator=batch.denominator)
+                                                  denominator=batch.denominator, mask_id=self.subs_mask_id)
         if batch.inputs.shape[1] != length:  # only a prefix of the positions is scored
             hidden = model(batch.inputs, output_hidden=True, **kwargs)[:, :length]
             logits = F.linear(hidden, output_weight())
         else:
             logits = model(batch.inputs, **kwargs)
-        return weighted_cross_entropy(logits, batch.targets, batch.weights, batch.denominator)
+        return weighted_cross_entropy(logits, batch.targets, batch.weights, batch.denominator,
+                                      mask_id=self.subs_mask_id)
 
     # -- helpers
     def _next(self, samples: Iterator[torch.Tensor]) -> torch.Tensor:
@@ -168,6 +170,7 @@ class Pretraining(Objective):
         self.name = {"difflm-noshift": "masked diffusion", "difflm-shift": "masked diffusion (shifted)",
                      "vanilla": "autoregressive"}[objective.mode]
         self.bound = objective.diffusion
+        self.subs_mask_id = objective.subs_mask_id
 
     def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
                    evaluation: bool = False) -> BatchNoise:
@@ -198,6 +201,7 @@ class BlockDiffusion(Objective):
     def __init__(self, config: bd3lm.Bd3lmConfig, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.config = config
+        self.subs_mask_id = config.subs_mask_id
 
     def flops_per_token(self) -> float:
         return bd3lm.flops_per_token(self.model_config, self.config.block_size)
@@ -235,6 +239,7 @@ class SupervisedFineTuning(Objective):
         self.objective = objective
         self.name = "SFT, " + ("masked diffusion" if objective.diffusion else "autoregressive")
         self.bound = objective.diffusion
+        self.subs_mask_id = objective.subs_mask_id
 
     def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
                    evaluation: bool = False) -> BatchNoise:

@@ -75,13 +75,13 @@ def noise(rows, n, blocks, seed=0):
     return tokens, t, u
 
 
-def vectorised_loss(model, tokens, t, u, b):
+def vectorised_loss(model, tokens, t, u, b, loss="full-vocab"):
     n = tokens.shape[1]
-    cfg = bd3lm.Bd3lmConfig(block_size=b, seq_length=n, mask_token_id=MASK)
+    cfg = bd3lm.Bd3lmConfig(block_size=b, seq_length=n, mask_token_id=MASK, loss=loss)
     sample = torch.cat([tokens, tokens[:, :1]], dim=1)  # the loader's [B, L+1]
     inputs, targets, weights = bd3lm.prepare_batch(sample, (t, u), cfg)
     hidden = model(inputs, output_hidden=True, **bd3lm.forward_kwargs(cfg, tokens.device, flex=False))[:, :n]
-    return weighted_cross_entropy(model.logits(hidden), targets, weights), weights
+    return weighted_cross_entropy(model.logits(hidden), targets, weights, mask_id=cfg.subs_mask_id), weights
 
 
 @torch.no_grad()
@@ -183,8 +183,13 @@ def test_nelbo_is_deterministic_and_matches_the_training_loss():
     g = torch.Generator().manual_seed(1)
     t = 1e-3 + (1 - 1e-3) * torch.rand(2, n // b, generator=g)
     u = torch.rand(2, n, generator=g)
-    loss, _ = vectorised_loss(model, tokens, t, u, b)
+    loss, _ = vectorised_loss(model, tokens, t, u, b, loss="subs")  # the default: SUBS, as trained
     torch.testing.assert_close(a.mean().float(), loss, rtol=1e-5, atol=1e-6)
+    full = bd3lm.nelbo(model, tokens, block_size=b, mask_token_id=MASK, generator=torch.Generator().manual_seed(1),
+                       loss="full-vocab")
+    loss_full, _ = vectorised_loss(model, tokens, t, u, b, loss="full-vocab")
+    torch.testing.assert_close(full.mean().float(), loss_full, rtol=1e-5, atol=1e-6)
+    assert (full > a).all()  # [MASK] in the softmax only loosens the bound
 
 
 # --------------------------------------------------------------------------- the training mode
