@@ -11,7 +11,8 @@ the block-diffusion mask, query q attends key k when
 Only the hidden states of x_t are scored. The loss is the NELBO of the linear schedule (a token is masked
 with probability t; weight 1/t on masked tokens, normalised by the tokens of the batch), with t drawn per
 block or per sequence from U[clip_min, clip_max] (BD3-LM's clipped schedule; [eps, 1] is the plain linear
-schedule and what evaluation always uses, so that the reported number is the bound itself). The cross-entropy
+schedule and what evaluation always uses, so that the reported number is the bound itself), stratified over the
+batch's blocks by default (the paper's antithetic sampling). The cross-entropy
 is MDLM's SUBS parameterisation by default, as the paper's: the [MASK] logit is -inf before the log-softmax.
 
 The noise comes from the trainer's `MaskSampler` generator (checkpointed: resume is exact) and is drawn for
@@ -43,6 +44,7 @@ class Bd3lmConfig:
     noise_per: str = "block"  # one t per block (the paper's) or per sequence
     eval_eps: float = 1e-3  # evaluation: t ~ U[eval_eps, 1], the linear schedule's NELBO
     loss: str = "subs"  # subs: the [MASK] logit -inf before the softmax (the paper's); full-vocab: [MASK] kept
+    antithetic: bool = True  # t stratified over the global batch x blocks (the paper's); False: independent
 
     def __post_init__(self) -> None:
         b, n = self.block_size, self.seq_length
@@ -143,11 +145,21 @@ def block_causal_mask(real: torch.Tensor, block_size: int, offset: int = 0, quer
 def draw_noise(sampler: MaskSampler, global_batch: int, micro_steps: int, cfg: Bd3lmConfig, *,
                evaluation: bool = False) -> BatchNoise:
     """Noise for one global batch from the sampler's generator: t [G, blocks or 1] already on the schedule
-    (U[clip_min, clip_max], or U[eval_eps, 1] for evaluation), u [G, L]; every micro-step at full length."""
+    (U[clip_min, clip_max], or U[eval_eps, 1] for evaluation), u [G, L]; every micro-step at full length.
+
+    antithetic (the paper's): the n = G x blocks levels are stratified, the k-th (row-major) drawn uniformly from
+    the k-th of n equal parts of the schedule's range, so together they cover it evenly (lower-variance losses).
+    Drawn for the whole global batch, the strata do not depend on how ranks and micro-batches split it.
+    """
     g = sampler.generator
     lo, hi = (cfg.eval_eps, 1.0) if evaluation else (cfg.clip_min, cfg.clip_max)
     per = cfg.num_blocks if cfg.noise_per == "block" else 1
-    t = lo + (hi - lo) * torch.rand(global_batch, per, generator=g, device=sampler.device)
+    r = torch.rand(global_batch, per, generator=g, device=sampler.device)
+    if cfg.antithetic:
+        n = global_batch * per
+        offset = torch.arange(n, device=sampler.device).view(global_batch, per) / n
+        r = (r / n + offset).clamp(max=1.0)
+    t = lo + (hi - lo) * r
     u = torch.rand(global_batch, cfg.seq_length, generator=g, device=sampler.device)
     return BatchNoise(t, u, torch.full((micro_steps,), cfg.seq_length, dtype=torch.long))
 

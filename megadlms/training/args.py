@@ -64,6 +64,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--bd3lm-clip-max", type=float, default=1.0, help="bd3lm: (1e-3, 1: the linear schedule)")
     g.add_argument("--bd3lm-noise-per", choices=("block", "sequence"), default="block",
                    help="bd3lm: one noise level t per block or per sequence")
+    g.add_argument("--bd3lm-antithetic", action=argparse.BooleanOptionalAction, default=True,
+                   help="bd3lm: stratify t over the global batch x blocks, the k-th of n levels in the k-th of n "
+                        "equal parts of its range (the paper's antithetic sampling; lower-variance losses); "
+                        "--no-bd3lm-antithetic: independent draws")
 
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=1000)

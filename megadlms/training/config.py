@@ -79,6 +79,7 @@ class DiffusionConfig:
     bd3lm_clip_min: float = 1e-3  # bd3lm: the clipped noise schedule's range of t
     bd3lm_clip_max: float = 1.0
     bd3lm_noise_per: str = "block"  # bd3lm: one t per "block" or per "sequence"
+    bd3lm_antithetic: bool = True  # bd3lm: t stratified over the global batch x blocks (the paper's)
 
     def __post_init__(self) -> None:
         if self.model_running_mode is not None:

@@ -144,7 +144,7 @@ def test_block_size_l_is_the_masked_diffusion_loss():
 
 
 def test_noise_is_clipped_per_block_and_deterministic():
-    cfg = bd3lm.Bd3lmConfig(block_size=4, seq_length=32, clip_min=0.3, clip_max=0.8)
+    cfg = bd3lm.Bd3lmConfig(block_size=4, seq_length=32, clip_min=0.3, clip_max=0.8, antithetic=False)
     a = bd3lm.draw_noise(MaskSampler(5), 64, 2, cfg)
     b = bd3lm.draw_noise(MaskSampler(5), 64, 2, cfg)
     assert a.t.shape == (64, 8) and a.u.shape == (64, 32) and a.lengths.tolist() == [32, 32]
@@ -152,13 +152,53 @@ def test_noise_is_clipped_per_block_and_deterministic():
     assert 0.3 <= float(a.t.min()) and float(a.t.max()) <= 0.8 and float(a.t.max() - a.t.min()) > 0.4
     ev = bd3lm.draw_noise(MaskSampler(5), 64, 1, cfg, evaluation=True)
     assert float(ev.t.min()) < 0.3 and float(ev.t.max()) > 0.8  # evaluation: the whole linear schedule
-    seq = bd3lm.draw_noise(MaskSampler(5), 64, 1, bd3lm.Bd3lmConfig(4, 32, noise_per="sequence"))
+    seq = bd3lm.draw_noise(MaskSampler(5), 64, 1, bd3lm.Bd3lmConfig(4, 32, noise_per="sequence", antithetic=False))
     assert seq.t.shape == (64, 1)
+    g = torch.Generator().manual_seed(5)  # independent draws: t = min + (max - min) r, r ~ U(0, 1)
+    torch.testing.assert_close(a.t, 0.3 + 0.5 * torch.rand(64, 8, generator=g))
     tokens = torch.randint(4, V, (64, 32))
     noisy, w = bd3lm.mask_blocks(tokens, a.t, a.u, block_size=4, mask_token_id=MASK)
     t_tok = a.t.repeat_interleave(4, dim=1)
     assert torch.equal(noisy == MASK, a.u < t_tok)
     torch.testing.assert_close(w, (a.u < t_tok).float() / t_tok)
+
+
+@pytest.mark.parametrize("per,blocks", [("block", 4), ("sequence", 1)])
+@pytest.mark.parametrize("evaluation", [False, True])
+def test_antithetic_noise_stratifies_t_over_the_global_batch_and_blocks(per, blocks, evaluation):
+    """The k-th of n = G x blocks levels (row-major) is lo + (hi - lo)(r_k + k) / n with r_k the generator's k-th
+    uniform draw: one level in each of the n equal parts of [lo, hi]."""
+    cfg = bd3lm.Bd3lmConfig(block_size=4, seq_length=16, clip_min=0.3, clip_max=0.8, noise_per=per)
+    assert cfg.antithetic  # the default
+    noise = bd3lm.draw_noise(MaskSampler(7), 6, 2, cfg, evaluation=evaluation)
+    lo, hi = (1e-3, 1.0) if evaluation else (0.3, 0.8)
+    n = 6 * blocks
+    g = torch.Generator().manual_seed(7)
+    r = torch.rand(6, blocks, generator=g)
+    k = torch.arange(n, dtype=torch.float32).view(6, blocks)
+    torch.testing.assert_close(noise.t, lo + (hi - lo) * (r + k) / n)
+    strata = ((noise.t.flatten() - lo) / (hi - lo) * n).floor().long()
+    assert torch.equal(strata, torch.arange(n))  # one level per stratum
+    torch.testing.assert_close(noise.u, torch.rand(6, 16, generator=g))  # then u, as before
+
+
+def test_antithetic_noise_is_split_invariant_and_resumes_from_the_generator():
+    """Drawn per global batch from the checkpointed generator: the rows a rank slices do not depend on the split,
+    and a sampler restored from a state continues with the same strata and draws."""
+    cfg = bd3lm.Bd3lmConfig(block_size=4, seq_length=16)
+    sampler = MaskSampler(3)
+    bd3lm.draw_noise(sampler, 8, 1, cfg)
+    state = sampler.state_dict()
+    after = bd3lm.draw_noise(sampler, 8, 1, cfg)
+    restored = MaskSampler(99)
+    restored.load_state_dict(state)
+    again = bd3lm.draw_noise(restored, 8, 1, cfg)
+    assert torch.equal(after.t, again.t) and torch.equal(after.u, again.u)
+    from megadlms.training.objectives import Sharding
+
+    # 2 ranks x 2 micro-steps of 2 rows, or 1 rank x 1 micro-step of 8: each sample gets the same t
+    rows = [after.t[Sharding(2, r, 2).rows(m)] for m in range(2) for r in range(2)]
+    assert torch.equal(torch.cat([rows[0], rows[1], rows[2], rows[3]]), after.t[Sharding(8).rows(0)])
 
 
 @pytest.mark.parametrize("kwargs,match", [
