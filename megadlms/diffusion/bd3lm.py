@@ -45,6 +45,7 @@ class Bd3lmConfig:
     eval_eps: float = 1e-3  # evaluation: t ~ U[eval_eps, 1], the linear schedule's NELBO
     loss: str = "subs"  # subs: the [MASK] logit -inf before the softmax (the paper's); full-vocab: [MASK] kept
     antithetic: bool = True  # t stratified over the global batch x blocks (the paper's); False: independent
+    ignore_bos: bool = False  # never mask position 0; validation divides by the other L - 1 tokens (the paper's)
 
     def __post_init__(self) -> None:
         b, n = self.block_size, self.seq_length
@@ -161,7 +162,7 @@ def draw_noise(sampler: MaskSampler, global_batch: int, micro_steps: int, cfg: B
         r = (r / n + offset).clamp(max=1.0)
     t = lo + (hi - lo) * r
     u = torch.rand(global_batch, cfg.seq_length, generator=g, device=sampler.device)
-    return BatchNoise(t, u, torch.full((micro_steps,), cfg.seq_length, dtype=torch.long))
+    return BatchNoise(t, u, torch.full((micro_steps,), cfg.seq_length, dtype=torch.long), evaluation=evaluation)
 
 
 def mask_blocks(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, block_size: int, mask_token_id: int
@@ -179,9 +180,12 @@ def mask_blocks(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, block
 
 def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Tensor], cfg: Bd3lmConfig
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A loader sample long [B, L+1] -> (x_t (+) x_0 long [B, 2L], targets x_0 [B, L], weights fp32 [B, L])."""
+    """A loader sample long [B, L+1] -> (x_t (+) x_0 long [B, 2L], targets x_0 [B, L], weights fp32 [B, L]).
+    cfg.ignore_bos: position 0 is never masked (weight 0)."""
     tokens = sample[:, :cfg.seq_length]
     t, u = noise_rows
+    if cfg.ignore_bos:
+        u = torch.cat([torch.full_like(u[:, :1], 2.0), u[:, 1:]], dim=1)
     noisy, weights = mask_blocks(tokens, t, u, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id)
     return torch.cat([noisy, tokens], dim=1), tokens, weights
 
@@ -210,12 +214,13 @@ def flops_per_token(model_cfg: Any, block_size: int) -> float:
 @torch.no_grad()
 def nelbo(model: torch.nn.Module, tokens: torch.Tensor, *, block_size: int, mask_token_id: int,
           generator: torch.Generator | None = None, samples: int = 1, eps: float = 1e-3,
-          loss: str = "subs") -> torch.Tensor:
+          loss: str = "subs", ignore_bos: bool = False) -> torch.Tensor:
     """The BD3-LM NELBO per token of each row (nats), averaged over `samples` noise draws; exp() of its
     mean over tokens bounds the perplexity. tokens long [B, L] with L a multiple of block_size (at most the
     model's positions). Noise: t ~ U[eps, 1] per block, from `generator` (seed it for the same noise every run).
     loss: subs (default, as trained: the bound of the model the sampler draws from, which never emits [MASK])
-    or full-vocab ([MASK] kept in the softmax).
+    or full-vocab ([MASK] kept in the softmax). ignore_bos: token 0 is never masked and the NELBO is per token of
+    the other L - 1 (the paper's evaluation).
     """
     b, n = tokens.shape
     cfg = Bd3lmConfig(block_size=block_size, seq_length=n, mask_token_id=mask_token_id, eval_eps=eps, loss=loss)
@@ -226,11 +231,13 @@ def nelbo(model: torch.nn.Module, tokens: torch.Tensor, *, block_size: int, mask
     for _ in range(samples):
         t = eps + (1.0 - eps) * torch.rand(b, cfg.num_blocks, generator=generator, device=device)
         u = torch.rand(b, n, generator=generator, device=device)
+        if ignore_bos:
+            u[:, 0] = 2.0
         noisy, weights = mask_blocks(tokens, t, u, block_size=block_size, mask_token_id=mask_token_id)
         hidden = model(torch.cat([noisy, tokens], dim=1), output_hidden=True, **kwargs)[:, :n]
         logits = model.logits(hidden).float()  # type: ignore[operator]  # a TransformerLM method
         if cfg.subs_mask_id is not None:
             logits = subs_logits(logits, cfg.subs_mask_id)
         ce = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
-        total += (torch.where(weights != 0, ce, 0.0) * weights).sum(dim=1).double() / n
+        total += (torch.where(weights != 0, ce, 0.0) * weights).sum(dim=1).double() / (n - 1 if ignore_bos else n)
     return total / samples

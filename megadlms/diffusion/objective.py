@@ -47,6 +47,7 @@ class ObjectiveConfig:
     pmask: str = "sampled"  # sampled: weight by the drawn p; actual: by the row's masked fraction
     varilen_prob: float = 0.01  # share of micro-steps cut to a random length in [2, L]
     loss: str = "subs"  # diffusion modes: subs ([MASK] logit -inf before the softmax) or full-vocab (LLaDA's)
+    ignore_bos: bool = False  # difflm-noshift: never mask position 0, and leave it out of the validation loss
 
     def __post_init__(self) -> None:
         if self.mode not in RUNNING_MODES:
@@ -55,6 +56,9 @@ class ObjectiveConfig:
             raise ConfigError(f"--difflm-pmask {self.pmask!r} is not one of {list(PMASK_MODES)}")
         if self.loss not in DIFFUSION_LOSSES:
             raise ConfigError(f"--diffusion-loss {self.loss!r} is not one of {list(DIFFUSION_LOSSES)}")
+        if self.ignore_bos and self.mode in ("vanilla", "difflm-shift"):
+            raise ConfigError(f"--ignore-bos applies to difflm-noshift and bd3lm; --model-running-mode {self.mode} "
+                              "never masks the first token already (it is no target): drop --ignore-bos")
         if not 0.0 < self.eps < 1.0:
             raise ConfigError(f"--difflm-eps {self.eps} must be in (0, 1), e.g. 1e-3")
         if not 0.0 <= self.varilen_prob <= 1.0:
@@ -82,6 +86,7 @@ class BatchNoise:
     t: torch.Tensor  # [G, 1] fp32, t ~ U(0, 1) ([G, L] for SFT: per conversation, read at its first position)
     u: torch.Tensor  # [G, L] fp32, a token is masked where u < p
     lengths: torch.Tensor  # [M] int64 on the CPU, sequence length used by each global micro-step
+    evaluation: bool = False  # validation noise (a first token left out by ignore_bos leaves the denominator too)
 
 
 class MaskSampler:
@@ -146,6 +151,7 @@ def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Te
     """A loader sample long [B, L+1] -> (inputs [B, l], targets [B, l], weights fp32 [B, l]).
 
     noise_rows: (t [B, 1], u [B, L]) for these rows (diffusion only); length: l <= L (varilen).
+    cfg.ignore_bos: position 0 is never masked (weight 0).
     """
     if cfg.diffusion:
         tokens = sample[:, :-1]
@@ -154,7 +160,7 @@ def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Te
         assert noise_rows is not None, "the diffusion objective needs noise rows"
         t, u = noise_rows
         u = u[:, :length]
-        if cfg.shift:  # position 0 has no position before it to predict it
+        if cfg.shift or cfg.ignore_bos:  # shift: position 0 has no position before it to predict it
             u = torch.cat([torch.full_like(u[:, :1], 2.0), u[:, 1:]], dim=1)
         noisy, weights = mask_tokens(tokens, t, u, mask_token_id=cfg.mask_token_id,
                                      eps=cfg.eps, pmask=cfg.pmask)

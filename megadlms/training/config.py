@@ -80,6 +80,7 @@ class DiffusionConfig:
     bd3lm_clip_max: float = 1.0
     bd3lm_noise_per: str = "block"  # bd3lm: one t per "block" or per "sequence"
     bd3lm_antithetic: bool = True  # bd3lm: t stratified over the global batch x blocks (the paper's)
+    ignore_bos: bool = False  # difflm-noshift / bd3lm: never mask position 0; validation leaves it out
 
     def __post_init__(self) -> None:
         if self.model_running_mode is not None:
@@ -105,7 +106,7 @@ class DiffusionConfig:
     def objective(self, mode: str, mask_token_id: int | None) -> ObjectiveConfig:
         return ObjectiveConfig(mode=mode, mask_token_id=mask_token_id or 0, eps=self.difflm_eps,
                                pmask=self.difflm_pmask, varilen_prob=self.difflm_varilen_prob,
-                               loss=self.diffusion_loss)
+                               loss=self.diffusion_loss, ignore_bos=self.ignore_bos)
 
 
 @dataclass

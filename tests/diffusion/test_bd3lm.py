@@ -308,3 +308,47 @@ def test_layers_replay_from_cuda_graphs_under_the_block_diffusion_mask(monkeypat
     graphed = _losses(trainer.run())
     assert trainer.layer_graphs.num_replays == 3  # every step after the first (the capture's)
     assert graphed == pytest.approx(eager, rel=1e-5)
+
+
+@torch.no_grad()
+def test_ignore_bos_never_masks_the_first_token_and_the_nelbo_leaves_it_out():
+    n, b = 16, 4
+    model = tiny(n=n, b=b)
+    tokens = torch.randint(4, V, (2, n), generator=torch.Generator().manual_seed(3))
+    t, u = torch.full((2, n // b), 0.5), torch.rand(2, n, generator=torch.Generator().manual_seed(4))
+    u[:, 0] = 0.0  # would be masked at any t
+    cfg = bd3lm.Bd3lmConfig(block_size=b, seq_length=n, mask_token_id=MASK, ignore_bos=True)
+    sample = torch.cat([tokens, tokens[:, :1]], dim=1)
+    inputs, _, weights = bd3lm.prepare_batch(sample, (t, u), cfg)
+    assert (inputs[:, 0] == tokens[:, 0]).all() and (weights[:, 0] == 0).all()
+    rest = u[:, 1:] < 0.5  # every other token as without the option: masked where u < t, weight 1/t
+    assert torch.equal(inputs[:, 1:n] == MASK, rest) and torch.equal(weights[:, 1:], rest.float() / 0.5)
+    # nelbo: the same noise with token 0 never masked, summed and divided by the other n - 1 tokens
+    got = bd3lm.nelbo(model, tokens, block_size=b, mask_token_id=MASK, generator=torch.Generator().manual_seed(1),
+                      ignore_bos=True)
+    g = torch.Generator().manual_seed(1)
+    t = 1e-3 + (1 - 1e-3) * torch.rand(2, n // b, generator=g)
+    u = torch.rand(2, n, generator=g)
+    u[:, 0] = 2.0
+    loss, _ = vectorised_loss(model, tokens, t, u, b, loss="subs")  # / (2 n) tokens
+    torch.testing.assert_close(got.mean().float(), loss * n / (n - 1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,extra", [("bd3lm", ["--block-size", "4"]), ("difflm-noshift", [])])
+def test_ignore_bos_validation_divides_by_the_other_tokens(mode, extra):
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.trainer import setup
+
+    base = SMALL[:-6] + ["--micro-batch-size", "4"]  # without the mode and the block size
+    trainer = setup(parse_train_args(base + ["--model-running-mode", mode, "--train-iters", "4", "--ignore-bos",
+                                             "--difflm-varilen-prob", "0"] + extra))
+    obj, mask = trainer.objective, trainer.model_config.mask_token_id
+    assert obj.validation_note() == "SUBS, first token excluded"
+    for evaluation, denominator in ((False, None), (True, 4 * 15)):
+        noise = obj.draw_noise(MaskSampler(0), 4, 1, evaluation=evaluation)
+        noise.u[:, 0] = 0.0  # token 0 would be masked
+        batch = next(obj.micro_batches(iter(trainer.loaders.train), noise, 1, trainer.device))
+        assert (batch.inputs[:, 0] != mask).all() and (batch.weights[:, 0] == 0).all()
+        assert (None if batch.denominator is None else float(batch.denominator)) == denominator
+    plain = setup(parse_train_args(base + ["--model-running-mode", mode, "--train-iters", "4"] + extra))
+    assert plain.objective.validation_note() == "SUBS, first token included"

@@ -134,7 +134,8 @@ def test_the_loss_is_subs_by_default_for_every_diffusion_mode():
 
 @pytest.mark.parametrize("kw, msg", [(dict(mode="ar"), "model-running-mode"), (dict(pmask="x"), "difflm-pmask"),
                                      (dict(eps=0.0), "difflm-eps"), (dict(varilen_prob=2.0), "varilen"),
-                                     (dict(loss="llada"), "--diffusion-loss 'llada' is not one of")])
+                                     (dict(loss="llada"), "--diffusion-loss 'llada' is not one of"),
+                                     (dict(mode="difflm-shift", ignore_bos=True), "never masks the first token")])
 def test_objective_config_errors(kw, msg):
     with pytest.raises(ValueError, match=msg):
         ObjectiveConfig(**kw)
