@@ -46,6 +46,7 @@ class Bd3lmConfig:
     loss: str = "subs"  # subs: the [MASK] logit -inf before the softmax (the paper's); full-vocab: [MASK] kept
     antithetic: bool = True  # t stratified over the global batch x blocks (the paper's); False: independent
     ignore_bos: bool = False  # never mask position 0; validation divides by the other L - 1 tokens (the paper's)
+    resample: bool = False  # training: redraw a block's noise while its masked fraction is outside the clip
 
     def __post_init__(self) -> None:
         b, n = self.block_size, self.seq_length
@@ -62,6 +63,12 @@ class Bd3lmConfig:
             raise ConfigError(f"--bd3lm-noise-per {self.noise_per!r} is not one of {list(NOISE_PER)}")
         if self.loss not in DIFFUSION_LOSSES:
             raise ConfigError(f"--diffusion-loss {self.loss!r} is not one of {list(DIFFUSION_LOSSES)}")
+        if self.resample:
+            lo, hi = self.resample_bounds
+            if not any(lo <= k / b <= hi for k in range(b + 1)):
+                raise ConfigError(f"--bd3lm-resample: no masked fraction k/{b} of a block of {b} lies in "
+                                  f"[--bd3lm-clip-min {self.clip_min}, --bd3lm-clip-max {self.clip_max}]; widen "
+                                  "the interval or use larger blocks")
 
     @property
     def num_blocks(self) -> int:
@@ -71,6 +78,17 @@ class Bd3lmConfig:
     def subs_mask_id(self) -> int | None:
         """The token the loss gives no probability (SUBS: the [MASK] id), None for the full vocabulary."""
         return self.mask_token_id if self.loss == "subs" else None
+
+    @property
+    def resample_bounds(self) -> tuple[float, float]:
+        """The masked fractions a block may have under --bd3lm-resample. As the reference: a bound at the linear
+        schedule's own end (clip_min = 1e-3, clip_max = 1) is not enforced."""
+        return (self.clip_min if self.clip_min != 1e-3 else 0.0, self.clip_max if self.clip_max != 1.0 else 1.0)
+
+    @property
+    def unit_weight(self) -> bool:
+        """Training weights 1 instead of 1/t on masked tokens, as the reference does when clip_min > 0.5."""
+        return self.clip_min > 0.5
 
 
 # --------------------------------------------------------------------------- the attention mask
@@ -162,7 +180,30 @@ def draw_noise(sampler: MaskSampler, global_batch: int, micro_steps: int, cfg: B
         r = (r / n + offset).clamp(max=1.0)
     t = lo + (hi - lo) * r
     u = torch.rand(global_batch, cfg.seq_length, generator=g, device=sampler.device)
+    if cfg.resample and not evaluation:
+        u = _resample(u, t, cfg, g)
     return BatchNoise(t, u, torch.full((micro_steps,), cfg.seq_length, dtype=torch.long), evaluation=evaluation)
+
+
+MAX_RESAMPLE_ROUNDS = 1000
+
+
+def _resample(u: torch.Tensor, t: torch.Tensor, cfg: Bd3lmConfig, g: torch.Generator) -> torch.Tensor:
+    """u [G, L] with each block whose masked fraction mean(u < t) lies outside `cfg.resample_bounds` redrawn
+    (fresh uniforms for the whole block, t kept) until none does (`training.resample` of the reference).
+    The masks depend on the noise only, so this runs on the global batch's noise. Reads a flag on the host per
+    round (a device sync)."""
+    b, (lo, hi) = cfg.block_size, cfg.resample_bounds
+    t_tok = t if t.shape[1] == 1 else t.repeat_interleave(b, dim=1)
+    for _ in range(MAX_RESAMPLE_ROUNDS):
+        frac = (u < t_tok).float().view(u.shape[0], -1, b).mean(dim=-1)  # [G, blocks]
+        bad = (frac < lo) | (frac > hi)
+        if not bool(bad.any()):
+            return u
+        fresh = torch.rand(u.shape, generator=g, device=u.device)
+        u = torch.where(bad.repeat_interleave(b, dim=1), fresh, u)
+    raise ConfigError(f"--bd3lm-resample: blocks of {b} still fall outside [{lo}, {hi}] after "
+                      f"{MAX_RESAMPLE_ROUNDS} redraws; widen --bd3lm-clip-min / --bd3lm-clip-max")
 
 
 def mask_blocks(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, block_size: int, mask_token_id: int
@@ -178,15 +219,18 @@ def mask_blocks(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, block
     return noisy, masked.float() / t_tok
 
 
-def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Tensor], cfg: Bd3lmConfig
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Tensor], cfg: Bd3lmConfig,
+                  evaluation: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A loader sample long [B, L+1] -> (x_t (+) x_0 long [B, 2L], targets x_0 [B, L], weights fp32 [B, L]).
-    cfg.ignore_bos: position 0 is never masked (weight 0)."""
+    cfg.ignore_bos: position 0 is never masked (weight 0). Training with clip_min > 0.5: weight 1 on masked
+    tokens (the reference's rule); evaluation always 1/t."""
     tokens = sample[:, :cfg.seq_length]
     t, u = noise_rows
     if cfg.ignore_bos:
         u = torch.cat([torch.full_like(u[:, :1], 2.0), u[:, 1:]], dim=1)
     noisy, weights = mask_blocks(tokens, t, u, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id)
+    if cfg.unit_weight and not evaluation:
+        weights = (weights > 0).float()
     return torch.cat([noisy, tokens], dim=1), tokens, weights
 
 

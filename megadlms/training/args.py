@@ -68,6 +68,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="bd3lm: stratify t over the global batch x blocks, the k-th of n levels in the k-th of n "
                         "equal parts of its range (the paper's antithetic sampling; lower-variance losses); "
                         "--no-bd3lm-antithetic: independent draws")
+    g.add_argument("--bd3lm-resample", action="store_true", default=False,
+                   help="bd3lm training: redraw a block's mask while its masked fraction is outside [--bd3lm-clip-min, "
+                        "--bd3lm-clip-max] (the reference's training.resample; a bound left at 1e-3 or 1 is not "
+                        "enforced)")
     g.add_argument("--ignore-bos", action="store_true", default=False,
                    help="difflm-noshift and bd3lm: never mask the first token of a window and leave it out of the "
                         "validation loss's denominator (MDLM / BD3-LM's ignore_bos, for data whose windows start "

@@ -81,6 +81,7 @@ class DiffusionConfig:
     bd3lm_noise_per: str = "block"  # bd3lm: one t per "block" or per "sequence"
     bd3lm_antithetic: bool = True  # bd3lm: t stratified over the global batch x blocks (the paper's)
     ignore_bos: bool = False  # difflm-noshift / bd3lm: never mask position 0; validation leaves it out
+    bd3lm_resample: bool = False  # bd3lm: redraw blocks whose masked fraction falls outside the clip
 
     def __post_init__(self) -> None:
         if self.model_running_mode is not None:

@@ -241,7 +241,8 @@ class BlockDiffusion(Objective):
         for m in range(count):
             sample = self._next(samples).to(device, non_blocking=True)
             rows = sh.rows(m)
-            inputs, targets, weights = bd3lm.prepare_batch(sample, (noise.t[rows], noise.u[rows]), self.config)
+            inputs, targets, weights = bd3lm.prepare_batch(sample, (noise.t[rows], noise.u[rows]), self.config,
+                                                           evaluation=noise.evaluation)
             tokens = self.config.seq_length * sh.micro_batch_size * sh.dp_size
             yield Batch(inputs, targets, weights, tokens=tokens, flops=tokens * self.flops_per_token(),
                         attention_mask=kwargs["attention_mask"], position_ids=kwargs["position_ids"],

@@ -352,3 +352,43 @@ def test_ignore_bos_validation_divides_by_the_other_tokens(mode, extra):
         assert (None if batch.denominator is None else float(batch.denominator)) == denominator
     plain = setup(parse_train_args(base + ["--model-running-mode", mode, "--train-iters", "4"] + extra))
     assert plain.objective.validation_note() == "SUBS, first token included"
+
+
+def test_resample_redraws_only_the_blocks_outside_the_clip():
+    """Blocks of 4, clip [0.3, 0.8]: a block keeps its first draw when 2 or 3 of its 4 tokens are masked (0.5,
+    0.75); otherwise it takes the next fresh draw of the generator, until every block is inside."""
+    cfg = bd3lm.Bd3lmConfig(block_size=4, seq_length=16, clip_min=0.3, clip_max=0.8, resample=True, antithetic=False)
+    noise = bd3lm.draw_noise(MaskSampler(11), 8, 1, cfg)
+    frac = (noise.u < noise.t.repeat_interleave(4, dim=1)).float().view(8, 4, 4).mean(-1)
+    assert ((frac >= 0.3) & (frac <= 0.8)).all()
+    g = torch.Generator().manual_seed(11)  # replay the definition
+    t = 0.3 + 0.5 * torch.rand(8, 4, generator=g)
+    u = torch.rand(8, 16, generator=g)
+    while True:
+        f = (u < t.repeat_interleave(4, dim=1)).float().view(8, 4, 4).mean(-1)
+        bad = (f < 0.3) | (f > 0.8)
+        if not bad.any():
+            break
+        u = torch.where(bad.repeat_interleave(4, dim=1), torch.rand(8, 16, generator=g), u)
+    assert torch.equal(noise.t, t) and torch.equal(noise.u, u)
+    ev = bd3lm.draw_noise(MaskSampler(11), 8, 1, cfg, evaluation=True)  # evaluation: the plain schedule
+    g = torch.Generator().manual_seed(11)
+    torch.rand(8, 4, generator=g)
+    assert torch.equal(ev.u, torch.rand(8, 16, generator=g))
+    # a bound left at the linear schedule's end (1e-3 or 1) is not enforced, as in the reference
+    assert bd3lm.Bd3lmConfig(4, 16, clip_min=1e-3, clip_max=0.5, resample=True).resample_bounds == (0.0, 0.5)
+    assert bd3lm.Bd3lmConfig(4, 16, clip_min=0.3, clip_max=1.0, resample=True).resample_bounds == (0.3, 1.0)
+    with pytest.raises(ConfigError, match="no masked fraction k/4"):
+        bd3lm.Bd3lmConfig(4, 16, clip_min=0.3, clip_max=0.45, resample=True)
+
+
+def test_training_weight_is_one_when_the_clip_starts_above_one_half():
+    tokens = torch.randint(4, V, (2, 8))
+    sample = torch.cat([tokens, tokens[:, :1]], dim=1)
+    t, u = torch.full((2, 2), 0.7), torch.rand(2, 8, generator=torch.Generator().manual_seed(0))
+    masked = (u < 0.7).float()
+    high = bd3lm.Bd3lmConfig(4, 8, mask_token_id=MASK, clip_min=0.6, clip_max=0.9)
+    assert torch.equal(bd3lm.prepare_batch(sample, (t, u), high)[2], masked)  # weight 1
+    torch.testing.assert_close(bd3lm.prepare_batch(sample, (t, u), high, evaluation=True)[2], masked / 0.7)
+    low = bd3lm.Bd3lmConfig(4, 8, mask_token_id=MASK, clip_min=0.5, clip_max=0.9)  # 0.5 is not above one half
+    torch.testing.assert_close(bd3lm.prepare_batch(sample, (t, u), low)[2], masked / 0.7)
