@@ -3,18 +3,21 @@ same model on the same data for the same steps from the same seed (the bundled d
 
 Every variant is scored on the same tokens: tokens 1..L-1 of each validation window, conditioned on token 0.
 AR gives their exact NLL; the diffusion models an upper bound on it (the NELBO, with token 0 never masked;
-t ~ U[eps, 1], per block for BD3-LM, the same noise draws for every variant). Also printed: each trainer's own
-validation number (AR: next-token NLL; diffusion: the NELBO of the whole window, whose first block has no context)
-and the training loss averaged over all steps.
+t ~ U[eps, 1], per block for BD3-LM, the same noise draws for every variant), under SUBS (the [MASK] logit -inf,
+the training default) and, beside it, with [MASK] kept in the softmax (full vocabulary). Also printed: each
+trainer's own validation number (AR: next-token NLL; diffusion: the NELBO of the whole window, whose first block
+has no context) and the training loss averaged over all steps.
 
     python benchmarks/bd3lm_likelihood.py                  # the comparison in docs/block_diffusion.md
     python benchmarks/bd3lm_likelihood.py --smoke          # seconds: a 2-step run of every variant
+    python benchmarks/bd3lm_likelihood.py --train-args="--no-bd3lm-antithetic --ignore-bos"   # other options
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megadlms.diffusion import bd3lm  # noqa: E402
+from megadlms.diffusion.objective import subs_logits  # noqa: E402
 from megadlms.training.args import parse_train_args  # noqa: E402
 from megadlms.training.trainer import setup  # noqa: E402
 
@@ -41,6 +45,8 @@ def train_variant(mode: str, block: int | None, a: argparse.Namespace) -> tuple[
             "--seed", str(a.seed), "--device", "cpu", "--no-compile", "--num-workers", "0", "--no-progress",
             "--log-interval", str(a.iters), "--eval-iters", str(a.eval_batches), "--eval-interval", "0",
             "--difflm-varilen-prob", "0", "--no-generate-sample", "--model-running-mode", mode]
+    if mode != "vanilla":
+        argv += shlex.split(a.train_args)
     if block is not None:
         argv += ["--block-size", str(block), "--bd3lm-clip-min", str(a.bd3lm_clip[0]),
                  "--bd3lm-clip-max", str(a.bd3lm_clip[1])]
@@ -52,24 +58,25 @@ def train_variant(mode: str, block: int | None, a: argparse.Namespace) -> tuple[
 
 
 @torch.no_grad()
-def same_token_bound(trainer, mode: str, block: int | None, a: argparse.Namespace) -> tuple[float, float]:
-    """Nats per token of tokens 1..L-1 given token 0, averaged over the validation windows and noise draws, and
-    the standard error of that mean over the windows."""
+def same_token_bound(trainer, mode: str, block: int | None, a: argparse.Namespace) -> tuple[float, float, float]:
+    """Nats per token of tokens 1..L-1 given token 0, averaged over the validation windows and noise draws (SUBS),
+    the standard error of that mean over the windows, and the same mean with [MASK] in the softmax."""
     model, n = trainer.base_model.eval(), a.seq_length
     mask_id = trainer.model_config.mask_token_id
     loader = trainer.loaders.valid
     loader.load_state_dict({"consumed_samples": 0})
     it = iter(loader)
     g = torch.Generator().manual_seed(1234)  # the same noise for every variant
-    per_window = []
+    per_window, full_window = [], []
     for _ in range(a.eval_batches):
         tokens = next(it)[:, :n]
         rows = tokens.shape[0]
         if mode == "vanilla":
             ce = F.cross_entropy(model(tokens[:, :-1]).float().transpose(1, 2), tokens[:, 1:], reduction="none")
             per_window.append(ce.sum(1) / (n - 1))
+            full_window.append(per_window[-1])
             continue
-        total = torch.zeros(rows)
+        total, total_full = torch.zeros(rows), torch.zeros(rows)
         for _ in range(a.noise_samples):
             per = n // block if mode == "bd3lm" else 1
             t = EPS + (1 - EPS) * torch.rand(rows, per, generator=g)
@@ -84,11 +91,15 @@ def same_token_bound(trainer, mode: str, block: int | None, a: argparse.Namespac
                 masked = u < t
                 noisy, w = torch.where(masked, mask_id, tokens), masked.float() / t
                 logits = model(noisy)
-            ce = F.cross_entropy(logits.float().transpose(1, 2), tokens, reduction="none")
-            total += (ce * w).sum(1) / a.noise_samples
+            logits = logits.float()
+            ce_full = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
+            ce = F.cross_entropy(subs_logits(logits, mask_id).transpose(1, 2), tokens, reduction="none")
+            total += (torch.where(w > 0, ce, 0.0) * w).sum(1) / a.noise_samples
+            total_full += (ce_full * w).sum(1) / a.noise_samples
         per_window.append(total / (n - 1))
+        full_window.append(total_full / (n - 1))
     values = torch.cat(per_window).double()
-    return float(values.mean()), float(values.std() / values.numel() ** 0.5)
+    return float(values.mean()), float(values.std() / values.numel() ** 0.5), float(torch.cat(full_window).mean())
 
 
 def main() -> int:
@@ -105,6 +116,8 @@ def main() -> int:
     p.add_argument("--noise-samples", type=int, default=8, help="noise draws per window for the diffusion bounds")
     p.add_argument("--bd3lm-clip", type=float, nargs=2, default=[1e-3, 1.0], metavar=("MIN", "MAX"),
                    help="BD3-LM training noise t ~ U[MIN, MAX] (default: the linear schedule)")
+    p.add_argument("--train-args", default="", help="extra training flags of the diffusion variants (give it "
+                   "with =), e.g. --train-args=\"--no-bd3lm-antithetic --ignore-bos --diffusion-loss full-vocab\"")
     p.add_argument("--skip-baselines", action="store_true", help="train only the BD3-LM variants")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="2 steps, 1 evaluation batch: checks the script runs")
@@ -117,17 +130,18 @@ def main() -> int:
         variants = [("AR", "vanilla", None)] + variants + [("MDLM", "difflm-noshift", None)]
     print(f"{a.iters} steps x {a.batch} x {a.seq_length} tokens, {a.layers} layers x hidden {a.hidden}, seed {a.seed}; "
           f"bound on tokens 1..{a.seq_length - 1} given token 0 over {a.eval_batches} validation batches "
-          f"({a.noise_samples} noise draws each); BD3-LM training t ~ U[{a.bd3lm_clip[0]}, {a.bd3lm_clip[1]}]")
+          f"({a.noise_samples} noise draws each); BD3-LM training t ~ U[{a.bd3lm_clip[0]}, {a.bd3lm_clip[1]}]"
+          + (f"; diffusion training flags: {a.train_args}" if a.train_args else ""))
     print(f"{'variant':<14} | {'train loss':>10} | {'trainer valid':>13} | {'same-token bound':>16} | "
-          f"{'std err':>7} | {'ppl bound':>9} | {'minutes':>7}")
+          f"{'std err':>7} | {'ppl bound':>9} | {'full-vocab bound':>16} | {'minutes':>7}")
     bounds = []
     for name, mode, block in variants:
         t0 = time.perf_counter()
         trainer, train_loss, valid = train_variant(mode, block, a)
-        bound, err = same_token_bound(trainer, mode, block, a)
+        bound, err, full = same_token_bound(trainer, mode, block, a)
         bounds.append(bound)
         print(f"{name:<14} | {train_loss:>10.4f} | {valid:>13.4f} | {bound:>16.4f} | {err:>7.4f} | "
-              f"{math.exp(bound):>9.2f} | "
+              f"{math.exp(bound):>9.2f} | {full:>16.4f} | "
               f"{(time.perf_counter() - t0) / 60:>7.1f}", flush=True)
     if a.skip_baselines:
         return 0

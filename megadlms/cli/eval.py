@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--data-cache-path", default=None, help="folder for the cached sample index")
     g.add_argument("--eval-samples", type=int, default=64, help="validation windows to score")
     g.add_argument("--seq-length", type=int, default=None, help="window length (default: the model's seq_length)")
+    g.add_argument("--diffusion-loss", choices=("subs", "full-vocab"), default="subs",
+                   help="the diffusion bounds' cross-entropy: subs (MDLM's SUBS, as training defaults: [MASK] "
+                        "out of the softmax, the bound of the model that samples) or full-vocab (LLaDA's)")
     g.add_argument("--mask-ratios", default=",".join(map(str, DEFAULT_RATIOS)), help="comma-separated ratios")
     g.add_argument("--compare", metavar="DIR", default=None,
                    help="a second checkpoint (or Hugging Face folder) scored on the same windows and masks")
@@ -200,14 +203,15 @@ def _run_ppl(args: argparse.Namespace) -> int:
                                  split=args.split, seed=args.seed, data_cache_path=args.data_cache_path)
     mine = windows[ctx.rank::ctx.world_size]  # under torchrun each rank scores its share; the sums are reduced
     report: dict[str, Any] = {"data_path": args.data_path, "windows": len(windows), "seq_length": seq_length,
-                              "mask_ratios": ratios, "models": {}}
+                              "mask_ratios": ratios, "loss": args.diffusion_loss, "models": {}}
     for name, m, c in models:
         mask_id = args.mask_token if args.mask_token is not None else c.mask_token_id
         with torch.no_grad():
             total = score_windows(m, c, mine, seq_length=seq_length, ratios=ratios, mask_id=mask_id,
-                                  seed=args.seed, batch_size=args.batch_size).to(ctx.device)
+                                  seed=args.seed, batch_size=args.batch_size,
+                                  loss=args.diffusion_loss).to(ctx.device)
             objective = objective_loss_sum(m, c, mine, seq_length=seq_length, mask_id=mask_id, seed=args.seed,
-                                           batch_size=args.batch_size)
+                                           batch_size=args.batch_size, loss=args.diffusion_loss)
         if ctx.world_size > 1:
             dist.all_reduce(total)
         report["models"][name] = model_report(c, (total / (len(windows) * seq_length)).tolist())

@@ -11,7 +11,9 @@ the block-diffusion mask, query q attends key k when
 Only the hidden states of x_t are scored. The loss is the NELBO of the linear schedule (a token is masked
 with probability t; weight 1/t on masked tokens, normalised by the tokens of the batch), with t drawn per
 block or per sequence from U[clip_min, clip_max] (BD3-LM's clipped schedule; [eps, 1] is the plain linear
-schedule and what evaluation always uses, so that the reported number is the bound itself).
+schedule and what evaluation always uses, so that the reported number is the bound itself), stratified over the
+batch's blocks by default (the paper's antithetic sampling). The cross-entropy
+is MDLM's SUBS parameterisation by default, as the paper's: the [MASK] logit is -inf before the log-softmax.
 
 The noise comes from the trainer's `MaskSampler` generator (checkpointed: resume is exact) and is drawn for
 the whole global batch, as the other objectives do.
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
-from .objective import BatchNoise, MaskSampler
+from .objective import DIFFUSION_LOSSES, BatchNoise, MaskSampler, subs_logits
 
 NOISE_PER = ("block", "sequence")
 
@@ -41,6 +43,10 @@ class Bd3lmConfig:
     clip_max: float = 1.0
     noise_per: str = "block"  # one t per block (the paper's) or per sequence
     eval_eps: float = 1e-3  # evaluation: t ~ U[eval_eps, 1], the linear schedule's NELBO
+    loss: str = "subs"  # subs: the [MASK] logit -inf before the softmax (the paper's); full-vocab: [MASK] kept
+    antithetic: bool = True  # t stratified over the global batch x blocks (the paper's); False: independent
+    ignore_bos: bool = False  # never mask position 0; validation divides by the other L - 1 tokens (the paper's)
+    resample: bool = False  # training: redraw a block's noise while its masked fraction is outside the clip
 
     def __post_init__(self) -> None:
         b, n = self.block_size, self.seq_length
@@ -55,10 +61,34 @@ class Bd3lmConfig:
                               "0 < min <= max <= 1 (e.g. 0.3 and 0.8; 1e-3 and 1 is the linear schedule)")
         if self.noise_per not in NOISE_PER:
             raise ConfigError(f"--bd3lm-noise-per {self.noise_per!r} is not one of {list(NOISE_PER)}")
+        if self.loss not in DIFFUSION_LOSSES:
+            raise ConfigError(f"--diffusion-loss {self.loss!r} is not one of {list(DIFFUSION_LOSSES)}")
+        if self.resample:
+            lo, hi = self.resample_bounds
+            if not any(lo <= k / b <= hi for k in range(b + 1)):
+                raise ConfigError(f"--bd3lm-resample: no masked fraction k/{b} of a block of {b} lies in "
+                                  f"[--bd3lm-clip-min {self.clip_min}, --bd3lm-clip-max {self.clip_max}]; widen "
+                                  "the interval or use larger blocks")
 
     @property
     def num_blocks(self) -> int:
         return self.seq_length // self.block_size
+
+    @property
+    def subs_mask_id(self) -> int | None:
+        """The token the loss gives no probability (SUBS: the [MASK] id), None for the full vocabulary."""
+        return self.mask_token_id if self.loss == "subs" else None
+
+    @property
+    def resample_bounds(self) -> tuple[float, float]:
+        """The masked fractions a block may have under --bd3lm-resample. As the reference: a bound at the linear
+        schedule's own end (clip_min = 1e-3, clip_max = 1) is not enforced."""
+        return (self.clip_min if self.clip_min != 1e-3 else 0.0, self.clip_max if self.clip_max != 1.0 else 1.0)
+
+    @property
+    def unit_weight(self) -> bool:
+        """Training weights 1 instead of 1/t on masked tokens, as the reference does when clip_min > 0.5."""
+        return self.clip_min > 0.5
 
 
 # --------------------------------------------------------------------------- the attention mask
@@ -134,13 +164,46 @@ def block_causal_mask(real: torch.Tensor, block_size: int, offset: int = 0, quer
 def draw_noise(sampler: MaskSampler, global_batch: int, micro_steps: int, cfg: Bd3lmConfig, *,
                evaluation: bool = False) -> BatchNoise:
     """Noise for one global batch from the sampler's generator: t [G, blocks or 1] already on the schedule
-    (U[clip_min, clip_max], or U[eval_eps, 1] for evaluation), u [G, L]; every micro-step at full length."""
+    (U[clip_min, clip_max], or U[eval_eps, 1] for evaluation), u [G, L]; every micro-step at full length.
+
+    antithetic (the paper's): the n = G x blocks levels are stratified, the k-th (row-major) drawn uniformly from
+    the k-th of n equal parts of the schedule's range, so together they cover it evenly (lower-variance losses).
+    Drawn for the whole global batch, the strata do not depend on how ranks and micro-batches split it.
+    """
     g = sampler.generator
     lo, hi = (cfg.eval_eps, 1.0) if evaluation else (cfg.clip_min, cfg.clip_max)
     per = cfg.num_blocks if cfg.noise_per == "block" else 1
-    t = lo + (hi - lo) * torch.rand(global_batch, per, generator=g, device=sampler.device)
+    r = torch.rand(global_batch, per, generator=g, device=sampler.device)
+    if cfg.antithetic:
+        n = global_batch * per
+        offset = torch.arange(n, device=sampler.device).view(global_batch, per) / n
+        r = (r / n + offset).clamp(max=1.0)
+    t = lo + (hi - lo) * r
     u = torch.rand(global_batch, cfg.seq_length, generator=g, device=sampler.device)
-    return BatchNoise(t, u, torch.full((micro_steps,), cfg.seq_length, dtype=torch.long))
+    if cfg.resample and not evaluation:
+        u = _resample(u, t, cfg, g)
+    return BatchNoise(t, u, torch.full((micro_steps,), cfg.seq_length, dtype=torch.long), evaluation=evaluation)
+
+
+MAX_RESAMPLE_ROUNDS = 1000
+
+
+def _resample(u: torch.Tensor, t: torch.Tensor, cfg: Bd3lmConfig, g: torch.Generator) -> torch.Tensor:
+    """u [G, L] with each block whose masked fraction mean(u < t) lies outside `cfg.resample_bounds` redrawn
+    (fresh uniforms for the whole block, t kept) until none does (`training.resample` of the reference).
+    The masks depend on the noise only, so this runs on the global batch's noise. Reads a flag on the host per
+    round (a device sync)."""
+    b, (lo, hi) = cfg.block_size, cfg.resample_bounds
+    t_tok = t if t.shape[1] == 1 else t.repeat_interleave(b, dim=1)
+    for _ in range(MAX_RESAMPLE_ROUNDS):
+        frac = (u < t_tok).float().view(u.shape[0], -1, b).mean(dim=-1)  # [G, blocks]
+        bad = (frac < lo) | (frac > hi)
+        if not bool(bad.any()):
+            return u
+        fresh = torch.rand(u.shape, generator=g, device=u.device)
+        u = torch.where(bad.repeat_interleave(b, dim=1), fresh, u)
+    raise ConfigError(f"--bd3lm-resample: blocks of {b} still fall outside [{lo}, {hi}] after "
+                      f"{MAX_RESAMPLE_ROUNDS} redraws; widen --bd3lm-clip-min / --bd3lm-clip-max")
 
 
 def mask_blocks(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, block_size: int, mask_token_id: int
@@ -156,12 +219,18 @@ def mask_blocks(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, block
     return noisy, masked.float() / t_tok
 
 
-def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Tensor], cfg: Bd3lmConfig
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A loader sample long [B, L+1] -> (x_t (+) x_0 long [B, 2L], targets x_0 [B, L], weights fp32 [B, L])."""
+def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Tensor], cfg: Bd3lmConfig,
+                  evaluation: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A loader sample long [B, L+1] -> (x_t (+) x_0 long [B, 2L], targets x_0 [B, L], weights fp32 [B, L]).
+    cfg.ignore_bos: position 0 is never masked (weight 0). Training with clip_min > 0.5: weight 1 on masked
+    tokens (the reference's rule); evaluation always 1/t."""
     tokens = sample[:, :cfg.seq_length]
     t, u = noise_rows
+    if cfg.ignore_bos:
+        u = torch.cat([torch.full_like(u[:, :1], 2.0), u[:, 1:]], dim=1)
     noisy, weights = mask_blocks(tokens, t, u, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id)
+    if cfg.unit_weight and not evaluation:
+        weights = (weights > 0).float()
     return torch.cat([noisy, tokens], dim=1), tokens, weights
 
 
@@ -188,13 +257,17 @@ def flops_per_token(model_cfg: Any, block_size: int) -> float:
 
 @torch.no_grad()
 def nelbo(model: torch.nn.Module, tokens: torch.Tensor, *, block_size: int, mask_token_id: int,
-          generator: torch.Generator | None = None, samples: int = 1, eps: float = 1e-3) -> torch.Tensor:
+          generator: torch.Generator | None = None, samples: int = 1, eps: float = 1e-3,
+          loss: str = "subs", ignore_bos: bool = False) -> torch.Tensor:
     """The BD3-LM NELBO per token of each row (nats), averaged over `samples` noise draws; exp() of its
     mean over tokens bounds the perplexity. tokens long [B, L] with L a multiple of block_size (at most the
     model's positions). Noise: t ~ U[eps, 1] per block, from `generator` (seed it for the same noise every run).
+    loss: subs (default, as trained: the bound of the model the sampler draws from, which never emits [MASK])
+    or full-vocab ([MASK] kept in the softmax). ignore_bos: token 0 is never masked and the NELBO is per token of
+    the other L - 1 (the paper's evaluation).
     """
     b, n = tokens.shape
-    cfg = Bd3lmConfig(block_size=block_size, seq_length=n, mask_token_id=mask_token_id, eval_eps=eps)
+    cfg = Bd3lmConfig(block_size=block_size, seq_length=n, mask_token_id=mask_token_id, eval_eps=eps, loss=loss)
     device = tokens.device
     kwargs = {"attention_mask": dense_block_diffusion_mask(n, block_size, device),
               "position_ids": position_ids(n, device)}
@@ -202,9 +275,13 @@ def nelbo(model: torch.nn.Module, tokens: torch.Tensor, *, block_size: int, mask
     for _ in range(samples):
         t = eps + (1.0 - eps) * torch.rand(b, cfg.num_blocks, generator=generator, device=device)
         u = torch.rand(b, n, generator=generator, device=device)
+        if ignore_bos:
+            u[:, 0] = 2.0
         noisy, weights = mask_blocks(tokens, t, u, block_size=block_size, mask_token_id=mask_token_id)
         hidden = model(torch.cat([noisy, tokens], dim=1), output_hidden=True, **kwargs)[:, :n]
-        logits = model.logits(hidden)  # type: ignore[operator]  # a TransformerLM method
-        ce = F.cross_entropy(logits.float().transpose(1, 2), tokens, reduction="none")
-        total += (ce * weights).sum(dim=1).double() / n
+        logits = model.logits(hidden).float()  # type: ignore[operator]  # a TransformerLM method
+        if cfg.subs_mask_id is not None:
+            logits = subs_logits(logits, cfg.subs_mask_id)
+        ce = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
+        total += (torch.where(weights != 0, ce, 0.0) * weights).sum(dim=1).double() / (n - 1 if ignore_bos else n)
     return total / samples

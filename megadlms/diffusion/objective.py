@@ -13,6 +13,10 @@ and segment ids (LLaDA's SFT): prompt tokens are never masked; each conversation
 response token weighs 1 / (p * n) with n the response tokens of its conversation; the loss is the sum of
 weighted CE over the conversations of the batch divided by their number (the mean over conversations).
 
+The loss of every diffusion mode is MDLM's SUBS parameterisation by default (`loss="subs"`): the [MASK] logit is
+-inf before the log-softmax, so the cross-entropy is over the vocabulary minus [MASK], the bound of the model the
+sampler draws from (it never emits [MASK]). `loss="full-vocab"` keeps [MASK] in the softmax, as LLaDA trains.
+
 Randomness comes from one `MaskSampler` with its own `torch.Generator` (checkpointed). It draws
 the noise for a whole global batch at once and every rank slices its rows, so the masks a sample
 gets do not depend on how the global batch is split across ranks and micro-batches.
@@ -32,6 +36,7 @@ from ..config import ConfigError
 
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla", "bd3lm")  # bd3lm: megadlms.diffusion.bd3lm
 PMASK_MODES = ("sampled", "actual")
+DIFFUSION_LOSSES = ("subs", "full-vocab")  # subs: MDLM's, [MASK] out of the softmax; full-vocab: LLaDA's
 
 
 @dataclass
@@ -41,12 +46,19 @@ class ObjectiveConfig:
     eps: float = 1e-3  # p = (1 - eps) * t + eps
     pmask: str = "sampled"  # sampled: weight by the drawn p; actual: by the row's masked fraction
     varilen_prob: float = 0.01  # share of micro-steps cut to a random length in [2, L]
+    loss: str = "subs"  # diffusion modes: subs ([MASK] logit -inf before the softmax) or full-vocab (LLaDA's)
+    ignore_bos: bool = False  # difflm-noshift: never mask position 0, and leave it out of the validation loss
 
     def __post_init__(self) -> None:
         if self.mode not in RUNNING_MODES:
             raise ConfigError(f"--model-running-mode {self.mode!r} is not one of {list(RUNNING_MODES)}")
         if self.pmask not in PMASK_MODES:
             raise ConfigError(f"--difflm-pmask {self.pmask!r} is not one of {list(PMASK_MODES)}")
+        if self.loss not in DIFFUSION_LOSSES:
+            raise ConfigError(f"--diffusion-loss {self.loss!r} is not one of {list(DIFFUSION_LOSSES)}")
+        if self.ignore_bos and self.mode in ("vanilla", "difflm-shift"):
+            raise ConfigError(f"--ignore-bos applies to difflm-noshift and bd3lm; --model-running-mode {self.mode} "
+                              "never masks the first token already (it is no target): drop --ignore-bos")
         if not 0.0 < self.eps < 1.0:
             raise ConfigError(f"--difflm-eps {self.eps} must be in (0, 1), e.g. 1e-3")
         if not 0.0 <= self.varilen_prob <= 1.0:
@@ -61,6 +73,11 @@ class ObjectiveConfig:
         """Logits at position i predict token i + 1 (vanilla and difflm-shift)."""
         return self.mode != "difflm-noshift"
 
+    @property
+    def subs_mask_id(self) -> int | None:
+        """The token the loss gives no probability (SUBS: the [MASK] id), None for the full vocabulary (and AR)."""
+        return self.mask_token_id if self.diffusion and self.loss == "subs" else None
+
 
 @dataclass
 class BatchNoise:
@@ -69,6 +86,7 @@ class BatchNoise:
     t: torch.Tensor  # [G, 1] fp32, t ~ U(0, 1) ([G, L] for SFT: per conversation, read at its first position)
     u: torch.Tensor  # [G, L] fp32, a token is masked where u < p
     lengths: torch.Tensor  # [M] int64 on the CPU, sequence length used by each global micro-step
+    evaluation: bool = False  # validation noise (a first token left out by ignore_bos leaves the denominator too)
 
 
 class MaskSampler:
@@ -133,6 +151,7 @@ def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Te
     """A loader sample long [B, L+1] -> (inputs [B, l], targets [B, l], weights fp32 [B, l]).
 
     noise_rows: (t [B, 1], u [B, L]) for these rows (diffusion only); length: l <= L (varilen).
+    cfg.ignore_bos: position 0 is never masked (weight 0).
     """
     if cfg.diffusion:
         tokens = sample[:, :-1]
@@ -141,7 +160,7 @@ def prepare_batch(sample: torch.Tensor, noise_rows: tuple[torch.Tensor, torch.Te
         assert noise_rows is not None, "the diffusion objective needs noise rows"
         t, u = noise_rows
         u = u[:, :length]
-        if cfg.shift:  # position 0 has no position before it to predict it
+        if cfg.shift or cfg.ignore_bos:  # shift: position 0 has no position before it to predict it
             u = torch.cat([torch.full_like(u[:, :1], 2.0), u[:, 1:]], dim=1)
         noisy, weights = mask_tokens(tokens, t, u, mask_token_id=cfg.mask_token_id,
                                      eps=cfg.eps, pmask=cfg.pmask)
@@ -222,21 +241,37 @@ def _count_segments(has_response: torch.Tensor, segment_ids: torch.Tensor) -> to
 
 
 def weighted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                           denominator: float | torch.Tensor | None = None) -> torch.Tensor:
+                           denominator: float | torch.Tensor | None = None, *,
+                           mask_id: int | None = None) -> torch.Tensor:
     """sum_i w_i * CE(logits_i, targets_i) / denominator (default B * L), CE in fp32.
 
     logits [B, L, V] (any float dtype); targets long [B, L]; weights fp32 [B, L]. Returns a scalar.
     With diffusion weights this is the masked-diffusion ELBO; with unit weights the mean AR loss; with SFT
-    weights and denominator = conversations, LLaDA's SFT loss.
+    weights and denominator = conversations, LLaDA's SFT loss. mask_id given: MDLM's SUBS parameterisation, the
+    logit of that token is -inf before the log-softmax (the CE over the vocabulary minus [MASK]).
     """
-    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
-    return (ce * weights.flatten()).sum() / (targets.numel() if denominator is None else denominator)
+    lf = logits.float()
+    if mask_id is not None:
+        lf = subs_logits(lf, mask_id, inplace=lf is not logits)  # in place only on the fp32 copy
+    ce = F.cross_entropy(lf.flatten(0, 1), targets.flatten(), reduction="none")
+    w = weights.flatten()
+    ce = torch.where(w != 0, ce, 0.0)  # an unscored target may be [MASK] itself (CE inf under SUBS)
+    return (ce * w).sum() / (targets.numel() if denominator is None else denominator)
+
+
+def subs_logits(logits: torch.Tensor, mask_id: int, inplace: bool = False) -> torch.Tensor:
+    """[..., V] -> the same logits with the [MASK] logit at -inf (SUBS: [MASK] gets probability 0)."""
+    index = torch.tensor([mask_id], device=logits.device)
+    if inplace:
+        return logits.index_fill_(-1, index, float("-inf"))
+    return logits.index_fill(-1, index, float("-inf"))
 
 
 def chunked_weighted_cross_entropy(hidden: torch.Tensor, output_weight: torch.Tensor, targets: torch.Tensor,
                                    weights: torch.Tensor, chunk_tokens: int = 8192,
                                    num_rows: int | None = None,
-                                   denominator: float | torch.Tensor | None = None) -> torch.Tensor:
+                                   denominator: float | torch.Tensor | None = None, *,
+                                   mask_id: int | None = None) -> torch.Tensor:
     """The LM head fused with the loss, over token chunks, so the [B*L, V] logits never exist at once.
 
     hidden [B, L, H]; output_weight [V, H]; targets long [B, L]; weights [B, L] -> fp32 scalar, the
@@ -248,7 +283,7 @@ def chunked_weighted_cross_entropy(hidden: torch.Tensor, output_weight: torch.Te
     logits, in the forward pass: backward only scales them, and nothing of size [tokens, V] is kept
     or recomputed.
     The head GEMMs run in the autocast dtype when autocast is on (else in hidden's dtype); the
-    softmax and the loss in fp32.
+    softmax and the loss in fp32. mask_id: SUBS, as in `weighted_cross_entropy`.
     """
     h = hidden.flatten(0, 1)
     y, w = targets.flatten(), weights.flatten()
@@ -261,21 +296,31 @@ def chunked_weighted_cross_entropy(hidden: torch.Tensor, output_weight: torch.Te
     dev = hidden.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
     if torch.is_grad_enabled() and (h.requires_grad or output_weight.requires_grad):
-        total = _HeadLoss.apply(h, output_weight, y, w, dtype, chunk_tokens)
+        total = _HeadLoss.apply(h, output_weight, y, w, dtype, chunk_tokens, mask_id)
     else:
         total = hidden.new_zeros((), dtype=torch.float32)
         wt = output_weight.to(dtype)
         for start in range(0, h.shape[0], chunk_tokens):
             sl = slice(start, start + chunk_tokens)
             hc = h[sl].to(dtype)
-            total = total + _ce_kernel(hc)(hc @ wt.t(), y[sl], w[sl], grad=False)[0]
+            total = total + _ce_kernel(hc)(hc @ wt.t(), y[sl], w[sl], False, _mask_column(mask_id, wt))[0]
     return total / (targets.numel() if denominator is None else denominator)
 
 
-def _ce_loss_and_grad(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
-                      grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [T, V], y long [T], w [T] -> (sum_i w_i CE_i in fp32 or wider, d/dlogits in logits' dtype)."""
+def _mask_column(mask_id: int | None, weight: torch.Tensor) -> torch.Tensor | None:
+    """bool [V], True at the [MASK] id (SUBS), or None (the full vocabulary)."""
+    if mask_id is None:
+        return None
+    return torch.arange(weight.shape[0], device=weight.device) == mask_id
+
+
+def _ce_loss_and_grad(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, grad: bool = True,
+                      excluded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [T, V], y long [T], w [T] -> (sum_i w_i CE_i in fp32 or wider, d/dlogits in logits' dtype).
+    excluded: bool [V], logits set to -inf before the softmax (SUBS: the [MASK] column; its gradient is 0)."""
     lf = logits.float()
+    if excluded is not None:
+        lf = lf.masked_fill(excluded, float("-inf"))
     lse = torch.logsumexp(lf, dim=-1, keepdim=True)
     loss = ((lse - lf.gather(1, y[:, None])).squeeze(1) * w).sum()
     if not grad:
@@ -299,21 +344,23 @@ def _ce_kernel(logits: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.
 
 
 class _HeadLoss(torch.autograd.Function):
-    """(h [T, H], weight [V, H], y [T], w [T]) -> sum_i w_i CE(h_i @ weight.T, y_i), gradients made in forward."""
+    """(h [T, H], weight [V, H], y [T], w [T]) -> sum_i w_i CE(h_i @ weight.T, y_i), gradients made in forward
+    (mask_id: SUBS, the [MASK] logit -inf)."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
-                dtype: torch.dtype, chunk: int) -> torch.Tensor:
+                dtype: torch.dtype, chunk: int, mask_id: int | None = None) -> torch.Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty(h.shape, dtype=dtype, device=h.device) if need_h else None
         grad_w = None
+        excluded = _mask_column(mask_id, weight)
         with torch.autocast(h.device.type, enabled=False):
             wt = weight.to(dtype)
             for start in range(0, h.shape[0], chunk):
                 sl = slice(start, start + chunk)
                 hc = h[sl].to(dtype)
-                loss, dlogits = _ce_kernel(hc)(hc @ wt.t(), y[sl], w[sl])
+                loss, dlogits = _ce_kernel(hc)(hc @ wt.t(), y[sl], w[sl], True, excluded)
                 total = total + loss
                 assert dlogits is not None  # asked for (grad=True)
                 if grad_h is not None:
@@ -332,4 +379,4 @@ class _HeadLoss(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         dh = (grad_h * g).to(ctx.dtypes[0]) if grad_h is not None else None
         dw = (grad_w * g).to(ctx.dtypes[1]) if grad_w is not None else None
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None

@@ -13,6 +13,10 @@ never masked (LLaDA's conditional likelihood):
   is masked.
 Autoregressive (causal) models get the exact `ar_loglikelihood`.
 
+The masked-diffusion scores take `subs_mask_id`: given, the [MASK] logit is -inf before the softmax (MDLM's SUBS
+parameterisation, the default of training and of `eval --ppl`); None keeps LLaDA's full-vocabulary CE (the
+harness's default, as LLaDA evaluates).
+
 Randomness is per request: each draws from a generator seeded with the seed and the request's tokens, so a
 score does not depend on the batch it ran in, on the other requests, or on how they were split across ranks.
 Requests are packed into right-padded batches of `batch_size` rows (pads are never attended).
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError
+from ..diffusion.objective import subs_logits
 from ..diffusion.sampler import guided_logits, logits_shift, model_device
 
 Pair = tuple[Sequence[int], Sequence[int]]  # (prefix token ids, target token ids)
@@ -106,7 +111,7 @@ def _aligned(model: nn.Module, logits: torch.Tensor, prefix_lengths: Sequence[in
 
 
 def _score_rows(model: nn.Module, rows: Sequence[_Row], *, mask_id: int, cfg: float, batch_size: int,
-                progress: Progress) -> torch.Tensor:
+                progress: Progress, subs_mask_id: int | None = None) -> torch.Tensor:
     """Weighted CE sums fp64 [len(rows)]: weight * sum of CE over each row's masked target positions.
 
     cfg > 0: each row also runs with its prefix masked (the unconditional input) and the logits are
@@ -127,6 +132,8 @@ def _score_rows(model: nn.Module, rows: Sequence[_Row], *, mask_id: int, cfg: fl
         logits = _aligned(model, model(ids, attention_mask=real).float(), prefixes * (2 if cfg > 0 else 1))
         if cfg > 0:
             logits = guided_logits(logits, cfg)
+        if subs_mask_id is not None:
+            logits = subs_logits(logits, subs_mask_id, inplace=True)
         for j, r in enumerate(batch):
             p = len(r.prefix)
             pos = r.masked.nonzero().squeeze(1).to(device) + p
@@ -177,11 +184,13 @@ def mc_loglikelihood(model: nn.Module, pairs: Sequence[Pair], *, mask_id: int, m
 
 @torch.no_grad()
 def elbo_nll(model: nn.Module, pairs: Sequence[Pair], *, mask_id: int, ratios: Sequence[float] = DEFAULT_RATIOS,
-             seed: int = 0, batch_size: int = 32, progress: Progress = None) -> torch.Tensor:
+             seed: int = 0, batch_size: int = 32, progress: Progress = None,
+             subs_mask_id: int | None = None) -> torch.Tensor:
     """Deterministic masked-diffusion bound on -log p(target | prefix): fp64 [len(pairs), len(ratios)].
 
     Entry [n, j] is (L / k_j) * sum of CE over k_j = round(ratios[j] * L) masked target tokens of pair n (one
     fixed pattern per ratio, from `grid_masks`); the row mean is the estimate of the bound, in nats.
+    subs_mask_id: SUBS (the [MASK] logit -inf), None: the full vocabulary.
     """
     if not ratios or any(not 0.0 < r <= 1.0 for r in ratios):
         raise ConfigError(f"mask ratios {list(ratios)} must be in (0, 1], e.g. 0.1,0.2,...,1.0")
@@ -190,7 +199,8 @@ def elbo_nll(model: nn.Module, pairs: Sequence[Pair], *, mask_id: int, ratios: S
     for n, (prefix, target) in enumerate(pairs):
         masked, counts = grid_masks(len(target), ratios, request_generator(seed, prefix, target))
         rows += [_Row(n, list(prefix), list(target), m, len(target) / int(c)) for m, c in zip(masked, counts)]
-    scores = _score_rows(model, rows, mask_id=mask_id, cfg=0.0, batch_size=batch_size, progress=progress)
+    scores = _score_rows(model, rows, mask_id=mask_id, cfg=0.0, batch_size=batch_size, progress=progress,
+                         subs_mask_id=subs_mask_id)
     return scores.view(len(pairs), len(ratios))
 
 

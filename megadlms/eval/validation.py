@@ -1,7 +1,9 @@
 """The validation ELBO of trained models, side by side on the same windows and masks (`megadlms eval --ppl`).
 
 A masked-diffusion model is scored per mask ratio (its ELBO is the mean over the ratios: a perplexity upper
-bound), a causal model by its exact NLL, a block-diffusion model by its BD3-LM NELBO.
+bound), a causal model by its exact NLL, a block-diffusion model by its BD3-LM NELBO. The diffusion bounds use the
+training default, MDLM's SUBS parameterisation (the [MASK] logit -inf: the bound of the model the sampler draws
+from), unless `loss="full-vocab"` (LLaDA's CE over the whole vocabulary).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 
 from ..config import ConfigError
 from .likelihood import ar_loglikelihood, elbo_nll
+
+LOSS_NAMES = {"subs": "SUBS, [MASK] out of the softmax", "full-vocab": "full vocabulary, [MASK] kept"}
 
 
 def validation_windows(tokenizer: Any, *, data_path: str, seq_length: int, samples: int, split: str = "969,30,1",
@@ -39,10 +43,10 @@ def validation_windows(tokenizer: Any, *, data_path: str, seq_length: int, sampl
 
 
 def score_windows(model: Any, cfg: Any, windows: list[list[int]], *, seq_length: int, ratios: list[float],
-                  mask_id: int | None, seed: int, batch_size: int) -> torch.Tensor:
+                  mask_id: int | None, seed: int, batch_size: int, loss: str = "subs") -> torch.Tensor:
     """Summed loss over the windows' tokens, fp64: per mask ratio [R] for a masked-diffusion model (each entry
     (L / k) x CE over k masked tokens, summed over windows), the exact NLL [1] for a causal model, the NELBO [1]
-    for a block-diffusion model."""
+    for a block-diffusion model. loss: subs or full-vocab (the diffusion models' cross-entropy)."""
     if cfg.attn_mask_type == "causal":
         pairs = [(w[:1], w[1:seq_length + 1]) for w in windows]
         return torch.tensor([-sum(lp for lp, _ in ar_loglikelihood(model, pairs, batch_size=batch_size))],
@@ -52,18 +56,20 @@ def score_windows(model: Any, cfg: Any, windows: list[list[int]], *, seq_length:
                           "mask_token_id; pass --mask-token ID")
     if cfg.block_size is not None:  # block diffusion: its own NELBO (noise per block), not a per-ratio ELBO
         return torch.tensor([bd3lm_nelbo_sum(model, windows, seq_length=seq_length, block_size=cfg.block_size,
-                                             mask_id=mask_id, seed=seed)], dtype=torch.float64)
+                                             mask_id=mask_id, seed=seed, loss=loss)], dtype=torch.float64)
     # a difflm-shift model predicts token i at position i - 1: its first token is the prefix of the rest
     first = 1 if getattr(cfg, "diffusion_shift", False) else 0
     pairs = [(w[:first], w[first:seq_length]) for w in windows]
-    return elbo_nll(model, pairs, mask_id=mask_id, ratios=ratios, seed=seed, batch_size=batch_size).sum(0)
+    return elbo_nll(model, pairs, mask_id=mask_id, ratios=ratios, seed=seed, batch_size=batch_size,
+                    subs_mask_id=mask_id if loss == "subs" else None).sum(0)
 
 
 def objective_loss_sum(model: Any, cfg: Any, windows: list[list[int]], *, seq_length: int, mask_id: int | None,
-                       seed: int, batch_size: int) -> float | None:
+                       seed: int, batch_size: int, loss: str = "subs") -> float | None:
     """The trainer's validation loss of the windows [seq_length + 1], summed over windows: the objective the model
     trains with (masked diffusion, shifted or not, AR, or BD3-LM) through the same methods as `train`'s step and
-    validation (`megadlms.training.objectives`), with evaluation noise from a generator seeded by `seed`. None for
+    validation (`megadlms.training.objectives`), with evaluation noise from a generator seeded by `seed` and the
+    diffusion loss `loss` (subs | full-vocab). None for
     a model without the LM-head weight (a Hugging Face class)."""
     from ..config import TransformerConfig
     from ..diffusion import bd3lm
@@ -82,13 +88,13 @@ def objective_loss_sum(model: Any, cfg: Any, windows: list[list[int]], *, seq_le
     if mode != "vanilla" and mask_id is None:
         raise ConfigError("the diffusion loss needs the model's [MASK] id: pass --mask-token ID")
     blocks = None if cfg.block_size is None else bd3lm.Bd3lmConfig(
-        block_size=cfg.block_size, seq_length=seq_length, mask_token_id=mask_id or 0)
+        block_size=cfg.block_size, seq_length=seq_length, mask_token_id=mask_id or 0, loss=loss)
     sampler = MaskSampler(seed, device=device)
     total = 0.0
     for start in range(0, len(windows), batch_size):
         chunk = torch.tensor([w[:seq_length + 1] for w in windows[start:start + batch_size]], device=device)
         n = chunk.shape[0]
-        objective = build_objective(ObjectiveConfig(mode=mode, mask_token_id=mask_id or 0), model_config,
+        objective = build_objective(ObjectiveConfig(mode=mode, mask_token_id=mask_id or 0, loss=loss), model_config,
                                     AttentionPlan(causal=cfg.causal, device=device), Sharding(n), sft=False,
                                     bd3lm_config=blocks, flex=False, loss_chunk_tokens=0)
         noise = objective.draw_noise(sampler, n, 1, evaluation=True)
@@ -98,7 +104,7 @@ def objective_loss_sum(model: Any, cfg: Any, windows: list[list[int]], *, seq_le
 
 
 def bd3lm_nelbo_sum(model: Any, windows: list[list[int]], *, seq_length: int, block_size: int, mask_id: int,
-                    seed: int) -> float:
+                    seed: int, loss: str = "subs") -> float:
     """The BD3-LM NELBO summed over the windows' tokens (nats). Each window draws its noise from a generator seeded by
     `seed` and its own tokens, so a score does not depend on the order or on how ranks split the windows."""
     from ..diffusion.bd3lm import nelbo
@@ -110,7 +116,8 @@ def bd3lm_nelbo_sum(model: Any, windows: list[list[int]], *, seq_length: int, bl
     for w in windows:
         g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(str(w[:seq_length]).encode()))
         tokens = torch.tensor([w[:seq_length]], device=device)
-        total += float(nelbo(model, tokens, block_size=block_size, mask_token_id=mask_id, generator=g)[0]) * seq_length
+        nats = nelbo(model, tokens, block_size=block_size, mask_token_id=mask_id, generator=g, loss=loss)
+        total += float(nats[0]) * seq_length
     return total
 
 
@@ -130,7 +137,9 @@ def model_report(cfg: Any, per_token: list[float]) -> dict[str, Any]:
 def format_ppl_table(report: dict[str, Any]) -> str:
     """A markdown table: the loss per mask ratio per model, then the ELBO and its perplexity bound."""
     names = list(report["models"])
-    lines = [f"validation ELBO: {report['windows']} windows x {report['seq_length']} tokens of {report['data_path']}",
+    loss = report.get("loss")
+    lines = [f"validation ELBO: {report['windows']} windows x {report['seq_length']} tokens of {report['data_path']}"
+             + (f" (diffusion CE: {LOSS_NAMES[loss]})" if loss else ""),
              "", "| mask ratio | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for j, r in enumerate(report["mask_ratios"]):
         cells = [f"{m['loss_per_ratio'][j]:.4f}" if "loss_per_ratio" in m else "-" for m in report["models"].values()]

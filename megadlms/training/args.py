@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import yaml
 
 from ..config import FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, ConfigError
-from ..diffusion.objective import PMASK_MODES, RUNNING_MODES
+from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES
 from .config import RunConfig
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
 
@@ -54,12 +54,28 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--difflm-eps", type=float, default=1e-3)
     g.add_argument("--difflm-pmask", choices=PMASK_MODES, default="sampled")
     g.add_argument("--difflm-varilen-prob", type=float, default=0.01)
+    g.add_argument("--diffusion-loss", choices=DIFFUSION_LOSSES, default="subs",
+                   help="the diffusion modes' cross-entropy (pre-training, SFT, bd3lm). subs: MDLM's SUBS "
+                        "parameterisation, the [MASK] logit is -inf before the softmax (the bound of the model the "
+                        "sampler draws from); full-vocab: [MASK] stays in the softmax, as LLaDA trains")
     # block diffusion (--model-running-mode bd3lm; megadlms.diffusion.bd3lm)
     g.add_argument("--block-size", type=int, default=None, help="bd3lm: tokens per block (divides --seq-length)")
     g.add_argument("--bd3lm-clip-min", type=float, default=1e-3, help="bd3lm: training t ~ U[min, max]")
     g.add_argument("--bd3lm-clip-max", type=float, default=1.0, help="bd3lm: (1e-3, 1: the linear schedule)")
     g.add_argument("--bd3lm-noise-per", choices=("block", "sequence"), default="block",
                    help="bd3lm: one noise level t per block or per sequence")
+    g.add_argument("--bd3lm-antithetic", action=argparse.BooleanOptionalAction, default=True,
+                   help="bd3lm: stratify t over the global batch x blocks, the k-th of n levels in the k-th of n "
+                        "equal parts of its range (the paper's antithetic sampling; lower-variance losses); "
+                        "--no-bd3lm-antithetic: independent draws")
+    g.add_argument("--bd3lm-resample", action="store_true", default=False,
+                   help="bd3lm training: redraw a block's mask while its masked fraction is outside [--bd3lm-clip-min, "
+                        "--bd3lm-clip-max] (the reference's training.resample; a bound left at 1e-3 or 1 is not "
+                        "enforced)")
+    g.add_argument("--ignore-bos", action="store_true", default=False,
+                   help="difflm-noshift and bd3lm: never mask the first token of a window and leave it out of the "
+                        "validation loss's denominator (MDLM / BD3-LM's ignore_bos, for data whose windows start "
+                        "with BOS)")
 
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=1000)

@@ -27,7 +27,7 @@ from ..config import (
     check_fp8_recipe_options,
 )
 from ..data.args import DataSourceConfig
-from ..diffusion.objective import PMASK_MODES, RUNNING_MODES, ObjectiveConfig
+from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES, ObjectiveConfig
 from ..distributed.config import ParallelConfig, check_fp8_param_gather
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
 
@@ -72,16 +72,22 @@ class DiffusionConfig:
     difflm_eps: float = 1e-3
     difflm_pmask: str = "sampled"
     difflm_varilen_prob: float = 0.01
+    # the diffusion modes' cross-entropy: subs (MDLM / BD3-LM: [MASK] out of the softmax) or full-vocab (LLaDA's)
+    diffusion_loss: str = "subs"
     attention_anneal_iters: int = 0  # AR -> DLM: causal attention annealed into bidirectional over this many steps
     block_size: int | None = None  # bd3lm: tokens per block (divides seq_length)
     bd3lm_clip_min: float = 1e-3  # bd3lm: the clipped noise schedule's range of t
     bd3lm_clip_max: float = 1.0
     bd3lm_noise_per: str = "block"  # bd3lm: one t per "block" or per "sequence"
+    bd3lm_antithetic: bool = True  # bd3lm: t stratified over the global batch x blocks (the paper's)
+    ignore_bos: bool = False  # difflm-noshift / bd3lm: never mask position 0; validation leaves it out
+    bd3lm_resample: bool = False  # bd3lm: redraw blocks whose masked fraction falls outside the clip
 
     def __post_init__(self) -> None:
         if self.model_running_mode is not None:
             check_choice(self, "model_running_mode", RUNNING_MODES)
         check_choice(self, "difflm_pmask", PMASK_MODES)
+        check_choice(self, "diffusion_loss", DIFFUSION_LOSSES)
         check_choice(self, "bd3lm_noise_per", ("block", "sequence"))
         check_at_least(self, {"mask_token": 0, "attention_anneal_iters": 0})
 
@@ -100,7 +106,8 @@ class DiffusionConfig:
 
     def objective(self, mode: str, mask_token_id: int | None) -> ObjectiveConfig:
         return ObjectiveConfig(mode=mode, mask_token_id=mask_token_id or 0, eps=self.difflm_eps,
-                               pmask=self.difflm_pmask, varilen_prob=self.difflm_varilen_prob)
+                               pmask=self.difflm_pmask, varilen_prob=self.difflm_varilen_prob,
+                               loss=self.diffusion_loss, ignore_bos=self.ignore_bos)
 
 
 @dataclass

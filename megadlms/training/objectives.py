@@ -102,6 +102,8 @@ class Objective:
 
     name = "objective"
     bound = True  # the loss bounds the NLL from above (diffusion ELBOs); False: it is the exact NLL (AR)
+    subs_mask_id: int | None = None  # the loss's SUBS parameterisation: the [MASK] logit -inf; None: full vocabulary
+    ignore_bos = False  # position 0 never masked, and out of the validation loss's denominator
 
     def __init__(self, model_config: TransformerConfig, attention: AttentionPlan, sharding: Sharding, *,
                  flex: bool, loss_chunk_tokens: int, on_data_wait: Callable[[float], None] | None = None):
@@ -117,6 +119,13 @@ class Objective:
         if self.attention.needs_masks():
             return "FlexAttention, block mask" if device.type == "cuda" else "SDPA, dense mask"
         return "SDPA"
+
+    def validation_note(self) -> str:
+        """What the validation loss is, for its log line: the cross-entropy and whether the first token counts."""
+        if not self.bound:
+            return "exact NLL"
+        ce = "SUBS" if self.subs_mask_id is not None else "full-vocab CE"
+        return f"{ce}, first token {'excluded' if self.ignore_bos else 'included'}"
 
     # -- the step
     def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
@@ -137,13 +146,14 @@ class Objective:
             rows = batch.weighted_rows.get() if batch.weighted_rows is not None else None
             return chunked_weighted_cross_entropy(hidden, output_weight(), batch.targets, batch.weights,
                                                   self.loss_chunk_tokens, num_rows=rows,
-                                                  denominator=batch.denominator)
+                                                  denominator=batch.denominator, mask_id=self.subs_mask_id)
         if batch.inputs.shape[1] != length:  # only a prefix of the positions is scored
             hidden = model(batch.inputs, output_hidden=True, **kwargs)[:, :length]
             logits = F.linear(hidden, output_weight())
         else:
             logits = model(batch.inputs, **kwargs)
-        return weighted_cross_entropy(logits, batch.targets, batch.weights, batch.denominator)
+        return weighted_cross_entropy(logits, batch.targets, batch.weights, batch.denominator,
+                                      mask_id=self.subs_mask_id)
 
     # -- helpers
     def _next(self, samples: Iterator[torch.Tensor]) -> torch.Tensor:
@@ -158,6 +168,12 @@ class Objective:
     def _counted(self, weights: torch.Tensor) -> HostCount | None:
         return HostCount(weights) if self.loss_chunk_tokens else None
 
+    def _denominator(self, noise: BatchNoise, rows: int, length: int, device: torch.device) -> torch.Tensor | None:
+        """None (B * L), or B * (L - 1) in validation when the first token is left out (ignore_bos)."""
+        if not (self.ignore_bos and noise.evaluation):
+            return None
+        return torch.tensor(float(rows * (length - 1)), device=device)
+
 
 class Pretraining(Objective):
     """Masked diffusion (shifted or not) or AR on token windows; a micro-step may be cut short (varilen)."""
@@ -168,11 +184,15 @@ class Pretraining(Objective):
         self.name = {"difflm-noshift": "masked diffusion", "difflm-shift": "masked diffusion (shifted)",
                      "vanilla": "autoregressive"}[objective.mode]
         self.bound = objective.diffusion
+        self.subs_mask_id = objective.subs_mask_id
+        self.ignore_bos = objective.ignore_bos
 
     def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
                    evaluation: bool = False) -> BatchNoise:
         varilen = 0.0 if evaluation else self.objective.varilen_prob
-        return sampler.draw(global_batch, self.model_config.seq_length, micro_steps, varilen)
+        noise = sampler.draw(global_batch, self.model_config.seq_length, micro_steps, varilen)
+        noise.evaluation = evaluation
+        return noise
 
     def micro_batches(self, samples: Iterator[torch.Tensor], noise: BatchNoise, count: int,
                       device: torch.device) -> Iterator[Batch]:
@@ -187,7 +207,8 @@ class Pretraining(Objective):
                 mask, positions = self.attention.for_batch(sample[:, :length], None)
             tokens = length * sh.micro_batch_size * sh.dp_size
             yield Batch(inputs, targets, weights, tokens=tokens, flops=tokens * self.flops_per_token(),
-                        attention_mask=mask, position_ids=positions, weighted_rows=self._counted(weights))
+                        attention_mask=mask, position_ids=positions, weighted_rows=self._counted(weights),
+                        denominator=self._denominator(noise, targets.shape[0], length, device))
 
 
 class BlockDiffusion(Objective):
@@ -198,6 +219,8 @@ class BlockDiffusion(Objective):
     def __init__(self, config: bd3lm.Bd3lmConfig, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.config = config
+        self.subs_mask_id = config.subs_mask_id
+        self.ignore_bos = config.ignore_bos
 
     def flops_per_token(self) -> float:
         return bd3lm.flops_per_token(self.model_config, self.config.block_size)
@@ -218,11 +241,13 @@ class BlockDiffusion(Objective):
         for m in range(count):
             sample = self._next(samples).to(device, non_blocking=True)
             rows = sh.rows(m)
-            inputs, targets, weights = bd3lm.prepare_batch(sample, (noise.t[rows], noise.u[rows]), self.config)
+            inputs, targets, weights = bd3lm.prepare_batch(sample, (noise.t[rows], noise.u[rows]), self.config,
+                                                           evaluation=noise.evaluation)
             tokens = self.config.seq_length * sh.micro_batch_size * sh.dp_size
             yield Batch(inputs, targets, weights, tokens=tokens, flops=tokens * self.flops_per_token(),
                         attention_mask=kwargs["attention_mask"], position_ids=kwargs["position_ids"],
-                        weighted_rows=self._counted(weights))
+                        weighted_rows=self._counted(weights),
+                        denominator=self._denominator(noise, targets.shape[0], self.config.seq_length, device))
 
 
 class SupervisedFineTuning(Objective):
@@ -235,6 +260,7 @@ class SupervisedFineTuning(Objective):
         self.objective = objective
         self.name = "SFT, " + ("masked diffusion" if objective.diffusion else "autoregressive")
         self.bound = objective.diffusion
+        self.subs_mask_id = objective.subs_mask_id
 
     def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
                    evaluation: bool = False) -> BatchNoise:
@@ -278,5 +304,7 @@ def build_objective(objective: ObjectiveConfig, model_config: TransformerConfig,
                               "mask: drop --sft")
         return BlockDiffusion(bd3lm_config, model_config, attention, sharding, **common)
     if sft:
+        if objective.ignore_bos:
+            raise ConfigError("--ignore-bos applies to token windows; --sft never masks prompt tokens: drop it")
         return SupervisedFineTuning(objective, model_config, attention, sharding, **common)
     return Pretraining(objective, model_config, attention, sharding, **common)

@@ -131,7 +131,8 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
             block_size=model_config.block_size, seq_length=model_config.seq_length,  # type: ignore[arg-type]
             mask_token_id=model_config.mask_token_id,  # type: ignore[arg-type]
             clip_min=obj.bd3lm_clip_min, clip_max=obj.bd3lm_clip_max, noise_per=obj.bd3lm_noise_per,
-            eval_eps=obj.difflm_eps)
+            eval_eps=obj.difflm_eps, loss=obj.diffusion_loss, antithetic=obj.bd3lm_antithetic,
+            ignore_bos=obj.ignore_bos, resample=obj.bd3lm_resample)
     sharding = Sharding(config.train.micro_batch_size, ctx.dp_rank, ctx.dp_size,
                         ctx.dp_group if ctx.distributed else None)
     # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask

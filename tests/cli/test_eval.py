@@ -84,7 +84,9 @@ def test_ppl_compares_two_checkpoints_per_mask_ratio(eval_files, tmp_path, capsy
                                  data_cache_path=str(tmp_path / "cache"))
     for name, model in ((str(eval_files["dlm"]), eval_files["models"]["dlm"]),
                         (str(eval_files["dlm2"]), eval_files["models"]["dlm2"])):
-        nll = lk.elbo_nll(model, [([], w[:16]) for w in windows], mask_id=1, ratios=[0.25, 0.5, 1.0], seed=1234)
+        # the default: SUBS, the [MASK] logit -inf (the training default)
+        nll = lk.elbo_nll(model, [([], w[:16]) for w in windows], mask_id=1, ratios=[0.25, 0.5, 1.0], seed=1234,
+                          subs_mask_id=1)
         expect = (nll.sum(0) / (3 * 16)).tolist()
         got = report["models"][name]
         assert got["loss_per_ratio"] == pytest.approx(expect, rel=1e-5)
@@ -92,6 +94,15 @@ def test_ppl_compares_two_checkpoints_per_mask_ratio(eval_files, tmp_path, capsy
         assert f"{got['elbo_ppl']:.3f}" in out
     a, b = (report["models"][k]["loss_per_ratio"] for k in report["models"])
     assert a != b and "| 0.25 | " in out and "perplexity (upper bound" in out
+    assert report["loss"] == "subs" and "(diffusion CE: SUBS, [MASK] out of the softmax)" in out
+    # LLaDA's full-vocabulary CE on request: a looser bound
+    code, out, err = run_cli(argv + ["--diffusion-loss", "full-vocab"], capsys)
+    assert code == 0, err
+    full = json.loads((tmp_path / "out" / "ppl.json").read_text())["models"][str(eval_files["dlm"])]
+    nll = lk.elbo_nll(eval_files["models"]["dlm"], [([], w[:16]) for w in windows], mask_id=1,
+                      ratios=[0.25, 0.5, 1.0], seed=1234)
+    assert full["loss_per_ratio"] == pytest.approx((nll.sum(0) / (3 * 16)).tolist(), rel=1e-5)
+    assert all(f > s for f, s in zip(full["loss_per_ratio"], a)) and "full vocabulary, [MASK] kept" in out
     # an autoregressive checkpoint reports its exact NLL beside the masked-diffusion bound
     argv[argv.index("--compare") + 1] = str(eval_files["ar"])
     code, out, err = run_cli(argv, capsys)

@@ -75,13 +75,13 @@ def noise(rows, n, blocks, seed=0):
     return tokens, t, u
 
 
-def vectorised_loss(model, tokens, t, u, b):
+def vectorised_loss(model, tokens, t, u, b, loss="full-vocab"):
     n = tokens.shape[1]
-    cfg = bd3lm.Bd3lmConfig(block_size=b, seq_length=n, mask_token_id=MASK)
+    cfg = bd3lm.Bd3lmConfig(block_size=b, seq_length=n, mask_token_id=MASK, loss=loss)
     sample = torch.cat([tokens, tokens[:, :1]], dim=1)  # the loader's [B, L+1]
     inputs, targets, weights = bd3lm.prepare_batch(sample, (t, u), cfg)
     hidden = model(inputs, output_hidden=True, **bd3lm.forward_kwargs(cfg, tokens.device, flex=False))[:, :n]
-    return weighted_cross_entropy(model.logits(hidden), targets, weights), weights
+    return weighted_cross_entropy(model.logits(hidden), targets, weights, mask_id=cfg.subs_mask_id), weights
 
 
 @torch.no_grad()
@@ -144,7 +144,7 @@ def test_block_size_l_is_the_masked_diffusion_loss():
 
 
 def test_noise_is_clipped_per_block_and_deterministic():
-    cfg = bd3lm.Bd3lmConfig(block_size=4, seq_length=32, clip_min=0.3, clip_max=0.8)
+    cfg = bd3lm.Bd3lmConfig(block_size=4, seq_length=32, clip_min=0.3, clip_max=0.8, antithetic=False)
     a = bd3lm.draw_noise(MaskSampler(5), 64, 2, cfg)
     b = bd3lm.draw_noise(MaskSampler(5), 64, 2, cfg)
     assert a.t.shape == (64, 8) and a.u.shape == (64, 32) and a.lengths.tolist() == [32, 32]
@@ -152,13 +152,53 @@ def test_noise_is_clipped_per_block_and_deterministic():
     assert 0.3 <= float(a.t.min()) and float(a.t.max()) <= 0.8 and float(a.t.max() - a.t.min()) > 0.4
     ev = bd3lm.draw_noise(MaskSampler(5), 64, 1, cfg, evaluation=True)
     assert float(ev.t.min()) < 0.3 and float(ev.t.max()) > 0.8  # evaluation: the whole linear schedule
-    seq = bd3lm.draw_noise(MaskSampler(5), 64, 1, bd3lm.Bd3lmConfig(4, 32, noise_per="sequence"))
+    seq = bd3lm.draw_noise(MaskSampler(5), 64, 1, bd3lm.Bd3lmConfig(4, 32, noise_per="sequence", antithetic=False))
     assert seq.t.shape == (64, 1)
+    g = torch.Generator().manual_seed(5)  # independent draws: t = min + (max - min) r, r ~ U(0, 1)
+    torch.testing.assert_close(a.t, 0.3 + 0.5 * torch.rand(64, 8, generator=g))
     tokens = torch.randint(4, V, (64, 32))
     noisy, w = bd3lm.mask_blocks(tokens, a.t, a.u, block_size=4, mask_token_id=MASK)
     t_tok = a.t.repeat_interleave(4, dim=1)
     assert torch.equal(noisy == MASK, a.u < t_tok)
     torch.testing.assert_close(w, (a.u < t_tok).float() / t_tok)
+
+
+@pytest.mark.parametrize("per,blocks", [("block", 4), ("sequence", 1)])
+@pytest.mark.parametrize("evaluation", [False, True])
+def test_antithetic_noise_stratifies_t_over_the_global_batch_and_blocks(per, blocks, evaluation):
+    """The k-th of n = G x blocks levels (row-major) is lo + (hi - lo)(r_k + k) / n with r_k the generator's k-th
+    uniform draw: one level in each of the n equal parts of [lo, hi]."""
+    cfg = bd3lm.Bd3lmConfig(block_size=4, seq_length=16, clip_min=0.3, clip_max=0.8, noise_per=per)
+    assert cfg.antithetic  # the default
+    noise = bd3lm.draw_noise(MaskSampler(7), 6, 2, cfg, evaluation=evaluation)
+    lo, hi = (1e-3, 1.0) if evaluation else (0.3, 0.8)
+    n = 6 * blocks
+    g = torch.Generator().manual_seed(7)
+    r = torch.rand(6, blocks, generator=g)
+    k = torch.arange(n, dtype=torch.float32).view(6, blocks)
+    torch.testing.assert_close(noise.t, lo + (hi - lo) * (r + k) / n)
+    strata = ((noise.t.flatten() - lo) / (hi - lo) * n).floor().long()
+    assert torch.equal(strata, torch.arange(n))  # one level per stratum
+    torch.testing.assert_close(noise.u, torch.rand(6, 16, generator=g))  # then u, as before
+
+
+def test_antithetic_noise_is_split_invariant_and_resumes_from_the_generator():
+    """Drawn per global batch from the checkpointed generator: the rows a rank slices do not depend on the split,
+    and a sampler restored from a state continues with the same strata and draws."""
+    cfg = bd3lm.Bd3lmConfig(block_size=4, seq_length=16)
+    sampler = MaskSampler(3)
+    bd3lm.draw_noise(sampler, 8, 1, cfg)
+    state = sampler.state_dict()
+    after = bd3lm.draw_noise(sampler, 8, 1, cfg)
+    restored = MaskSampler(99)
+    restored.load_state_dict(state)
+    again = bd3lm.draw_noise(restored, 8, 1, cfg)
+    assert torch.equal(after.t, again.t) and torch.equal(after.u, again.u)
+    from megadlms.training.objectives import Sharding
+
+    # 2 ranks x 2 micro-steps of 2 rows, or 1 rank x 1 micro-step of 8: each sample gets the same t
+    rows = [after.t[Sharding(2, r, 2).rows(m)] for m in range(2) for r in range(2)]
+    assert torch.equal(torch.cat([rows[0], rows[1], rows[2], rows[3]]), after.t[Sharding(8).rows(0)])
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -183,8 +223,13 @@ def test_nelbo_is_deterministic_and_matches_the_training_loss():
     g = torch.Generator().manual_seed(1)
     t = 1e-3 + (1 - 1e-3) * torch.rand(2, n // b, generator=g)
     u = torch.rand(2, n, generator=g)
-    loss, _ = vectorised_loss(model, tokens, t, u, b)
+    loss, _ = vectorised_loss(model, tokens, t, u, b, loss="subs")  # the default: SUBS, as trained
     torch.testing.assert_close(a.mean().float(), loss, rtol=1e-5, atol=1e-6)
+    full = bd3lm.nelbo(model, tokens, block_size=b, mask_token_id=MASK, generator=torch.Generator().manual_seed(1),
+                       loss="full-vocab")
+    loss_full, _ = vectorised_loss(model, tokens, t, u, b, loss="full-vocab")
+    torch.testing.assert_close(full.mean().float(), loss_full, rtol=1e-5, atol=1e-6)
+    assert (full > a).all()  # [MASK] in the softmax only loosens the bound
 
 
 # --------------------------------------------------------------------------- the training mode
@@ -263,3 +308,87 @@ def test_layers_replay_from_cuda_graphs_under_the_block_diffusion_mask(monkeypat
     graphed = _losses(trainer.run())
     assert trainer.layer_graphs.num_replays == 3  # every step after the first (the capture's)
     assert graphed == pytest.approx(eager, rel=1e-5)
+
+
+@torch.no_grad()
+def test_ignore_bos_never_masks_the_first_token_and_the_nelbo_leaves_it_out():
+    n, b = 16, 4
+    model = tiny(n=n, b=b)
+    tokens = torch.randint(4, V, (2, n), generator=torch.Generator().manual_seed(3))
+    t, u = torch.full((2, n // b), 0.5), torch.rand(2, n, generator=torch.Generator().manual_seed(4))
+    u[:, 0] = 0.0  # would be masked at any t
+    cfg = bd3lm.Bd3lmConfig(block_size=b, seq_length=n, mask_token_id=MASK, ignore_bos=True)
+    sample = torch.cat([tokens, tokens[:, :1]], dim=1)
+    inputs, _, weights = bd3lm.prepare_batch(sample, (t, u), cfg)
+    assert (inputs[:, 0] == tokens[:, 0]).all() and (weights[:, 0] == 0).all()
+    rest = u[:, 1:] < 0.5  # every other token as without the option: masked where u < t, weight 1/t
+    assert torch.equal(inputs[:, 1:n] == MASK, rest) and torch.equal(weights[:, 1:], rest.float() / 0.5)
+    # nelbo: the same noise with token 0 never masked, summed and divided by the other n - 1 tokens
+    got = bd3lm.nelbo(model, tokens, block_size=b, mask_token_id=MASK, generator=torch.Generator().manual_seed(1),
+                      ignore_bos=True)
+    g = torch.Generator().manual_seed(1)
+    t = 1e-3 + (1 - 1e-3) * torch.rand(2, n // b, generator=g)
+    u = torch.rand(2, n, generator=g)
+    u[:, 0] = 2.0
+    loss, _ = vectorised_loss(model, tokens, t, u, b, loss="subs")  # / (2 n) tokens
+    torch.testing.assert_close(got.mean().float(), loss * n / (n - 1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,extra", [("bd3lm", ["--block-size", "4"]), ("difflm-noshift", [])])
+def test_ignore_bos_validation_divides_by_the_other_tokens(mode, extra):
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.trainer import setup
+
+    base = SMALL[:-6] + ["--micro-batch-size", "4"]  # without the mode and the block size
+    trainer = setup(parse_train_args(base + ["--model-running-mode", mode, "--train-iters", "4", "--ignore-bos",
+                                             "--difflm-varilen-prob", "0"] + extra))
+    obj, mask = trainer.objective, trainer.model_config.mask_token_id
+    assert obj.validation_note() == "SUBS, first token excluded"
+    for evaluation, denominator in ((False, None), (True, 4 * 15)):
+        noise = obj.draw_noise(MaskSampler(0), 4, 1, evaluation=evaluation)
+        noise.u[:, 0] = 0.0  # token 0 would be masked
+        batch = next(obj.micro_batches(iter(trainer.loaders.train), noise, 1, trainer.device))
+        assert (batch.inputs[:, 0] != mask).all() and (batch.weights[:, 0] == 0).all()
+        assert (None if batch.denominator is None else float(batch.denominator)) == denominator
+    plain = setup(parse_train_args(base + ["--model-running-mode", mode, "--train-iters", "4"] + extra))
+    assert plain.objective.validation_note() == "SUBS, first token included"
+
+
+def test_resample_redraws_only_the_blocks_outside_the_clip():
+    """Blocks of 4, clip [0.3, 0.8]: a block keeps its first draw when 2 or 3 of its 4 tokens are masked (0.5,
+    0.75); otherwise it takes the next fresh draw of the generator, until every block is inside."""
+    cfg = bd3lm.Bd3lmConfig(block_size=4, seq_length=16, clip_min=0.3, clip_max=0.8, resample=True, antithetic=False)
+    noise = bd3lm.draw_noise(MaskSampler(11), 8, 1, cfg)
+    frac = (noise.u < noise.t.repeat_interleave(4, dim=1)).float().view(8, 4, 4).mean(-1)
+    assert ((frac >= 0.3) & (frac <= 0.8)).all()
+    g = torch.Generator().manual_seed(11)  # replay the definition
+    t = 0.3 + 0.5 * torch.rand(8, 4, generator=g)
+    u = torch.rand(8, 16, generator=g)
+    while True:
+        f = (u < t.repeat_interleave(4, dim=1)).float().view(8, 4, 4).mean(-1)
+        bad = (f < 0.3) | (f > 0.8)
+        if not bad.any():
+            break
+        u = torch.where(bad.repeat_interleave(4, dim=1), torch.rand(8, 16, generator=g), u)
+    assert torch.equal(noise.t, t) and torch.equal(noise.u, u)
+    ev = bd3lm.draw_noise(MaskSampler(11), 8, 1, cfg, evaluation=True)  # evaluation: the plain schedule
+    g = torch.Generator().manual_seed(11)
+    torch.rand(8, 4, generator=g)
+    assert torch.equal(ev.u, torch.rand(8, 16, generator=g))
+    # a bound left at the linear schedule's end (1e-3 or 1) is not enforced, as in the reference
+    assert bd3lm.Bd3lmConfig(4, 16, clip_min=1e-3, clip_max=0.5, resample=True).resample_bounds == (0.0, 0.5)
+    assert bd3lm.Bd3lmConfig(4, 16, clip_min=0.3, clip_max=1.0, resample=True).resample_bounds == (0.3, 1.0)
+    with pytest.raises(ConfigError, match="no masked fraction k/4"):
+        bd3lm.Bd3lmConfig(4, 16, clip_min=0.3, clip_max=0.45, resample=True)
+
+
+def test_training_weight_is_one_when_the_clip_starts_above_one_half():
+    tokens = torch.randint(4, V, (2, 8))
+    sample = torch.cat([tokens, tokens[:, :1]], dim=1)
+    t, u = torch.full((2, 2), 0.7), torch.rand(2, 8, generator=torch.Generator().manual_seed(0))
+    masked = (u < 0.7).float()
+    high = bd3lm.Bd3lmConfig(4, 8, mask_token_id=MASK, clip_min=0.6, clip_max=0.9)
+    assert torch.equal(bd3lm.prepare_batch(sample, (t, u), high)[2], masked)  # weight 1
+    torch.testing.assert_close(bd3lm.prepare_batch(sample, (t, u), high, evaluation=True)[2], masked / 0.7)
+    low = bd3lm.Bd3lmConfig(4, 8, mask_token_id=MASK, clip_min=0.5, clip_max=0.9)  # 0.5 is not above one half
+    torch.testing.assert_close(bd3lm.prepare_batch(sample, (t, u), low)[2], masked / 0.7)

@@ -88,23 +88,54 @@ def test_ar_mode_shifts_labels():
     assert torch.equal(weights, torch.ones(1, 9))
 
 
-def test_chunked_head_loss_equals_plain():
+@pytest.mark.parametrize("mask_id", [None, MASK])
+def test_chunked_head_loss_equals_plain(mask_id):
     torch.manual_seed(0)
     h = torch.randn(2, 13, 16, dtype=torch.float64, requires_grad=True)
     w = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, 40, (2, 13))
+    y[y == MASK] = 0  # a target is never [MASK]
     wt = torch.rand(2, 13, dtype=torch.float64)
-    ref = weighted_cross_entropy(h @ w.T, y, wt)
-    got = chunked_weighted_cross_entropy(h, w, y, wt, chunk_tokens=5)
+    wt[0, :4] = 0.0  # unscored positions: the chunked path skips them
+    ref = weighted_cross_entropy(h @ w.T, y, wt, mask_id=mask_id)
+    got = chunked_weighted_cross_entropy(h, w, y, wt, chunk_tokens=5, mask_id=mask_id)
     torch.testing.assert_close(got.double(), ref.double())
     gh, gw = torch.autograd.grad(ref, (h, w))
     ch, cw = torch.autograd.grad(got, (h, w))
     torch.testing.assert_close(ch, gh)
     torch.testing.assert_close(cw, gw)
+    with torch.no_grad():  # the forward-only path (validation)
+        torch.testing.assert_close(chunked_weighted_cross_entropy(h, w, y, wt, 5, mask_id=mask_id).double(), ref)
+    if mask_id is not None:  # SUBS: the [MASK] logit is a constant -inf, its head row gets no gradient
+        assert torch.equal(cw[MASK], torch.zeros(16, dtype=torch.float64))
+
+
+def test_subs_loss_is_the_cross_entropy_without_the_mask_token():
+    """Hand values: logits (1, 2, 0, 5) with [MASK] = 3, target 1, weight 2, one of two positions scored.
+    SUBS: -log(e^2 / (e^1 + e^2 + e^0)); full vocabulary: -log(e^2 / (e^1 + e^2 + e^0 + e^5))."""
+    logits = torch.tensor([[[1.0, 2.0, 0.0, 5.0], [0.0, 0.0, 0.0, 9.0]]])
+    targets, weights = torch.tensor([[1, 3]]), torch.tensor([[2.0, 0.0]])  # the unscored target is [MASK] itself
+    subs = 2.0 * -math.log(math.exp(2) / (math.exp(1) + math.exp(2) + 1.0)) / 2
+    full = 2.0 * -math.log(math.exp(2) / (math.exp(1) + math.exp(2) + 1.0 + math.exp(5))) / 2
+    assert weighted_cross_entropy(logits, targets, weights, mask_id=3).item() == pytest.approx(subs, rel=1e-6)
+    assert weighted_cross_entropy(logits, targets, weights).item() == pytest.approx(full, rel=1e-6)
+    fused = chunked_weighted_cross_entropy(logits, torch.eye(4), targets, weights, 1, mask_id=3)  # head = identity
+    assert fused.item() == pytest.approx(subs, rel=1e-6)
+    bf16 = weighted_cross_entropy(logits.bfloat16(), targets, weights, mask_id=3)  # bf16 logits, fp32 loss
+    assert bf16.dtype == torch.float32 and bf16.item() == pytest.approx(subs, rel=1e-6)
+
+
+def test_the_loss_is_subs_by_default_for_every_diffusion_mode():
+    for mode in ("difflm-noshift", "difflm-shift", "bd3lm"):
+        assert ObjectiveConfig(mode=mode, mask_token_id=MASK).subs_mask_id == MASK
+        assert ObjectiveConfig(mode=mode, mask_token_id=MASK, loss="full-vocab").subs_mask_id is None
+    assert ObjectiveConfig(mode="vanilla", mask_token_id=MASK).subs_mask_id is None  # AR: the whole vocabulary
 
 
 @pytest.mark.parametrize("kw, msg", [(dict(mode="ar"), "model-running-mode"), (dict(pmask="x"), "difflm-pmask"),
-                                     (dict(eps=0.0), "difflm-eps"), (dict(varilen_prob=2.0), "varilen")])
+                                     (dict(eps=0.0), "difflm-eps"), (dict(varilen_prob=2.0), "varilen"),
+                                     (dict(loss="llada"), "--diffusion-loss 'llada' is not one of"),
+                                     (dict(mode="difflm-shift", ignore_bos=True), "never masks the first token")])
 def test_objective_config_errors(kw, msg):
     with pytest.raises(ValueError, match=msg):
         ObjectiveConfig(**kw)

@@ -221,3 +221,35 @@ def test_running_mode_defaults_to_the_one_the_model_records(tmp_path):
         setup(parse_train_args(base + ["--load", str(tmp_path / "difflm-shift"), "--use-checkpoint-args",
                                        "--finetune", "--model-running-mode", "difflm-noshift"]))
     assert setup(parse_train_args(base)).objective.name == "masked diffusion"  # nothing recorded: the default
+
+
+@pytest.mark.parametrize("mode,extra", [
+    ("difflm-noshift", []), ("difflm-shift", []), ("bd3lm", ["--block-size", "4"]),
+    ("bd3lm", ["--block-size", "4", "--bf16"]), ("difflm-noshift", ["--fp8-format", "hybrid"]),
+    ("bd3lm", ["--block-size", "4", "--fp8-format", "hybrid", "--diffusion-loss", "full-vocab"]),
+])
+def test_the_training_loss_is_subs_by_default_in_both_head_paths(mode, extra):
+    """The objective's loss, plain logits and fused chunked head alike, equals the definition computed from the
+    model's logits: sum of w * (logsumexp over the vocabulary without [MASK] - logit of the target) / (B * L)."""
+    trainer = setup(parse_train_args(SMALL + ["--train-iters", "2", "--model-running-mode", mode,
+                                              "--difflm-varilen-prob", "0"] + extra))
+    obj, mask = trainer.objective, trainer.model_config.mask_token_id
+    noise = obj.draw_noise(trainer.sampler, trainer.global_batch, 1)
+    batch = next(obj.micro_batches(iter(trainer.loaders.train), noise, 1, trainer.device))
+    n = batch.targets.shape[1]
+    with torch.no_grad(), trainer._autocast():
+        hidden = trainer.model(batch.inputs, output_hidden=True, **batch.model_kwargs())[:, :n]
+        logits = torch.nn.functional.linear(hidden, trainer._output_weight()).float()
+        plain = obj.loss(trainer.model, batch, trainer._output_weight)
+        obj.loss_chunk_tokens = 7
+        batch.weighted_rows = None
+        fused = obj.loss(trainer.model, batch, trainer._output_weight)
+    keep = torch.arange(logits.shape[-1]) != mask
+    full_vocab = "full-vocab" in extra
+    lse = torch.logsumexp(logits if full_vocab else logits[..., keep], dim=-1)
+    ce = lse - logits.gather(-1, batch.targets[..., None]).squeeze(-1)
+    expect = (ce * batch.weights).sum() / batch.targets.numel()
+    torch.testing.assert_close(plain, expect, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused, expect, rtol=2e-2 if "--bf16" in extra else 1e-5, atol=1e-6)
+    subs_gap = torch.logsumexp(logits, -1) - torch.logsumexp(logits[..., keep], -1)  # > 0: [MASK]'s share
+    assert (subs_gap[batch.weights > 0] > 0).all()
