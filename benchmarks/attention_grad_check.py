@@ -118,7 +118,8 @@ def main() -> int:
     args = ap.parse_args()
     device = args.device
     base = load_model_config(args.model_path, num_layers=args.layers, seq_length=args.seq_length,
-                             max_position_embeddings=2 * args.seq_length, vocab_size=4096)
+                             max_position_embeddings=2 * args.seq_length, vocab_size=4096,
+                             mask_token_id=4095)
     torch.manual_seed(0)
     reference = TransformerLM(base).to(device)
     rows = []

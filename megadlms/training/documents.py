@@ -59,10 +59,11 @@ class AttentionPlan:
             u = torch.rand(seq_length, seq_length, generator=self.generator, device=self.device)
             self._open_upper = u < ratio
 
-    def for_batch(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None
+    def for_batch(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None, *, dense: bool = False
                   ) -> tuple[Any | None, torch.Tensor | None]:
         """(attention mask or None, position ids [B, L] or None) for input rows `tokens` long [B, L] (the clean
-        tokens); segment_ids long [B, L] for packed SFT windows, None for pre-training rows."""
+        tokens); segment_ids long [B, L] for packed SFT windows, None for pre-training rows. dense: a dense bool
+        mask also on CUDA (a cut micro-batch: compiled FlexAttention has no kernel for every short length)."""
         b, length = tokens.shape
         need_segments = self.reset_attention_mask or self.reset_position_ids
         if segment_ids is None and need_segments:
@@ -75,7 +76,7 @@ class AttentionPlan:
         mask = None
         if mods:
             mod = mods[0] if len(mods) == 1 else and_masks(*mods)
-            mask = build_attention_mask(mod, b, length, length, tokens.device)
+            mask = build_attention_mask(mod, b, length, length, tokens.device, flex=False if dense else None)
         positions = segment_positions(segment_ids) if self.reset_position_ids and segment_ids is not None else None
         return mask, positions
 

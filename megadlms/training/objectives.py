@@ -204,7 +204,8 @@ class Pretraining(Objective):
             inputs, targets, weights = prepare_batch(sample, (noise.t[rows], noise.u[rows]), length, self.objective)
             mask, positions = None, None
             if self.attention.needs_masks() or self.attention.reset_position_ids:
-                mask, positions = self.attention.for_batch(sample[:, :length], None)
+                mask, positions = self.attention.for_batch(sample[:, :length], None,
+                                                           dense=length != self.model_config.seq_length)
             tokens = length * sh.micro_batch_size * sh.dp_size
             yield Batch(inputs, targets, weights, tokens=tokens, flops=tokens * self.flops_per_token(),
                         attention_mask=mask, position_ids=positions, weighted_rows=self._counted(weights),

@@ -498,6 +498,8 @@ class Trainer:
                 bar.update(1)
             it = self.state.iteration
             if it % train_cfg.log_interval == 0 or it == train_cfg.train_iters:
+                if self.device.type == "cuda":  # the window's time includes its queued GPU work (one sync per log)
+                    torch.cuda.synchronize(self.device)
                 self._log(step, window_loss, window_n, window_tokens, window_flops, time.perf_counter() - window_t0,
                           bar)
                 window_t0, window_tokens, window_flops, window_loss, window_n = time.perf_counter(), 0, 0.0, None, 0
