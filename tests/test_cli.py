@@ -72,11 +72,28 @@ def test_cli_prints_the_error_alone(tmp_path, capsys):
     missing = tmp_path / "nothing_text_document"
     assert cli.main(["train", "--no-progress", "--device", "cpu", "--data-path", str(missing)]) == 2
     err = capsys.readouterr().err
-    assert f"megadlms train: error: indexed dataset '{missing}' not found" in err and "Traceback" not in err
+    assert err.startswith(f"megadlms train: error: --data-path {missing}: no dataset there") and "Traceback" not in err
     # a subcommand: export of a folder that holds no checkpoint
     assert cli.main(["export", "--load", str(tmp_path), "--save", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("megadlms export: error: ") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name, fix", [
+    ("bundled-*/demo_corpus_text_document", "a shell pattern in it matches no file"),
+    ("corpus_text_document.bin", "the prefix without .bin/.idx: --data-path {tmp}/corpus_text_document"),
+    ("nothing_text_document", "pass the prefix of `megadlms preprocess` output"),
+])
+def test_a_data_path_that_names_no_dataset_is_one_line_and_makes_no_folder(tmp_path, capsys, name, fix):
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus_text_document{ext}").write_bytes(b"")  # what the .bin example points next to
+    before = sorted(tmp_path.rglob("*"))
+    path = tmp_path / name
+    assert cli.main(["train", "--no-progress", "--device", "cpu", "--data-path", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"megadlms train: error: --data-path {path}: no dataset there")
+    assert fix.format(tmp=tmp_path) in err
+    assert sorted(tmp_path.rglob("*")) == before  # no `bundled-*/cache` or `cache` folder left behind
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):

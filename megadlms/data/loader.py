@@ -35,7 +35,7 @@ from .dataset import (
     split_ranges,
     user_cache_dir,
 )
-from .indexed import IndexedDataset
+from .indexed import IndexedDataset, bin_path, dataset_exists, idx_path
 from .sft import SFT_PADS, PackedChatDataset, is_chat_dataset
 from .tokenizer import Tokenizer
 
@@ -272,6 +272,28 @@ class Loaders:
                 getattr(self, n).close()
 
 
+def check_data_paths(prefixes: list[str], flag: str = "--data-path") -> None:
+    """Raise a one-line DataError naming the first of `prefixes` without its .bin/.idx pair, with the fix for the
+    usual causes (a glob, a file name with its extension, an unexpanded ~). Looks only: creates nothing, so a
+    wrong path leaves no cache folder behind."""
+    for prefix in prefixes:
+        if dataset_exists(prefix):
+            continue
+        missing = " and ".join(p for p in (bin_path(prefix), idx_path(prefix)) if not os.path.isfile(p))
+        if prefix.endswith((".bin", ".idx")) and dataset_exists(prefix[:-4]):
+            fix = f"a data path is the prefix without .bin/.idx: {flag} {prefix[:-4]}"
+        elif prefix.startswith("~") and dataset_exists(os.path.expanduser(prefix)):
+            fix = f"~ was not expanded (quoted, or in a config file): {flag} {os.path.expanduser(prefix)}"
+        elif any(c in prefix for c in "*?["):
+            fix = ("a data path is the prefix of the .bin/.idx pair, so a shell pattern in it matches no file: "
+                   "write the prefix out" + ("" if flag != "--data-path" else ", or omit --data-path for the "
+                                             "bundled demo corpus"))
+        else:
+            fix = ("pass the prefix of `megadlms preprocess` output, e.g. data/corpus_text_document for "
+                   "data/corpus_text_document.bin/.idx")
+        raise DataError(f"{flag} {prefix}: no dataset there ({missing} not found); {fix}")
+
+
 def _open(prefix: str, tokenizer: Tokenizer, opened: dict[str, IndexedDataset], sft: bool = False
           ) -> IndexedDataset:
     if prefix not in opened:
@@ -319,14 +341,17 @@ def build_loaders(cfg: DataConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp
     Sources: `cfg.data_path` (one prefix, several, or 'w1 p1 w2 p2 ...') split into contiguous document ranges
     by `cfg.split`; or `cfg.{train,valid,test}_data_path` used whole; or, with neither, the bundled demo
     corpus. Train covers `cfg.train_samples` samples, valid/test `cfg.eval_samples` (0: one epoch); all
-    three loop forever. Missing files raise naming the path tried; so does an empty train split unless
-    `require_train` is False (evaluation reads only the validation split)."""
+    three loop forever. A prefix without its files raises naming it, before any folder is made; so does an empty
+    train split unless `require_train` is False (evaluation reads only the validation split)."""
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank {dp_rank} is outside [0, dp_size={dp_size})")
     opened: dict[str, IndexedDataset] = {}
     budgets = {"train": cfg.train_samples, "valid": cfg.eval_samples, "test": cfg.eval_samples}
     per_split = {n: getattr(cfg, f"{n}_data_path") for n in SPLIT_NAMES}
     plans: dict[str, list[tuple[IndexedDataset, int, int, float]]] = {}
+    for n in SPLIT_NAMES:  # before any cache folder is made beside them
+        check_data_paths(parse_blend(per_split[n])[0], f"--{n}-data-path")
+    check_data_paths(parse_blend(cfg.data_path)[0])
     if any(per_split.values()):
         first = next(parse_blend(v)[0][0] for v in per_split.values() if v and parse_blend(v)[0])
         cache_dir = resolve_cache_dir(cfg.data_cache_path, first)

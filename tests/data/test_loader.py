@@ -12,7 +12,6 @@ import torch
 from megadlms.data import (
     DataConfig,
     DataError,
-    IndexedDatasetError,
     add_data_arguments,
     build_loaders,
     data_config_from_args,
@@ -197,8 +196,9 @@ def test_per_split_paths(make_corpus):
 
 
 def test_missing_data_path_names_it(tmp_path):
-    with pytest.raises(IndexedDatasetError, match=r"nowhere/corpus_text_document.*missing .*\.idx"):
+    with pytest.raises(DataError, match=r"--data-path .*nowhere/corpus_text_document: no dataset there .*\.idx"):
         build_loaders(cfg(str(tmp_path / "nowhere" / "corpus_text_document")), TOK)
+    assert not (tmp_path / "nowhere").exists()  # no cache folder made beside a path that holds nothing
 
 
 def test_bad_config_values():

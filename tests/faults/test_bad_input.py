@@ -80,7 +80,7 @@ CASES = {
     "train-ids-past-vocabulary->names-id": (["train", *TINY, "--data-path", "{d}/big_ids"], 2,
                                             r"holds token id 99999, outside the tokenizer's vocabulary of 4096"),
     "train-missing-dataset->names-files": (["train", *TINY, "--data-path", "{d}/nothing"], 2,
-                                           r"indexed dataset \S+ not found"),
+                                           r"--data-path \S+nothing: no dataset there"),
     "train-bad-split->names-split": (["train", *TINY, "--split", "a,b"], 2, r"--split 'a,b' is not a list"),
     "train-broken-tokenizer->cannot-load": (["train", *TINY, "--tokenizer-model", "{d}/tokenizer.json"], 2,
                                             r"cannot load tokenizer"),
