@@ -3,6 +3,7 @@
     megadlms eval --load runs/tiny --tasks hellaswag,arc_easy --num-fewshot 0 --model-args mc_num=128
     megadlms eval --load runs/tiny --tasks my_task --include-path tasks/ --output-path results/
     megadlms eval --ppl --load runs/fp8 --compare runs/bf16 --data-path data/corpus_text_document
+    megadlms eval --ppl --load runs/demo     # no --data-path: the bundled demo corpus's validation split
 
 Under torchrun the harness splits the documents across ranks and rank 0 prints and writes the results.
 """
@@ -47,10 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-samples", action="store_true", help="with --output-path: also write every sample")
 
     g = p.add_argument_group("validation ELBO (--ppl)")
-    g.add_argument("--ppl", action="store_true", help="the deterministic ELBO per mask ratio on --data-path's "
-                                                      "validation split instead of harness tasks")
-    g.add_argument("--data-path", metavar="PREFIX", default=None, help="a Megatron dataset prefix (.bin/.idx)")
-    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions (the validation part is used)")
+    g.add_argument("--ppl", action="store_true", help="the deterministic ELBO per mask ratio on the validation split "
+                                                      "of --data-path (or the bundled corpus) instead of harness tasks")
+    g.add_argument("--data-path", metavar="PREFIX", default=None,
+                   help="a Megatron dataset prefix (.bin/.idx); omit for the bundled demo corpus (as `train` does)")
+    g.add_argument("--split", default=None,
+                   help="train,valid,test proportions (the validation part is used; default 969,30,1, and 98,1,1 "
+                        "for the bundled corpus, as in training)")
     g.add_argument("--data-cache-path", default=None, help="folder for the cached sample index")
     g.add_argument("--eval-samples", type=int, default=64, help="validation windows to score")
     g.add_argument("--seq-length", type=int, default=None, help="window length (default: the model's seq_length)")
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ppl:
         return _run_ppl(args)
     if not args.tasks:
-        raise ConfigError("no tasks: pass --tasks NAME[,NAME...] (or --ppl --data-path PREFIX for the ELBO)")
+        raise ConfigError("no tasks: pass --tasks NAME[,NAME...] (or --ppl [--data-path PREFIX] for the ELBO)")
     return _run_harness(args)
 
 
@@ -169,7 +173,9 @@ def _ratios(text: str) -> list[float]:
 def _run_ppl(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from ..data import load_tokenizer
+    from ..data import bundled_dataset, load_tokenizer
+    from ..data.dataset import user_cache_dir
+    from ..data.loader import BUNDLED_SPLIT, DEFAULT_SPLIT, check_data_paths
     from ..distributed.init import init_parallel
     from ..eval.loading import load_model
     from ..eval.validation import (
@@ -181,10 +187,10 @@ def _run_ppl(args: argparse.Namespace) -> int:
     )
 
     ratios = _ratios(args.mask_ratios)
-    if not args.data_path:
-        raise ConfigError("--ppl needs --data-path PREFIX (a Megatron .bin/.idx dataset, from `megadlms preprocess`)")
     if args.eval_samples < 1:
         raise ConfigError(f"--eval-samples {args.eval_samples} must be >= 1")
+    if args.data_path:
+        check_data_paths([args.data_path])  # before a model is loaded
     ctx = init_parallel(None if args.device == "auto" else args.device)
     model, cfg, tok_dir = load_model(load=args.load, hf_model=args.hf_model, fp8_export=args.fp8_export,
                                      iteration=args.iteration, device=ctx.device, dtype=args.dtype)
@@ -199,11 +205,17 @@ def _run_ppl(args: argparse.Namespace) -> int:
     for _, _, c in models:
         if seq_length > c.max_position_embeddings:
             raise ConfigError(f"--seq-length {seq_length} exceeds max_position_embeddings={c.max_position_embeddings}")
-    windows = validation_windows(tokenizer, data_path=args.data_path, seq_length=seq_length, samples=args.eval_samples,
-                                 split=args.split, seed=args.seed, data_cache_path=args.data_cache_path)
+    data_path, split = args.data_path, args.split or DEFAULT_SPLIT
+    if not data_path:  # the corpus `megadlms train` trains on with no --data-path, split as it splits it
+        if ctx.is_main:
+            print("megadlms eval: no --data-path: the validation split of the bundled demo corpus", file=sys.stderr)
+        data_path, split = bundled_dataset(tokenizer, user_cache_dir()), args.split or BUNDLED_SPLIT
+    windows = validation_windows(tokenizer, data_path=data_path, seq_length=seq_length, samples=args.eval_samples,
+                                 split=split, seed=args.seed, data_cache_path=args.data_cache_path)
     mine = windows[ctx.rank::ctx.world_size]  # under torchrun each rank scores its share; the sums are reduced
-    report: dict[str, Any] = {"data_path": args.data_path, "windows": len(windows), "seq_length": seq_length,
-                              "mask_ratios": ratios, "loss": args.diffusion_loss, "models": {}}
+    report: dict[str, Any] = {"data_path": data_path, "split": split, "windows": len(windows),
+                              "seq_length": seq_length, "mask_ratios": ratios, "loss": args.diffusion_loss,
+                              "models": {}}
     for name, m, c in models:
         mask_id = args.mask_token if args.mask_token is not None else c.mask_token_id
         with torch.no_grad():

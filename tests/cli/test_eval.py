@@ -39,7 +39,8 @@ def test_eval_writes_the_results_table(eval_files, tmp_path, capsys):
     (["--tasks", "nope"], "unknown task(s) ['nope']"),
     (["--tasks", "tiny_mc", "--include-path", "/no/such/dir"], "--include-path /no/such/dir is not a folder"),
     ([], "no tasks: pass --tasks"),
-    (["--ppl"], "--ppl needs --data-path PREFIX"),
+    (["--ppl", "--data-path", "/no/such/corpus_text_document"],
+     "--data-path /no/such/corpus_text_document: no dataset there"),
     (["--ppl", "--data-path", "x", "--mask-ratios", "0.5,2"], "every ratio must be in (0, 1]"),
     (["--tasks", "tiny_mc", "--model-args", "mc_num=0"], "mc_num=0 must be a positive integer"),
     (["--tasks", "tiny_mc", "--model-args", "mcnum=3"], "unknown --model-args key(s) ['mcnum']; the keys are"),
@@ -128,6 +129,26 @@ def test_ppl_of_a_chat_dataset_is_one_line_naming_what_it_scores(eval_files, tmp
     code, _, err = run_cli(argv, capsys)
     assert code == 2 and err.count("\n") == 1 and "sft_chat_document is a chat dataset" in err, err
     assert "scored on plain-text datasets" in err and "add --sft" not in err  # no flag `eval` does not have
+
+
+def test_ppl_without_a_data_path_scores_the_bundled_corpus(eval_files, tmp_path, capsys, monkeypatch):
+    from megadlms.data import bundled_dataset
+
+    monkeypatch.setenv("MEGADLMS_CACHE", str(tmp_path))
+    argv = ["--ppl", "--load", str(eval_files["dlm"]), "--eval-samples", "2", "--seq-length", "16",
+            "--mask-ratios", "0.5,1.0", "--device", "cpu", "--output-path", str(tmp_path / "out")]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert "no --data-path: the validation split of the bundled demo corpus" in err
+    report = json.loads((tmp_path / "out" / "ppl.json").read_text())
+    prefix = bundled_dataset(load_tokenizer(), tmp_path, progress=False)  # where training tokenized it
+    assert report["data_path"] == prefix and report["split"] == "98,1,1"  # training's split of the bundled corpus
+    windows = validation_windows(load_tokenizer(), data_path=prefix, seq_length=16, samples=2, split="98,1,1")
+    nll = lk.elbo_nll(eval_files["models"]["dlm"], [([], w[:16]) for w in windows], mask_id=1, ratios=[0.5, 1.0],
+                      seed=1234, subs_mask_id=1)
+    got = report["models"][str(eval_files["dlm"])]["loss_per_ratio"]
+    assert got == pytest.approx((nll.sum(0) / 32).tolist(), rel=1e-5)
+
 
 def test_ppl_of_a_block_diffusion_checkpoint_is_its_nelbo(tmp_path, capsys):
     from megadlms.diffusion.bd3lm import nelbo
