@@ -45,6 +45,71 @@ def test_zero_means_never_for_intervals_and_counts():
     assert t.eval_interval == args.checkpoint.save_interval == t.exit_interval == t.loss_chunk_tokens == 0
 
 
+def test_flags_without_a_config_apply_on_top_of_the_demo(caplog):
+    caplog.set_level("INFO", logger="megadlms.training.args")
+    demo = parse_train_args([])
+    flagged = parse_train_args(["--no-progress", "--train-iters", "300"])
+    assert flagged.train.no_progress and flagged.train.train_iters == 300
+    expect = {**demo.to_flat(), "no_progress": True, "train_iters": 300}
+    assert flagged.to_flat() == expect  # the rest is the demo's: hidden 128, seq 64, runs/demo, the closing sample
+    assert (flagged.model.hidden_size, flagged.model.seq_length, flagged.checkpoint.save) == (128, 64, "runs/demo")
+    assert flagged.train.generate_sample
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["configuration: the demo configuration (megadlms/assets/demo.yaml)",
+                     "configuration: the demo configuration (megadlms/assets/demo.yaml) with your flags on top: "
+                     "--no-progress --train-iters 300"]
+
+
+@pytest.mark.parametrize("flags", [["--model-path", "tiny"], ["--data-path=corpus_text_document"],
+                                   ["--model-p", "qwen3-0.6b"], ["--train-data-path", "a", "--valid-data-path", "b"],
+                                   ["--load", "base", "--finetune", "--use-checkpoint-args"],
+                                   ["--tokenizer-model", "tok/tokenizer.json"]])
+def test_a_model_or_data_of_ones_own_starts_from_the_flag_defaults(caplog, flags):
+    caplog.set_level("INFO", logger="megadlms.training.args")
+    c = parse_train_args(flags + ["--no-progress"])
+    assert (c.model.hidden_size, c.train.train_iters, c.checkpoint.save, c.train.generate_sample) == (
+        None, 1000, None, False)
+    assert caplog.records[-1].getMessage().startswith("configuration: the flags' defaults with your flags on top")
+
+
+def test_a_config_file_is_named_in_the_first_line(tmp_path, caplog):
+    caplog.set_level("INFO", logger="megadlms.training.args")
+    run = tmp_path / "run.yaml"
+    run.write_text("train-iters: 7\n")
+    assert parse_train_args(["--config", str(run), "--seed", "3"]).train.train_iters == 7
+    assert caplog.records[-1].getMessage() == f"configuration: {run} with your flags on top: --seed 3"
+
+
+def test_the_demo_rule_is_in_the_help_and_a_short_demo_names_the_warmup():
+    from megadlms.training.args import build_parser
+
+    assert "starts from the demo configuration (megadlms/assets/demo.yaml)" in " ".join(
+        build_parser().format_help().split())
+    with pytest.raises(ConfigError) as e:
+        parse_train_args(["--train-iters", "40"])
+    assert str(e.value) == ("--lr-warmup-iters 60 exceeds --lr-decay-iters 40 (default: --train-iters); pass "
+                            "--lr-warmup-iters 40 or less (the demo configuration, megadlms/assets/demo.yaml, sets "
+                            "--lr-warmup-iters)")
+    with pytest.raises(ConfigError, match=r"--lr-warmup-iters 50 exceeds --lr-decay-iters 40 \(default: "
+                                          r"--train-iters\); pass --lr-warmup-iters 40 or less$"):
+        parse_train_args(["--train-iters", "40", "--lr-warmup-iters", "50"])  # the user's own value: no blame
+
+
+def test_the_demo_run_says_so_first(tmp_path, caplog, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEGADLMS_CACHE", str(tmp_path / "cache"))
+    caplog.set_level("INFO", logger="megadlms")
+    argv = ["train", "--no-progress", "--device", "cpu", "--train-iters", "2", "--lr-warmup-iters", "1",
+            "--eval-iters", "0", "--num-workers", "0", "--no-generate-sample", "--save", "demo"]
+    assert cli.main(argv) == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == ("configuration: the demo configuration (megadlms/assets/demo.yaml) with your flags on top: "
+                        + " ".join(argv[1:]))
+    model = next(line for line in lines if line.startswith("model tiny:"))
+    assert "hidden 128, seq 64" in model and "global batch 16" in model  # the demo's model and batch
+    assert (tmp_path / "demo" / "iter_0000002").is_dir()
+
+
 def test_every_error_class_keeps_its_builtin_base():
     from megadlms.data.dataset import DataError
     from megadlms.data.indexed import IndexedDatasetError

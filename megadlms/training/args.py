@@ -2,13 +2,18 @@
 
 A thin skin: the flags build the `RunConfig` the Python API takes (each flag's dest is the name of a field
 in one of its sections, `megadlms.training.config`); no logic hides here. `--config FILE.yaml` supplies
-defaults (keys = flag names, dashes or underscores); flags given on the command line win. With no flags
-at all the bundled demo config is used.
+defaults (keys = flag names, dashes or underscores); flags given on the command line win. Without `--config`
+the bundled demo config (megadlms/assets/demo.yaml) supplies them, unless a flag names a model, tokenizer or
+data of your own (`OWN_RUN_DESTS`: `--model-path`, `--use-checkpoint-args`, `--tokenizer-model`, `--data-path`,
+`--train/valid/test-data-path`): then the flags' own defaults do.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import shlex
 from importlib import resources
 from typing import Any, Sequence
 
@@ -20,10 +25,22 @@ from .config import RunConfig
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
 
 DEMO_CONFIG = "demo.yaml"
+DEMO_CONFIG_NAME = "megadlms/assets/demo.yaml"  # as messages name it
+# flags naming a model, tokenizer or data of the user's own: with any of them a run without --config starts from the
+# flags' defaults instead of the demo configuration
+OWN_RUN_DESTS = ("model_path", "use_checkpoint_args", "tokenizer_model", "data_path", "train_data_path",
+                 "valid_data_path", "test_data_path")
+DEMO_RULE = (f"Without --config, the run starts from the demo configuration ({DEMO_CONFIG_NAME}) and the flags "
+             "given override it, unless one of them names a model, tokenizer or data of your own (--model-path, "
+             "--use-checkpoint-args, --tokenizer-model, --data-path, --train/valid/test-data-path): then the "
+             "defaults shown here apply.")
+
+log = logging.getLogger(__name__)
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.epilog = DEMO_RULE
     p.add_argument("--config", metavar="FILE.yaml", help="YAML file of flag values (keys = flag names)")
 
     g = p.add_argument_group("model")
@@ -259,9 +276,22 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig.from_flat({k: v for k, v in vars(args).items() if k not in PARSE_ONLY})
 
 
+def names_own_run(p: argparse.ArgumentParser, argv: Sequence[str]) -> bool:
+    """Whether `argv` gives one of the OWN_RUN_DESTS flags (also abbreviated or as --flag=value)."""
+    unset = object()
+    saved = {d: p.get_default(d) for d in OWN_RUN_DESTS}
+    p.set_defaults(**{d: unset for d in OWN_RUN_DESTS})
+    try:
+        given, _ = p.parse_known_args(list(argv))
+    finally:
+        p.set_defaults(**saved)
+    return any(getattr(given, d) is not unset for d in OWN_RUN_DESTS)
+
+
 def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train",
                      parser: argparse.ArgumentParser | None = None) -> RunConfig:
-    """Parse the flags of `megadlms train`, with `--config FILE.yaml` (or, with no flags, the demo) as defaults.
+    """Parse the flags of `megadlms train` over defaults from `--config FILE.yaml`, else from the demo
+    configuration unless a flag names a model, tokenizer or data of the user's own (`OWN_RUN_DESTS`); logs which.
 
     parser: one that `add_train_arguments` has filled (default: a new one named `prog`)."""
     p = parser if parser is not None else build_parser(prog)
@@ -271,7 +301,7 @@ def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train",
         config = argv[argv.index("--config") + 1]
     elif any(a.startswith("--config=") for a in argv):
         config = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
-    elif not argv:  # the embedded default: the demo
+    elif not {"-h", "--help"} & set(argv) and not names_own_run(p, argv):  # the demo, with the flags on top
         config = str(resources.files("megadlms.assets") / DEMO_CONFIG)
     if config:
         apply_yaml_defaults(p, config)
@@ -285,4 +315,30 @@ def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train",
                 "hybrid (or e4m3), or drop it")
     if args.generate_sample is None:  # on for the demo
         args.generate_sample = bool(config and config.endswith(DEMO_CONFIG))
-    return run_config_from_args(args)
+    try:
+        run_config = run_config_from_args(args)
+    except ConfigError as e:
+        raise _blame_config_file(e, argv, config) from None
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+        log.info("configuration: %s", describe_configuration(argv, config))
+    return run_config
+
+
+def _blame_config_file(e: ConfigError, argv: Sequence[str], config: str | None) -> ConfigError:
+    """`e`, naming the config file (or the demo configuration) when the flag its message starts with came from there."""
+    flag = str(e).split(" ", 1)[0]
+    if config is None or not flag.startswith("--") or any(a == flag or a.startswith(flag + "=") for a in argv):
+        return e
+    demo = config == str(resources.files("megadlms.assets") / DEMO_CONFIG)
+    where = f"the demo configuration, {DEMO_CONFIG_NAME}," if demo else config
+    return ConfigError(f"{e} ({where} sets {flag})")
+
+
+def describe_configuration(argv: Sequence[str], config: str | None) -> str:
+    """Where a run's settings come from, for its first log line."""
+    if config is None:
+        return f"the flags' defaults with your flags on top (`--help` lists the defaults): {shlex.join(argv)}"
+    demo = config == str(resources.files("megadlms.assets") / DEMO_CONFIG)
+    what = f"the demo configuration ({DEMO_CONFIG_NAME})" if demo else config
+    others = [a for a in argv if a != "--config" and a != config and not a.startswith("--config=")]
+    return f"{what} with your flags on top: {shlex.join(others)}" if others else what

@@ -166,6 +166,10 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {value} must be in [0, 1), e.g. 0.9 / 0.95")
         if not self.adam_eps > 0.0:
             raise ConfigError(f"--adam-eps {self.adam_eps} must be > 0, e.g. 1e-8")
+        decay_iters = self.lr_decay_iters or self.train_iters
+        if self.lr_warmup_iters > decay_iters:
+            raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} exceeds --lr-decay-iters {decay_iters} "
+                              f"(default: --train-iters); pass --lr-warmup-iters {decay_iters} or less")
         check_choice(self, "lr_decay_style", LR_DECAY_STYLES)
         check_choice(self, "lr_wsd_decay_style", WSD_DECAY_STYLES)
         check_choice(self, "cuda_graphs", ("auto", "on", "off"))

@@ -115,7 +115,8 @@ class LRSchedule:
         if self.min_lr > self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} is larger than --lr {self.lr}")
         if self.warmup_iters > self.decay_iters:
-            raise ConfigError(f"--lr-warmup-iters {self.warmup_iters} exceeds --lr-decay-iters {self.decay_iters}")
+            raise ConfigError(f"--lr-warmup-iters {self.warmup_iters} exceeds --lr-decay-iters {self.decay_iters} "
+                              f"(default: --train-iters); pass --lr-warmup-iters {self.decay_iters} or less")
 
     def __call__(self, iteration: int) -> float:
         if self.warmup_iters > 0 and iteration < self.warmup_iters:

@@ -234,7 +234,8 @@ def test_nelbo_is_deterministic_and_matches_the_training_loss():
 
 # --------------------------------------------------------------------------- the training mode
 
-SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+SMALL = ["--model-path", "tiny",  # flags of its own run, not over the demo configuration
+         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--ffn-hidden-size", "64", "--seq-length", "16", "--device", "cpu", "--no-compile", "--num-workers", "0",
          "--eval-iters", "0", "--log-interval", "1", "--no-progress", "--lr", "3e-3", "--lr-warmup-iters", "2",
          "--no-generate-sample", "--model-running-mode", "bd3lm", "--block-size", "4", "--micro-batch-size", "4"]

@@ -14,7 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # a tiny model, fp32, no randomness in sequence lengths: runs split differently must agree to rounding
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+TINY = ["--model-path", "tiny",  # flags of its own run, not over the demo configuration
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
         "--ffn-hidden-size", "128", "--seq-length", "32", "--log-interval", "1", "--fp32", "--device", "cpu",
         "--eval-iters", "0", "--no-compile", "--num-workers", "0", "--difflm-varilen-prob", "0", "--no-progress",
         "--no-generate-sample", "--lr", "3e-3", "--global-batch-size", "4"]

@@ -12,7 +12,8 @@ from megadlms.training.args import parse_train_args
 from megadlms.training.trainer import setup
 
 # one layer of width 32 on sequences of 16 tokens, fp32 on the CPU: a step takes milliseconds
-TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--num-query-groups", "1",
+TINY = ["--model-path", "tiny",  # flags of its own run, not over the demo configuration
+        "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--num-query-groups", "1",
         "--ffn-hidden-size", "64", "--seq-length", "16", "--device", "cpu", "--no-compile", "--num-workers", "0",
         "--eval-iters", "0", "--log-interval", "1", "--no-progress", "--micro-batch-size", "2", "--fp32",
         "--difflm-varilen-prob", "0", "--no-generate-sample", "--lr", "3e-3"]

@@ -155,7 +155,8 @@ def test_the_trainer_attaches_them_to_its_streaming_optimizer(monkeypatch, tmp_p
     from megadlms.training.args import parse_train_args
     from megadlms.training.triton_adamw import StreamingAdamW
 
-    small = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+    small = ["--model-path", "tiny",  # flags of its own run, not over the demo configuration
+             "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
              "--ffn-hidden-size", "128", "--seq-length", "32", "--device", "cpu", "--no-compile", "--num-workers", "0",
              "--eval-iters", "0", "--log-interval", "1", "--no-progress", "--no-generate-sample",
              "--micro-batch-size", "4", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]

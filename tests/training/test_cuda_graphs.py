@@ -137,7 +137,8 @@ def test_capture_leaves_fp8_state_as_it_was():
 
 
 # ----------------------------------------------------------------- the trainer
-SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+SMALL = ["--model-path", "tiny",  # flags of its own run, not over the demo configuration
+         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--ffn-hidden-size", "128", "--seq-length", "32", "--device", "cpu", "--no-compile", "--num-workers", "0",
          "--eval-iters", "0", "--no-progress", "--lr", "3e-3", "--no-generate-sample"]
 

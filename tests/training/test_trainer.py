@@ -14,7 +14,8 @@ from megadlms.training.args import parse_train_args
 from megadlms.training.trainer import setup, train
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+SMALL = ["--model-path", "tiny",  # flags of its own run, not over the demo configuration
+         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--ffn-hidden-size", "128", "--seq-length", "32", "--device", "cpu", "--no-compile", "--num-workers", "0",
          "--eval-iters", "0", "--log-interval", "1", "--no-progress", "--lr", "3e-3", "--lr-warmup-iters", "2",
          "--difflm-varilen-prob", "0.2", "--no-generate-sample"]
