@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 from dataclasses import dataclass, field
@@ -65,6 +66,14 @@ def format_log_line(m: dict[str, Any], train_iters: int) -> str:
     if fp8:
         parts.append("fp8 " + " ".join(f"{k[4:]}={v:.3g}" for k, v in sorted(fp8.items())))
     return " | ".join(parts)
+
+
+def format_eval_line(iteration: int, loss: float, bound: bool) -> str:
+    """The validation line. bound: the loss is an upper bound on the NLL (masked and block diffusion: the ELBO /
+    NELBO), so exp(loss) bounds the perplexity from above and is labelled "ELBO ppl"; else (autoregressive) the
+    loss is the exact NLL and exp(loss) the perplexity itself, "ppl"."""
+    ppl = math.exp(min(loss, 50))  # capped: an early loss can overflow exp
+    return f"validation at iter {iteration} | loss {loss:.4f} | {'ELBO ppl' if bound else 'ppl'} {ppl:.2f}"
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Metric sinks: W&B gets the scalars TensorBoard gets (a real offline run), jsonl records; a missing extra."""
 
 import json
+import math
 import sys
 import time
 
@@ -9,6 +10,12 @@ import pytest
 from megadlms.errors import MissingExtraError
 from megadlms.training import metrics
 from megadlms.training.args import parse_train_args
+
+
+def test_eval_line_labels_a_bound_and_an_exact_perplexity():
+    assert metrics.format_eval_line(600, 2.5204, bound=True) == "validation at iter 600 | loss 2.5204 | ELBO ppl 12.43"
+    assert metrics.format_eval_line(600, 2.5204, bound=False) == "validation at iter 600 | loss 2.5204 | ppl 12.43"
+    assert metrics.format_eval_line(0, 1e4, bound=False).endswith(f"| ppl {math.exp(50):.2f}")  # capped, finite
 
 
 def test_wandb_offline_run_logs_the_tensorboard_scalars(tmp_path, monkeypatch):
