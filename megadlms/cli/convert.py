@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ATTN_MASK_TYPES, TransformerConfig
+from ..config import ATTN_MASK_TYPES, ConfigError, TransformerConfig
 from ..dlm_formats import DREAM_ARCHITECTURE, LLADA_ARCHITECTURE
 from ..errors import report_errors
 from ..interop.hf import (
@@ -43,6 +43,7 @@ from ..interop.hf import (
 from ..interop.mask_token import DEFAULT_MASK_TOKEN, VOCAB_MULTIPLE, add_mask_rows, add_token_to_tokenizer, source_rows
 from ..interop.verify import DEFAULT_TOLERANCE, VerifyResult, verify_against_folder
 from ..presets import HF_FORMATS
+from .model_args import add_tokenizer_arguments, check_tokenizer_type
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,8 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     exp.add_argument("--load", required=True, metavar="DIR", help="checkpoint folder (a --save folder of training)")
     exp.add_argument("--save", required=True, metavar="DIR", help="Hugging Face folder to write")
     exp.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the latest)")
-    exp.add_argument("--tokenizer", default=None, metavar="DIR",
-                     help="tokenizer folder to ship (default: the checkpoint's own tokenizer/)")
+    add_tokenizer_arguments(exp, "to ship with the export; default: the checkpoint's own tokenizer/")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                      help="dtype of the exported weights (default: the loaded model's, float32; bfloat16 halves "
                           "the size)")
@@ -232,11 +232,26 @@ def _round_trip(weights: dict[str, torch.Tensor], cfg: TransformerConfig, src: P
     return f"PASSED {what} equal"
 
 
+def _tokenizer_folder(path: str | None) -> str | None:
+    """The folder of --tokenizer-model: the folder itself, or the one holding a tokenizer.json given by name."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_file():
+        return str(p.parent)
+    if not p.is_dir():
+        raise ConfigError(f"--tokenizer-model {path}: no such file or folder; pass the tokenizer's folder (or its "
+                          "tokenizer.json)")
+    return path
+
+
 def _megadlms_to_hf(args: argparse.Namespace) -> int:
     from ..training.checkpoint import load_model_from_checkpoint
 
+    check_tokenizer_type(args)
+    tokenizer_dir = _tokenizer_folder(args.tokenizer_model)
     model, cfg, meta = load_model_from_checkpoint(args.load, iteration=args.iteration)
-    tokenizer_dir = args.tokenizer or meta.get("tokenizer_dir")
+    tokenizer_dir = tokenizer_dir or meta.get("tokenizer_dir")
     check_vocab_fits(cfg, tokenizer_dir)
     hf_format = getattr(args, "hf_format", "auto")
     out = save_hf_model(model, cfg, args.save, tokenizer_dir=tokenizer_dir,
@@ -246,8 +261,8 @@ def _megadlms_to_hf(args: argparse.Namespace) -> int:
     print(f"exported {meta.get('path', args.load)} -> {out}: {arch}, {len(shards)} safetensors file(s), "
           f"{cfg.attn_mask_type} attention, mask_token_id={cfg.mask_token_id}")
     if tokenizer_dir is None:
-        print("warning: the checkpoint has no tokenizer; pass --tokenizer DIR so AutoTokenizer can load the export",
-              file=sys.stderr)
+        print("warning: the checkpoint has no tokenizer; pass --tokenizer-model DIR so AutoTokenizer can load the "
+              "export", file=sys.stderr)
     if not args.verify:
         return 0
     weights = plain_state_dict(model, cfg)

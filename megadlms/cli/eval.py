@@ -22,7 +22,7 @@ import torch
 from ..config import ConfigError
 from ..errors import import_extra
 from ..eval.likelihood import DEFAULT_RATIOS
-from .model_args import add_model_source
+from .model_args import add_model_source, check_tokenizer_type
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     """Run `megadlms eval`: harness tasks, or with --ppl the validation ELBO; returns the exit status."""
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+    check_tokenizer_type(args)
     if args.ppl:
         return _run_ppl(args)
     if not args.tasks:
@@ -111,10 +112,12 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from lm_eval.utils import simple_parse_args_string
 
     kwargs: dict[str, Any] = simple_parse_args_string(args.model_args)
-    for name in ("load", "hf_model", "fp8_export", "iteration", "tokenizer", "mask_token"):
+    for name in ("load", "hf_model", "fp8_export", "iteration", "mask_token"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value
+    if args.tokenizer_model is not None:
+        kwargs["tokenizer"] = args.tokenizer_model
     kwargs.update(device=args.device, dtype=args.dtype, batch_size=args.batch_size, seed=args.seed)
     return kwargs
 
@@ -200,7 +203,7 @@ def _run_ppl(args: argparse.Namespace) -> int:
         other, other_cfg, _ = load_model(load=None if hf else args.compare, hf_model=args.compare if hf else None,
                                          device=ctx.device, dtype=args.dtype)
         models.append((args.compare, other, other_cfg))
-    tokenizer = load_tokenizer(args.tokenizer or tok_dir)
+    tokenizer = load_tokenizer(args.tokenizer_model or tok_dir)
     seq_length = args.seq_length or cfg.seq_length
     for _, _, c in models:
         if seq_length > c.max_position_embeddings:

@@ -27,7 +27,7 @@ from ..diffusion.sampler import REMASKING, generate_tokens, prepare_prompts
 from ..errors import report_errors
 from ..generate.ar import ar_generate_tokens
 from ..jsonl import read_jsonl
-from .model_args import add_model_source
+from .model_args import add_model_source, check_tokenizer_type
 
 if TYPE_CHECKING:
     from ..model import TransformerLM
@@ -136,7 +136,7 @@ def load_model(args: argparse.Namespace, device: torch.device) -> tuple[Transfor
 
         model, cfg = load_fp8_export(args.fp8_export, device, dtype=dtype)
         tok = args.fp8_export
-    return model.eval(), cfg, args.tokenizer or tok
+    return model.eval(), cfg, args.tokenizer_model or tok
 
 
 def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     _check_args(args)
+    check_tokenizer_type(args)
     records = _read_prompts(args)
     if args.output_file:  # an unwritable path fails now, not after the generation
         Path(args.output_file).open("a").close()

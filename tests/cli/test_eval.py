@@ -43,6 +43,7 @@ def test_eval_writes_the_results_table(eval_files, tmp_path, capsys):
      "--data-path /no/such/corpus_text_document: no dataset there"),
     (["--ppl", "--data-path", "x", "--mask-ratios", "0.5,2"], "every ratio must be in (0, 1]"),
     (["--tasks", "tiny_mc", "--model-args", "mc_num=0"], "mc_num=0 must be a positive integer"),
+    (["--ppl", "--tokenizer-type", "SentencePieceTokenizer"], "--tokenizer-type 'SentencePieceTokenizer' is not"),
     (["--tasks", "tiny_mc", "--model-args", "mcnum=3"], "unknown --model-args key(s) ['mcnum']; the keys are"),
     (["--tasks", "tiny_mc", "--model-args", "gen_length=10,block_length=4"], "gen_length=10 is not divisible"),
 ])
@@ -59,6 +60,12 @@ def test_bad_input_is_one_line(eval_files, capsys, monkeypatch, argv, message):
         argv += ["--include-path", str(eval_files["tasks"])]
     code, _, err = run_cli(argv, capsys)
     assert code == 2 and err.count("\n") == 1 and err.startswith("megadlms eval: error: ") and message in err
+
+
+def test_the_tokenizer_flags_reach_the_harness_model():
+    args = cli.add_arguments(__import__("argparse").ArgumentParser()).parse_args(
+        ["--load", "ck", "--tokenizer-model", "tok", "--tasks", "x"])
+    assert cli.model_kwargs(args)["tokenizer"] == "tok" and "tokenizer_model" not in cli.model_kwargs(args)
 
 
 def test_missing_harness_names_the_extra(eval_files, capsys, monkeypatch):
@@ -136,6 +143,8 @@ def test_ppl_without_a_data_path_scores_the_bundled_corpus(eval_files, tmp_path,
 
     monkeypatch.setenv("MEGADLMS_CACHE", str(tmp_path))
     argv = ["--ppl", "--load", str(eval_files["dlm"]), "--eval-samples", "2", "--seq-length", "16",
+            "--tokenizer-model", str(default_tokenizer_path() / "tokenizer.json"), "--tokenizer-type",
+            "HuggingFaceTokenizer",  # the tokenizer flags of `train`: the checkpoint's own tokenizer, by its file
             "--mask-ratios", "0.5,1.0", "--device", "cpu", "--output-path", str(tmp_path / "out")]
     code, out, err = run_cli(argv, capsys)
     assert code == 0, err

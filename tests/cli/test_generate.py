@@ -119,8 +119,9 @@ def test_hf_and_fp8_loaders_are_used(tmp_path, capsys, tokenizer, monkeypatch):
     common = ["--prompt", "x", "--gen-length", "8", "--block-length", "8", "--steps", "4"]
     assert run_cli(["--hf-model", "hfdir"] + common, capsys)[0] == 0
     assert run_cli(["--fp8-export", "fp8dir", "--tokenizer", "tokdir"] + common, capsys)[0] == 0
-    assert calls == [("hf", "hfdir", "cpu", torch.float32), ("fp8", "fp8dir", "cpu", torch.float32)]
-    assert tokenizer == ["hfdir", "tokdir"]
+    assert run_cli(["--fp8-export", "fp8dir", "--tokenizer-model", "tok.json"] + common, capsys)[0] == 0
+    assert calls == [("hf", "hfdir", "cpu", torch.float32)] + [("fp8", "fp8dir", "cpu", torch.float32)] * 2
+    assert tokenizer == ["hfdir", "tokdir", "tok.json"]  # --tokenizer is --tokenizer-model's alias
 
 
 def test_compile_flag_compiles_the_layers_for_the_diffusion_samplers(tmp_path, capsys, tokenizer, monkeypatch):
