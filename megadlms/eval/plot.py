@@ -1,9 +1,9 @@
 """Training curves of runs, side by side (`megadlms plot RUN_DIR [RUN_DIR ...] --output curves.png`).
 
 Reads each run's `metrics.jsonl` (written by `megadlms train` into --save, or --tensorboard-dir) and draws, one
-colour per run: the training loss, the validation loss (the ELBO), tokens/s and, for runs logged with
---fp8-stats, the FP8 amax and underflow per tensor role. A resumed run's repeated iterations keep their last
-record.
+colour per run: the training loss, the validation loss (the ELBO; an AR run's exact NLL), tokens/s and, for runs
+logged with --fp8-stats, the FP8 amax and underflow per tensor role. A resumed run's repeated iterations keep their
+last record.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def plot_runs(runs: list[str], output: str, labels: list[str] | None = None, tit
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ["-", "--", ":", "-."]
-    titles = {"loss": "training loss", "valid": "validation loss (ELBO)", "tokens_per_s": "tokens / s",
+    titles = {"loss": "training loss", "valid": "validation loss (ELBO; AR: NLL)", "tokens_per_s": "tokens / s",
               "amax": "FP8 amax per role", "underflow": "FP8 underflow fraction per role"}
     for ax, panel in zip(axes.flat, panels):
         ax.set_title(titles[panel])
