@@ -109,7 +109,8 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
                 _set_child(layer, name, Float8Linear.from_linear(child, recipe, fp8_wgrad=fp8_wgrad,
                                                                       fprop_fast_accum=fprop_fast_accum))
             elif fp8_grouped_eligible(child):  # MoE experts: FP8 grouped GEMMs (the router stays in fp32)
-                _set_child(layer, name, Float8GroupedExperts.from_experts(child, recipe, fprop_fast_accum))
+                _set_child(layer, name, Float8GroupedExperts.from_experts(child, recipe, fprop_fast_accum,
+                                                                           fp8_wgrad))
             elif activation_func_fp8_input_store and type(child) is SwiGLU:
                 _set_child(layer, name, SwiGLUFP8InputStore())
             elif attention_recipe is not None and type(child) is DotProductAttention:

@@ -124,7 +124,7 @@ class _Float8GroupedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scaling: str, fast_accum: bool,
-                out_dtype: torch.dtype) -> torch.Tensor:
+                out_dtype: torch.dtype, fp8_wgrad: bool) -> torch.Tensor:
         m, e = x.shape[0], w.shape[0]
         gid = _group_ids(offs, m)
         sx = _row_scales(x, gid, e, scaling)
@@ -132,11 +132,13 @@ class _Float8GroupedLinearFn(torch.autograd.Function):
         y = scaled_gmm(quantize(x, sx[:, None], E4M3), sx.reciprocal(), quantize(w, sw[:, :, None], E4M3),
                        sw.reciprocal(), offs, out_dtype, fast_accum)
         x_t = sx_t = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and fp8_wgrad:
             sx_t = _group_col_scales(x, offs, scaling)  # [E, K]
             x_t = quantize(x, sx_t[gid], E4M3).t().contiguous()  # [K, M]
+        elif ctx.needs_input_grad[1]:
+            x_t = x.to(out_dtype)  # the weight gradient in the compute dtype needs the unquantized input
         ctx.save_for_backward(x_t, sx_t, w, offs, gid)
-        ctx.scaling, ctx.x_dtype = scaling, x.dtype
+        ctx.scaling, ctx.x_dtype, ctx.fp8_wgrad = scaling, x.dtype, fp8_wgrad
         return y
 
     @staticmethod
@@ -151,47 +153,52 @@ class _Float8GroupedLinearFn(torch.autograd.Function):
             w_t = quantize(w.transpose(-2, -1), sw[:, :, None], E4M3).contiguous()  # [E, K, N]
             dx = scaled_gmm(quantize(g, sg[:, None], E4M3), sg.reciprocal(), w_t, sw.reciprocal(), offs,
                             ctx.x_dtype, False)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not ctx.fp8_wgrad:
+            dw = gmm_wgrad(g.to(x_t.dtype).t(), x_t, offs).to(w.dtype)
+        elif ctx.needs_input_grad[1]:
             sg_t = _group_col_scales(g, offs, scaling)  # [E, N]
             g_t = quantize(g, sg_t[gid], E4M3).t().contiguous()  # [N, M]
             dw = scaled_gmm_wgrad(g_t, sg_t.reciprocal(), x_t, sx_t.reciprocal(), offs, gid, w.dtype)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scaling: str,
-                       fast_accum: bool = True) -> torch.Tensor:
+                       fast_accum: bool = True, fp8_wgrad: bool = True) -> torch.Tensor:
     """x [M, K] (rows grouped by `offs`, int32 [E]) and w [E, N, K] -> [M, N] in the compute dtype, its GEMMs in
     FP8 with `scaling` ('rowwise' | 'tensorwise'). K and N must be multiples of 16, and so must every group's rows
-    on CUDA (`moe.dispatch_plan` pads them)."""
+    on CUDA (`moe.dispatch_plan` pads them). fp8_wgrad=False: the weight gradient as a grouped GEMM in the compute
+    dtype from the unquantized x (saved in that dtype) and g."""
     out_dtype = compute_dtype(x)
-    return _Float8GroupedLinearFn.apply(x, w, offs, scaling, fast_accum, out_dtype)
+    return _Float8GroupedLinearFn.apply(x, w, offs, scaling, fast_accum, out_dtype, fp8_wgrad)
 
 
 class Float8GroupedExperts(GroupedExperts):
     """`GroupedExperts` whose grouped GEMMs run in FP8 inside an enabled `fp8_autocast` (as `Float8Linear`), in high
     precision outside. Same parameters and state_dict keys; `scaling` from the recipe (`expert_scaling`)."""
 
-    def __init__(self, *args: Any, recipe: Recipe, fprop_fast_accum: bool = True, **kwargs: Any):
+    def __init__(self, *args: Any, recipe: Recipe, fprop_fast_accum: bool = True, fp8_wgrad: bool = True,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.recipe, self.scaling, self.fprop_fast_accum = recipe, expert_scaling(recipe), fprop_fast_accum
+        self.fp8_wgrad = fp8_wgrad
 
     @classmethod
-    def from_experts(cls, experts: GroupedExperts, recipe: Recipe, fprop_fast_accum: bool = True
-                     ) -> Float8GroupedExperts:
+    def from_experts(cls, experts: GroupedExperts, recipe: Recipe, fprop_fast_accum: bool = True,
+                     fp8_wgrad: bool = True) -> Float8GroupedExperts:
         """A Float8GroupedExperts sharing `experts`' weight Parameters and activation module (no copy)."""
         with torch.device("meta"):
             new = cls(experts.num_experts, experts.hidden_size, experts.ffn_hidden_size, experts.act_fn,
-                      recipe=recipe, fprop_fast_accum=fprop_fast_accum)
+                      recipe=recipe, fprop_fast_accum=fprop_fast_accum, fp8_wgrad=fp8_wgrad)
         new.gate_proj, new.up_proj, new.down_proj = experts.gate_proj, experts.up_proj, experts.down_proj
         return new.train(experts.training)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.scaling}"
+        return f"{super().extra_repr()}, fp8={self.scaling}, fp8_wgrad={self.fp8_wgrad}"
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0:
             return super().linear(x, w, offs)
-        return fp8_grouped_linear(x, w, offs, self.scaling, self.fprop_fast_accum)
+        return fp8_grouped_linear(x, w, offs, self.scaling, self.fprop_fast_accum, self.fp8_wgrad)
 
 
 def fp8_grouped_eligible(experts: torch.nn.Module) -> bool:

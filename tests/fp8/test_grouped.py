@@ -72,6 +72,16 @@ def test_gradients_track_high_precision(scaling):
     torch.testing.assert_close(w.grad[e], _qdq(gs, ga).t() @ _qdq(xs, xa), atol=1e-4, rtol=1e-5)
 
 
+def test_high_precision_weight_gradient():
+    """fp8_wgrad=False: the weight gradient is exactly the grouped GEMM of the unquantized g and x."""
+    torch.manual_seed(0)
+    x, w, g = torch.randn(96, 32), torch.randn(4, 48, 32, requires_grad=True), torch.randn(96, 48)
+    fp8_grouped_linear(x, w, _offs(), "rowwise", fp8_wgrad=False).backward(g)
+    wr = w.detach().clone().requires_grad_()
+    grouped_linear(x, wr, _offs()).backward(g)
+    torch.testing.assert_close(w.grad, wr.grad)
+
+
 def test_fp8_moe_model_converts_and_trains():
     torch.manual_seed(0)
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=97,
