@@ -19,6 +19,8 @@ FP8_PARAM_GATHER_RECIPES = ("delayed", "tensorwise", "blockwise")
 E4M3_ONLY_RECIPES = {"blockwise": "E4M3 is what torch's blockwise GEMM takes (gradients included)",
                      "mxfp8": "MXFP8 is E4M3 for every operand"}
 FP8_AMAX_ALGOS = ("max", "most_recent")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_FP8_RECIPES = ("delayed", "tensorwise", "rowwise")  # the recipes the FP8 expert GEMMs take (megadlms.fp8.grouped)
 
 
 class ConfigError(MegaDLMsError, ValueError):
@@ -47,6 +49,20 @@ class TransformerConfig:
     mask_token_id: int | None = None  # the diffusion [MASK] id, recorded for export / sampling
     block_size: int | None = None  # block diffusion (BD3-LM): tokens per block; None for other models
     diffusion_shift: bool = False  # difflm-shift (Dream): the logits at position i predict token i + 1
+
+    # --- mixture of experts (Megatron-Core names; megadlms.moe). num_moe_experts None: a dense model ---
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # each routed expert's FFN width; None = ffn_hidden_size
+    moe_shared_expert_intermediate_size: int | None = None  # an always-on shared expert of this width; None: none
+    moe_layer_freq: int | list[int] = 1  # N: every Nth layer (0, N, 2N, ...) is MoE; or a 0/1 pattern per layer
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    moe_router_pre_softmax: bool = False  # softmax over all experts before top-k (else over the k chosen)
+    moe_router_topk_scaling_factor: float | None = None  # multiplies the routing weights
+    moe_aux_loss_coeff: float = 0.0  # Switch/GShard load-balancing loss, added to the training loss
+    moe_z_loss_coeff: float | None = None  # router z-loss (ST-MoE)
+    moe_router_enable_expert_bias: bool = False  # DeepSeek-V3 aux-loss-free balancing (a bias on the selection)
+    moe_router_bias_update_rate: float = 1e-3  # the expert bias's step per optimizer step
 
     # --- FP8 (Transformer Engine / Megatron-Core semantics) ---
     fp8: bool | str = False  # True, or Megatron's string form "e4m3" | "hybrid"
@@ -127,6 +143,7 @@ class TransformerConfig:
         if self.fp8 and self.fp8_dot_product_attention and self.fp8_recipe != "delayed":
             raise ConfigError(f"fp8_dot_product_attention=True takes the delayed recipe, got fp8_recipe="
                               f"{self.fp8_recipe!r}; use --fp8-recipe delayed or drop --fp8-dot-product-attention")
+        _check_moe(self)
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
@@ -161,13 +178,32 @@ class TransformerConfig:
     def causal(self) -> bool:
         return self.attn_mask_type == "causal"
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether transformer layer `layer_idx` has an MoE block instead of a dense MLP (`moe_layer_freq`)."""
+        if self.num_moe_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[layer_idx]) if isinstance(freq, list) else layer_idx % freq == 0
+
     def num_matmul_params(self) -> int:
-        """Parameters that take part in matmuls (FLOPs accounting): all linears plus the LM head."""
+        """Parameters that take part in matmuls per token (FLOPs accounting): all linears plus the LM head; an MoE
+        layer counts its router, the top-k routed experts and the shared expert (the active parameters)."""
         h, d, f, groups = self.hidden_size, self.head_dim, self.ffn_hidden_size, self.num_query_groups
         assert f is not None and groups is not None  # filled in by __post_init__
         q, kv = self.num_attention_heads * d, groups * d
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * f
-        return self.num_layers * per_layer + self.vocab_size * h
+        mlp = 0
+        for i in range(self.num_layers):
+            if not self.is_moe_layer(i):
+                mlp += 3 * h * f
+                continue
+            assert self.num_moe_experts is not None and self.moe_ffn_hidden_size is not None
+            mlp += h * self.num_moe_experts + self.moe_router_topk * 3 * h * self.moe_ffn_hidden_size
+            mlp += 3 * h * (self.moe_shared_expert_intermediate_size or 0)
+        return self.num_layers * (h * (q + 2 * kv) + q * h) + mlp + self.vocab_size * h
 
     def flops_per_token(self, seq_length: int | None = None) -> float:
         """Training FLOPs per token: 6*N_matmul + attention (12*L*S*H_attn bidirectional, 6*... causal)."""
@@ -193,6 +229,49 @@ class TransformerConfig:
 
     def replace(self, **changes: Any) -> TransformerConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _check_moe(cfg: TransformerConfig) -> None:
+    """The MoE fields (Megatron-Core's names), each error one line naming the field, the value and the fix."""
+    e = cfg.num_moe_experts
+    if e is None:
+        return
+    _positive("num_moe_experts", e)
+    _positive("moe_router_topk", cfg.moe_router_topk)
+    if cfg.moe_router_topk > e:
+        raise ConfigError(f"moe_router_topk={cfg.moe_router_topk} exceeds num_moe_experts={e}; route each token to "
+                          f"at most {e} experts (e.g. --moe-router-topk {min(2, e)})")
+    if cfg.moe_ffn_hidden_size is None:
+        cfg.moe_ffn_hidden_size = cfg.ffn_hidden_size
+    _positive("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size)
+    if cfg.moe_shared_expert_intermediate_size is not None:
+        _positive("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size)
+    freq = cfg.moe_layer_freq
+    if isinstance(freq, list):
+        if len(freq) != cfg.num_layers or any(v not in (0, 1) for v in freq):
+            raise ConfigError(f"moe_layer_freq={freq} must be a 0/1 pattern with one entry per layer "
+                              f"(num_layers={cfg.num_layers}), e.g. [0] + [1] * {cfg.num_layers - 1} for a dense "
+                              "first layer")
+    elif not isinstance(freq, int) or isinstance(freq, bool) or freq <= 0:
+        raise ConfigError(f"moe_layer_freq={freq!r} must be a positive integer (every Nth layer is MoE) or a 0/1 "
+                          "list per layer")
+    _choice("moe_router_score_function", cfg.moe_router_score_function, MOE_SCORE_FUNCTIONS)
+    if cfg.moe_router_pre_softmax and cfg.moe_router_score_function != "softmax":
+        raise ConfigError("moe_router_pre_softmax=True applies to moe_router_score_function='softmax', got "
+                          f"{cfg.moe_router_score_function!r}; drop moe_router_pre_softmax")
+    if cfg.moe_router_topk_scaling_factor is not None and not cfg.moe_router_topk_scaling_factor > 0:
+        raise ConfigError(f"moe_router_topk_scaling_factor={cfg.moe_router_topk_scaling_factor} must be > 0 "
+                          "(or None for no scaling)")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        v = getattr(cfg, name)
+        if v is not None and not v >= 0:
+            raise ConfigError(f"{name}={v} must be >= 0")
+    if cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function != "sigmoid":
+        raise ConfigError("moe_router_enable_expert_bias=True (DeepSeek-V3's aux-loss-free balancing) takes "
+                          f"moe_router_score_function='sigmoid', got {cfg.moe_router_score_function!r}")
+    if cfg.fp8 and cfg.fp8_recipe not in MOE_FP8_RECIPES:
+        raise ConfigError(f"fp8_recipe={cfg.fp8_recipe!r}: the FP8 expert GEMMs take {list(MOE_FP8_RECIPES)}; use "
+                          "--fp8-recipe rowwise or tensorwise with MoE")
 
 
 def _positive(name: str, value: int) -> None:

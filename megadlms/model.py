@@ -20,6 +20,7 @@ from torch import nn
 
 from .attention_masks import BlockMask, run_flex_attention
 from .config import TransformerConfig
+from .moe import MoE
 
 
 class KVCache(Protocol):
@@ -190,11 +191,13 @@ class MLP(nn.Module):
     gate_up_fusion: nn.Module | None
     fusion: nn.Module | None
 
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, ffn_hidden_size: int | None = None):
+        """ffn_hidden_size: the width (default cfg.ffn_hidden_size; an MoE block's shared expert has its own)."""
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.hidden_size, bias=False)
+        ffn = ffn_hidden_size or cfg.ffn_dim
+        self.gate_proj = nn.Linear(cfg.hidden_size, ffn, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, cfg.hidden_size, bias=False)
         self.act_fn = SwiGLU()
         # modules set by a transformation (the FP8 conversion, megadlms.fp8.fused_linear / fused_mlp), holding no
         # parameters of their own: `gate_up_fusion` runs gate/up as one op (x -> (gate, up)), `fusion` the whole MLP
@@ -217,6 +220,13 @@ class MLP(nn.Module):
         return self.down_proj(self.act_fn(*self.project_gate_up(x)))
 
 
+def moe_block(cfg: TransformerConfig, layer_idx: int) -> MoE:
+    """The MoE block of layer `layer_idx` (`megadlms.moe`), with this module's SwiGLU and, where the config has one,
+    a shared expert that is an MLP of its own width."""
+    shared = cfg.moe_shared_expert_intermediate_size
+    return MoE(cfg, layer_idx, act_fn=SwiGLU(), shared_expert=MLP(cfg, shared) if shared else None)
+
+
 # The sibling projections that read the same input, per module type, and the hook that runs them: what the
 # fusing transformations (megadlms.fp8.fused_linear, megadlms.generate.fuse) replace with one GEMM.
 PROJECTION_GROUPS = ((Attention, ("q_proj", "k_proj", "v_proj"), "project_qkv"),
@@ -229,7 +239,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = moe_block(cfg, layer_idx) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
@@ -274,7 +284,7 @@ class TransformerLM(nn.Module):
                 nn.init.ones_(p)
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 nn.init.normal_(p, 0.0, out_std)
             else:
                 nn.init.normal_(p, 0.0, std)

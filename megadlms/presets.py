@@ -33,6 +33,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=768,
                  seq_length=256, max_position_embeddings=1024, qk_layernorm=True, rotary_base=10000.0,
                  untie_embeddings_and_output_weights=False, vocab_size=None),
+    # CPU demo of a mixture of experts: tiny's shapes, a dense first layer, then 8 experts (top-2) per layer
+    "tiny-moe": dict(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=768,
+                     seq_length=256, max_position_embeddings=1024, qk_layernorm=True, rotary_base=10000.0,
+                     untie_embeddings_and_output_weights=False, vocab_size=None, num_moe_experts=8,
+                     moe_router_topk=2, moe_ffn_hidden_size=192, moe_layer_freq=[0, 1, 1, 1],
+                     moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
     "qwen3-0.6b": dict(_QWEN3, num_layers=28, hidden_size=1024, num_attention_heads=16, num_query_groups=8,
                        ffn_hidden_size=3072, untie_embeddings_and_output_weights=False, seq_length=4096),
     "qwen3-1.7b": dict(_QWEN3, num_layers=28, hidden_size=2048, num_attention_heads=16, num_query_groups=8,

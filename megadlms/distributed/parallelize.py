@@ -118,6 +118,9 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
     strategy = parallel.sharding_strategy
     sequence_parallel = parallel.sequence_parallel and ctx.tp_size > 1
     tp_mesh, dp_mesh = _meshes(ctx, strategy)
+    if ctx.tp_size > 1 and model.config.is_moe:
+        raise ConfigError(f"--tensor-model-parallel-size {ctx.tp_size} with an MoE model: tensor parallelism does "
+                          "not shard the experts; use --tensor-model-parallel-size 1 (data parallelism) instead")
     if ctx.tp_size > 1:
         assert tp_mesh is not None  # ctx has a mesh when it has more than one rank
         apply_tensor_parallel(model, tp_mesh, sequence_parallel)

@@ -17,6 +17,7 @@ from ..model import DotProductAttention, SwiGLU
 from .attention import Float8DotProductAttention, check_fp8_attention_support
 from .fused_mlp import fused_projections
 from .fusions import install_fusions
+from .grouped import Float8GroupedExperts, fp8_grouped_eligible
 from .hardware import check_fp8_support
 from .linear import Float8Linear
 from .quantize import amax_to_scale
@@ -63,7 +64,8 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
     Every eligible nn.Linear inside `model.layers` (in/out features multiples of 16) becomes a
     Float8Linear holding the same weight/bias Parameter objects, so optimizers, initialisation
     and tied references are unaffected. The embedding, final norm and LM head stay in high
-    precision, as do the first/last `num_layers_at_{start,end}_in_bf16` transformer layers.
+    precision, as do the first/last `num_layers_at_{start,end}_in_bf16` transformer layers. The experts of an MoE
+    block become `grouped.Float8GroupedExperts` (FP8 grouped GEMMs, per-expert scales); its router stays fp32.
     activation_func_fp8_input_store: the SwiGLU of each FP8 layer keeps its inputs for backward
         in E4M3. fp8_wgrad=False: weight gradients in BF16 (fprop/dgrad stay FP8).
     fuse_projections: q/k/v and gate/up of each FP8 layer run as one FP8 GEMM each, sharing one cast of
@@ -106,6 +108,9 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
             if fp8_eligible(child):
                 _set_child(layer, name, Float8Linear.from_linear(child, recipe, fp8_wgrad=fp8_wgrad,
                                                                       fprop_fast_accum=fprop_fast_accum))
+            elif fp8_grouped_eligible(child):  # MoE experts: FP8 grouped GEMMs (the router stays in fp32)
+                _set_child(layer, name, Float8GroupedExperts.from_experts(child, recipe, fprop_fast_accum,
+                                                                           fp8_wgrad))
             elif activation_func_fp8_input_store and type(child) is SwiGLU:
                 _set_child(layer, name, SwiGLUFP8InputStore())
             elif attention_recipe is not None and type(child) is DotProductAttention:

@@ -62,6 +62,9 @@ def format_log_line(m: dict[str, Any], train_iters: int) -> str:
         parts.append(f"skipped {m['skipped_steps']}")
     if "data_wait_share" in m:  # share of the interval the host spent blocked on the data loader
         parts.append(f"data {m['data_wait_share'] * 100:.1f}%")
+    if "moe/cv_max" in m:  # routing balance: the worst MoE layer's spread of tokens over experts
+        parts.append(f"moe cv_max={m['moe/cv_max']:.3g}" + (f" aux={m['moe/aux_loss']:.4g}" if "moe/aux_loss" in m
+                                                             else ""))
     fp8 = {k: v for k, v in m.items() if k.startswith("fp8/")}
     if fp8:
         parts.append("fp8 " + " ".join(f"{k[4:]}={v:.3g}" for k, v in sorted(fp8.items())))

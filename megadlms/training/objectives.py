@@ -35,6 +35,7 @@ from ..diffusion.objective import (
     prepare_sft_batch,
     weighted_cross_entropy,
 )
+from ..moe import add_aux_losses
 from .documents import AttentionPlan, attended_pairs
 
 
@@ -137,8 +138,12 @@ class Objective:
         raise NotImplementedError
 
     def loss(self, model: nn.Module, batch: Batch, output_weight: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The micro-batch's loss, fp32 scalar (under the caller's autocast). output_weight: the LM head's
-        weight [V, H], whole (for the fused head + loss)."""
+        """The micro-batch's loss, fp32 scalar (under the caller's autocast), plus the auxiliary losses of an MoE
+        model's training forward. output_weight: the LM head's weight [V, H], whole (for the fused head + loss)."""
+        return add_aux_losses(model, self._prediction_loss(model, batch, output_weight))
+
+    def _prediction_loss(self, model: nn.Module, batch: Batch, output_weight: Callable[[], torch.Tensor]
+                         ) -> torch.Tensor:
         length = batch.targets.shape[1]
         kwargs = batch.model_kwargs()
         if self.loss_chunk_tokens:

@@ -30,6 +30,7 @@ from ..diffusion.objective import MaskSampler
 from ..distributed.data_parallel import grad_sync_context
 from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
 from ..distributed.parallelize import build_parallel_model
+from ..moe import moe_metrics, moe_step
 from ..presets import load_model_config
 from . import checkpoint as ckpt
 from .config import RunConfig
@@ -318,6 +319,8 @@ class Trainer:
             from ..fp8 import fp8_step
 
             fp8_step(model, self._amax_group())
+        if self.model_config.is_moe:  # expert biases and routing counters, once per optimizer step
+            moe_step(model, dist.group.WORLD if self.ctx.distributed else None)
         if self.layer_graphs is not None:
             self.layer_graphs.arm()  # after one step: compiled code and FP8 delayed scales exist
         self.state.iteration += 1
@@ -547,6 +550,7 @@ class Trainer:
             from ..fp8 import fp8_stats
 
             m.update({f"fp8/{k}": v for k, v in fp8_stats(self.model).items()})
+        m.update(moe_metrics(self.model))  # tokens per expert per MoE layer, the auxiliary loss (dense: nothing)
         self.state.history.append(m)
         if self.ctx.is_main:
             line = format_log_line(m, self.run_config.train.train_iters)

@@ -1,0 +1,332 @@
+"""The mixture-of-experts block: a top-k router, dropless routed experts run as grouped GEMMs, an optional shared
+expert. Plain single-device PyTorch, like `model.py`; FP8 swaps the experts for `fp8.grouped.Float8GroupedExperts`.
+
+    x [T, H] -> router (fp32): logits [T, E] -> top-k experts per token, weights [T, k]
+             -> dispatch: the T*k (token, expert) pairs sorted by expert into [M, H], each expert's rows padded to
+                a multiple of 16 (M = T*k + 16*E, a static size: no host sync)
+             -> experts: silu(x W_gate^T) * (x W_up^T) W_down^T per row group (`grouped_gemm.grouped_linear`)
+             -> combine: sum over the k rows of each token, times its routing weight, in fp32
+             (+ the shared expert's output)
+
+Dropless: every routed pair is computed (no capacity factor). Parameter names are Hugging Face's (Qwen2/3-MoE,
+LLaDA-MoE) with the experts stacked: `mlp.gate.weight` [E, H] (the router), `mlp.experts.{gate,up,down}_proj`
+[E, F, H] / [E, H, F] (HF: `mlp.experts.N.gate_proj.weight`, ...: `split_expert_weights` / `stack_expert_weights`),
+`mlp.shared_expert.{gate,up,down}_proj.weight`, and with the aux-loss-free balancing the router's
+`e_score_correction_bias` [E] (DeepSeek-V3's name), updated once per optimizer step by `moe_step`, outside
+autograd.
+
+The training-only side of the block: the auxiliary losses (load balancing, z-loss) of each forward wait in the block
+(`aux_loss`) until the objective adds them to the loss (`add_aux_losses`); the tokens each expert received are
+counted on the device, for the expert bias and the telemetry (`moe_step`, `moe_metrics`).
+
+Shapes: T tokens, H hidden, E experts, k experts per token, F expert FFN width, M dispatched rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TransformerConfig
+from .grouped_gemm import ALIGN, grouped_linear
+
+log = logging.getLogger("megadlms")
+
+IDLE_WARN_STEPS = 100  # an expert without tokens for this many optimizer steps in a row is reported
+
+
+class Router(nn.Module):
+    """weight [E, H]: logits = x @ W^T in fp32 (never FP8, never autocast). `e_score_correction_bias` [E] fp32
+    (with moe_router_enable_expert_bias): added to the scores for the top-k choice only."""
+
+    e_score_correction_bias: torch.Tensor | None
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        assert cfg.num_moe_experts is not None
+        self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
+        self.score_function, self.pre_softmax = cfg.moe_router_score_function, cfg.moe_router_pre_softmax
+        self.scaling_factor = cfg.moe_router_topk_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size))
+        bias = torch.zeros(self.num_experts) if cfg.moe_router_enable_expert_bias else None
+        self.register_buffer("e_score_correction_bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> logits [T, E] fp32."""
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float())
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """logits [T, E] fp32 -> (weights [T, k] fp32, experts [T, k] int64, probs [T, E] fp32: the distribution
+        the load-balancing loss sees).
+
+        softmax: the top-k logits, weights = their softmax (normalised top-k); with pre_softmax the softmax over
+        all experts, weights = the top-k probabilities (not renormalised). sigmoid (DeepSeek-V3): scores =
+        sigmoid(logits), the top-k of scores + expert bias, weights = their scores normalised to sum 1 (k > 1)."""
+        k = self.topk
+        if self.score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+            select = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+            experts = select.topk(k, dim=-1).indices
+            weights = scores.gather(1, experts)
+            if k > 1:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            probs = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            if self.pre_softmax:
+                weights, experts = probs.topk(k, dim=-1)
+            else:
+                top, experts = logits.topk(k, dim=-1)
+                weights = torch.softmax(top, dim=-1)
+        if self.scaling_factor is not None:
+            weights = weights * self.scaling_factor
+        return weights, experts, probs
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights: gate_proj, up_proj [E, F, H], down_proj [E, H, F]. Each runs on its
+    row group of a dispatched [M, H] (`offs`: int32 [E] cumulative row ends) through grouped GEMMs."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, act_fn: nn.Module):
+        """act_fn: (gate, up) -> silu(gate) * up (the model's SwiGLU module, which FP8 conversion may swap)."""
+        super().__init__()
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        self.act_fn = act_fn
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden_size}, ffn={self.ffn_hidden_size}"
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ w[e]^T per row group -> [M, N] (the FP8 experts override this)."""
+        return grouped_linear(x, w, offs)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x [M, H] sorted by expert -> [M, H]."""
+        h = self.act_fn(self.linear(x, self.gate_proj, offs), self.linear(x, self.up_proj, offs))
+        return self.linear(h, self.down_proj, offs)
+
+
+def dispatch_plan(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """experts [T, k] int64 -> (pos [T*k]: the dispatched row of each (token, slot) pair, token-major; offs int32 [E]:
+    each expert's row group end; counts fp32 [E]: pairs per expert; M: the rows). Each group is padded to a multiple
+    of ALIGN rows and the last group runs to M = T*k + ALIGN*E, so that M does not depend on the routing (no host
+    sync); the padding rows are zeros. All on the device."""
+    flat = experts.reshape(-1)
+    n = flat.numel()
+    counts = torch.zeros(num_experts, device=flat.device, dtype=torch.int64).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    pstart = torch.cumsum(padded, 0) - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = torch.arange(n, device=flat.device) - start[sorted_e]
+    pos = torch.empty_like(flat).index_copy_(0, order, pstart[sorted_e] + rank)
+    rows = n + ALIGN * num_experts
+    offs = torch.cumsum(padded, 0)
+    offs[-1] = rows  # the last group takes the tail of zero rows: every row is computed, none left undefined
+    return pos, offs.to(torch.int32), counts.float(), rows
+
+
+class MoE(nn.Module):
+    """The MoE block in place of a layer's MLP: x [B, S, H] -> [B, S, H] (see the module docstring)."""
+
+    aux_loss: torch.Tensor | None
+
+    def __init__(self, cfg: TransformerConfig, layer_idx: int, act_fn: nn.Module,
+                 shared_expert: nn.Module | None = None):
+        """act_fn: the experts' (gate, up) -> silu(gate) * up; shared_expert: x [T, H] -> [T, H], run on every token
+        (`model.moe_block` builds both from the model's own modules)."""
+        super().__init__()
+        assert cfg.num_moe_experts is not None and cfg.moe_ffn_hidden_size is not None
+        self.layer_idx = layer_idx
+        self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
+        self.aux_loss_coeff, self.z_loss_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff or 0.0
+        self.bias_update_rate = cfg.moe_router_bias_update_rate
+        self.gate = Router(cfg)
+        self.experts = GroupedExperts(self.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size, act_fn)
+        self.shared_expert = shared_expert
+        e = self.num_experts
+        # device-side counters (not saved): this optimizer step's pairs per expert, the auxiliary loss of the step
+        # (sum, micro-batches); the log window's pairs per expert and steps in a row without pairs (from moe_step)
+        self.register_buffer("step_tokens", torch.zeros(e), persistent=False)
+        self.register_buffer("step_aux", torch.zeros(2), persistent=False)
+        self.register_buffer("window_tokens", torch.zeros(e), persistent=False)
+        self.register_buffer("window_aux", torch.zeros(2), persistent=False)
+        self.register_buffer("idle_steps", torch.zeros(e), persistent=False)
+        self.aux_loss = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xt = x.reshape(-1, shape[-1])  # [T, H]
+        logits = self.gate(xt)
+        weights, experts, probs = self.gate.route(logits)
+        pos, offs, counts, rows = dispatch_plan(experts, self.num_experts)
+        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            # a training forward (not an activation-checkpointing recompute in backward): its losses and counts
+            self._record(logits, probs, counts)
+        y = self.experts(self._dispatch(xt, pos, rows), offs)  # [M, H]
+        out = self._combine(y, pos, weights).to(y.dtype)  # the experts' compute dtype
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(xt)
+        return out.view(shape)
+
+    def _dispatch(self, x: torch.Tensor, pos: torch.Tensor, rows: int) -> torch.Tensor:
+        """x [T, H] -> [M, H]: row pos[t*k + j] holds token t (zeros in the padding)."""
+        src = x.repeat_interleave(self.topk, dim=0) if self.topk > 1 else x
+        return x.new_zeros(rows, x.shape[1]).index_copy(0, pos, src)
+
+    def _combine(self, y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """y [M, H] -> [T, H] fp32: the sum over each token's k rows times its routing weights."""
+        t = weights.shape[0]
+        return (y[pos].view(t, self.topk, -1).float() * weights.unsqueeze(-1)).sum(1)
+
+    def _record(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.step_tokens.add_(counts)
+        aux = None
+        if self.aux_loss_coeff > 0:
+            # Switch/GShard: E * sum_e (mean router probability of e) * (share of the pairs routed to e); 1 x coeff
+            # at a uniform routing
+            t = probs.shape[0]
+            aux = (probs.sum(0) * counts).sum() * (self.num_experts * self.aux_loss_coeff / (t * t * self.topk))
+        if self.z_loss_coeff > 0:
+            z = torch.logsumexp(logits, dim=-1).square().mean() * self.z_loss_coeff
+            aux = z if aux is None else aux + z
+        if aux is not None:
+            self.aux_loss = aux if self.aux_loss is None else self.aux_loss + aux
+            with torch.no_grad():
+                self.step_aux.add_(torch.stack([aux.detach(), torch.ones_like(aux)]))
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The MoE blocks of `model` (through DDP/FSDP wrappers), in layer order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def add_aux_losses(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """`loss` plus the auxiliary losses the MoE blocks recorded since the last call (which it takes: each forward's
+    are added once); `loss` itself for a dense model or outside training."""
+    for m in moe_layers(model):
+        if m.aux_loss is not None:
+            loss = loss + m.aux_loss
+            m.aux_loss = None
+    return loss
+
+
+@torch.no_grad()
+def moe_step(model: nn.Module, group: Any = None) -> None:
+    """After each optimizer step: sum the step's pairs per expert (and auxiliary losses) over `group`'s ranks in one
+    collective, move the expert biases (DeepSeek-V3: bias += rate * sign(mean load - load), which every rank
+    computes alike), and advance the telemetry counters."""
+    layers = moe_layers(model)
+    if not layers:
+        return
+    stacked = torch.stack([torch.cat([m.step_tokens, m.step_aux]) for m in layers])  # [L, E + 2]
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(stacked, group=group)
+    for m, row in zip(layers, stacked):
+        tokens = row[:m.num_experts]
+        bias = m.gate.e_score_correction_bias
+        if bias is not None:
+            bias.add_(m.bias_update_rate * torch.sign(tokens.mean() - tokens))
+        m.window_tokens.add_(tokens)
+        m.window_aux.add_(row[m.num_experts:])
+        m.idle_steps.copy_(torch.where(tokens == 0, m.idle_steps + 1, 0))
+        m.step_tokens.zero_()
+        m.step_aux.zero_()
+
+
+@torch.no_grad()
+def moe_metrics(model: nn.Module, idle_warn_steps: int = IDLE_WARN_STEPS) -> dict[str, float]:
+    """The log window's routing statistics (read once, one host copy), then the window is reset:
+    `moe/aux_loss` (the auxiliary losses per micro-batch, summed over layers), per MoE layer i
+    `moe/layer{i}/tokens_{min,max,cv}` (pairs per expert over the window; cv = std / mean) and `moe/cv_max`.
+    Warns (one line per layer) about experts without tokens for `idle_warn_steps` steps and about a collapsed
+    router (one expert took every token of the window)."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    per_layer = [torch.cat([m.window_tokens, m.window_aux, m.idle_steps]) for m in layers]
+    host = [t.tolist() for t in torch.nn.utils.rnn.pad_sequence(per_layer, batch_first=True).cpu()]
+    out: dict[str, float] = {}
+    aux_sum, aux_n, cvs = 0.0, 0.0, []
+    for m, row in zip(layers, host):
+        e = m.num_experts
+        tokens, (a_sum, a_n), idle = row[:e], row[e:e + 2], row[e + 2:2 * e + 2]
+        total = sum(tokens)
+        if total > 0:
+            mean = total / e
+            cv = (sum((c - mean) ** 2 for c in tokens) / e) ** 0.5 / mean
+            i = m.layer_idx
+            out.update({f"moe/layer{i}/tokens_min": min(tokens), f"moe/layer{i}/tokens_max": max(tokens),
+                        f"moe/layer{i}/tokens_cv": cv})
+            cvs.append(cv)
+            if e > 1 and max(tokens) == total:
+                log.warning("MoE layer %d: router collapse, expert %d received all %d routed tokens of the log "
+                            "window; raise --moe-aux-loss-coeff or enable --moe-router-enable-expert-bias",
+                            m.layer_idx, tokens.index(max(tokens)), int(total))
+        if a_n:
+            aux_sum, aux_n = aux_sum + a_sum, max(aux_n, a_n)
+        idle_experts = [j for j, s in enumerate(idle) if s >= idle_warn_steps]
+        if idle_experts:
+            log.warning("MoE layer %d: experts %s received no tokens for %d+ steps; raise --moe-aux-loss-coeff or "
+                        "enable --moe-router-enable-expert-bias", m.layer_idx, idle_experts, idle_warn_steps)
+        m.window_tokens.zero_()
+        m.window_aux.zero_()
+    if aux_n:
+        out["moe/aux_loss"] = aux_sum / aux_n
+    if cvs:
+        out["moe/cv_max"] = max(cvs)
+    return out
+
+
+# ---------------------------------------------------------------- Hugging Face names
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def split_expert_weights(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our names -> Hugging Face's: `...mlp.experts.gate_proj` [E, F, H] becomes `...mlp.experts.{e}.gate_proj.weight`
+    [F, H] for each e (views); every other entry passes as it is."""
+    for name, t in state.items():
+        m = _STACKED.match(name)
+        if m is None:
+            yield name, t
+            continue
+        for e in range(t.shape[0]):
+            yield f"{m.group(1)}.{e}.{m.group(2)}.weight", t[e]
+
+
+def stack_expert_weights(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face's per-expert names -> ours (the inverse of `split_expert_weights`): the experts 0..E-1 of each
+    projection stacked into one [E, ...] tensor. Raises KeyError naming the first missing expert."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in state.items():
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            groups.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = t
+    for name, experts in groups.items():
+        missing = [e for e in range(max(experts) + 1) if e not in experts]
+        if missing:
+            raise KeyError(f"{name}: expert {missing[0]} is missing from the checkpoint")
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
+__all__ = ["Router", "GroupedExperts", "MoE", "dispatch_plan", "moe_layers", "add_aux_losses", "moe_step",
+           "moe_metrics", "split_expert_weights", "stack_expert_weights", "IDLE_WARN_STEPS"]

@@ -1,0 +1,115 @@
+"""FP8 grouped GEMMs of the MoE experts (emulated on the CPU): the exact FP8 products per expert, close to the
+high-precision ones, and an FP8 MoE model that converts and trains."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megadlms import TransformerConfig, build_model
+from megadlms.fp8 import Float8Linear, fp8_autocast
+from megadlms.fp8.grouped import Float8GroupedExperts, fp8_grouped_linear
+from megadlms.fp8.quantize import quantize
+from megadlms.fp8.recipe import E4M3, FP8_MAX
+from megadlms.grouped_gemm import grouped_linear
+from megadlms.moe import Router, add_aux_losses
+
+SIZES = [16, 0, 32, 48]  # dispatched groups are multiples of 16; one expert without tokens
+
+
+def _offs():
+    return torch.tensor(SIZES).cumsum(0).to(torch.int32)
+
+
+def _qdq(t, amax):
+    """Quantize to E4M3 with scale fp8_max / amax (broadcast) and back."""
+    scale = FP8_MAX[E4M3] / amax
+    return quantize(t, scale, E4M3).float() / scale
+
+
+def _ref_fprop(x, w, scaling):
+    out = []
+    for e, xs in enumerate(x.split(SIZES)):
+        if not len(xs):
+            continue
+        if scaling == "rowwise":
+            xa, wa = xs.abs().amax(1, keepdim=True), w[e].abs().amax(1, keepdim=True)
+        else:
+            xa, wa = xs.abs().amax(), w[e].abs().amax()
+        out.append(_qdq(xs, xa) @ _qdq(w[e], wa).t())
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
+def test_fprop_is_the_fp8_product_per_expert(scaling):
+    torch.manual_seed(0)
+    x, w = torch.randn(96, 32), torch.randn(4, 48, 32)
+    x[20:30] *= 50  # an expert whose rows are larger: its own scales
+    y = fp8_grouped_linear(x, w, _offs(), scaling)
+    torch.testing.assert_close(y, _ref_fprop(x, w, scaling), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
+def test_gradients_track_high_precision(scaling):
+    torch.manual_seed(0)
+    x = torch.randn(96, 32, requires_grad=True)
+    w = torch.randn(4, 48, 32, requires_grad=True)
+    g = torch.randn(96, 48)
+    fp8_grouped_linear(x, w, _offs(), scaling).backward(g)
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    grouped_linear(xr, wr, _offs()).backward(g)
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(x.grad, xr.grad) < 0.08 and rel(w.grad, wr.grad) < 0.08
+    assert w.grad[1].abs().max() == 0  # no tokens, no gradient
+    # the weight gradient is the product of the FP8 operands, scaled per (expert, column) of g and x
+    e, s = 2, slice(16, 48)
+    gs, xs = g[s], x.detach()[s]
+    ga, xa = gs.abs().amax(0), xs.abs().amax(0)
+    if scaling == "tensorwise":
+        ga, xa = ga.max(), xa.max()
+    torch.testing.assert_close(w.grad[e], _qdq(gs, ga).t() @ _qdq(xs, xa), atol=1e-4, rtol=1e-5)
+
+
+def test_high_precision_weight_gradient():
+    """fp8_wgrad=False: the weight gradient is exactly the grouped GEMM of the unquantized g and x."""
+    torch.manual_seed(0)
+    x, w, g = torch.randn(96, 32), torch.randn(4, 48, 32, requires_grad=True), torch.randn(96, 48)
+    fp8_grouped_linear(x, w, _offs(), "rowwise", fp8_wgrad=False).backward(g)
+    wr = w.detach().clone().requires_grad_()
+    grouped_linear(x, wr, _offs()).backward(g)
+    torch.testing.assert_close(w.grad, wr.grad)
+
+
+def test_fp8_moe_model_converts_and_trains():
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=97,
+                            seq_length=16, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                            moe_shared_expert_intermediate_size=32, moe_aux_loss_coeff=0.01, fp8=True,
+                            fp8_recipe="rowwise", fp8_format="e4m3")
+    model = build_model(cfg)
+    mlp = model.layers[0].mlp
+    assert isinstance(mlp.experts, Float8GroupedExperts) and mlp.experts.scaling == "rowwise"
+    assert type(mlp.gate) is Router  # the router stays in high precision
+    assert isinstance(mlp.shared_expert.gate_proj, Float8Linear)
+    ref = build_model(cfg.replace(fp8=False))
+    ref.load_state_dict(model.state_dict())
+    x = torch.randint(0, 97, (4, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = model(x).float(), ref(x).float()
+    assert ((a - b).norm() / b.norm()) < 0.1
+    with fp8_autocast(enabled=False):  # outside FP8 autocast the experts run in high precision
+        torch.testing.assert_close(model.layers[0].mlp.experts(torch.ones(16, 64), torch.tensor([16, 16, 16, 16],
+                                   dtype=torch.int32)), ref.layers[0].mlp.experts(torch.ones(16, 64),
+                                   torch.tensor([16, 16, 16, 16], dtype=torch.int32)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = add_aux_losses(model, F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0

@@ -1,0 +1,189 @@
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megadlms import TransformerConfig, build_model
+from megadlms.config import ConfigError
+from megadlms.model import MLP, moe_block
+from megadlms.moe import (
+    MoE,
+    add_aux_losses,
+    dispatch_plan,
+    moe_layers,
+    moe_metrics,
+    moe_step,
+    split_expert_weights,
+    stack_expert_weights,
+)
+
+
+def moe_cfg(**kw):
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=97,
+                seq_length=16, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+    return TransformerConfig(**{**base, **kw})
+
+
+def _block(**kw):
+    torch.manual_seed(0)
+    m = moe_block(moe_cfg(**kw), 0)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    return m
+
+
+def _reference(m: MoE, x):
+    """Token by token, expert by expert: what the block must compute."""
+    xt = x.reshape(-1, x.shape[-1])
+    weights, experts, _ = m.gate.route(m.gate(xt))
+    ex = m.experts
+    out = torch.zeros_like(xt)
+    for t in range(xt.shape[0]):
+        for j in range(m.topk):
+            e = int(experts[t, j])
+            h = F.silu(xt[t] @ ex.gate_proj[e].t()) * (xt[t] @ ex.up_proj[e].t())
+            out[t] += weights[t, j] * (h @ ex.down_proj[e].t())
+    if m.shared_expert is not None:
+        out = out + m.shared_expert(xt)
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize("kw", [{}, {"moe_router_pre_softmax": True}, {"moe_router_topk": 1},
+                                {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+                                {"moe_shared_expert_intermediate_size": 24},
+                                {"moe_router_topk_scaling_factor": 2.5}])
+def test_block_matches_token_by_token_reference(kw):
+    m = _block(**kw)
+    x = torch.randn(3, 7, 32)
+    torch.testing.assert_close(m(x), _reference(m, x), atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_is_dropless_and_padded():
+    experts = torch.tensor([[0, 3], [3, 0], [3, 2], [0, 3]])  # expert 1 gets nothing
+    pos, offs, counts, rows = dispatch_plan(experts, 4)
+    assert counts.tolist() == [3, 0, 1, 4] and rows == 8 + 16 * 4
+    assert offs.tolist() == [16, 16, 32, rows]  # groups padded to 16 rows; the last one takes the tail
+    assert sorted(pos.tolist()) == pos.unique().tolist()  # every pair has a row of its own
+    groups = torch.bucketize(pos, offs.long(), right=True)
+    assert torch.equal(groups, experts.reshape(-1))  # each pair lands in its expert's group
+
+
+def test_routing_semantics():
+    m = _block()
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    w, e, probs = m.gate.route(logits)
+    assert e.tolist() == [[0, 1]]
+    torch.testing.assert_close(w, torch.softmax(torch.tensor([[2.0, 1.0]]), -1))  # normalised top-k
+    m.gate.pre_softmax = True
+    w, _, _ = m.gate.route(logits)
+    torch.testing.assert_close(w, torch.softmax(logits, -1)[:, :2])  # not renormalised
+    s = _block(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    s.gate.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))
+    w, e, _ = s.gate.route(logits)
+    assert e.tolist() == [[3, 0]]  # the bias steers the choice ...
+    sig = torch.sigmoid(torch.tensor([-1.0, 2.0]))
+    torch.testing.assert_close(w, (sig / sig.sum())[None])  # ... but not the weights
+
+
+def test_aux_losses_recorded_added_once_and_only_in_training():
+    m = _block(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    x = torch.randn(2, 8, 32)
+    m(x)
+    logits = m.gate(x.reshape(-1, 32))
+    _, experts, probs = m.gate.route(logits)
+    counts = torch.bincount(experts.reshape(-1), minlength=4).float()
+    expected = (4 * 0.01 * (probs.mean(0) * counts / (16 * 2)).sum()
+                + 0.001 * torch.logsumexp(logits, -1).square().mean())
+    torch.testing.assert_close(m.aux_loss, expected)
+    loss = add_aux_losses(m, torch.tensor(1.0))
+    torch.testing.assert_close(loss, 1 + expected)
+    assert m.aux_loss is None and add_aux_losses(m, torch.tensor(1.0)) == 1.0
+    loss.backward()
+    assert m.gate.weight.grad is not None and m.gate.weight.grad.abs().sum() > 0
+    m.eval()
+    m(x)
+    assert m.aux_loss is None
+
+
+def test_uniform_routing_gives_the_coefficient():
+    m = _block(moe_aux_loss_coeff=0.5)
+    with torch.no_grad():
+        m.gate.weight.zero_()  # uniform probabilities; ties pick experts 0 and 1 ...
+    m._record(torch.zeros(8, 4), torch.full((8, 4), 0.25), torch.full((4,), 4.0))  # ... a uniform load: 1 x coeff
+    torch.testing.assert_close(m.aux_loss, torch.tensor(0.5))
+
+
+def test_expert_bias_step_and_telemetry(caplog):
+    model = build_model(moe_cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                moe_router_bias_update_rate=0.1, moe_layer_freq=[0, 1]))
+    (layer,) = moe_layers(model)
+    assert layer.layer_idx == 1 and isinstance(model.layers[0].mlp, MLP)  # a dense first layer
+    layer.step_tokens.copy_(torch.tensor([10.0, 0.0, 6.0, 0.0]))
+    moe_step(model)
+    torch.testing.assert_close(layer.gate.e_score_correction_bias, torch.tensor([-0.1, 0.1, -0.1, 0.1]))
+    assert layer.step_tokens.sum() == 0 and layer.idle_steps.tolist() == [0, 1, 0, 1]
+    with caplog.at_level(logging.WARNING, logger="megadlms"):
+        m = moe_metrics(model, idle_warn_steps=1)
+    assert m["moe/layer1/tokens_min"] == 0 and m["moe/layer1/tokens_max"] == 10
+    torch.testing.assert_close(m["moe/layer1/tokens_cv"], torch.tensor([10.0, 0, 6, 0]).std(unbiased=False).item() / 4)
+    assert "experts [1, 3] received no tokens" in caplog.text
+    assert layer.window_tokens.sum() == 0  # the window starts again
+    layer.step_tokens.copy_(torch.tensor([0.0, 0.0, 9.0, 0.0]))
+    moe_step(model)
+    with caplog.at_level(logging.WARNING, logger="megadlms"):
+        moe_metrics(model)
+    assert "router collapse, expert 2" in caplog.text
+
+
+def test_model_trains_and_names_map_to_hugging_face():
+    torch.manual_seed(0)
+    cfg = moe_cfg(moe_aux_loss_coeff=0.01, moe_shared_expert_intermediate_size=24)
+    model = build_model(cfg)
+    names = set(dict(model.state_dict()))
+    assert {"layers.0.mlp.gate.weight", "layers.0.mlp.experts.gate_proj", "layers.1.mlp.experts.down_proj",
+            "layers.0.mlp.shared_expert.up_proj.weight"} <= names
+    hf = dict(split_expert_weights(model.state_dict()))
+    assert hf["layers.1.mlp.experts.3.down_proj.weight"].shape == (32, 16)
+    assert "layers.1.mlp.experts.down_proj" not in hf
+    back = stack_expert_weights(hf)
+    assert set(back) == names and all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    del hf["layers.0.mlp.experts.2.up_proj.weight"]
+    with pytest.raises(KeyError, match="expert 2 is missing"):
+        stack_expert_weights(hf)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, 97, (4, 16))
+    losses = []
+    for _ in range(10):
+        loss = add_aux_losses(model, F.cross_entropy(model(x).flatten(0, 1), x.flatten()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        moe_step(model)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0
+    assert moe_metrics(model)["moe/aux_loss"] > 0
+
+
+def test_active_parameter_count():
+    cfg = moe_cfg(moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=8)
+    h, e, k, f, fs = 32, 4, 2, 16, 8
+    attn = 4 * h * h
+    expected = 2 * attn + 3 * h * 64 + (h * e + k * 3 * h * f + 3 * h * fs) + 97 * h
+    assert cfg.num_matmul_params() == expected
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"moe_router_topk": 5}, "moe_router_topk=5 exceeds num_moe_experts=4"),
+    ({"moe_layer_freq": [1, 0, 1]}, "moe_layer_freq=[1, 0, 1] must be a 0/1 pattern with one entry per layer"),
+    ({"moe_layer_freq": 0}, "moe_layer_freq=0 must be a positive integer"),
+    ({"moe_router_score_function": "relu"}, "moe_router_score_function='relu' is not one of"),
+    ({"moe_router_enable_expert_bias": True}, "takes moe_router_score_function='sigmoid'"),
+    ({"moe_aux_loss_coeff": -1.0}, "moe_aux_loss_coeff=-1.0 must be >= 0"),
+    ({"num_moe_experts": 0}, "num_moe_experts=0 must be a positive integer"),
+    ({"fp8": True, "fp8_recipe": "blockwise", "fp8_format": "e4m3"}, "the FP8 expert GEMMs take"),
+])
+def test_config_errors_are_one_line(kw, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")) as e:
+        moe_cfg(**kw)
+    assert "\n" not in str(e.value)
