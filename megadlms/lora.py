@@ -267,13 +267,18 @@ def memory_accounting(model: nn.Module) -> dict[str, int]:
     return acc
 
 
+def _size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n / 1024:.1f} KiB"
+
+
 def describe_memory(model: nn.Module, config: LoraConfig) -> str:
     """One line: what LoRA trains and the bytes it keeps (`memory_accounting`)."""
     a = memory_accounting(model)
-    gib = 1 << 30
     share = 100.0 * a["trainable_params"] / max(a["base_params"], 1)
     return (f"LoRA rank {config.rank} (scale {config.scaling:g}) on {','.join(config.targets)}: "
             f"{a['trainable_params'] / 1e6:.2f}M trainable parameters ({share:.2f}% of the base's "
-            f"{a['base_params'] / 1e6:.1f}M) | base {config.base}: FP8 weights {a['base_fp8'] / gib:.2f} GiB + "
-            f"other frozen {a['frozen'] / gib:.2f} GiB | adapters {a['trainable'] / gib:.3f} GiB fp32 + AdamW "
-            f"state {a['optimizer'] / gib:.3f} GiB")
+            f"{a['base_params'] / 1e6:.1f}M) | base {config.base}: FP8 weights {_size(a['base_fp8'])}, other frozen "
+            f"{_size(a['frozen'])} | adapters {_size(a['trainable'])} fp32 + AdamW state {_size(a['optimizer'])}")
