@@ -30,6 +30,7 @@ SMOKES = {
     "host_sync_probe": (["--smoke", "--fp8"], "host ms waiting for the count:   0.0"),
     "fp8_attention": (["--smoke"], "tiny | "),
     "bd3lm_likelihood": (["--smoke"], "ordering AR <= B=4 <= B=16 <= MDLM: "),
+    "lora_memory": (["--smoke"], "fp8 vs bf16 base: peak memory"),
 }
 
 
