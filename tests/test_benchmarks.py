@@ -31,6 +31,7 @@ SMOKES = {
     "fp8_attention": (["--smoke"], "tiny | "),
     "bd3lm_likelihood": (["--smoke"], "ordering AR <= B=4 <= B=16 <= MDLM: "),
     "moe_block": (["--smoke"], "fp8-tensorwise  | "),
+    "lora_memory": (["--smoke"], "fp8 vs bf16 base: peak memory"),
 }
 
 

@@ -4,6 +4,8 @@
                                     [--attn-mask-type T] [--verify]
     megadlms convert megadlms-to-hf --load DIR --save DIR [--max-shard-size 5GB] [--hf-format F] [--verify]
     megadlms convert verify --load DIR --hf-model DIR       (compare an existing pair)
+    megadlms convert merge-lora --load ADAPTERS --save DIR  (LoRA adapters folded into their base)
+    megadlms convert megadlms-to-hf --lora --load ADAPTERS --save DIR   (a PEFT adapter folder)
 
 Folders of Qwen3, Qwen2, Llama, LLaDA (`LLaDAModelLM`) and Dream (`DreamModel`) are read; an import is checked
 (and with --verify, verified) before anything is written to --save. Exit status: 0 on success, 1 when --verify
@@ -48,7 +50,8 @@ from .model_args import add_tokenizer_arguments, check_tokenizer_type
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `hf-to-megadlms` and `megadlms-to-hf` subcommands to `parser`."""
-    sub = parser.add_subparsers(dest="convert_command", metavar="{hf-to-megadlms,megadlms-to-hf,verify}")
+    sub = parser.add_subparsers(dest="convert_command",
+                                metavar="{hf-to-megadlms,megadlms-to-hf,verify,merge-lora}")
     sub.required = True
     imp = sub.add_parser(
         "hf-to-megadlms",
@@ -93,7 +96,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     exp.add_argument("--hf-format", choices=HF_FORMATS, default="auto",
                      help="auto (default): LLaDA's or Dream's own format when imported from one, else the stock "
                           "transformers class; stock, llada, dream: that format")
+    exp.add_argument("--lora", action="store_true",
+                     help="--load is a LoRA checkpoint: write its adapters as a PEFT adapter folder "
+                          "(adapter_config.json, adapter_model.safetensors) for the base's export")
+    exp.add_argument("--base-model-name-or-path", default=None, metavar="NAME",
+                     help="--lora: the base's Hugging Face export (or hub name) to record in adapter_config.json")
+    _add_lora_base(exp)
     _add_verify(exp)
+
+    mrg = sub.add_parser(
+        "merge-lora", help="fold the LoRA adapters of a checkpoint into its base: a plain MegaDLMs checkpoint",
+        description="Load the base a LoRA checkpoint records (its checksum checked), add W += (alpha / r) B A to "
+                    "each adapted weight (the base's own weights, not their FP8 copy), and write the merged model "
+                    "as a weights-only checkpoint (`megadlms train --load DIR --finetune`, `convert megadlms-to-hf`).")
+    mrg.add_argument("--load", required=True, metavar="ADAPTERS", help="LoRA checkpoint folder (a --save of training)")
+    mrg.add_argument("--save", required=True, metavar="DIR", help="checkpoint folder to write")
+    mrg.add_argument("--iteration", type=int, default=None, help="iteration of the adapters (default: the latest)")
+    _add_lora_base(mrg)
 
     ver = sub.add_parser(
         "verify", help="compare a MegaDLMs checkpoint with a Hugging Face folder (fp32, CPU)",
@@ -104,6 +123,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ver.add_argument("--iteration", type=int, default=None, help="iteration to compare (default: the latest)")
     ver.add_argument("--verify-tol", type=float, default=DEFAULT_TOLERANCE, metavar="TOL",
                      help=f"tolerance, as for --verify (default {DEFAULT_TOLERANCE:g})")
+
+
+def _add_lora_base(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-base-path", default=None, metavar="DIR",
+                   help="the base of the adapters (default: the one the checkpoint records; its checksum must match)")
 
 
 def _add_verify(p: argparse.ArgumentParser) -> None:
@@ -117,7 +141,8 @@ def _add_verify(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand in `args`; returns the exit status (0 ok, 1 verification failed, 2 bad input)."""
-    commands = {"hf-to-megadlms": _hf_to_megadlms, "megadlms-to-hf": _megadlms_to_hf, "verify": _verify_pair}
+    commands = {"hf-to-megadlms": _hf_to_megadlms, "megadlms-to-hf": _megadlms_to_hf, "verify": _verify_pair,
+                "merge-lora": _merge_lora}
 
     def convert() -> int:
         if args.convert_command not in commands:
@@ -245,11 +270,44 @@ def _tokenizer_folder(path: str | None) -> str | None:
     return path
 
 
+def _merge_lora(args: argparse.Namespace) -> int:
+    from ..lora import merge_lora
+    from ..training.checkpoint import save_model_checkpoint
+    from ..training.lora_run import load_lora_model
+
+    model, cfg, lora, meta = load_lora_model(args.load, iteration=args.iteration, base_path=args.lora_base_path)
+    n = len([m for m in model.modules() if hasattr(m, "lora_A")])
+    merge_lora(model)
+    out = save_model_checkpoint(args.save, model, cfg, iteration=int(meta["iteration"]),
+                                tokenizer_dir=meta.get("tokenizer_dir"))
+    print(f"merged {n} LoRA adapters (rank {lora.rank}, scale {lora.scaling:g}) of {meta['path']} into the base "
+          f"{meta['base']} -> {out}")
+    return 0
+
+
+def _lora_to_peft(args: argparse.Namespace) -> int:
+    from ..interop.peft import save_peft_adapter
+    from ..training.lora_run import load_lora_model
+
+    model, cfg, lora, meta = load_lora_model(args.load, iteration=args.iteration, base_path=args.lora_base_path)
+    out = save_peft_adapter(model, cfg, lora, args.save, base_model_name_or_path=args.base_model_name_or_path,
+                            dtype=DTYPES[args.dtype] if args.dtype is not None else None, hf_format=args.hf_format)
+    print(f"exported the LoRA adapters of {meta['path']} (rank {lora.rank}, {','.join(lora.module_names())}) -> "
+          f"{out} (PEFT; load it on the base {meta['base']} exported with `convert megadlms-to-hf`)")
+    return 0
+
+
 def _megadlms_to_hf(args: argparse.Namespace) -> int:
-    from ..training.checkpoint import load_model_from_checkpoint
+    from ..training.checkpoint import find_checkpoint, load_model_from_checkpoint, read_meta
+    from ..training.lora_run import lora_record
 
     check_tokenizer_type(args)
     tokenizer_dir = _tokenizer_folder(args.tokenizer_model)
+    if getattr(args, "lora", False):
+        return _lora_to_peft(args)
+    if lora_record(read_meta(find_checkpoint(args.load, args.iteration))) is not None:
+        raise InteropError(f"{args.load} holds LoRA adapters, not a whole model: add --lora to export them for "
+                           "PEFT, or fold them into the base with `megadlms convert merge-lora`")
     model, cfg, meta = load_model_from_checkpoint(args.load, iteration=args.iteration)
     tokenizer_dir = tokenizer_dir or meta.get("tokenizer_dir")
     check_vocab_fits(cfg, tokenizer_dir)

@@ -1,7 +1,7 @@
 """The model-transformation pipeline, in one fixed order (`build_parallel_model`):
 
-    construct (plain single-device model) -> FP8 conversion -> [FP8 parameter all-gather] -> tensor parallel
-    -> activation checkpointing -> torch.compile -> FSDP2 / DDP
+    construct (plain single-device model) -> [load the frozen base] -> FP8 conversion -> [LoRA]
+    -> [FP8 parameter all-gather] -> tensor parallel -> activation checkpointing -> torch.compile -> FSDP2 / DDP
 
 Each step is a function of its own. (The trainer captures the layers in CUDA graphs afterwards, once its
 optimizer exists: `megadlms.training.cuda_graphs`.)
@@ -10,7 +10,7 @@ optimizer exists: `megadlms.training.cuda_graphs`.)
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from .config import ParallelConfig, check_fp8_param_gather
 from .data_parallel import apply_ddp, apply_fsdp
 from .init import ParallelContext
 from .tensor_parallel import apply_tensor_parallel
+
+if TYPE_CHECKING:
+    from ..lora import LoraConfig
 
 log = logging.getLogger("megadlms")
 
@@ -94,12 +97,22 @@ def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel:
 
 def build_parallel_model(cfg: TransformerConfig, ctx: ParallelContext, parallel: ParallelConfig, *,
                          activation_checkpointing: bool = False, compile: bool = False,
-                         param_dtype: torch.dtype | None = None, fp8_param_gather: bool = False) -> nn.Module:
+                         param_dtype: torch.dtype | None = None, fp8_param_gather: bool = False,
+                         lora: LoraConfig | None = None,
+                         load_base: Callable[[TransformerLM], None] | None = None) -> nn.Module:
     """The whole pipeline: the model of `cfg` on `ctx.device`, in FP8 when `cfg.fp8`, then parallelized.
 
-    fp8_param_gather: FSDP2 all-gathers the FP8 layers' weights in FP8 (`apply_fp8_param_gather`)."""
+    fp8_param_gather: FSDP2 all-gathers the FP8 layers' weights in FP8 (`apply_fp8_param_gather`).
+    lora: freeze the model and add LoRA adapters (`megadlms.lora.apply_lora`), after `load_base` has written the
+    base's weights into the plain model (a frozen FP8 base is cast from them once)."""
     model = construct_model(cfg, device=ctx.device)
+    if load_base is not None:
+        load_base(model)
     model = apply_fp8(model, cfg)
+    if lora is not None:
+        from ..lora import apply_lora
+
+        model = apply_lora(model, lora)
     if fp8_param_gather:
         apply_fp8_param_gather(model, ctx, parallel)
     return parallelize_model(model, ctx, parallel, activation_checkpointing=activation_checkpointing,

@@ -6,6 +6,7 @@ checkpoints and metrics.
     state = train(RunConfig(train=TrainConfig(train_iters=100, device="cpu")))
 """
 
-from .config import CheckpointConfig, DiffusionConfig, FP8Config, ModelConfig, RunConfig, TrainConfig
+from .config import CheckpointConfig, DiffusionConfig, FP8Config, LoraSettings, ModelConfig, RunConfig, TrainConfig
 
-__all__ = ["CheckpointConfig", "DiffusionConfig", "FP8Config", "ModelConfig", "RunConfig", "TrainConfig"]
+__all__ = ["CheckpointConfig", "DiffusionConfig", "FP8Config", "LoraSettings", "ModelConfig", "RunConfig",
+           "TrainConfig"]

@@ -21,6 +21,7 @@ import yaml
 
 from ..config import FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, ConfigError
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES
+from ..lora import TARGETS as LORA_TARGETS
 from .config import RunConfig
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
 
@@ -179,6 +180,21 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="log FP8 amax / underflow / saturation per tensor role every --log-interval; the steps it "
                         "records run their layers outside the CUDA graphs (eagerly: slower, and with their "
                         "activations allocated beside the graphs' memory pool)")
+
+    g = p.add_argument_group("LoRA (adapters on a frozen base; docs/lora.md)")
+    g.add_argument("--lora-rank", type=int, default=None,
+                   help="train rank-R LoRA adapters on the frozen base that --load names (off by default)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="the adapters' scale is alpha / rank (default: "
+                   "alpha = rank)")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    g.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
+                   help="the linears of each layer that get adapters: a comma list of q,k,v,o,gate,up,down")
+    g.add_argument("--lora-base", choices=("fp8", "bf16"), default=None,
+                   help="how the frozen base's layer weights are stored: fp8 (E4M3 + scale, 1 byte a weight, FP8 "
+                        "GEMMs) or bf16 (default: fp8 with --fp8-format, else bf16)")
+    g.add_argument("--lora-base-path", default=None, metavar="DIR",
+                   help="resuming a LoRA checkpoint: the base to put its adapters on (default: the base it records; "
+                        "its checksum must match)")
 
     g = p.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval-interval", type=int, default=1000)

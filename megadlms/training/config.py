@@ -29,6 +29,8 @@ from ..config import (
 from ..data.args import DataSourceConfig
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES, ObjectiveConfig
 from ..distributed.config import ParallelConfig, check_fp8_param_gather
+from ..lora import TARGETS as LORA_TARGETS
+from ..lora import LoraConfig
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -237,6 +239,45 @@ class FP8Config:
 
 
 @dataclass
+class LoraSettings:
+    """LoRA adapters on a frozen base (`megadlms.lora`); off while lora_rank is None. The base is the checkpoint
+    `--load` names, or, where `--load` names a LoRA checkpoint, the base that checkpoint records."""
+
+    lora_rank: int | None = None
+    lora_alpha: float | None = None  # None: the rank (a scale of 1)
+    lora_dropout: float = 0.0
+    lora_targets: str = ",".join(LORA_TARGETS)
+    lora_base: str | None = None  # "fp8" | "bf16"; None: fp8 with --fp8-format, else bf16
+    lora_base_path: str | None = None  # resuming: the base to put the adapters on (default: the one recorded)
+
+    def __post_init__(self) -> None:
+        if self.lora_rank is None:
+            given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(self)
+                     if f.name != "lora_rank" and getattr(self, f.name) != f.default]
+            if given:
+                raise ConfigError(f"{given[0]} is set but LoRA is off; add --lora-rank R (e.g. 16) or drop "
+                                  f"{' '.join(given)}")
+            return
+        if self.lora_base is not None and self.lora_base not in ("fp8", "bf16"):
+            raise ConfigError(f"--lora-base {self.lora_base!r} is not one of fp8, bf16")
+        self.lora_config(None, torch.bfloat16)  # the rank, alpha, dropout and targets checks
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank is not None
+
+    def lora_config(self, fp8_format: str | None, compute_dtype: torch.dtype | None) -> LoraConfig:
+        """The LoraConfig of a run: an FP8 base by default where the run is FP8; a BF16 base keeps its weights as
+        they are in an fp32 run (no autocast to compute a BF16 weight with)."""
+        assert self.lora_rank is not None  # enabled
+        base = self.lora_base or ("fp8" if fp8_format is not None else "bf16")
+        if base == "bf16" and compute_dtype is None:
+            base = "keep"
+        return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                          targets=self.lora_targets, base=base, grad_format=fp8_format or "hybrid")
+
+
+@dataclass
 class CheckpointConfig:
     save: str | None = None  # checkpoint folder
     save_interval: int | None = None  # None: only at the end
@@ -263,6 +304,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataSourceConfig = field(default_factory=DataSourceConfig)
 
@@ -272,6 +314,26 @@ class RunConfig:
         if self.fp8.fp8_dot_product_attention and not self.fp8.enabled:
             raise ConfigError("--fp8-dot-product-attention runs attention in FP8 inside the FP8 layers; add "
                               "--fp8-format hybrid (or e4m3), or drop it")
+        if self.lora.enabled:
+            self._check_lora()
+
+    def _check_lora(self) -> None:
+        """LoRA trains adapters on a frozen base: flags that act on the base's training, and layouts the adapters
+        do not support, are refused."""
+        rank = f"--lora-rank {self.lora.lora_rank}"
+        if self.fp8.fp8_param_gather:
+            raise ConfigError(f"{rank} freezes the base, so --fp8-param-gather has no trained FP8 weights to gather; "
+                              "drop --fp8-param-gather")
+        if not self.fp8.fp8_wgrad:
+            raise ConfigError(f"{rank} freezes the base, whose layers compute no weight gradient: drop --no-fp8-wgrad")
+        if self.parallel.tensor_model_parallel_size > 1:
+            raise ConfigError(f"{rank} with --tensor-model-parallel-size {self.parallel.tensor_model_parallel_size}"
+                              ": LoRA runs with data parallelism only (DDP / FSDP2); drop tensor parallelism")
+        if self.lora.lora_base == "fp8" and self.fp8.enabled and self.fp8.fp8_format not in ("hybrid", "e4m3"):
+            raise ConfigError(f"--lora-base fp8 takes --fp8-format hybrid or e4m3, got {self.fp8.fp8_format}")
+        if not self.checkpoint.load:
+            raise ConfigError(f"{rank} adapts a base model: pass --load BASE (a checkpoint, e.g. written by "
+                              "`megadlms convert hf-to-megadlms`), or --load a LoRA checkpoint to resume")
 
     @classmethod
     def sections(cls) -> dict[str, type]:

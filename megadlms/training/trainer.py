@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import random
 import sys
@@ -30,6 +29,7 @@ from ..diffusion.objective import MaskSampler
 from ..distributed.data_parallel import grad_sync_context
 from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
 from ..distributed.parallelize import build_parallel_model
+from ..lora import describe_memory
 from ..moe import moe_metrics, moe_step
 from ..presets import load_model_config
 from . import checkpoint as ckpt
@@ -37,7 +37,16 @@ from .config import RunConfig
 from .cuda_graphs import LayerGraphs
 from .divergence import DivergenceGuard, check_finite_state
 from .documents import AttentionPlan
-from .metrics import MetricSinks, WandbConfig, bf16_peak_tflops, format_log_line, memory_gib, throughput
+from .lora_run import plan_lora
+from .metrics import (
+    MetricSinks,
+    WandbConfig,
+    bf16_peak_tflops,
+    format_eval_line,
+    format_log_line,
+    memory_gib,
+    throughput,
+)
 from .objectives import Batch, Objective, Sharding, build_objective
 from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_grad_norm, set_lr
 from .preemption import RunControl
@@ -393,10 +402,17 @@ class Trainer:
     def _dcp_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        msd, osd = get_state_dict(self.model, self.optimizer)
+        msd, osd = get_state_dict(self.model, self.optimizer, options=self._state_options())
         return {"model": msd, "optimizer": osd,
                 "train": {"iteration": self.state.iteration, "consumed_samples": self.state.consumed_samples,
                           "consumed_tokens": self.state.consumed_tokens}}
+
+    def _state_options(self) -> Any:
+        """Frozen parameters (a LoRA run's base, which its own checkpoint holds) are left out of checkpoints."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
 
     def save(self) -> Path | None:
         """Save a checkpoint (collective); None when it failed and --ckpt-save-failures-ok lets the run go on."""
@@ -460,7 +476,7 @@ class Trainer:
         state = self._dcp_state()
         self._log_fresh_fp8_state(path, ckpt.load_model_state(path, state))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"], options=self._state_options())
         train = state["train"]
         self.state.iteration = int(train["iteration"])
         self.state.consumed_samples = int(train["consumed_samples"])
@@ -564,8 +580,9 @@ class Trainer:
         m = {"iteration": self.state.iteration, "loss": loss}
         self.state.history.append({"eval_loss": loss, "iteration": self.state.iteration})
         if self.ctx.is_main:
-            ppl = math.exp(min(loss, 50))  # the loss is an upper bound on the NLL, so this bounds the perplexity
-            line = f"validation at iter {self.state.iteration} | loss {loss:.4f} | ELBO ppl {ppl:.2f}"
+            # AR: the exact NLL and perplexity; diffusion: the bound, and which loss and first-token rule make it
+            line = (format_eval_line(self.state.iteration, loss, bound=self.objective.bound)
+                    + f" | {self.objective.validation_note()}")
             (bar.write if bar is not None else print)(line)
             self.sinks.write(self.state.iteration, m, prefix="valid")
 
@@ -593,10 +610,14 @@ def setup(config: RunConfig) -> Trainer:
             how = "cuDNN's FP8 flash attention" if ctx.device.type == "cuda" else "emulated on the CPU (for tests)"
             log.warning("FP8 attention (--fp8-dot-product-attention): %s; it lowers model quality against FP8 "
                         "linears alone (docs/fp8.md)", how)
+    lora = plan_lora(config, t.compute_dtype(ctx.device))  # --lora-rank: adapters on the base --load names
+    if lora is not None:
+        cfg = lora.record(cfg)
     model = build_parallel_model(cfg, ctx, config.parallel,
                                  activation_checkpointing=t.recompute_granularity == "full",
                                  compile=t.compile_on(ctx.device), param_dtype=t.compute_dtype(ctx.device),
-                                 fp8_param_gather=config.fp8.fp8_param_gather)
+                                 fp8_param_gather=config.fp8.fp8_param_gather,
+                                 lora=lora.config if lora else None, load_base=lora.load_base if lora else None)
     global_batch = t.global_batch_size or t.micro_batch_size * ctx.dp_size
     n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
     data_cfg = data.loader_config(seq_length=cfg.seq_length, micro_batch_size=t.micro_batch_size, seed=t.seed,
@@ -618,8 +639,12 @@ def setup(config: RunConfig) -> Trainer:
                  f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
                  ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
                  ctx.dp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
+        if lora is not None:
+            log.info("%s | base %s", describe_memory(trainer.base_model, lora.config), lora.base)
     ck = config.checkpoint
     load = ckpt.resume_source(ck.load, ck.save, iteration=ck.ckpt_step, finetune=ck.finetune) if ck.load else None
+    if lora is not None:  # the base is in the model already; a LoRA checkpoint's adapters are resumed
+        load = lora.resume
     if load is not None:  # None also where --load is the --save folder without a checkpoint yet (a requeued job)
         trainer.load(str(load), ck.ckpt_step, finetune=ck.finetune)
     return trainer

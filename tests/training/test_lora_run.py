@@ -1,0 +1,96 @@
+"""LoRA training runs on CPU: only the adapters train and are saved, the resume is exact, the base is checked,
+and an FP8 base tracks the unquantized base."""
+
+import pytest
+import torch
+
+from megadlms.config import ConfigError
+from megadlms.training import checkpoint as ckpt
+from megadlms.training.args import parse_train_args
+from megadlms.training.lora_run import base_checksum, load_lora_model
+from megadlms.training.trainer import setup, train
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--ffn-hidden-size", "128", "--seq-length", "32", "--device", "cpu", "--no-compile", "--num-workers", "0",
+         "--eval-iters", "0", "--log-interval", "1", "--no-progress", "--lr", "3e-3", "--micro-batch-size", "4",
+         "--difflm-varilen-prob", "0", "--no-generate-sample"]
+
+
+def losses(state):
+    return [m["loss"] for m in state.history if "loss" in m and "eval_loss" not in m]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A base model: a few steps of pre-training."""
+    path = tmp_path_factory.mktemp("base") / "base"
+    train(parse_train_args(SMALL + ["--train-iters", "3", "--save", str(path)]))
+    return path
+
+
+def lora(base_dir, *extra):
+    return SMALL + ["--load", str(base_dir), "--use-checkpoint-args", "--lora-rank", "4", "--lora-alpha", "8",
+                    *extra]
+
+
+def test_only_adapters_train_and_resume_is_exact(base, tmp_path):
+    trainer = setup(parse_train_args(lora(base, "--train-iters", "2")))
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert len(trainer.optimizer.state) == len(trained)  # no optimizer state for the base
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trainer.run()
+    for n, p in trainer.model.named_parameters():
+        assert p.grad is None
+        if not p.requires_grad:
+            assert torch.equal(p, before[n]), n  # the base does not move
+
+    straight = losses(train(parse_train_args(lora(base, "--train-iters", "6", "--save", str(tmp_path / "a")))))
+    run = lora(base, "--train-iters", "6", "--save", str(tmp_path / "b"))
+    train(parse_train_args(run + ["--exit-interval", "3"]))
+    saved = ckpt.find_checkpoint(tmp_path / "b")
+    keys = set(ckpt.SafeFileSystemReader(str(saved)).read_metadata().state_dict_metadata)
+    model_keys = {k for k in keys if k.startswith("model.")}
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)  # adapters only
+    meta = ckpt.read_meta(saved)
+    assert meta["config"]["extra"]["lora_base"] == {"path": str(ckpt.find_checkpoint(base).resolve()),
+                                                    "checksum": base_checksum(ckpt.find_checkpoint(base))}
+    assert meta["config"]["extra"]["lora"]["rank"] == 4
+    resumed = train(parse_train_args(lora(tmp_path / "b", "--train-iters", "6", "--save", str(tmp_path / "b"))))
+    assert losses(resumed) == straight[3:]
+
+
+def test_resuming_onto_another_base_is_a_one_line_error(base, tmp_path):
+    run = lora(base, "--train-iters", "1", "--save", str(tmp_path / "a"))
+    train(parse_train_args(run))
+    other = tmp_path / "other"
+    train(parse_train_args(SMALL + ["--train-iters", "1", "--seed", "7", "--save", str(other)]))
+    with pytest.raises(ConfigError, match=r"checksum .* pass --lora-base-path") as e:
+        setup(parse_train_args(lora(tmp_path / "a", "--train-iters", "2", "--lora-base-path", str(other))))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="drop --finetune"):
+        setup(parse_train_args(lora(tmp_path / "a", "--train-iters", "2", "--finetune")))
+    model, cfg, config, meta = load_lora_model(tmp_path / "a")  # the recorded base checks out
+    assert config.rank == 4 and "lora" not in cfg.extra and meta["base"] == str(ckpt.find_checkpoint(base))
+
+
+def test_fp8_base_tracks_the_unquantized_base(base):
+    """The FP8 base's losses stay within the FP8 tolerance of the tests of the FP8 recipes (0.5%) of the same LoRA
+    run on the high-precision base."""
+    ref = losses(train(parse_train_args(lora(base, "--train-iters", "6"))))
+    fp8 = losses(train(parse_train_args(lora(base, "--train-iters", "6", "--lora-base", "fp8"))))
+    assert len(fp8) == 6 and fp8 != ref
+    torch.testing.assert_close(torch.tensor(fp8), torch.tensor(ref), rtol=0.005, atol=0)
+
+
+def test_lora_flags_need_a_base_and_refuse_base_training_flags():
+    with pytest.raises(ConfigError, match="pass --load BASE"):
+        parse_train_args(SMALL + ["--lora-rank", "4"])
+    with pytest.raises(ConfigError, match="drop --no-fp8-wgrad"):
+        parse_train_args(SMALL + ["--lora-rank", "4", "--load", "x", "--fp8-format", "hybrid", "--no-fp8-wgrad"])
+    with pytest.raises(ConfigError, match="--lora-targets: unknown target 'qkv'"):
+        parse_train_args(SMALL + ["--lora-rank", "4", "--load", "x", "--lora-targets", "qkv"])
+    with pytest.raises(ConfigError, match="--lora-rank -1 must be an integer >= 1"):
+        parse_train_args(SMALL + ["--lora-rank", "-1", "--load", "x"])
+    with pytest.raises(ConfigError, match="add --lora-rank R"):
+        parse_train_args(SMALL + ["--lora-targets", "q"])
