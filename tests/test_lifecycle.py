@@ -44,10 +44,9 @@ from megadlms.eval import demo_task
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = {"bf16": ["--bf16"], "fp8": ["--bf16", "--fp8-format", "hybrid"]}
 ITERS = 10
-# The model's size. --max-position-embeddings 64 is a workaround: the Hugging Face round trip (step 2) imports
-# seq_length = max_position_embeddings, and `train --use-checkpoint-args` ignores --seq-length (it takes the whole
-# config from the checkpoint), so with the preset's 1024 positions the adaptation and the SFT would train on
-# 1024-token windows.
+# The model's size. --max-position-embeddings 64: the Hugging Face round trip (step 2) imports
+# seq_length = max_position_embeddings, so the adaptation and the SFT (`--use-checkpoint-args`) train on 64-token
+# windows without a --seq-length of their own.
 SIZE = ["--model-path", "tiny", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
         "--seq-length", "64", "--max-position-embeddings", "64"]
 GEN = ["--gen-length", "16", "--block-length", "16"]  # the default 128 new tokens do not fit 64 positions

@@ -75,6 +75,19 @@ def resolve_model_config(config: RunConfig, vocab_size: int | None, mask_id: int
     if ck.use_checkpoint_args:
         assert ck.load is not None  # CheckpointConfig requires --load with --use-checkpoint-args
         base = ckpt.read_meta(ckpt.find_checkpoint(ck.load, ck.ckpt_step))["config"]
+        arch = config.model.overrides()
+        # the window length is the run's choice (within the positions the model has); the architecture is the
+        # checkpoint's, and a flag that says otherwise is an error rather than silently dropped
+        if "seq_length" in arch:
+            base["seq_length"] = arch.pop("seq_length")
+            base["max_position_embeddings"] = max(base.get("max_position_embeddings") or 0, base["seq_length"])
+        arch.pop("max_position_embeddings", None)
+        differ = {k: v for k, v in arch.items() if base.get(k) != v}
+        if differ:
+            flags = ", ".join(f"--{k.replace('_', '-')} {v} (the checkpoint has {base.get(k)})"
+                              for k, v in differ.items())
+            raise ConfigError(f"--use-checkpoint-args takes the architecture from {ck.load}, but {flags}: drop those "
+                              "flags, or leave out --use-checkpoint-args to build the architecture from the flags")
     else:
         base = load_model_config(config.model.model_path, tokenizer_vocab_size=vocab_size).to_dict()
         arch = config.model.overrides()
@@ -149,6 +162,17 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
     return build_objective(obj.objective(mode, model_config.mask_token_id), model_config, attention, sharding,
                            sft=config.data.sft, bd3lm_config=bd3lm_config, flex=device.type == "cuda" and compiled,
                            loss_chunk_tokens=loss_chunk_tokens, on_data_wait=on_data_wait)
+
+
+def _checkpoint_tokenizer(load: str, iteration: int | None) -> str | None:
+    """The tokenizer folder saved with the --load checkpoint (its mask token and vocabulary are the model's), or
+    None where there is no checkpoint yet (a requeued job) or it was saved without one."""
+    try:
+        path = ckpt.find_checkpoint(load, iteration)
+    except ckpt.CheckpointError:
+        return None
+    tok = path / "tokenizer"
+    return str(tok) if tok.is_dir() else None
 
 
 def _seed_all(seed: int) -> None:
@@ -596,7 +620,13 @@ def setup(config: RunConfig) -> Trainer:
     if not ctx.is_main:
         logging.getLogger("megadlms").setLevel(logging.WARNING)
     _seed_all(t.seed)
-    tokenizer = load_tokenizer(data.tokenizer_model, tokenizer_type=data.tokenizer_type)
+    tokenizer_model = data.tokenizer_model
+    if tokenizer_model is None and config.checkpoint.load:
+        tokenizer_model = _checkpoint_tokenizer(config.checkpoint.load, config.checkpoint.ckpt_step)
+        if tokenizer_model is not None and ctx.is_main:
+            log.info("tokenizer: the one saved with the checkpoint, %s (--tokenizer-model picks another)",
+                     tokenizer_model)
+    tokenizer = load_tokenizer(tokenizer_model, tokenizer_type=data.tokenizer_type)
     cfg = resolve_model_config(config, tokenizer.vocab_size, tokenizer.mask_id)
     if cfg.fp8:
         from ..fp8 import check_fp8_support
@@ -633,7 +663,8 @@ def setup(config: RunConfig) -> Trainer:
         n_params = sum(p.numel() for p in model.parameters())
         log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention (%s)%s | device %s%s | "
                  "world %d (dp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
-                 config.model.model_path, n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
+                 config.checkpoint.load if config.checkpoint.use_checkpoint_args else config.model.model_path,
+                 n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
                  cfg.attn_mask_type + (f" block-diffusion (blocks of {cfg.block_size})" if cfg.block_size else ""),
                  trainer.objective.attention_kernel(ctx.device),
                  f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",

@@ -254,3 +254,16 @@ def test_the_training_loss_is_subs_by_default_in_both_head_paths(mode, extra):
     torch.testing.assert_close(fused, expect, rtol=2e-2 if "--bf16" in extra else 1e-5, atol=1e-6)
     subs_gap = torch.logsumexp(logits, -1) - torch.logsumexp(logits[..., keep], -1)  # > 0: [MASK]'s share
     assert (subs_gap[batch.weights > 0] > 0).all()
+
+
+def test_use_checkpoint_args_keeps_the_runs_seq_length_and_the_checkpoints_tokenizer(tmp_path):
+    """--use-checkpoint-args: the architecture is the checkpoint's, the window length the run's; a model flag that
+    contradicts the checkpoint is refused; a run that loads a checkpoint tokenizes with the tokenizer saved there."""
+    run(SMALL + ["--micro-batch-size", "2", "--train-iters", "2", "--save", str(tmp_path / "a")])
+    load = ["--load", str(tmp_path / "a"), "--use-checkpoint-args", "--finetune", "--train-iters", "2",
+            "--micro-batch-size", "2", "--device", "cpu", "--no-compile", "--num-workers", "0", "--eval-iters", "0"]
+    trainer = setup(parse_train_args(load + ["--seq-length", "16"]))
+    assert trainer.model_config.seq_length == 16 and trainer.model_config.hidden_size == 64
+    assert str(trainer.tokenizer.source_dir) == str(ckpt.find_checkpoint(tmp_path / "a") / "tokenizer")
+    with pytest.raises(ConfigError, match="--hidden-size 128 \\(the checkpoint has 64\\)"):
+        setup(parse_train_args(load + ["--hidden-size", "128"]))
