@@ -243,7 +243,7 @@ def _check_moe(cfg: TransformerConfig) -> None:
                           f"at most {e} experts (e.g. --moe-router-topk {min(2, e)})")
     if cfg.moe_ffn_hidden_size is None:
         cfg.moe_ffn_hidden_size = cfg.ffn_hidden_size
-    _positive("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size)
+    _positive("moe_ffn_hidden_size", int(cfg.moe_ffn_hidden_size or 0))
     if cfg.moe_shared_expert_intermediate_size is not None:
         _positive("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size)
     freq = cfg.moe_layer_freq

@@ -70,7 +70,7 @@ def dlm_format(hf: Mapping[str, Any]) -> str | None:
     archs = hf.get("architectures") or []
     if archs:
         return {LLADA_ARCHITECTURE: "llada", DREAM_ARCHITECTURE: "dream"}.get(archs[0])
-    return {"llada": "llada", "Dream": "dream"}.get(hf.get("model_type"))
+    return {"llada": "llada", "Dream": "dream"}.get(str(hf.get("model_type")))
 
 
 def llada_block_type(hf: Mapping[str, Any]) -> str:

@@ -104,7 +104,8 @@ class LoraConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LoraConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: tuple(v) if k == "targets" else v for k, v in d.items() if k in fields})
+        kwargs: dict[str, Any] = {k: tuple(v) if k == "targets" else v for k, v in d.items() if k in fields}
+        return cls(**kwargs)
 
     def module_names(self) -> list[str]:
         """The Hugging Face names of the targets (`q_proj`, ...), as PEFT's `target_modules`."""
@@ -120,7 +121,8 @@ class LoraLinear(nn.Module):
 
     def __init__(self, base_layer: nn.Module, rank: int, alpha: float | None = None, dropout: float = 0.0):
         super().__init__()
-        self.in_features, self.out_features = int(base_layer.in_features), int(base_layer.out_features)
+        self.in_features = int(getattr(base_layer, "in_features"))  # noqa: B009 (any linear class)
+        self.out_features = int(getattr(base_layer, "out_features"))  # noqa: B009
         device = next((t.device for t in (*base_layer.parameters(), *base_layer.buffers())), None)
         self.base_layer = base_layer
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=device, dtype=torch.float32)
@@ -157,7 +159,7 @@ def _is_linear(m: nn.Module) -> bool:
     return isinstance(m, (nn.Linear, FrozenFP8Linear))
 
 
-def _store_base(linear: nn.Module, config: LoraConfig) -> nn.Module:
+def _store_base(linear: Any, config: LoraConfig) -> nn.Module:
     """The frozen base of one linear as `config.base` stores it."""
     from .fp8.frozen import FrozenFP8Linear
 
@@ -225,7 +227,8 @@ def merge_lora(model: M) -> M:
     from .fp8.frozen import FrozenFP8Linear
 
     for name, m in lora_modules(model):
-        base = m.base_layer
+        base: Any = m.base_layer
+        merged: nn.Module
         if isinstance(base, FrozenFP8Linear):
             merged = nn.Linear(m.in_features, m.out_features, bias=base.bias is not None,
                                device=base.weight_fp8.device)

@@ -143,6 +143,11 @@ class MoE(nn.Module):
     """The MoE block in place of a layer's MLP: x [B, S, H] -> [B, S, H] (see the module docstring)."""
 
     aux_loss: torch.Tensor | None
+    step_tokens: torch.Tensor
+    step_aux: torch.Tensor
+    window_tokens: torch.Tensor
+    window_aux: torch.Tensor
+    idle_steps: torch.Tensor
 
     def __init__(self, cfg: TransformerConfig, layer_idx: int, act_fn: nn.Module,
                  shared_expert: nn.Module | None = None):

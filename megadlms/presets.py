@@ -268,7 +268,7 @@ def hf_architecture(cfg: TransformerConfig, hf_format: str = "auto") -> str:
         return own[hf_format]
     recorded = (cfg.extra or {}).get("hf_architecture")
     if hf_format == "auto" and recorded in own.values():
-        return recorded
+        return str(recorded)
     if cfg.qk_layernorm and cfg.add_qkv_bias:
         raise InteropError("qk_layernorm=True together with add_qkv_bias=True has no stock transformers "
                            "architecture (Qwen3 has QK norm without biases, Qwen2 biases without QK norm)")

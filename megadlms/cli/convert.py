@@ -221,7 +221,8 @@ def _hf_to_megadlms(args: argparse.Namespace) -> int:
 
 def _checksums(weights: dict[str, torch.Tensor]) -> dict[str, int]:
     """CRC-32 of each tensor's values in fp32 (a checkpoint loads into fp32 whatever it stores), one at a time."""
-    return {k: zlib.crc32(v.detach().float().contiguous().view(torch.uint8).numpy()) for k, v in weights.items()}
+    return {k: zlib.crc32(v.detach().float().contiguous().view(torch.uint8).numpy().tobytes())
+            for k, v in weights.items()}
 
 
 def _written_as_verified(verified: dict[str, int], save: str, iteration: int) -> bool:

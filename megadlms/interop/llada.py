@@ -74,7 +74,7 @@ def layout(our_names: list[str], block_type: str) -> dict[str, tuple[str, ...]]:
 
 def expected_shapes(ours: Mapping[str, tuple[int, ...]], block_type: str) -> dict[str, tuple[int, ...]]:
     """LLaDA name -> shape, from our names -> shapes (fused tensors: the row counts summed)."""
-    out = {}
+    out: dict[str, tuple[int, ...]] = {}
     for llada, names in layout(list(ours), block_type).items():
         first = ours[names[0]]
         out[llada] = (sum(ours[n][0] for n in names), *first[1:])
@@ -84,7 +84,7 @@ def expected_shapes(ours: Mapping[str, tuple[int, ...]], block_type: str) -> dic
 def to_ours(tensors: Mapping[str, torch.Tensor], ours: Mapping[str, tuple[int, ...]],
             block_type: str) -> dict[str, torch.Tensor]:
     """LLaDA tensors (names and shapes already checked against `expected_shapes`) -> ours, fused ones split."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for llada, names in layout(list(ours), block_type).items():
         t = tensors[llada]
         pieces = t.split([ours[n][0] for n in names], dim=0) if len(names) > 1 else (t,)

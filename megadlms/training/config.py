@@ -30,7 +30,7 @@ from ..data.args import DataSourceConfig
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES, ObjectiveConfig
 from ..distributed.config import ParallelConfig, check_fp8_param_gather
 from ..lora import TARGETS as LORA_TARGETS
-from ..lora import LoraConfig
+from ..lora import LoraConfig, parse_targets
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -274,7 +274,7 @@ class LoraSettings:
         if base == "bf16" and compute_dtype is None:
             base = "keep"
         return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
-                          targets=self.lora_targets, base=base, grad_format=fp8_format or "hybrid")
+                          targets=parse_targets(self.lora_targets), base=base, grad_format=fp8_format or "hybrid")
 
 
 @dataclass

@@ -12,7 +12,8 @@ from megadlms.training.checkpoint import load_model_from_checkpoint
 from megadlms.training.lora_run import load_lora_model
 from megadlms.training.trainer import train
 
-SMALL = ["--model-path", "tiny", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+SMALL = ["--model-path", "tiny", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--num-query-groups", "2",
          "--ffn-hidden-size", "128", "--seq-length", "32", "--device", "cpu", "--no-compile", "--num-workers", "0",
          "--eval-iters", "0", "--log-interval", "1", "--no-progress", "--lr", "1e-2", "--micro-batch-size", "4",
          "--no-generate-sample", "--model-running-mode", "vanilla"]

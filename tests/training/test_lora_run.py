@@ -10,7 +10,8 @@ from megadlms.training.args import parse_train_args
 from megadlms.training.lora_run import base_checksum, load_lora_model
 from megadlms.training.trainer import setup, train
 
-SMALL = ["--model-path", "tiny", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+SMALL = ["--model-path", "tiny", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--num-query-groups", "2",
          "--ffn-hidden-size", "128", "--seq-length", "32", "--device", "cpu", "--no-compile", "--num-workers", "0",
          "--eval-iters", "0", "--log-interval", "1", "--no-progress", "--lr", "3e-3", "--micro-batch-size", "4",
          "--difflm-varilen-prob", "0", "--no-generate-sample"]
