@@ -6,6 +6,11 @@ and backward of the same model on the same batch; the per-parameter gradient cos
 (and fp32) are printed. Several batches run in a row so that a compiled graph that keeps a previous batch's mask
 shows up. Needs a GPU.
 
+What passes: BF16 rounding alone puts the smallest gradients (the q/k norms' weights) at cosines of ~0.993-0.999
+against fp32, so a BF16 path passes when its worst per-parameter cosine against fp32 is within --margin of eager
+dense BF16's on the same batch (a wrong mask or a stale graph drops it far below); an FP8 path when its worst
+cosine against FP8 eager dense (the same casts) is at least --min-cosine-fp8.
+
     python benchmarks/attention_grad_check.py [--layers 4] [--seq-length 4096] [--batch 2] [--plans documents,bd3lm]
 """
 
@@ -112,7 +117,8 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=3)
     ap.add_argument("--plans", default="documents,bd3lm,anneal,pretrain")
     ap.add_argument("--variants", default="eager-flex,compiled-flex,compiled-dense,fp8-compiled-flex")
-    ap.add_argument("--min-cosine", type=float, default=0.999)
+    ap.add_argument("--margin", type=float, default=0.003,
+                    help="BF16: how far below eager dense BF16's worst cosine against fp32 a path may be")
     ap.add_argument("--min-cosine-fp8", type=float, default=0.99)
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
@@ -128,8 +134,10 @@ def main() -> int:
         batches = plan_batches(plan, base, args.batch, args.batches, device)
         ref_bf16 = [grads(reference, b, flex=False, dtype=torch.bfloat16) for b in batches]
         ref_fp32 = [grads(reference, b, flex=False, dtype=None) for b in batches]
+        floor = []  # per batch: eager dense BF16's worst cosine against fp32 (BF16 rounding alone)
         for i, ((l16, g16), (l32, g32)) in enumerate(zip(ref_bf16, ref_fp32)):
             c, _ = cosines(g32, g16)
+            floor.append(c)
             rows.append((plan, "eager-dense-bf16", i, l16, l32, c, c))
         fp8_ref = None
         for variant in args.variants.split(","):
@@ -154,9 +162,11 @@ def main() -> int:
                 c16, worst = cosines(same, g)
                 c32, _ = cosines(ref_fp32[i][1], g)
                 rows.append((plan, variant, i, loss, ref_fp32[i][0], c16, c32))
-                if not (c16 >= (args.min_cosine_fp8 if fp8 else args.min_cosine)):
+                ok = c16 >= args.min_cosine_fp8 if fp8 else c32 >= floor[i] - args.margin
+                if not ok:
                     failed = True
-                    print(f"{plan} {variant} batch {i}: worst cosine {c16:.5f} at {worst}", file=sys.stderr)
+                    print(f"{plan} {variant} batch {i}: worst cosine {c16:.5f} (same precision) / {c32:.5f} (fp32) "
+                          f"at {worst}", file=sys.stderr)
             del model
             torch._dynamo.reset()
     print(f"\n{'plan':<10} {'variant':<20} {'batch':>5} {'loss':>9} {'fp32 loss':>9} {'cos same':>9} "
@@ -164,8 +174,9 @@ def main() -> int:
     for plan, variant, i, loss, l32, c16, c32 in rows:
         print(f"{plan:<10} {variant:<20} {i:>5} {loss:>9.4f} {l32:>9.4f} {c16:>9.5f} {c32:>9.5f}")
     print("attention gradients:", "FAIL" if failed else "ok",
-          f"(cos same: the worst per-parameter cosine against eager dense attention in the same precision, "
-          f"at least {args.min_cosine} BF16, {args.min_cosine_fp8} FP8; cos fp32: against eager dense fp32)")
+          f"(cos same: the worst per-parameter cosine against eager dense attention in the same precision, at "
+          f"least {args.min_cosine_fp8} for FP8; cos fp32: against eager dense fp32, for BF16 within {args.margin} "
+          "of eager dense BF16's)")
     return 1 if failed else 0
 
 
