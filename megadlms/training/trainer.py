@@ -615,11 +615,12 @@ def setup(config: RunConfig) -> Trainer:
     """Everything a run needs, built from its configuration (also used by benchmarks and tests)."""
     from ..data import build_loaders, load_tokenizer
 
-    t, data = config.train, config.data
-    ctx = init_parallel(t.device, config.parallel.tensor_model_parallel_size, config.parallel.distributed_backend)
+    train_cfg, data = config.train, config.data
+    ctx = init_parallel(train_cfg.device, config.parallel.tensor_model_parallel_size,
+                        config.parallel.distributed_backend)
     if not ctx.is_main:
         logging.getLogger("megadlms").setLevel(logging.WARNING)
-    _seed_all(t.seed)
+    _seed_all(train_cfg.seed)
     tokenizer_model = data.tokenizer_model
     if tokenizer_model is None and config.checkpoint.load:
         tokenizer_model = _checkpoint_tokenizer(config.checkpoint.load, config.checkpoint.ckpt_step)
@@ -640,19 +641,21 @@ def setup(config: RunConfig) -> Trainer:
             how = "cuDNN's FP8 flash attention" if ctx.device.type == "cuda" else "emulated on the CPU (for tests)"
             log.warning("FP8 attention (--fp8-dot-product-attention): %s; it lowers model quality against FP8 "
                         "linears alone (docs/fp8.md)", how)
-    lora = plan_lora(config, t.compute_dtype(ctx.device))  # --lora-rank: adapters on the base --load names
+    lora = plan_lora(config, train_cfg.compute_dtype(ctx.device))  # --lora-rank: adapters on the base --load names
     if lora is not None:
         cfg = lora.record(cfg)
     model = build_parallel_model(cfg, ctx, config.parallel,
-                                 activation_checkpointing=t.recompute_granularity == "full",
-                                 compile=t.compile_on(ctx.device), param_dtype=t.compute_dtype(ctx.device),
+                                 activation_checkpointing=train_cfg.recompute_granularity == "full",
+                                 compile=train_cfg.compile_on(ctx.device),
+                                 param_dtype=train_cfg.compute_dtype(ctx.device),
                                  fp8_param_gather=config.fp8.fp8_param_gather,
                                  lora=lora.config if lora else None, load_base=lora.load_base if lora else None)
-    global_batch = t.global_batch_size or t.micro_batch_size * ctx.dp_size
-    n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
-    data_cfg = data.loader_config(seq_length=cfg.seq_length, micro_batch_size=t.micro_batch_size, seed=t.seed,
-                                  train_samples=t.train_iters * global_batch,
-                                  eval_samples=t.eval_iters * global_batch * n_evals)
+    global_batch = train_cfg.global_batch_size or train_cfg.micro_batch_size * ctx.dp_size
+    n_evals = (train_cfg.train_iters // train_cfg.eval_interval + 1) if train_cfg.eval_interval else 1
+    data_cfg = data.loader_config(seq_length=cfg.seq_length, micro_batch_size=train_cfg.micro_batch_size,
+                                  seed=train_cfg.seed,
+                                  train_samples=train_cfg.train_iters * global_batch,
+                                  eval_samples=train_cfg.eval_iters * global_batch * n_evals)
     if ctx.distributed and not ctx.is_main:  # rank 0 tokenizes / indexes into the caches first, the others reuse them
         dist.barrier()
     loaders = build_loaders(data_cfg, tokenizer, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
