@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of what the CPU cannot run, in three parts of one command each (each under 9 minutes on one
+# The GPU checks of what the CPU cannot run, in four parts of one command each (each under 9 minutes on one
 # H100/H200). Logs go to $OUT (or ./gpu_validation_logs); a short table prints last.
 #     bash benchmarks/gpu_validation.sh correctness   FP8 numerics on the real kernels; the gradients of every
 #                                                     attention plan (compiled FlexAttention) against dense eager;
@@ -8,6 +8,8 @@
 #                                                     packed SFT against pre-training, BF16 and FP8, losses side
 #                                                     by side
 #     bash benchmarks/gpu_validation.sh quality       FP8 vs BF16 loss curves, the samplers, torchrun overhead
+#     bash benchmarks/gpu_validation.sh models        the MoE block (BF16 vs FP8, grouped GEMMs); LoRA on an FP8 base
+#                                                     against a BF16 base at llada-8b shapes (memory, tokens/s)
 set -u
 PART=${1:-correctness}
 export OUT=${OUT:-gpu_validation_logs}; mkdir -p "$OUT"
@@ -57,8 +59,15 @@ quality)
     echo "=== fp8 convergence"; tail -5 "$OUT/fp8_convergence.log"
     echo "=== torchrun overhead"; tail -6 "$OUT/torchrun_overhead.log"
     ;;
+models)
+    step moe_block 200 $PY benchmarks/moe_block.py
+    step lora_memory 300 $PY benchmarks/lora_memory.py
+    echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
+    echo "=== MoE block"; tail -10 "$OUT/moe_block.log"
+    echo "=== LoRA, FP8 vs BF16 base"; tail -8 "$OUT/lora_memory.log"
+    ;;
 *)
-    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed or quality" >&2
+    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed, quality or models" >&2
     exit 2
     ;;
 esac
