@@ -88,3 +88,22 @@ def test_sft_validates_at_default_flags(tmp_path):
         evals = [h["eval_loss"] for h in state.history if "eval_loss" in h]
         assert len(evals) == 2 and all(np.isfinite(evals)) and all(0 < x < 20 for x in evals), (mode, evals)
         assert trainer.evaluate() == evals[-1]  # the same batches and noise every evaluation
+
+
+def test_sft_validation_through_flex_attention_equals_the_dense_mask(tmp_path, monkeypatch):
+    """The GPU's attention path for packed documents (FlexAttention BlockMasks) run forward on the CPU: the SFT
+    validation loss equals the dense-mask path's (FlexAttention has no CPU backward: the training step is the GPU
+    check's, benchmarks/attention_grad_check.py)."""
+    from megadlms.training import documents
+
+    argv = SMALL + ["--sft", "--data-path", _chat_data(tmp_path), "--micro-batch-size", "2", "--train-iters", "2",
+                    "--lr", "3e-3"]
+    argv[argv.index("--eval-iters") + 1] = "2"
+    argv[argv.index("--split") + 1] = "50,50,0"
+    trainer = setup(parse_train_args(argv))
+    trainer.run()
+    dense = trainer.evaluate()
+    build = documents.build_attention_mask
+    monkeypatch.setattr(documents, "build_attention_mask", lambda *a, **k: build(*a, **{**k, "flex": True}))
+    flex = trainer.evaluate()
+    assert abs(flex - dense) <= 1e-5 * abs(dense), (flex, dense)
