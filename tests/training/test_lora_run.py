@@ -95,3 +95,17 @@ def test_lora_flags_need_a_base_and_refuse_base_training_flags():
         parse_train_args(SMALL + ["--lora-rank", "-1", "--load", "x"])
     with pytest.raises(ConfigError, match="add --lora-rank R"):
         parse_train_args(SMALL + ["--lora-targets", "q"])
+
+
+def test_fsdp2_trains_the_adapters_as_one_process(tmp_path):
+    """LoRA under FSDP2 (two gloo ranks, parameters sharded, the frozen base included): the losses of one process."""
+    from tests.distributed.launch import TINY, launch, train_losses
+
+    flags = TINY + ["--micro-batch-size", "2", "--lr-warmup-iters", "1"]
+    launch(1, flags + ["--train-iters", "2", "--save", str(tmp_path / "base")])
+    lora = flags + ["--load", str(tmp_path / "base"), "--use-checkpoint-args", "--lora-rank", "4", "--train-iters", "3"]
+    launch(1, lora + ["--save", str(tmp_path / "one")])
+    launch(2, lora + ["--save", str(tmp_path / "two"), "--data-parallel-sharding-strategy", "optim_grads_params",
+                      "--distributed-backend", "gloo"])
+    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert len(one) == 3 and two == pytest.approx(one, rel=1e-5)
