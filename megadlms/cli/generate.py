@@ -84,7 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("autoregressive and block-diffusion models")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling (with --temperature > 0): AR and bd3lm; BD3-LM's paper samples with "
+                        "--remasking random --temperature 1 --top-p 0.9 (one token a step, the first-hitting order)")
     return p
 
 
@@ -246,6 +248,7 @@ def _run(args: argparse.Namespace) -> int:
             x, start, nfe = bd3lm_generate_tokens(model, ids, attn, mask_id=mask_id, max_new_tokens=args.max_new_tokens,
                                                   steps=args.block_steps, threshold=args.threshold,
                                                   temperature=args.temperature, remasking=args.remasking, eos_id=eos,
+                                                  top_p=args.top_p,
                                                   generator=generator, progress=progress)
             forwards += nfe
             for row in generated_rows(x, start, args.max_new_tokens, eos_id=None, mask_id=mask_id):

@@ -42,7 +42,7 @@ from .sampler import (
 
 
 def check_bd3lm_args(*, block_size: int, max_new_tokens: int, steps: int | None, threshold: float | None,
-                     temperature: float, remasking: str) -> None:
+                     temperature: float, remasking: str, top_p: float = 1.0) -> None:
     if not isinstance(block_size, int) or block_size <= 0:
         raise ConfigError(f"block_size={block_size!r} must be a positive integer (the model's, from training)")
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -58,6 +58,8 @@ def check_bd3lm_args(*, block_size: int, max_new_tokens: int, steps: int | None,
         raise ConfigError(f"temperature={temperature} must be >= 0 (0 = greedy argmax)")
     if remasking not in REMASKING:
         raise ConfigError(f"remasking={remasking!r} is not one of {list(REMASKING)}")
+    if not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"top_p={top_p} must be in (0, 1] (1 disables nucleus sampling; BD3-LM samples at 0.9)")
 
 
 def _block_size_of(model: nn.Module, block_size: int | None) -> int:
@@ -91,7 +93,7 @@ def bd3lm_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_m
                           steps: int | None = None, threshold: float | None = None, temperature: float = 0.0,
                           remasking: str = "low_confidence", eos_id: int | None = None,
                           generator: torch.Generator | None = None, use_cache: bool = True,
-                          progress: Progress = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+                          progress: Progress = None, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Block-diffusion decoding of left-padded prompts.
 
     input_ids long [B, P], attention_mask bool [B, P] (True = real) or None. block_size: the model's by
@@ -99,12 +101,15 @@ def bd3lm_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_m
     `threshold` is given. Returns (x long [B, W]: each row's prompt right-aligned to block boundaries, then
     the generated blocks; start long [B]: the column where each row's generation begins; forwards run).
     Columns never generated (after an EOS stop) hold mask_id.
+    The paper's sampling: `remasking="random"` with one token a step (steps = block size), temperature 1 and
+    top_p 0.9: each step unmasks one position drawn uniformly among the masked ones (the first-hitting order of a
+    time-agnostic model) with a token drawn from the nucleus of its predicted distribution.
     """
     block = _block_size_of(model, block_size)
     if steps is None and threshold is None:
         steps = block
     check_bd3lm_args(block_size=block, max_new_tokens=max_new_tokens, steps=steps, threshold=threshold,
-                     temperature=temperature, remasking=remasking)
+                     temperature=temperature, remasking=remasking, top_p=top_p)
     device = input_ids.device
     b, p = input_ids.shape
     real_in = (torch.ones(b, p, dtype=torch.bool, device=device) if attention_mask is None
@@ -173,7 +178,7 @@ def bd3lm_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_m
                 if remasking == "random":
                     rand = torch.rand(blk.shape, device=device, generator=generator)
                 x0, score = propose(logits, temperature=temperature, remasking=remasking, noise=noise,
-                                    random_scores=rand, forbid=mask_id)
+                                    random_scores=rand, forbid=mask_id, top_p=top_p)
                 _commit(blk, open_, x0, score, None if schedule is None else schedule[:, step], threshold)
                 open_ = open_ & (blk == mask_id)
                 step += 1
@@ -191,7 +196,7 @@ def bd3lm_generate(model: nn.Module, prompts: Prompts, *, mask_id: int | None = 
                    max_new_tokens: int = 128, steps: int | None = None, threshold: float | None = None,
                    temperature: float = 0.0, remasking: str = "low_confidence", eos_id: int | None = None,
                    pad_id: int = 0, generator: torch.Generator | None = None, use_cache: bool = True,
-                   progress: Progress = None) -> list[list[int]]:
+                   progress: Progress = None, top_p: float = 1.0) -> list[list[int]]:
     """Generate from a block-diffusion model; returns each prompt's new tokens (at most max_new_tokens), cut
     before the first EOS. prompts: token-id lists of any lengths, or a long tensor [B, P]. mask_id and
     block_size default to the model config's. See `bd3lm_generate_tokens`."""
@@ -204,7 +209,7 @@ def bd3lm_generate(model: nn.Module, prompts: Prompts, *, mask_id: int | None = 
     x, start, _ = bd3lm_generate_tokens(model, ids, attn, mask_id=mask_id, block_size=block_size,
                                         max_new_tokens=max_new_tokens, steps=steps, threshold=threshold,
                                         temperature=temperature, remasking=remasking, eos_id=eos_id,
-                                        generator=generator, use_cache=use_cache, progress=progress)
+                                        generator=generator, use_cache=use_cache, progress=progress, top_p=top_p)
     return generated_rows(x, start, max_new_tokens, eos_id=eos_id, mask_id=mask_id)
 
 

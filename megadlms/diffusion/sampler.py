@@ -213,20 +213,37 @@ def gumbel_scores(logits: torch.Tensor, temperature: float, noise: torch.Tensor)
     return logits.to(torch.float64).exp() / (-torch.log(noise)) ** temperature
 
 
+def nucleus_logits(logits: torch.Tensor, top_p: float, forbid: int | None = None) -> torch.Tensor:
+    """logits [..., V] -> fp32 logits with every token outside the nucleus at -inf: the smallest set of most likely
+    tokens whose probability mass reaches top_p (BD3-LM's nucleus sampling), after `forbid` is removed from the
+    distribution. top_p >= 1 keeps every token."""
+    lf = logits.float()
+    if forbid is not None:
+        lf = lf.clone()
+        lf[..., forbid] = -math.inf
+    if top_p >= 1.0:
+        return lf
+    sorted_l, order = lf.sort(dim=-1, descending=True)
+    p = F.softmax(sorted_l, dim=-1)
+    drop = p.cumsum(dim=-1) - p > top_p  # the mass before a token already reaches top_p
+    return torch.empty_like(lf).scatter_(-1, order, sorted_l.masked_fill(drop, -math.inf))
+
+
 def propose(logits: torch.Tensor, *, temperature: float, remasking: str, noise: torch.Tensor | None = None,
-            random_scores: torch.Tensor | None = None,
-            forbid: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            random_scores: torch.Tensor | None = None, forbid: int | None = None,
+            top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, W, V] -> (x0 long [B, W], score [B, W]).
 
     x0 is the argmax of the logits (temperature 0) or of the Gumbel scores (`noise` float64
-    [B, W, V] uniform). score is the float64 softmax probability of x0 ('low_confidence') or
-    `random_scores` ('random'). `forbid`: a token id x0 may not take (the fast sampler never
-    commits the mask token); the score still uses the full softmax.
+    [B, W, V] uniform): a draw from softmax(logits / T), restricted to the top_p nucleus when top_p < 1. score is
+    the float64 softmax probability of x0 ('low_confidence') or `random_scores` ('random'). `forbid`: a token id
+    x0 may not take (the fast sampler never commits the mask token); the score still uses the full softmax.
     """
     if temperature > 0:
         if noise is None:
             raise ValueError("propose: temperature > 0 needs the uniform noise tensor")
-        scores = gumbel_scores(logits, temperature, noise)
+        drawn = logits if top_p >= 1.0 else nucleus_logits(logits, top_p, forbid)
+        scores = gumbel_scores(drawn, temperature, noise)
     else:
         scores = logits
     if forbid is not None:

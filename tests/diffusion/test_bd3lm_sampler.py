@@ -106,3 +106,29 @@ def test_generate_cli_defaults_to_the_bd3lm_sampler(tmp_path, capsys, monkeypatc
     expect = bd3lm_generate(model, [list(p.encode()) for p in prompts], max_new_tokens=9, steps=2, pad_id=PAD)
     assert out == "".join(f">>> {p}\n{ByteTokenizer().decode(e)}\n\n" for p, e in zip(prompts, expect))
     assert "[bd3lm] 18 tokens in" in err
+
+
+def test_nucleus_keeps_the_smallest_set_that_reaches_top_p():
+    from megadlms.diffusion.sampler import nucleus_logits
+
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    kept = nucleus_logits(logits, 0.7).isfinite().tolist()
+    assert kept == [True, True, False, False]  # 0.5 < 0.7 <= 0.5 + 0.3
+    assert nucleus_logits(logits, 0.7, forbid=0).isfinite().tolist() == [False, True, True, False]  # 0.6 + 0.3
+    assert nucleus_logits(logits, 1.0).isfinite().all()
+
+
+def test_paper_sampling_draws_from_the_nucleus_one_token_a_step():
+    """The paper's sampler (random order, one token a step, temperature 1, nucleus): reproducible with a
+    generator; a nucleus of one token makes the draw the argmax, i.e. greedy decoding in the same order."""
+    model, _ = tiny()
+    kw = dict(mask_id=MASK, max_new_tokens=8, eos_id=None, steps=BLOCK)
+    draw = [bd3lm_generate(model, PROMPTS, temperature=1.0, top_p=0.9, remasking="random",
+                           generator=torch.Generator().manual_seed(0), **kw) for _ in range(2)]
+    assert draw[0] == draw[1] and all(len(r) == 8 for r in draw[0])
+    greedy = bd3lm_generate(model, PROMPTS, temperature=0.0, **kw)
+    nucleus_of_one = bd3lm_generate(model, PROMPTS, temperature=1.0, top_p=1e-6,
+                                    generator=torch.Generator().manual_seed(0), **kw)
+    assert nucleus_of_one == greedy
+    with pytest.raises(ConfigError, match="top_p=0 must be in"):
+        bd3lm_generate(model, PROMPTS, top_p=0, **kw)
