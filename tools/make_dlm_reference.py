@@ -7,12 +7,15 @@ runs outside the test suite: point it at folders holding the code, in an environ
 
     python tools/make_dlm_reference.py --llada-code DIR --dream-code DIR [--out tests/interop/data]
     python tools/make_dlm_reference.py --llada-code DIR --dream-code DIR --check-export EXPORT_DIR
+    python tools/make_dlm_reference.py --dream-code DIR --generate [--out tests/interop/data]
 
 The first form writes, per model, an HF folder `<name>/` (config.json + model.safetensors, as the reference
 class's save_pretrained writes them) and `<name>_reference.safetensors` holding the inputs and the fp32 logits
 (`input_ids` [2, 16] with mask tokens, `attention_mask` [2, 16] with row 1 right-padded, `logits` of the unpadded
 call, `logits_padded` of the padded one). The second loads an exported folder with the reference class and prints
-the largest logit difference against ours at the same path's `_reference.safetensors` inputs.
+the largest logit difference against ours at the same path's `_reference.safetensors` inputs. The third runs
+Dream's own `diffusion_generate` (its generation_utils.py) on the recorded `dream/` folder for each decoding order
+in GEN_CASES and writes the prompts, arguments, seeds and output tokens to `dream_generate_reference.json`.
 
 Models: `llada_llama` (block type llama, untied head, 4 heads / 2 KV heads, vocabulary padded 300 -> 320 rows),
 `llada_sequential` (fused att_proj/ff_proj, q/k/v bias, tied head), `dream` (Qwen2.5 shapes: q/k/v bias, 4 / 2
@@ -147,16 +150,74 @@ def check_export(export: Path, reference: Path, llada_code: Path, dream_code: Pa
     return diff
 
 
+# Dream's decoding orders on the tiny `dream` model: (name, diffusion_generate arguments, left-padded prompts?)
+GEN_CASES = [
+    ("origin", dict(alg="origin", steps=6, temperature=0.0), False),
+    ("origin_sampled", dict(alg="origin", steps=6, temperature=0.7, top_p=0.95), False),
+    ("maskgit_plus", dict(alg="maskgit_plus", steps=5, temperature=0.0), False),
+    ("maskgit_plus_alg_temp", dict(alg="maskgit_plus", steps=5, temperature=0.7, alg_temp=0.5), False),
+    ("topk_margin", dict(alg="topk_margin", steps=12, temperature=0.0), False),
+    ("topk_margin_alg_temp", dict(alg="topk_margin", steps=4, temperature=0.0, alg_temp=0.3), False),
+    ("entropy", dict(alg="entropy", steps=5, temperature=0.0), False),
+    ("entropy_top_k", dict(alg="entropy", steps=7, temperature=0.5, top_k=20), False),
+    ("maskgit_plus_padded", dict(alg="maskgit_plus", steps=6, temperature=0.0), True),
+    ("entropy_padded_alg_temp", dict(alg="entropy", steps=6, temperature=0.8, alg_temp=0.4), True),
+]
+GEN_LENGTH, PROMPT_LENGTH = 12, 6
+
+
+def gen_prompts(padded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """input_ids [2, 6] (no mask tokens) and, when padded, attention_mask [2, 6] with row 1 left-padded by 2."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 290, (BATCH, PROMPT_LENGTH), generator=g)
+    if not padded:
+        return ids, None
+    ids[1, :2] = MODELS["dream"]["pad_token_id"]
+    attn = torch.ones(BATCH, PROMPT_LENGTH, dtype=torch.long)
+    attn[1, :2] = 0
+    return ids, attn
+
+
+def record_generation(out: Path, dream_code: Path) -> None:
+    """Dream's `diffusion_generate` tokens for each of GEN_CASES on the recorded `dream` folder."""
+    _import(dream_code, "ref_dream")
+    from ref_dream.generation_utils import DreamGenerationConfig  # type: ignore[import-not-found]
+    from ref_dream.modeling_dream import DreamModel  # type: ignore[import-not-found]
+
+    model = DreamModel.from_pretrained(str(out / "dream"), torch_dtype=torch.float32).eval()
+    cases = []
+    for i, (name, kwargs, padded) in enumerate(GEN_CASES):
+        ids, attn = gen_prompts(padded)
+        seed = 100 + i
+        torch.manual_seed(seed)
+        # an explicit config: DreamGenerationConfig.from_model_config fails under transformers 4.46.3
+        conf = DreamGenerationConfig(max_new_tokens=GEN_LENGTH, mask_token_id=MODELS["dream"]["mask_token_id"],
+                                     pad_token_id=MODELS["dream"]["pad_token_id"], eos_token_id=0, bos_token_id=0,
+                                     **kwargs)
+        seqs = model.diffusion_generate(ids, attention_mask=attn, generation_config=conf)
+        cases.append(dict(name=name, kwargs=kwargs, seed=seed, input_ids=ids.tolist(),
+                          attention_mask=None if attn is None else attn.tolist(), sequences=seqs.tolist()))
+        print(f"{name}: {seqs[:, PROMPT_LENGTH:].tolist()}")
+    (out / "dream_generate_reference.json").write_text(json.dumps(dict(gen_length=GEN_LENGTH, cases=cases)) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--llada-code", type=Path, required=True, help="folder with configuration_/modeling_llada.py")
+    p.add_argument("--llada-code", type=Path, default=None, help="folder with configuration_/modeling_llada.py")
     p.add_argument("--dream-code", type=Path, required=True,
                    help="folder with configuration_/modeling_dream.py and generation_utils.py")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--check-export", type=Path, default=None, metavar="DIR",
                    help="load this exported folder with the reference class instead of recording")
     p.add_argument("--reference", type=Path, default=None, help="with --check-export: the _reference file")
+    p.add_argument("--generate", action="store_true",
+                   help="record Dream's diffusion_generate tokens (needs only --dream-code)")
     a = p.parse_args()
+    if a.generate:
+        record_generation(a.out, a.dream_code)
+        return
+    if a.llada_code is None:
+        p.error("--llada-code is required unless --generate")
     if a.check_export is not None:
         check_export(a.check_export, a.reference, a.llada_code, a.dream_code)
     else:
