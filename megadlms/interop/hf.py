@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import TransformerConfig
+from ..data.tokenizer import complete_tokenizer_config
 from ..model import RotaryEmbedding, TransformerLM
 from ..presets import (  # noqa: F401  (the config translation, re-exported: part of this module's API)
     SUPPORTED_ARCHITECTURES,
@@ -503,6 +504,8 @@ def save_hf_model(model: torch.nn.Module, cfg: TransformerConfig, save_dir: str 
     saved_dtype = next(v.dtype for k, v in hf_sd.items() if k.endswith(("embed_tokens.weight", "wte.weight")))
     save_safetensors_sharded(hf_sd, save_dir, max_shard_size=parse_size(max_shard_size))
     copied = copy_tokenizer_files(tokenizer_dir, save_dir) if tokenizer_dir is not None else []
+    if "tokenizer.json" in copied and complete_tokenizer_config(save_dir, mask_id=cfg.mask_token_id):
+        copied.append("tokenizer_config.json")  # (a checkpoint saved before checkpoints carried one)
     if tokenizer_dir is not None and not any(n in copied for n in _TOKENIZER_MODEL_FILES):
         warnings.warn(f"no tokenizer files ({', '.join(_TOKENIZER_MODEL_FILES)}) in {tokenizer_dir}; "
                       "AutoTokenizer.from_pretrained will not load the export", stacklevel=2)
