@@ -11,6 +11,12 @@ Both are read and written without their modeling code (which ships with the mode
   everywhere; no position embeddings but RoPE.
 - **Dream** (Dream-org/Dream-v0-Base-7B, -Instruct-7B): Qwen2.5's config fields and tensor names, q/k/v with
   bias, bidirectional attention, and the shifted prediction (the logits at position i predict token i + 1).
+- **LLaDA-MoE** (inclusionAI/LLaDA-MoE-7B-A1B-Base, -Instruct; `LLaDAMoEModelLM`): OLMoE-style names
+  (`model.layers.N.mlp.gate`, `mlp.experts.E.{gate,up,down}_proj`, a layer-level `shared_expert`), QK norm per
+  head, dense layers where `moe_layer_freq[i]` is 0. Its router is a softmax over all experts whose top-k
+  probabilities are the weights, not renormalised (`moe_router_pre_softmax`); its forward ignores
+  `norm_topk_prob`, `routed_scaling_factor`, `moe_router_score_function` and the router groups, and so does the
+  import (they are kept for the export).
 
 An import keeps the source's config.json in `cfg.extra['hf_config']`, so an export writes back the fields this
 module does not interpret (`init_fn`, `precision`, ...) as the original had them.
@@ -23,10 +29,16 @@ from typing import Any
 
 LLADA_ARCHITECTURE = "LLaDAModelLM"
 DREAM_ARCHITECTURE = "DreamModel"
+LLADA_MOE_ARCHITECTURE = "LLaDAMoEModelLM"
+# the architectures whose modeling code is not in transformers: exported in their own format, checked by name
+OWN_FORMAT_ARCHITECTURES = (LLADA_ARCHITECTURE, DREAM_ARCHITECTURE, LLADA_MOE_ARCHITECTURE)
 LLADA_AUTO_MAP = {"AutoConfig": "configuration_llada.LLaDAConfig",
                   "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
                   "AutoModel": "modeling_llada.LLaDAModelLM"}
 DREAM_AUTO_MAP = {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"}
+LLADA_MOE_AUTO_MAP = {"AutoConfig": "configuration_lladamoe.LLaDAMoEConfig",
+                      "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM",
+                      "AutoModelForCausalLM": "modeling_lladamoe.LLaDAMoEModelLM"}
 LLADA_MASK_TOKEN_ID = 126336
 DREAM_MASK_TOKEN_ID = 151666
 LLADA_BLOCK_TYPES = ("llama", "sequential")
@@ -66,11 +78,13 @@ class FormatError(ValueError):
 
 
 def dlm_format(hf: Mapping[str, Any]) -> str | None:
-    """'llada' | 'dream' for a config.json dict of those models (by `architectures`, else `model_type`), else None."""
+    """'llada' | 'dream' | 'lladamoe' for a config.json dict of those models (by `architectures`, else
+    `model_type`), else None."""
     archs = hf.get("architectures") or []
     if archs:
-        return {LLADA_ARCHITECTURE: "llada", DREAM_ARCHITECTURE: "dream"}.get(archs[0])
-    return {"llada": "llada", "Dream": "dream"}.get(str(hf.get("model_type")))
+        return {LLADA_ARCHITECTURE: "llada", DREAM_ARCHITECTURE: "dream", LLADA_MOE_ARCHITECTURE: "lladamoe"}.get(
+            archs[0])
+    return {"llada": "llada", "Dream": "dream", "lladamoe": "lladamoe"}.get(str(hf.get("model_type")))
 
 
 def llada_block_type(hf: Mapping[str, Any]) -> str:
@@ -200,11 +214,103 @@ def dream_config(qwen2: Mapping[str, Any], fields: Mapping[str, Any], *,
     return dict(sorted(out.items()))
 
 
-def _refuse(fields: Mapping[str, Any], name: str, *, shift_ok: bool) -> None:
+def lladamoe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """TransformerConfig fields for a LLaDA-MoE config.json dict; FormatError for what the model does not
+    implement (o_proj bias, q/k/v clipping, partial RoPE, the expert bias, a moe_layer_freq not one 0/1 per layer)."""
+    if hf.get("attention_bias"):
+        raise FormatError("attention_bias=true (biases on q/k/v and o_proj) is not supported; the released "
+                          "LLaDA-MoE models have none")
+    if hf.get("clip_qkv") is not None:
+        raise FormatError(f"clip_qkv={hf['clip_qkv']} (clamped q/k/v) is not supported; set it to null")
+    prf = hf.get("partial_rotary_factor", 1.0)
+    if prf not in (1, 1.0):
+        raise FormatError(f"partial_rotary_factor={prf} is not supported; RoPE covers the whole head (1.0)")
+    if hf.get("moe_router_enable_expert_bias"):
+        raise FormatError("moe_router_enable_expert_bias=true is not supported: LLaDA-MoE adds that bias to the "
+                          "routing weights too, which the MoE layer here does not")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise FormatError(f"hidden_act={hf['hidden_act']!r} is not supported; the MLPs are SwiGLU ('silu')")
+    n = hf["num_hidden_layers"]
+    freq = hf.get("moe_layer_freq")
+    if not isinstance(freq, list) or len(freq) != n or any(f not in (0, 1) for f in freq):
+        raise FormatError(f"moe_layer_freq={freq!r} must list 0 (dense) or 1 (MoE) for each of the {n} layers")
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if d % heads:
+        raise FormatError(f"hidden_size={d} is not divisible by num_attention_heads={heads}")
+    max_pos = hf.get("max_position_embeddings", 4096)
+    shared = hf.get("shared_expert_intermediate_size")
+    return dict(
+        num_layers=n, hidden_size=d, num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads, kv_channels=d // heads,
+        ffn_hidden_size=hf["dense_intermediate_size"], vocab_size=hf["vocab_size"], max_position_embeddings=max_pos,
+        seq_length=min(4096, max_pos), rotary_base=float(hf["rope_theta"]), norm_epsilon=hf.get("rms_norm_eps", 1e-5),
+        qk_layernorm=bool(hf.get("qk_layernorm")), add_qkv_bias=False,
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        init_method_std=hf.get("initializer_range", 0.02), num_moe_experts=hf["num_experts"],
+        moe_router_topk=hf["num_experts_per_tok"], moe_ffn_hidden_size=hf["expert_intermediate_size"],
+        moe_shared_expert_intermediate_size=shared if shared and shared > 0 else None, moe_layer_freq=list(freq),
+        moe_router_score_function="softmax", moe_router_pre_softmax=True)
+
+
+# LLaDAMoEConfig's fields that an export of a model not imported from LLaDA-MoE writes as the class defaults them
+_LLADA_MOE_TEMPLATE: dict[str, Any] = {
+    "architectures": [LLADA_MOE_ARCHITECTURE], "model_type": "lladamoe", "auto_map": LLADA_MOE_AUTO_MAP,
+    "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None, "use_cache": False,
+    "output_router_logits": False, "router_aux_loss_coef": 0.01, "norm_topk_prob": None,
+    "moe_router_enable_expert_bias": None, "moe_router_score_function": None, "routed_scaling_factor": 1,
+    "router_num_group": -2, "router_topk_group": -2, "partial_rotary_factor": 1.0, "rope_scaling": None,
+}
+
+
+def lladamoe_config(fields: Mapping[str, Any], *, source: Mapping[str, Any] | None = None,
+                    token_ids: Mapping[str, int | None] | None = None) -> dict[str, Any]:
+    """The LLaDA-MoE config.json dict for a model of TransformerConfig `fields`; FormatError when LLaDA-MoE's code
+    would compute something else (another router, q/k/v bias, a head dim other than hidden / heads, ...)."""
+    _refuse(fields, "LLaDA-MoE", shift_ok=False, qk_norm_ok=True, moe_ok=True)
+    if fields["num_moe_experts"] is None:
+        raise FormatError("the model has no experts (num_moe_experts is None); export with --hf-format llada")
+    if fields["add_qkv_bias"]:
+        raise FormatError("the model has q/k/v biases, which LLaDA-MoE's attention has only with o_proj's")
+    d, heads = fields["hidden_size"], fields["num_attention_heads"]
+    if fields["kv_channels"] * heads != d:
+        raise FormatError(f"kv_channels={fields['kv_channels']}: LLaDA-MoE's head dim is hidden_size / heads")
+    router = (fields["moe_router_score_function"], fields["moe_router_pre_softmax"],
+              fields["moe_router_topk_scaling_factor"], fields["moe_router_enable_expert_bias"])
+    if router != ("softmax", True, None, False):
+        raise FormatError(f"the router (score {router[0]}, pre-softmax {router[1]}, scaling {router[2]}, expert "
+                          f"bias {router[3]}) is not LLaDA-MoE's (a softmax over all experts, the top-k "
+                          "probabilities as weights, no scaling, no bias)")
+    n = fields["num_layers"]
+    freq = fields["moe_layer_freq"]
+    pattern = list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(n)]
+    src = dict(source) if source is not None and dlm_format(source) == "lladamoe" else {}
+    out = {**_LLADA_MOE_TEMPLATE, **src}
+    out.update(
+        architectures=[LLADA_MOE_ARCHITECTURE], model_type="lladamoe",
+        auto_map=out.get("auto_map") or LLADA_MOE_AUTO_MAP,
+        vocab_size=fields["vocab_size"], hidden_size=d, num_hidden_layers=n, num_attention_heads=heads,
+        num_key_value_heads=fields["num_query_groups"], dense_intermediate_size=fields["ffn_hidden_size"],
+        expert_intermediate_size=fields["moe_ffn_hidden_size"],
+        shared_expert_intermediate_size=fields["moe_shared_expert_intermediate_size"],
+        num_experts=fields["num_moe_experts"], num_experts_per_tok=fields["moe_router_topk"], moe_layer_freq=pattern,
+        max_position_embeddings=fields["max_position_embeddings"], rope_theta=float(fields["rotary_base"]),
+        rms_norm_eps=fields["norm_epsilon"], qk_layernorm=bool(fields["qk_layernorm"]),
+        tie_word_embeddings=not fields["untie_embeddings_and_output_weights"],
+        initializer_range=fields["init_method_std"], mask_token_id=fields["mask_token_id"])
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if (token_ids or {}).get(key) is not None:
+            out[key] = token_ids[key]  # type: ignore[index]
+    return dict(sorted(out.items()))
+
+
+def _refuse(fields: Mapping[str, Any], name: str, *, shift_ok: bool, qk_norm_ok: bool = False,
+            moe_ok: bool = False) -> None:
+    if fields.get("num_moe_experts") is not None and not moe_ok:
+        raise FormatError(f"a mixture-of-experts model has no {name} form; export with --hf-format lladamoe")
     if fields["attn_mask_type"] != "bidirectional":
         raise FormatError(f"the model has {fields['attn_mask_type']} attention; {name}'s code always runs "
                           "bidirectional attention: export with --hf-format stock")
-    if fields["qk_layernorm"]:
+    if fields["qk_layernorm"] and not qk_norm_ok:
         raise FormatError(f"the model has QK layernorm, which {name} does not; export with --hf-format stock")
     if fields.get("block_size") is not None:
         raise FormatError(f"a block-diffusion model (block_size={fields['block_size']}) has no {name} form; "

@@ -14,7 +14,7 @@ import torch
 
 from . import dlm_formats
 from .config import ConfigError, TransformerConfig
-from .dlm_formats import DREAM_ARCHITECTURE, LLADA_ARCHITECTURE, FormatError
+from .dlm_formats import DREAM_ARCHITECTURE, LLADA_ARCHITECTURE, LLADA_MOE_ARCHITECTURE, FormatError
 from .errors import MegaDLMsError
 
 BUNDLED_VOCAB_SIZE = 4096  # the bundled demo tokenizer's; a preset without a vocab_size takes the tokenizer's
@@ -68,9 +68,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 # HF class -> our family name; the family decides the config fields and the bias layout.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
-    LLADA_ARCHITECTURE: "llada", DREAM_ARCHITECTURE: "dream"}
+    LLADA_ARCHITECTURE: "llada", DREAM_ARCHITECTURE: "dream", LLADA_MOE_ARCHITECTURE: "lladamoe"}
 # config.json's model_type -> our family
-_MODEL_TYPES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "llada": "llada", "Dream": "dream"}
+_MODEL_TYPES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "llada": "llada", "Dream": "dream",
+                "lladamoe": "lladamoe"}
 _FAMILY_ARCHITECTURES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 # transformers' class defaults for fields that a config.json may leave out
 _FAMILY_DEFAULTS = {"qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
@@ -78,7 +79,7 @@ _FAMILY_DEFAULTS = {"qwen3": {"max_position_embeddings": 32768, "head_dim": 128}
                     "llama": {"max_position_embeddings": 2048},
                     "dream": {"max_position_embeddings": 32768}}
 # `megadlms convert megadlms-to-hf --hf-format`: as imported (auto), the stock transformers class, or a DLM's own
-HF_FORMATS = ("auto", "stock", "llada", "dream")
+HF_FORMATS = ("auto", "stock", "llada", "dream", "lladamoe")
 
 
 class InteropError(MegaDLMsError, ValueError):
@@ -140,7 +141,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 
 def hf_family(hf: Mapping[str, Any]) -> str:
-    """'qwen3' | 'qwen2' | 'llama' | 'llada' | 'dream' for a supported config dict; InteropError otherwise."""
+    """'qwen3' | 'qwen2' | 'llama' | 'llada' | 'dream' | 'lladamoe' for a supported config dict; InteropError
+    otherwise."""
     archs = hf.get("architectures") or []
     if archs:
         arch = archs[0]
@@ -197,8 +199,9 @@ def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None =
     The original bos/eos/pad ids and architecture are kept in `cfg.extra` for a faithful export.
     """
     family = hf_family(hf)
-    if family == "llada":
-        return _llada_to_megadlms(hf, attn_mask_type=attn_mask_type, mask_token_id=mask_token_id)
+    if family in ("llada", "lladamoe"):
+        return _llada_to_megadlms(hf, attn_mask_type=attn_mask_type, mask_token_id=mask_token_id,
+                                  moe=family == "lladamoe")
     _check_supported_features(hf, family)
     defaults = _FAMILY_DEFAULTS[family]
     if attn_mask_type is None:  # Dream's attention is bidirectional whatever the config says
@@ -240,15 +243,17 @@ def _token_ids(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _llada_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None,
-                       mask_token_id: int | None) -> TransformerConfig:
-    """A TransformerConfig for a LLaDA config.json dict (bidirectional unless asked otherwise)."""
+                       mask_token_id: int | None, moe: bool = False) -> TransformerConfig:
+    """A TransformerConfig for a LLaDA or LLaDA-MoE config.json dict (bidirectional unless asked otherwise)."""
+    name = "LLaDA-MoE" if moe else "LLaDA"
     try:
-        fields = dlm_formats.llada_fields(hf)
+        fields = dlm_formats.lladamoe_fields(hf) if moe else dlm_formats.llada_fields(hf)
     except FormatError as e:
-        raise InteropError(f"LLaDA config.json: {e}") from e
+        raise InteropError(f"{name} config.json: {e}") from e
     except KeyError as e:
-        raise InteropError(f"LLaDA config.json has no {e.args[0]!r} field, which the format requires") from e
-    extra = {"hf_architecture": LLADA_ARCHITECTURE, "hf_token_ids": _token_ids(hf), "hf_config": dict(hf)}
+        raise InteropError(f"{name} config.json has no {e.args[0]!r} field, which the format requires") from e
+    extra = {"hf_architecture": LLADA_MOE_ARCHITECTURE if moe else LLADA_ARCHITECTURE, "hf_token_ids": _token_ids(hf),
+             "hf_config": dict(hf)}
     try:
         return TransformerConfig(**fields, attn_mask_type=attn_mask_type or "bidirectional",
                                  mask_token_id=hf.get("mask_token_id") if mask_token_id is None else mask_token_id,
@@ -258,17 +263,23 @@ def _llada_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None,
 
 
 def hf_architecture(cfg: TransformerConfig, hf_format: str = "auto") -> str:
-    """The Hugging Face class an export of `cfg` names: with hf_format 'auto', LLaDA's or Dream's when the model
-    was imported from one (`cfg.extra['hf_architecture']`), else the stock transformers class that computes
-    exactly what `cfg` does; 'stock', 'llada', 'dream' ask for one."""
+    """The Hugging Face class an export of `cfg` names: with hf_format 'auto', LLaDA's, Dream's or LLaDA-MoE's when
+    the model was imported from one (`cfg.extra['hf_architecture']`), LLaDA-MoE's for any mixture of experts,
+    else the stock transformers class that computes exactly what `cfg` does; 'stock', 'llada', 'dream',
+    'lladamoe' ask for one."""
     if hf_format not in HF_FORMATS:
         raise InteropError(f"hf_format={hf_format!r} is not one of {list(HF_FORMATS)}")
-    own = {"llada": LLADA_ARCHITECTURE, "dream": DREAM_ARCHITECTURE}
+    own = {"llada": LLADA_ARCHITECTURE, "dream": DREAM_ARCHITECTURE, "lladamoe": LLADA_MOE_ARCHITECTURE}
     if hf_format in own:
         return own[hf_format]
     recorded = (cfg.extra or {}).get("hf_architecture")
     if hf_format == "auto" and recorded in own.values():
         return str(recorded)
+    if cfg.is_moe:  # the one mixture-of-experts format written
+        if hf_format == "stock":
+            raise InteropError("a mixture-of-experts model has no stock transformers architecture here; export with "
+                               "--hf-format lladamoe (LLaDA-MoE's format)")
+        return LLADA_MOE_ARCHITECTURE
     if cfg.qk_layernorm and cfg.add_qkv_bias:
         raise InteropError("qk_layernorm=True together with add_qkv_bias=True has no stock transformers "
                            "architecture (Qwen3 has QK norm without biases, Qwen2 biases without QK norm)")
@@ -297,6 +308,8 @@ def megadlms_config_to_hf(cfg: TransformerConfig, *, dtype: torch.dtype = torch.
     try:
         if arch == LLADA_ARCHITECTURE:
             return dlm_formats.llada_config(cfg.to_dict(), source=source, token_ids=ids)
+        if arch == LLADA_MOE_ARCHITECTURE:
+            return dlm_formats.lladamoe_config(cfg.to_dict(), source=source, token_ids=ids)
         if arch == DREAM_ARCHITECTURE:
             qwen2 = _stock_config(cfg, "Qwen2ForCausalLM", dtype, ids)
             return dlm_formats.dream_config(qwen2, cfg.to_dict(), source=source)

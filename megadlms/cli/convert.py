@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..config import ATTN_MASK_TYPES, ConfigError, TransformerConfig
-from ..dlm_formats import DREAM_ARCHITECTURE, LLADA_ARCHITECTURE
+from ..dlm_formats import OWN_FORMAT_ARCHITECTURES
 from ..errors import report_errors
 from ..interop.hf import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -94,8 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     exp.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE), metavar="SIZE",
                      help="largest safetensors shard, bytes or e.g. '5GB', '500MB' (default 5GB)")
     exp.add_argument("--hf-format", choices=HF_FORMATS, default="auto",
-                     help="auto (default): LLaDA's or Dream's own format when imported from one, else the stock "
-                          "transformers class; stock, llada, dream: that format")
+                     help="auto (default): LLaDA's, Dream's or LLaDA-MoE's own format when imported from one (a "
+                          "mixture of experts: LLaDA-MoE's), else the stock transformers class; stock, llada, dream, "
+                          "lladamoe: that format")
     exp.add_argument("--lora", action="store_true",
                      help="--load is a LoRA checkpoint: write its adapters as a PEFT adapter folder "
                           "(adapter_config.json, adapter_model.safetensors) for the base's export")
@@ -238,7 +239,7 @@ def _verify_import(weights: dict[str, torch.Tensor], cfg: TransformerConfig, src
     """The check of an import: transformers' model of the folder against ours (stock architectures); for LLaDA
     and Dream, whose modeling code transformers does not have, the weights mapped back to the folder's own names
     and compared tensor by tensor (their logits against the reference code are what tests/interop checks)."""
-    if cfg.extra.get("hf_architecture") in (LLADA_ARCHITECTURE, DREAM_ARCHITECTURE):
+    if cfg.extra.get("hf_architecture") in OWN_FORMAT_ARCHITECTURES:
         return _round_trip(weights, cfg, src, dtype)
     ours = model_from_state_dict(cfg, weights, dtype=torch.float32)
     return verify_against_folder(ours, cfg, src, tolerance=tol, vocab_limit=tokenizer_vocab_size(src),
@@ -325,7 +326,7 @@ def _megadlms_to_hf(args: argparse.Namespace) -> int:
     if not args.verify:
         return 0
     weights = plain_state_dict(model, cfg)
-    if arch in (LLADA_ARCHITECTURE, DREAM_ARCHITECTURE):  # no transformers class to run: the weights, name by name
+    if arch in OWN_FORMAT_ARCHITECTURES:  # no transformers class to run: the weights, name by name
         low = DTYPES[args.dtype] if args.dtype is not None else weights["embed_tokens.weight"].dtype
         export_cfg = cfg.replace(extra={**cfg.extra, "hf_architecture": arch})
         return _report(_round_trip({k: v.to(low) if v.is_floating_point() else v for k, v in weights.items()},
@@ -349,7 +350,7 @@ def _verify_pair(args: argparse.Namespace) -> int:
     hf_dtype = DTYPES.get(str(hf_conf.get("dtype") or hf_conf.get("torch_dtype") or "float32"), torch.float32)
     low = hf_dtype if hf_dtype != torch.float32 else weights["embed_tokens.weight"].dtype
     arch = (hf_conf.get("architectures") or [""])[0]
-    if arch in (LLADA_ARCHITECTURE, DREAM_ARCHITECTURE):  # no transformers class to run: the weights, name by name
+    if arch in OWN_FORMAT_ARCHITECTURES:  # no transformers class to run: the weights, name by name
         pair_cfg = cfg.replace(extra={**cfg.extra, "hf_architecture": arch, "hf_config": hf_conf})
         return _report(_round_trip({k: v.to(low) if v.is_floating_point() else v for k, v in weights.items()},
                                    pair_cfg, Path(args.hf_model), low))

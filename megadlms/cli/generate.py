@@ -1,11 +1,13 @@
 """`megadlms generate`: sample text from a checkpoint, an exported Hugging Face folder or an FP8 export.
 
 Diffusion models (bidirectional) use the fast sampler on GPU and LLaDA's reference sampler on
-CPU unless --sampler says otherwise; block-diffusion (bd3lm) models decode block by block with a
-KV cache of the finished blocks; causal (vanilla) models decode autoregressively.
+CPU unless --sampler says otherwise (--sampler dream: Dream's decoding orders, --alg);
+block-diffusion (bd3lm) models decode block by block with a KV cache of the finished blocks;
+causal (vanilla) models decode autoregressively.
 
     megadlms generate --load runs/tiny --prompt "Once upon a time" --gen-length 64 --block-length 32
     megadlms generate --hf-model export/ --prompt-file in.jsonl --output-file out.jsonl --sampler fast
+    megadlms generate --hf-model dream/ --prompt "Hi" --sampler dream --alg entropy --steps 64 --gen-length 64
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from ..config import ConfigError
 from ..diffusion.bd3lm_sampler import bd3lm_generate_tokens, generated_rows
+from ..diffusion.dream_sampler import DREAM_ALGS, dream_generate_tokens
 from ..diffusion.fast_sampler import fast_generate_tokens
 from ..diffusion.sampler import REMASKING, generate_tokens, prepare_prompts
 from ..errors import report_errors
@@ -56,16 +59,25 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     g = p.add_argument_group("diffusion sampling")
-    g.add_argument("--sampler", choices=("reference", "fast", "bd3lm"), default=None,
+    g.add_argument("--sampler", choices=("reference", "fast", "bd3lm", "dream"), default=None,
                    help="reference: LLaDA's sampler; fast: KV cache + parallel decoding (default: fast on GPU, "
                         "reference on CPU); bd3lm: block diffusion, variable length up to --max-new-tokens "
-                        "(the default for a model trained with --model-running-mode bd3lm)")
+                        "(the default for a model trained with --model-running-mode bd3lm); dream: Dream's "
+                        "diffusion_generate over the whole --gen-length (no blocks), order by --alg")
     g.add_argument("--gen-length", type=int, default=128)
     g.add_argument("--block-length", type=int, default=32)
-    g.add_argument("--steps", type=int, default=None, help="reference sampler steps (default: --gen-length)")
+    g.add_argument("--steps", type=int, default=None,
+                   help="reference and dream sampler steps (default: --gen-length)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--remasking", choices=REMASKING, default="low_confidence")
     g.add_argument("--cfg-scale", type=float, default=0.0)
+    g.add_argument("--alg", choices=DREAM_ALGS, default=None,
+                   help="dream sampler (default origin, as Dream): which masked positions to reveal each step: "
+                        "origin (at random, each with probability 1 - s/t), or the most confident by maskgit_plus "
+                        "(probability), topk_margin (top-1 minus top-2) or entropy (negative entropy)")
+    g.add_argument("--alg-temp", type=float, default=None,
+                   help="dream sampler: draw the positions from softmax(confidence / T) instead of taking the top")
+    g.add_argument("--top-k", type=int, default=None, help="dream sampler: sample tokens among the top k only")
     g.add_argument("--threshold", type=float, default=None,
                    help="fast sampler (default 0.9) and bd3lm (default: --block-steps): commit every position "
                         "above this confidence (at least one per step)")
@@ -85,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("autoregressive and block-diffusion models")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling (with --temperature > 0): AR and bd3lm; BD3-LM's paper samples with "
+                   help="nucleus sampling (with --temperature > 0): AR, bd3lm and dream; BD3-LM's paper samples with "
                         "--remasking random --temperature 1 --top-p 0.9 (one token a step, the first-hitting order)")
     return p
 
@@ -219,6 +231,11 @@ def _run(args: argparse.Namespace) -> int:
                              "token; pass --mask-token ID (the id the model was trained with)")
     sampler = "ar" if causal else args.sampler or ("bd3lm" if cfg.block_size else
                                                    "fast" if device.type == "cuda" else "reference")
+    dream_flags = [f for f, v in (("--alg", args.alg), ("--alg-temp", args.alg_temp), ("--top-k", args.top_k))
+                   if v is not None]
+    if dream_flags and sampler != "dream":
+        raise ConfigError(f"{' and '.join(dream_flags)} apply to Dream's sampler, not the {sampler} sampler; "
+                          "add --sampler dream")
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
     pad_id = getattr(tokenizer, "pad_id", None)
     pad_id = pad_id if pad_id is not None else (eos if eos is not None else 0)
@@ -256,6 +273,15 @@ def _run(args: argparse.Namespace) -> int:
                 row = row[:row.index(eos)] if eos is not None and eos in row else row
                 completions.append((tokenizer.decode(row), len(row)))
             continue
+        elif sampler == "dream":
+            counter.start(args.steps or args.gen_length)
+            try:
+                out = dream_generate_tokens(model, ids, attn, mask_id=mask_id, gen_length=args.gen_length,
+                                            steps=args.steps, alg=args.alg or "origin", alg_temp=args.alg_temp,
+                                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                            generator=generator, progress=counter)
+            finally:
+                counter.close()
         elif sampler == "reference":
             counter.start(args.steps or args.gen_length)
             try:
@@ -297,7 +323,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         for rec, (text, _) in zip(records, completions):
             print(f">>> {rec['prompt']}\n{text}\n")
-    if sampler == "reference":
+    if sampler in ("reference", "dream"):
         forwards = counter.n
     print(f"[{sampler}] {produced} tokens in {elapsed:.2f} s: {produced / max(elapsed, 1e-9):.1f} tokens/s "
           f"({forwards} forwards, {len(records)} prompts, batch size {args.batch_size}, {device.type})",

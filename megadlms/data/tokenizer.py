@@ -182,19 +182,30 @@ class Tokenizer:
         """Text of `ids`; mask and EOD tokens are shown unless `skip_special_tokens`."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def special_tokens(self) -> dict[str, str]:
+        """The resolved special tokens under transformers' names: eos_token, and pad_token / mask_token if any."""
+        special = {"eos_token": self.eod_token}
+        if self.pad_token is not None:
+            special["pad_token"] = self.pad_token
+        if self.mask_token is not None:
+            special["mask_token"] = self.mask_token
+        return special
+
+    def hf_config(self) -> dict[str, Any]:
+        """tokenizer_config.json for this tokenizer: the fast class over tokenizer.json as it is (its own
+        pre-tokenizer, not one a model type implies), no text clean-up, and the special tokens."""
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30,
+                "clean_up_tokenization_spaces": False, "bos_token": None, "unk_token": None,
+                **self.special_tokens()}
+
     def save(self, directory: str | os.PathLike) -> None:
         """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json (loadable by
         `transformers.AutoTokenizer.from_pretrained(directory)` and by `load_tokenizer(directory)`)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(d / "tokenizer.json"))
-        special = {"eos_token": self.eod_token}
-        if self.pad_token is not None:
-            special["pad_token"] = self.pad_token
-        if self.mask_token is not None:
-            special["mask_token"] = self.mask_token
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30,
-                  "clean_up_tokenization_spaces": False, "bos_token": None, "unk_token": None, **special}
+        special = self.special_tokens()
+        config = self.hf_config()
         (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         (d / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
         if self._source_dir is None:
@@ -206,6 +217,38 @@ class Tokenizer:
 
 
 _WORD_CACHE_LIMIT = 1 << 20
+
+
+def complete_tokenizer_config(folder: str | os.PathLike, *, mask_id: int | None = None) -> bool:
+    """Make `folder`'s tokenizer.json load in transformers as it loads here; returns True when a file was written.
+
+    A folder without tokenizer_config.json (a run given a bare tokenizer.json) gets one (`Tokenizer.hf_config`):
+    without it `AutoTokenizer` picks a class from the model type, whose pre-tokenizer may split differently. A
+    folder that has one keeps it, with the special tokens it lacks added. The special tokens are those
+    `load_tokenizer(folder)` resolves, as training did; `mask_id` (the model's [MASK] id) names the mask token
+    when its id is in the vocabulary. Folders without tokenizer.json, or whose tokenizer has no EOD, are left alone.
+    """
+    folder = Path(folder)
+    if not (folder / "tokenizer.json").is_file():
+        return False
+    try:
+        tok = Tokenizer.from_file(folder)
+    except TokenizerError:  # no EOD: nothing this module could name; transformers' own defaults stay
+        return False
+    special = tok.special_tokens()
+    mask = None if mask_id is None else tok.backend.id_to_token(mask_id)
+    if mask is not None:
+        special["mask_token"] = mask
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        path.write_text(json.dumps({**tok.hf_config(), **special}, indent=2) + "\n", encoding="utf-8")
+        return True
+    config = _read_json(path)
+    missing = {k: v for k, v in special.items() if _token_content(config.get(k)) is None}
+    if not missing:
+        return False
+    path.write_text(json.dumps({**config, **missing}, indent=2) + "\n", encoding="utf-8")
+    return True
 
 
 def _word_cacheable(backend: _Backend) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
@@ -28,7 +29,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import TransformerConfig
+from ..data.tokenizer import complete_tokenizer_config
 from ..model import RotaryEmbedding, TransformerLM
+from ..moe import moe_layers, split_expert_weights, stack_expert_weights
 from ..presets import (  # noqa: F401  (the config translation, re-exported: part of this module's API)
     SUPPORTED_ARCHITECTURES,
     InteropError,
@@ -48,7 +51,8 @@ _TOKENIZER_MODEL_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vo
 # The modeling code LLaDA's and Dream's folders ship (their config.json's and tokenizer_config.json's auto_map name
 # it): copied with the tokenizer, so that an export loads with `trust_remote_code=True` as the original does.
 REMOTE_CODE_FILES = ("configuration_llada.py", "modeling_llada.py", "configuration_dream.py", "modeling_dream.py",
-                     "generation_utils.py", "tokenization_dream.py")
+                     "generation_utils.py", "tokenization_dream.py", "configuration_lladamoe.py",
+                     "modeling_lladamoe.py")
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' "5GB"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -146,8 +150,29 @@ def hf_state_dict_to_megadlms(hf_state_dict: Mapping[str, torch.Tensor],
                 f"tie_word_embeddings is true but lm_head.weight {list(lm_head.shape)} differs from "
                 f"model.embed_tokens.weight {None if embed is None else list(embed.shape)}; set "
                 "tie_word_embeddings false in config.json to keep a separate head")
+    if cfg.is_moe:
+        ours = _moe_to_ours(ours)
     _check_against(ours, cfg, _hf_name)
     return ours
+
+
+# LLaDA-MoE keeps a layer's shared expert beside its MoE block (`layers.N.shared_expert`); ours is inside it
+_SHARED_HF = re.compile(r"^(layers\.\d+)\.shared_expert\.")
+_SHARED_OURS = re.compile(r"^(layers\.\d+)\.mlp\.shared_expert\.")
+
+
+def _moe_to_ours(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF MoE names (without `model.`) -> ours: per-expert tensors stacked [E, ...], the shared expert moved."""
+    try:
+        stacked = stack_expert_weights(tensors)
+    except KeyError as e:
+        raise InteropError(f"{e.args[0]}; is a shard missing?") from None
+    return {_SHARED_HF.sub(r"\1.mlp.shared_expert.", k): v for k, v in stacked.items()}
+
+
+def _moe_to_hf(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `_moe_to_ours` (without the `model.` prefix)."""
+    return {_SHARED_OURS.sub(r"\1.shared_expert.", k): v for k, v in split_expert_weights(tensors)}
 
 
 def _llada_to_megadlms(tensors: Mapping[str, torch.Tensor], cfg: TransformerConfig) -> dict[str, torch.Tensor]:
@@ -190,6 +215,9 @@ def megadlms_state_dict_to_hf(state_dict: Mapping[str, torch.Tensor], cfg: Trans
     _check_against(ours, cfg, lambda n: n)
     if llada.is_llada(cfg, hf_format):
         return llada.from_ours(ours, llada.cfg_block_type(cfg))
+    if cfg.is_moe:
+        hf_architecture(cfg, hf_format)  # refuses a format that has no experts
+        ours = _moe_to_hf(ours)
     return {_hf_name(n): v for n, v in ours.items()}
 
 
@@ -408,6 +436,10 @@ def model_from_state_dict(cfg: TransformerConfig, state_dict: Mapping[str, torch
                for k, v in state_dict.items()}
     model.load_state_dict(tensors, strict=True, assign=True)
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rotary_base).to(device)
+    for moe in moe_layers(model):  # the MoE blocks' token counters (not saved) start at zero
+        for name, buf in list(moe.named_buffers(recurse=False)):
+            if buf.is_meta:
+                setattr(moe, name, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # a buffer the model gained that this loader does not know how to rebuild
         raise InteropError(f"tensors {left} were not loaded; the model has state this loader does not fill")
@@ -503,6 +535,8 @@ def save_hf_model(model: torch.nn.Module, cfg: TransformerConfig, save_dir: str 
     saved_dtype = next(v.dtype for k, v in hf_sd.items() if k.endswith(("embed_tokens.weight", "wte.weight")))
     save_safetensors_sharded(hf_sd, save_dir, max_shard_size=parse_size(max_shard_size))
     copied = copy_tokenizer_files(tokenizer_dir, save_dir) if tokenizer_dir is not None else []
+    if "tokenizer.json" in copied and complete_tokenizer_config(save_dir, mask_id=cfg.mask_token_id):
+        copied.append("tokenizer_config.json")  # (a checkpoint saved before checkpoints carried one)
     if tokenizer_dir is not None and not any(n in copied for n in _TOKENIZER_MODEL_FILES):
         warnings.warn(f"no tokenizer files ({', '.join(_TOKENIZER_MODEL_FILES)}) in {tokenizer_dir}; "
                       "AutoTokenizer.from_pretrained will not load the export", stacklevel=2)

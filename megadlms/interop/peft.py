@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..config import TransformerConfig
-from ..dlm_formats import DREAM_ARCHITECTURE, LLADA_ARCHITECTURE
+from ..dlm_formats import OWN_FORMAT_ARCHITECTURES
 from ..lora import LoraConfig, lora_modules
 from ..presets import hf_architecture
 from .hf import InteropError
@@ -53,7 +53,7 @@ def save_peft_adapter(model: nn.Module, cfg: TransformerConfig, lora: LoraConfig
     from safetensors.torch import save_file
 
     arch = hf_architecture(cfg, hf_format)
-    if arch in (LLADA_ARCHITECTURE, DREAM_ARCHITECTURE):
+    if arch in OWN_FORMAT_ARCHITECTURES:
         raise InteropError(f"a PEFT adapter for {arch}'s own format is not written; merge the adapters "
                            "(`megadlms convert merge-lora`) and export the merged model, or pass --hf-format stock")
     tensors = {}

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..config import TransformerConfig
+from ..data.tokenizer import complete_tokenizer_config
 from ..errors import MegaDLMsError
 
 if TYPE_CHECKING:
@@ -292,6 +293,9 @@ def _commit_save(tmp: Path, final: Path, iteration: int, meta: dict[str, Any] | 
                 from ..interop.hf import copy_tokenizer_files
 
                 copy_tokenizer_files(tokenizer_dir, tmp / "tokenizer")
+                # a bare tokenizer.json gets the tokenizer_config.json that makes transformers tokenize as we did
+                mask_id = ((meta or {}).get("config") or {}).get("mask_token_id")
+                complete_tokenizer_config(tmp / "tokenizer", mask_id=mask_id)
             full_meta = {"format": FORMAT, "iteration": iteration,
                          "world_size": dist.get_world_size() if dist.is_initialized() else 1, **(meta or {})}
             _write_atomic(tmp / META, json.dumps(full_meta, indent=2, default=str))

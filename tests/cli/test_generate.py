@@ -233,3 +233,24 @@ def test_with_the_bundled_tokenizer(tmp_path, capsys):
     expect = generate(model, [tok.encode("Hello world")], mask_id=tok.mask_id, gen_length=8, block_length=4,
                       steps=4)[0]
     assert out == f">>> Hello world\n{tok.decode(expect)}\n\n"
+
+
+def test_dream_sampler_flags(tmp_path, capsys, tokenizer):
+    """--sampler dream --alg --alg-temp runs Dream's decoding orders with the given seed; its flags are refused
+    with another sampler."""
+    from megadlms.diffusion.dream_sampler import dream_generate
+
+    model, cfg = tiny()
+    save_model_checkpoint(tmp_path / "ckpt", model, cfg)
+    base = ["--load", str(tmp_path / "ckpt"), "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--gen-length", "12",
+            "--steps", "6", "--ignore-eos", "--seed", "5"]
+    for alg, extra, kw in [("entropy", [], {}), ("maskgit_plus", ["--alg-temp", "0.5", "--temperature", "0.7"],
+                                                 dict(alg_temp=0.5, temperature=0.7))]:
+        code, out, err = run_cli(base + ["--sampler", "dream", "--alg", alg] + extra, capsys)
+        assert code == 0, err
+        assert err.startswith("[dream] ") and "(6 forwards, 2 prompts" in err
+        expect = dream_generate(model, [list(p.encode()) for p in PROMPTS], mask_id=MASK, gen_length=12, steps=6,
+                                alg=alg, pad_id=PAD, generator=torch.Generator().manual_seed(5), top_p=1.0, **kw)
+        assert out == "".join(f">>> {p}\n{ByteTokenizer().decode(e)}\n\n" for p, e in zip(PROMPTS, expect))
+    code, out, err = run_cli(base + ["--sampler", "reference", "--alg", "entropy"], capsys)
+    assert code == 2 and "--alg apply to Dream's sampler, not the reference sampler; add --sampler dream" in err

@@ -1,5 +1,5 @@
-"""LLaDA (`LLaDAModelLM`) and Dream (`DreamModel`) folders: import checked against the logits of the models' own
-modeling code, export back to the same files, refusals.
+"""LLaDA (`LLaDAModelLM`), LLaDA-MoE (`LLaDAMoEModelLM`) and Dream (`DreamModel`) folders: import checked against
+the logits of the models' own modeling code, export back to the same files, refusals.
 
 The reference data in tests/interop/data/ (tiny random models saved by the reference classes, and their fp32
 logits on fixed inputs) was made with the modeling code of ZHZisZZ/dllm (`dllm/pipelines/{llada,dream}/models/`,
@@ -7,9 +7,10 @@ commit ca176752) under transformers 4.46.3, the version that code is written for
 
     python tools/make_dlm_reference.py --llada-code DIR_WITH_modeling_llada.py \\
         --dream-code DIR_WITH_modeling_dream.py --out tests/interop/data
+    python tools/make_dlm_reference.py --lladamoe-code DIR_WITH_modeling_lladamoe.py --models lladamoe
 
 Tolerance: max |logit_ours - logit_ref| <= 1e-5 * max(1, max |logit_ref|) on the non-pad positions (fp32 CPU;
-measured: 3e-7 for LLaDA, 2e-6 for Dream; a wrong mapping is off by O(0.1)).
+measured: 3e-7 for LLaDA, 2e-6 for Dream and LLaDA-MoE; a wrong mapping is off by O(0.1)).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from megadlms.presets import preset_config
 from .helpers import write_tokenizer
 
 DATA = Path(__file__).parent / "data"
-MODELS = ["llada_llama", "llada_sequential", "dream"]
+MODELS = ["llada_llama", "llada_sequential", "dream", "lladamoe"]
 TOL = 1e-5
 
 
@@ -137,6 +138,94 @@ def test_export_refuses_what_the_format_cannot_compute(fmt, changes, match, tmp_
     with pytest.raises(InteropError, match=match):
         save_hf_model(TransformerLM(cfg), cfg, tmp_path / "hf", hf_format=fmt)
     assert not (tmp_path / "hf").exists()
+
+
+def test_lladamoe_import_records_the_experts():
+    """LLaDA-MoE: per-expert tensors stacked in order, the layer-level shared expert moved into the MoE block, the
+    router LLaDA-MoE's code computes (softmax over all experts, top-k probabilities unnormalised)."""
+    model, cfg = load_hf_model(DATA / "lladamoe")
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (4, 2, 16)
+    assert (cfg.moe_shared_expert_intermediate_size, cfg.moe_layer_freq, cfg.ffn_hidden_size) == (24, [0, 1, 1], 64)
+    assert cfg.moe_router_pre_softmax and cfg.moe_router_score_function == "softmax"
+    assert cfg.qk_layernorm and not cfg.diffusion_shift and cfg.mask_token_id == 297
+    assert cfg.extra["hf_architecture"] == "LLaDAMoEModelLM"
+    src = load_hf_state_dict(DATA / "lladamoe")
+    moe = model.layers[2].mlp
+    for e in range(4):
+        assert torch.equal(moe.experts.down_proj[e], src[f"model.layers.2.mlp.experts.{e}.down_proj.weight"])
+    assert torch.equal(moe.shared_expert.up_proj.weight, src["model.layers.2.shared_expert.up_proj.weight"])
+    assert torch.equal(moe.gate.weight, src["model.layers.2.mlp.gate.weight"])
+    assert torch.equal(model.layers[0].mlp.gate_proj.weight, src["model.layers.0.mlp.gate_proj.weight"])  # dense
+
+
+def _moe_cfg(**changes) -> TransformerConfig:
+    return TransformerConfig(**{**dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                       ffn_hidden_size=48, vocab_size=128, mask_token_id=5, num_moe_experts=4,
+                                       moe_router_topk=2, moe_ffn_hidden_size=16,
+                                       moe_shared_expert_intermediate_size=24, moe_layer_freq=[0, 1, 1],
+                                       moe_router_pre_softmax=True, qk_layernorm=True,
+                                       untie_embeddings_and_output_weights=True), **changes})
+
+
+@pytest.mark.filterwarnings("ignore:.*auto_map")
+def test_a_moe_model_of_ours_exports_as_lladamoe(tmp_path):
+    """A mixture of experts exports in LLaDA-MoE's format by default and comes back the same. (This export was
+    also loaded with LLaDA-MoE's own LLaDAMoEModelLM: max |dlogit| 2.4e-6 against ours, fp32.)"""
+    from megadlms.model import TransformerLM
+
+    torch.manual_seed(0)
+    cfg = _moe_cfg(moe_layer_freq=2)  # layers 0 and 2 MoE: written as LLaDA-MoE's per-layer list
+    model = TransformerLM(cfg).eval()
+    out = save_hf_model(model, cfg, tmp_path / "hf")
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["LLaDAMoEModelLM"] and conf["moe_layer_freq"] == [1, 0, 1]
+    assert (conf["num_experts"], conf["num_experts_per_tok"], conf["expert_intermediate_size"]) == (4, 2, 16)
+    assert "model.layers.2.shared_expert.gate_proj.weight" in load_hf_state_dict(out)
+    back, _ = load_hf_model(out)
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(back(ids), model(ids))
+
+
+@pytest.mark.parametrize("changes, fmt, match", [
+    (dict(moe_router_pre_softmax=False), "auto", "is not LLaDA-MoE's"),
+    (dict(moe_router_topk_scaling_factor=2.5), "auto", "is not LLaDA-MoE's"),
+    (dict(), "stock", "no stock transformers architecture"),
+    (dict(qk_layernorm=False), "llada", "no LLaDA form"),
+    (dict(add_qkv_bias=True, qk_layernorm=False), "lladamoe", "q/k/v biases"),
+])
+def test_moe_export_refuses_what_lladamoe_cannot_compute(changes, fmt, match, tmp_path):
+    from megadlms.model import TransformerLM
+
+    cfg = _moe_cfg(**changes)
+    with pytest.raises(InteropError, match=match):
+        save_hf_model(TransformerLM(cfg), cfg, tmp_path / "hf", hf_format=fmt)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias=true"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"moe_layer_freq": [0, 1]}, "moe_layer_freq=\\[0, 1\\] must list"),
+    ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
+])
+def test_lladamoe_options_it_does_not_compute_are_refused(folder, changes, match):
+    d = folder("lladamoe")
+    conf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**conf, **changes}))
+    with pytest.raises(InteropError, match=match) as e:
+        load_hf_model(d)
+    assert str(d / "config.json") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lladamoe_missing_expert_is_named(folder):
+    d = folder("lladamoe")
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(InteropError, match="experts.up_proj: expert 2 is missing"):
+        load_hf_model(d)
 
 
 # ------------------------------------------------------------------------------------------------ bad input
