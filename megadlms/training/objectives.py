@@ -128,6 +128,21 @@ class Objective:
         ce = "SUBS" if self.subs_mask_id is not None else "full-vocab CE"
         return f"{ce}, first token {'excluded' if self.ignore_bos else 'included'}"
 
+    # -- what the trainer hands over and keeps (no-ops but for objectives with models and state of their own: RL)
+    def bind(self, model: nn.Module) -> None:
+        """The model being trained (unwrapped), once the trainer has built it."""
+
+    def metrics(self) -> dict[str, float]:
+        """The objective's own metrics over the log window (then reset), for the log line and the sinks."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the objective for an exact resume."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
     # -- the step
     def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
                    evaluation: bool = False) -> BatchNoise:
