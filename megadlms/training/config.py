@@ -357,6 +357,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.rl.rl is not None and self.data.sft:
             raise ConfigError(f"--rl {self.rl.rl} reads its records from --rl-data; drop --sft")
+        if self.rl.rl is not None and not self.lora.enabled and self.parallel.sharding_strategy != "no_shard":
+            raise ConfigError(f"--rl {self.rl.rl} with --data-parallel-sharding-strategy "
+                              f"{self.parallel.sharding_strategy}: the reference would be a copy of sharded weights; "
+                              "add --lora-rank R (the frozen base is the reference) or use no_shard (DDP)")
         if self.fp8.fp8_param_gather:
             check_fp8_param_gather(self.fp8.enabled, self.fp8.fp8_recipe, self.parallel)
         if self.fp8.fp8_dot_product_attention and not self.fp8.enabled:

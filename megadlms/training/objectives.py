@@ -8,7 +8,8 @@ computes the loss of a micro-batch. The trainer never asks which objective it ru
   `difflm-shift`) and autoregressive (`vanilla`) on token windows, with optional document masks and annealing;
 - `BlockDiffusion`: BD3-LM, one forward over x_t (+) x_0 under the block-diffusion mask;
 - `SupervisedFineTuning`: packed chat windows (LLaDA's SFT for the diffusion modes, the mean over
-  conversations of the response NLL for `vanilla`), the loss divided by the global batch's conversations.
+  conversations of the response NLL for `vanilla`), the loss divided by the global batch's conversations;
+- VRPO and diffu-GRPO (`rl_objectives`): records instead of token windows, a frozen reference model.
 
 The pure functions (masking, the batch transforms, the losses) stay in `megadlms.diffusion`.
 """

@@ -299,6 +299,8 @@ class Trainer:
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
         if self.run_config.train.recompute_granularity:
             blockers.append("activation checkpointing (--recompute-granularity) re-runs the forward in backward")
+        if self.run_config.rl.rl is not None:
+            blockers.append(f"--rl {self.run_config.rl.rl} batches change shape from step to step")
         if mode == "on" and blockers:
             raise ConfigError(f"--cuda-graphs on is not possible here: {'; '.join(blockers)}. "
                              "Use --cuda-graphs auto or off.")

@@ -124,3 +124,12 @@ def test_resume_is_exact_rollouts_included(tmp_path, monkeypatch):
     assert any(m.get("rl/reward_mean", 0) > 0 for m in full.history) and full.history[-1]["rl/kl"] > 0
     a, b = (ckpt.load_rank_state(tmp_path / run / "iter_0000005")["objective"] for run in "ab")
     assert all(torch.equal(a["reference"][k], b["reference"][k]) for k in a["reference"])
+
+
+def test_an_unknown_reward_is_refused_before_training(tmp_path):
+    from megadlms.training.trainer import setup
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "Q: 1 2\nA: ", "answer": "2 1"}) + "\n")
+    with pytest.raises(ConfigError, match="--rl-reward 'f1': unknown reward 'f1'"):
+        setup(parse_train_args(SMALL + ["--rl", "grpo", "--rl-data", str(data), "--rl-reward", "f1"]))

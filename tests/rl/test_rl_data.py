@@ -67,3 +67,12 @@ def test_the_loader_resumes_where_it_stopped():
 def test_bad_settings_are_named(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
+
+
+def test_rl_without_lora_refuses_sharded_weights():
+    from megadlms.distributed.config import ParallelConfig
+    from megadlms.training.config import RunConfig
+
+    with pytest.raises(ConfigError, match="add --lora-rank R .the frozen base is the reference. or use no_shard"):
+        RunConfig(rl=RLConfig(rl="vrpo", rl_data="x"),
+                  parallel=ParallelConfig(data_parallel_sharding_strategy="optim_grads_params"))
