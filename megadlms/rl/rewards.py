@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ConfigError
@@ -46,6 +46,13 @@ def exact_match(completion: str, record: dict[str, Any]) -> float:
     return float(extract_answer(completion) == _normalise(str(record["answer"])))
 
 
+def position_match(completion: str, record: dict[str, Any]) -> float:
+    """Partial credit: the share of the answer's whitespace-separated items that the extracted answer has at the
+    same place, over the longer of the two (so extra items cost too)."""
+    got, want = extract_answer(completion).split(), _normalise(str(record["answer"])).split()
+    return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want), 1)
+
+
 def format_reward(completion: str, record: dict[str, Any]) -> float:
     """1.0 for a completion of the form <reasoning>...</reasoning><answer>...</answer> (d1's strict format)."""
     return float(bool(_FORMAT.match(completion)))
@@ -53,6 +60,7 @@ def format_reward(completion: str, record: dict[str, Any]) -> float:
 
 REWARDS: dict[str, tuple[RewardFn, tuple[str, ...]]] = {
     "exact_match": (exact_match, ("answer",)),
+    "position_match": (position_match, ("answer",)),
     "format": (format_reward, ()),
 }
 
@@ -63,6 +71,7 @@ class RewardSet:
 
     terms: list[tuple[str, RewardFn, float]]
     failures: int = 0  # completions whose reward raised (scored 0)
+    last: dict[str, float] = field(default_factory=dict)  # each term's mean (unweighted) in the last call
 
     @classmethod
     def parse(cls, spec: str) -> RewardSet:
@@ -88,14 +97,19 @@ class RewardSet:
 
     def __call__(self, completions: Sequence[str], records: Sequence[dict[str, Any]]) -> list[float]:
         out = []
+        sums = dict.fromkeys((name for name, _, _ in self.terms), 0.0)
         for text, rec in zip(completions, records):
             total = 0.0
             for name, fn, w in self.terms:
                 try:
-                    total += w * float(fn(text, rec))
+                    score = float(fn(text, rec))
                 except Exception as e:  # noqa: BLE001 (any user reward may fail; it scores 0 and is counted)
                     self.failures += 1
                     log.warning("reward %s raised %s: %s (scored 0; %d failures so far)", name, type(e).__name__, e,
                                 self.failures)
+                    continue
+                total += w * score
+                sums[name] += score
             out.append(total)
+        self.last = {name: v / max(len(out), 1) for name, v in sums.items()}
         return out

@@ -346,6 +346,9 @@ class DiffuGRPO(RLObjective):
         self._record("reward_mean", rewards.mean().item())
         self._record("reward_std", rewards.std().item() if rewards.numel() > 1 else 0.0)
         self._record("reward_failures", self.rewards.failures - failures)
+        if len(self.rewards.terms) > 1:
+            for name, value in self.rewards.last.items():
+                self._record(f"reward/{name}", value)
         self._record("rollout_tokens_per_s", completions.numel() / max(seconds, 1e-9))
         self._record("completion_length", mask.sum(1).float().mean().item())
         real = torch.cat([real_prompt, torch.ones_like(completions, dtype=torch.bool)], 1)

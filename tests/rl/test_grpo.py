@@ -76,7 +76,9 @@ def test_rewards():
     fmt = RewardSet.parse("format:0.5,exact_match")
     good = "<reasoning>r</reasoning><answer>7</answer>"
     assert fmt([good, "7"], [{"answer": "7"}] * 2) == [1.5, 1.0] and fmt.fields() == ("answer",)
-    with pytest.raises(ConfigError, match="unknown reward 'f1'; known rewards: exact_match, format"):
+    assert fmt.last == {"format": 0.5, "exact_match": 1.0}  # each term's mean, for the log
+    assert RewardSet.parse("position_match")(["3 2 9", "3 2 1 0"], [{"answer": "3 2 1"}] * 2) == [2 / 3, 3 / 4]
+    with pytest.raises(ConfigError, match="unknown reward 'f1'; known rewards: exact_match, format, position_match"):
         RewardSet.parse("f1")
 
 
