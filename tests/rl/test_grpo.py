@@ -135,3 +135,31 @@ def test_an_unknown_reward_is_refused_before_training(tmp_path):
     data.write_text(json.dumps({"prompt": "Q: 1 2\nA: ", "answer": "2 1"}) + "\n")
     with pytest.raises(ConfigError, match="--rl-reward 'f1': unknown reward 'f1'"):
         setup(parse_train_args(SMALL + ["--rl", "grpo", "--rl-data", str(data), "--rl-reward", "f1"]))
+
+
+def test_a_step_raises_the_likelihood_of_the_better_completion():
+    from megadlms.config import TransformerConfig
+    from megadlms.model import TransformerLM
+    from megadlms.rl.vrpo import token_logps
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=2,
+                            ffn_hidden_size=64, vocab_size=16, seq_length=8, max_position_embeddings=8,
+                            mask_token_id=1, attn_mask_type="bidirectional")
+    model = TransformerLM(cfg)
+    seq = torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 11, 12, 13, 14]])  # one prompt (2 tokens), two completions
+    real = torch.ones(2, 2, dtype=torch.bool)
+    adv = group_advantages(torch.tensor([1.0, 0.0]), 2)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+
+    def logps():
+        x = one_step_inputs(seq, real, 0.0, torch.Generator().manual_seed(0), mask_id=1)
+        return token_logps(model(x)[:, 2:], seq[:, 2:])
+
+    before = logps().detach()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lp = logps()
+    grpo_loss(lp, lp.detach(), None, adv, mask, clip_eps=0.2, kl_beta=0.0)[0].backward()
+    opt.step()
+    change = (logps().detach() - before).sum(1)
+    assert change[0] > 0 > change[1]
