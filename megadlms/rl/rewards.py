@@ -58,7 +58,20 @@ def format_reward(completion: str, record: dict[str, Any]) -> float:
     return float(bool(_FORMAT.match(completion)))
 
 
+_CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.S)
+
+
+def code_tests(completion: str, record: dict[str, Any]) -> float:
+    """1.0 where the completion's program (its last ```python block, else the whole text) passes the record's
+    "tests" (Python asserts) in the sandboxed runner (`megadlms.rl.code_runner`), within 5 s."""
+    from .code_runner import run_program
+
+    blocks = _CODE_BLOCK.findall(completion)
+    return float(run_program(blocks[-1] if blocks else completion, str(record["tests"])).passed)
+
+
 REWARDS: dict[str, tuple[RewardFn, tuple[str, ...]]] = {
+    "code_tests": (code_tests, ("tests",)),
     "exact_match": (exact_match, ("answer",)),
     "position_match": (position_match, ("answer",)),
     "format": (format_reward, ()),

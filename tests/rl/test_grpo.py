@@ -78,7 +78,8 @@ def test_rewards():
     assert fmt([good, "7"], [{"answer": "7"}] * 2) == [1.5, 1.0] and fmt.fields() == ("answer",)
     assert fmt.last == {"format": 0.5, "exact_match": 1.0}  # each term's mean, for the log
     assert RewardSet.parse("position_match")(["3 2 9", "3 2 1 0"], [{"answer": "3 2 1"}] * 2) == [2 / 3, 3 / 4]
-    with pytest.raises(ConfigError, match="unknown reward 'f1'; known rewards: exact_match, format, position_match"):
+    with pytest.raises(ConfigError, match="unknown reward 'f1'; known rewards: code_tests, exact_match, format, "
+                                          "position_match"):
         RewardSet.parse("f1")
 
 
