@@ -350,6 +350,7 @@ class DiffuGRPO(RLObjective):
             for name, value in self.rewards.last.items():
                 self._record(f"reward/{name}", value)
         self._record("rollout_tokens_per_s", completions.numel() / max(seconds, 1e-9))
+        self._record("rollout_s", seconds)  # the sampler's share of the step: against the step's time
         self._record("completion_length", mask.sum(1).float().mean().item())
         real = torch.cat([real_prompt, torch.ones_like(completions, dtype=torch.bool)], 1)
         roll = Rollouts(torch.cat([ids, completions], 1), real, mask, group_advantages(rewards, g_size), [], [],
