@@ -164,3 +164,23 @@ def test_a_step_raises_the_likelihood_of_the_better_completion():
     opt.step()
     change = (logps().detach() - before).sum(1)
     assert change[0] > 0 > change[1]
+
+
+def test_grpo_raises_a_learnable_reward(tmp_path, monkeypatch):
+    """End to end from a random tiny model: the share of digits in the completions goes from about 3% to most of
+    them within 40 steps (the reverse-digits exact match needs a trained model: examples/rl/run.sh)."""
+    from megadlms.training.trainer import train
+
+    monkeypatch.setitem(REWARDS, "digits", (digit_share, ()))
+    rng = random.Random(0)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "Q: Reverse: " + " ".join(str(rng.randrange(10)) for _ in range(3))
+                                        + "\nA: "}) + "\n" for _ in range(16)))
+    args = [a if a != "3e-3" else "1e-2" for a in SMALL] + [
+        "--lr-decay-style", "constant", "--rl", "grpo", "--rl-data", str(data), "--rl-reward", "digits",
+        "--micro-batch-size", "4", "--grpo-group-size", "4", "--rl-gen-length", "4", "--rl-block-length", "4",
+        "--rl-temperature", "1.0", "--rl-kl-beta", "0", "--train-iters", "40"]
+    state = train(parse_train_args(args))
+    rewards = [m["rl/reward_mean"] for m in state.history if "rl/reward_mean" in m]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.1 and last > 0.4, (first, last)
