@@ -26,9 +26,11 @@ Names follow PEFT: `<module path>.base_layer`, `.lora_A`, `.lora_B`, so an adapt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -130,6 +132,7 @@ class LoraLinear(nn.Module):
         self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.rank = rank
         self.scaling = (alpha if alpha is not None else rank) / rank
+        self.disabled = False  # `adapters_disabled`: the base layer alone
         self.reset_lora_parameters()
 
     def reset_lora_parameters(self) -> None:
@@ -141,6 +144,8 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
+        if self.disabled:  # the frozen base alone (an RL run's reference model)
+            return y
         return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
@@ -213,6 +218,19 @@ def apply_lora(model: M, config: LoraConfig) -> M:
 def lora_modules(model: nn.Module) -> list[tuple[str, LoraLinear]]:
     """(name, module) of every LoraLinear of `model`."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLinear)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Run `model` as its frozen base inside the block (every adapter off), e.g. as RL's reference model."""
+    mods = [m for _, m in lora_modules(model)]
+    for m in mods:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.disabled = False
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -196,6 +196,31 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="resuming a LoRA checkpoint: the base to put its adapters on (default: the base it records; "
                         "its checksum must match)")
 
+    g = p.add_argument_group("reinforcement learning and preference optimisation (docs/rl.md)")
+    g.add_argument("--rl", choices=("vrpo", "grpo"), default=None,
+                   help="vrpo: LLaDA 1.5's DPO on ELBO estimates over preference pairs; grpo: d1's diffu-GRPO with "
+                        "verifiable rewards (off by default: pre-training or SFT)")
+    g.add_argument("--rl-data", default=None, metavar="FILE.jsonl",
+                   help='vrpo: {"prompt", "chosen", "rejected"} per line; grpo: {"prompt", ...} with the fields '
+                        "its rewards read (exact_match: \"answer\")")
+    g.add_argument("--vrpo-samples", type=int, default=8,
+                   help="vrpo: timesteps per ELBO estimate, one mask each, shared by policy and reference")
+    g.add_argument("--dpo-beta", type=float, default=0.1, help="vrpo: DPO's beta")
+    g.add_argument("--rl-kl-beta", type=float, default=0.04, help="grpo: weight of the KL to the frozen reference")
+    g.add_argument("--grpo-group-size", type=int, default=8, help="grpo: completions per prompt (G, at least 2)")
+    g.add_argument("--grpo-inner-updates", type=int, default=1,
+                   help="grpo: optimizer steps on each batch of rollouts (mu), each with a new prompt mask")
+    g.add_argument("--grpo-clip-eps", type=float, default=0.2, help="grpo: ratio clipped to [1 - eps, 1 + eps]")
+    g.add_argument("--grpo-prompt-mask", type=float, default=0.15,
+                   help="grpo: probability of masking each prompt token in the one-step log-likelihood estimate")
+    g.add_argument("--rl-reward", default="exact_match",
+                   help="grpo: comma list of rewards, NAME or NAME:WEIGHT (exact_match, format)")
+    g.add_argument("--rl-gen-length", type=int, default=32, help="grpo: tokens per completion")
+    g.add_argument("--rl-block-length", type=int, default=32, help="grpo: the rollout sampler's block length")
+    g.add_argument("--rl-threshold", type=float, default=0.9,
+                   help="grpo: the fast sampler's confidence threshold (parallel decoding)")
+    g.add_argument("--rl-temperature", type=float, default=0.9, help="grpo: sampling temperature of the rollouts")
+
     g = p.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)

@@ -278,6 +278,51 @@ class LoraSettings:
 
 
 @dataclass
+class RLConfig:
+    """Reinforcement learning and preference optimisation (docs/rl.md); off while `rl` is None."""
+
+    rl: str | None = None  # "vrpo" (LLaDA 1.5) or "grpo" (d1's diffu-GRPO)
+    rl_data: str | None = None  # jsonl: preference pairs (vrpo) or prompts with the rewards' fields (grpo)
+    vrpo_samples: int = 8  # vrpo: timesteps (one mask each) per ELBO estimate
+    dpo_beta: float = 0.1  # vrpo: DPO's beta
+    rl_kl_beta: float = 0.04  # grpo: weight of the KL to the reference
+    grpo_group_size: int = 8  # grpo: completions per prompt (G)
+    grpo_inner_updates: int = 1  # grpo: optimizer steps per batch of rollouts (mu)
+    grpo_clip_eps: float = 0.2  # grpo: the ratio is clipped to [1 - eps, 1 + eps]
+    grpo_prompt_mask: float = 0.15  # grpo: each prompt token is masked with this probability in the estimate
+    rl_reward: str = "exact_match"  # grpo: comma list of rewards, each NAME or NAME:WEIGHT
+    rl_gen_length: int = 32  # grpo: completion tokens per rollout
+    rl_block_length: int = 32  # grpo: the sampler's block length (divides --rl-gen-length)
+    rl_threshold: float = 0.9  # grpo: the fast sampler's confidence threshold
+    rl_temperature: float = 0.9  # grpo: sampling temperature of the rollouts
+
+    def __post_init__(self) -> None:
+        from ..rl import RL_KINDS
+
+        if self.rl is None:
+            if self.rl_data is not None:
+                raise ConfigError(f"--rl-data {self.rl_data} is set but --rl is not; add --rl vrpo or --rl grpo")
+            return
+        check_choice(self, "rl", RL_KINDS)
+        if self.rl_data is None:
+            raise ConfigError(f"--rl {self.rl} needs --rl-data FILE.jsonl (" + (
+                '{"prompt", "chosen", "rejected"} per line)' if self.rl == "vrpo" else
+                '{"prompt", ...the rewards\' fields} per line)'))
+        if self.rl == "grpo" and self.grpo_group_size < 2:
+            raise ConfigError(f"--grpo-group-size {self.grpo_group_size}: group-normalised advantages need at least "
+                              "2 completions per prompt; use e.g. --grpo-group-size 8")
+        check_at_least(self, {"vrpo_samples": 1, "grpo_group_size": 2, "grpo_inner_updates": 1, "rl_gen_length": 1,
+                              "rl_block_length": 1})
+        if self.rl_gen_length % self.rl_block_length:
+            raise ConfigError(f"--rl-block-length {self.rl_block_length} must divide --rl-gen-length "
+                              f"{self.rl_gen_length}")
+        if not 0.0 <= self.grpo_prompt_mask < 1.0:
+            raise ConfigError(f"--grpo-prompt-mask {self.grpo_prompt_mask} must be in [0, 1) (d1: 0.15)")
+        if self.dpo_beta <= 0:
+            raise ConfigError(f"--dpo-beta {self.dpo_beta} must be positive (e.g. 0.1)")
+
+
+@dataclass
 class CheckpointConfig:
     save: str | None = None  # checkpoint folder
     save_interval: int | None = None  # None: only at the end
@@ -307,8 +352,15 @@ class RunConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataSourceConfig = field(default_factory=DataSourceConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def __post_init__(self) -> None:
+        if self.rl.rl is not None and self.data.sft:
+            raise ConfigError(f"--rl {self.rl.rl} reads its records from --rl-data; drop --sft")
+        if self.rl.rl is not None and not self.lora.enabled and self.parallel.sharding_strategy != "no_shard":
+            raise ConfigError(f"--rl {self.rl.rl} with --data-parallel-sharding-strategy "
+                              f"{self.parallel.sharding_strategy}: the reference would be a copy of sharded weights; "
+                              "add --lora-rank R (the frozen base is the reference) or use no_shard (DDP)")
         if self.fp8.fp8_param_gather:
             check_fp8_param_gather(self.fp8.enabled, self.fp8.fp8_recipe, self.parallel)
         if self.fp8.fp8_dot_product_attention and not self.fp8.enabled:

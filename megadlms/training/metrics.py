@@ -65,6 +65,9 @@ def format_log_line(m: dict[str, Any], train_iters: int) -> str:
     if "moe/cv_max" in m:  # routing balance: the worst MoE layer's spread of tokens over experts
         parts.append(f"moe cv_max={m['moe/cv_max']:.3g}" + (f" aux={m['moe/aux_loss']:.4g}" if "moe/aux_loss" in m
                                                              else ""))
+    rl = {k: v for k, v in m.items() if k.startswith("rl/")}
+    if rl:  # RL objectives: rewards, KL, clip fraction, rollout tokens/s; VRPO: the DPO margin and accuracy
+        parts.append("rl " + " ".join(f"{k[3:]}={v:.4g}" for k, v in sorted(rl.items())))
     fp8 = {k: v for k, v in m.items() if k.startswith("fp8/")}
     if fp8:
         parts.append("fp8 " + " ".join(f"{k[4:]}={v:.3g}" for k, v in sorted(fp8.items())))

@@ -8,7 +8,8 @@ computes the loss of a micro-batch. The trainer never asks which objective it ru
   `difflm-shift`) and autoregressive (`vanilla`) on token windows, with optional document masks and annealing;
 - `BlockDiffusion`: BD3-LM, one forward over x_t (+) x_0 under the block-diffusion mask;
 - `SupervisedFineTuning`: packed chat windows (LLaDA's SFT for the diffusion modes, the mean over
-  conversations of the response NLL for `vanilla`), the loss divided by the global batch's conversations.
+  conversations of the response NLL for `vanilla`), the loss divided by the global batch's conversations;
+- VRPO and diffu-GRPO (`rl_objectives`): records instead of token windows, a frozen reference model.
 
 The pure functions (masking, the batch transforms, the losses) stay in `megadlms.diffusion`.
 """
@@ -127,6 +128,21 @@ class Objective:
             return "exact NLL"
         ce = "SUBS" if self.subs_mask_id is not None else "full-vocab CE"
         return f"{ce}, first token {'excluded' if self.ignore_bos else 'included'}"
+
+    # -- what the trainer hands over and keeps (no-ops but for objectives with models and state of their own: RL)
+    def bind(self, model: nn.Module) -> None:
+        """The model being trained (unwrapped), once the trainer has built it."""
+
+    def metrics(self) -> dict[str, float]:
+        """The objective's own metrics over the log window (then reset), for the log line and the sinks."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the objective for an exact resume."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
     # -- the step
     def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,

@@ -142,12 +142,21 @@ def _attention_plan(config: RunConfig, cfg: TransformerConfig, eod_id: int | Non
 
 
 def _objective(config: RunConfig, model_config: TransformerConfig, attention: AttentionPlan, ctx: ParallelContext,
-               device: torch.device, compiled: bool, loss_chunk_tokens: int, on_data_wait) -> Objective:
-    """The run's objective (`megadlms.training.objectives`)."""
+               device: torch.device, compiled: bool, loss_chunk_tokens: int, on_data_wait, *,
+               autocast=None, tokenizer: Any = None) -> Objective:
+    """The run's objective (`megadlms.training.objectives`, RL's in `megadlms.training.rl_objectives`)."""
     obj = config.objective
     # the mode `resolve_model_config` built the model for
     mode = ("bd3lm" if model_config.block_size is not None else "vanilla" if model_config.causal else
             "difflm-shift" if model_config.diffusion_shift else "difflm-noshift")
+    if config.rl.rl is not None:
+        from .rl_objectives import build_rl_objective
+
+        return build_rl_objective(config.rl, mode, model_config, attention,
+                                  Sharding(config.train.micro_batch_size, ctx.dp_rank, ctx.dp_size,
+                                           ctx.dp_group if ctx.distributed else None),
+                                  autocast=autocast, tokenizer=tokenizer, eps=obj.difflm_eps, flex=False,
+                                  loss_chunk_tokens=0, on_data_wait=on_data_wait)
     bd3lm_config = None
     if mode == "bd3lm":  # a missing block size is reported by Bd3lmConfig, naming the flag
         bd3lm_config = bd3lm.Bd3lmConfig(
@@ -223,7 +232,9 @@ class Trainer:
         self.loss_chunk_tokens = (8192 if model_config.vocab_size >= 32768 else 0) if chunk is None else chunk
         self.data_wait_s = 0.0
         self.objective = _objective(run_config, model_config, self.attention, ctx, self.device, self.compiled,
-                                    self.loss_chunk_tokens, self._count_data_wait)
+                                    self.loss_chunk_tokens, self._count_data_wait, autocast=self._autocast,
+                                    tokenizer=tokenizer)
+        self.objective.bind(self.base_model)
         self.optimizer = build_optimizer(model, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
                                          betas=(train_cfg.adam_beta1, train_cfg.adam_beta2), eps=train_cfg.adam_eps)
         allocate_optimizer_state(self.optimizer)  # before any activation: the state gets segments of its own
@@ -288,6 +299,8 @@ class Trainer:
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
         if self.run_config.train.recompute_granularity:
             blockers.append("activation checkpointing (--recompute-granularity) re-runs the forward in backward")
+        if self.run_config.rl.rl is not None:
+            blockers.append(f"--rl {self.run_config.rl.rl} batches change shape from step to step")
         if mode == "on" and blockers:
             raise ConfigError(f"--cuda-graphs on is not possible here: {'; '.join(blockers)}. "
                              "Use --cuda-graphs auto or off.")
@@ -455,7 +468,8 @@ class Trainer:
 
     def _save(self) -> Path:
         rank_state = {"rng": _rng_state(self.device), "mask_sampler": self.sampler.state_dict(),
-                      "data": self.loaders.train.state_dict(), "attention": self.attention.state_dict()}
+                      "data": self.loaders.train.state_dict(), "attention": self.attention.state_dict(),
+                      "objective": self.objective.state_dict()}
         meta = {"config": self.model_config.to_dict(), "args": self.run_config.to_flat()}
         tok_dir = getattr(self.tokenizer, "source_dir", None)
         self.finish_save()  # one checkpoint in flight at a time
@@ -514,6 +528,7 @@ class Trainer:
             self.sampler.load_state_dict(rank_state["mask_sampler"])
             if "attention" in rank_state:
                 self.attention.load_state_dict(rank_state["attention"])
+            self.objective.load_state_dict(rank_state.get("objective", {}))
         log.info("resumed from %s at iteration %d", path, self.state.iteration)
 
     # ----------------------------------------------------------------- loop
@@ -591,6 +606,7 @@ class Trainer:
 
             m.update({f"fp8/{k}": v for k, v in fp8_stats(self.model).items()})
         m.update(moe_metrics(self.model))  # tokens per expert per MoE layer, the auxiliary loss (dense: nothing)
+        m.update(self.objective.metrics())  # RL: rewards, KL, clip fraction, rollout tokens/s
         self.state.history.append(m)
         if self.ctx.is_main:
             line = format_log_line(m, self.run_config.train.train_iters)
@@ -658,7 +674,14 @@ def setup(config: RunConfig) -> Trainer:
                                   eval_samples=train_cfg.eval_iters * global_batch * n_evals)
     if ctx.distributed and not ctx.is_main:  # rank 0 tokenizes / indexes into the caches first, the others reuse them
         dist.barrier()
-    loaders = build_loaders(data_cfg, tokenizer, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+    loaders: Any
+    if config.rl.rl is not None:  # RL: records of --rl-data instead of token windows
+        from ..rl.data import build_record_loaders
+
+        loaders = build_record_loaders(config.rl, tokenizer, micro_batch_size=train_cfg.micro_batch_size,
+                                       seed=train_cfg.seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+    else:
+        loaders = build_loaders(data_cfg, tokenizer, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
     if ctx.distributed and ctx.is_main:
         dist.barrier()
     trainer = Trainer(config, ctx, cfg, model, loaders, tokenizer)

@@ -1,0 +1,383 @@
+"""The RL objectives behind the trainer's `Objective` interface (docs/rl.md).
+
+- `PreferenceOptimisation` (`--rl vrpo`): LLaDA 1.5's VRPO on (prompt, chosen, rejected) pairs;
+- `DiffuGRPO` (`--rl grpo`): d1's diffu-GRPO on prompts with verifiable rewards (rollouts from the fast sampler).
+
+Both hold a frozen reference model: with LoRA the model itself with its adapters off, else a copy of the model
+taken when training starts (saved with the checkpoints, so a resumed run keeps the first one). Their noise is
+one seed per step drawn from the trainer's `MaskSampler` (checkpointed), from which every rollout, timestep and
+mask of the step derives per record: a resumed run redraws exactly what the uninterrupted one drew.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, TransformerConfig
+from ..diffusion.objective import BatchNoise, MaskSampler
+from ..diffusion.sampler import position_ids_from_mask, prepare_prompts, trim_at_eos
+from ..lora import adapters_disabled, lora_modules
+from ..rl import RL_KINDS
+from ..rl.data import Record
+from ..rl.grpo import completion_mask, group_advantages, grpo_loss, one_step_inputs, tidy_completions
+from ..rl.vrpo import dpo_loss, elbo_estimates, elbo_noise, masked_rows, token_logps
+from .documents import AttentionPlan
+from .objectives import Batch, Objective, Sharding
+
+
+@dataclass
+class StepSeed(BatchNoise):
+    """An RL step's noise: one seed, from which each record's randomness derives (`record_generator`)."""
+
+    seed: int = 0
+
+
+def record_generator(seed: int, index: int, device: torch.device, salt: int = 0) -> torch.Generator:
+    """The generator of global record `index` in the step of `seed` (independent of how records fall on ranks)."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + index * 7919 + salt) % (2**63 - 1))
+    return g
+
+
+class RLObjective(Objective):
+    """What both RL objectives share: the reference model, the per-step seed, metrics over the log window."""
+
+    bound = False
+
+    def __init__(self, *args: Any, autocast: Callable[[], contextlib.AbstractContextManager], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._autocast = autocast
+        if self.model_config.mask_token_id is None:
+            raise ConfigError("RL trains a masked-diffusion model: pass --mask-token ID")
+        self.mask_id: int = self.model_config.mask_token_id
+        self._policy: nn.Module | None = None
+        self._reference: nn.Module | None = None  # a frozen copy (None with LoRA: the adapters are switched off)
+        self._reference_state: dict[str, torch.Tensor] | None = None  # from a checkpoint, before the copy exists
+        self._window: dict[str, list[float]] = {}
+        self._step_micro = 0  # global index of this step's first micro-batch for this rank
+
+    # -- the trainer's hooks
+    def bind(self, model: nn.Module) -> None:
+        """The policy (the unwrapped TransformerLM), after the trainer built it."""
+        self._policy = model
+
+    def metrics(self) -> dict[str, float]:
+        """Means over the log window (this rank's), then a fresh window."""
+        out = {f"rl/{k}": sum(v) / len(v) for k, v in self._window.items() if v}
+        self._window = {}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        ref = self._reference
+        return {"reference": None if ref is None else {k: v.detach().clone() for k, v in ref.state_dict().items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._reference_state = state.get("reference")
+        self._reference = None
+
+    def flops_per_token(self) -> float:
+        return self.model_config.flops_per_token(self.model_config.seq_length)
+
+    def validation_note(self) -> str:
+        return "RL objective (no validation loss)"
+
+    def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
+                   evaluation: bool = False) -> BatchNoise:
+        seed = int(torch.randint(0, 2**62, (1,), generator=sampler.generator, device=sampler.device))
+        empty = torch.empty(0)
+        return StepSeed(empty, empty, torch.zeros(micro_steps, dtype=torch.long), evaluation, seed=seed)
+
+    # -- helpers
+    def _record(self, name: str, value: float) -> None:
+        self._window.setdefault(name, []).append(float(value))
+
+    def _uses_lora(self) -> bool:
+        return self._policy is not None and bool(lora_modules(self._policy))
+
+    def reference(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """The frozen reference model for a `with` block (no gradients flow into it)."""
+        policy = self._policy
+        if policy is None:
+            raise RuntimeError("the RL objective has no model: the trainer calls bind(model) first")
+        if self._uses_lora():
+            return adapters_disabled(policy)
+        if self._reference is None:  # at the first step: the loaded (or resumed) weights are in place
+            ref = copy.deepcopy(policy)
+            if self._reference_state is not None:
+                ref.load_state_dict(self._reference_state)
+                self._reference_state = None
+            for p in ref.parameters():
+                p.requires_grad_(False)
+            self._reference = ref.eval()
+        return contextlib.nullcontext(self._reference)
+
+
+@dataclass
+class PairBatch(Batch):
+    """VRPO micro-batch: rows [pair, chosen / rejected, sample] flattened; inputs and weights as in `masked_rows`."""
+
+    samples: int = 1  # n, rows per ELBO estimate
+
+
+def pad_rows(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token rows to the longest: (ids long [R, S], real bool [R, S])."""
+    width = max(r.shape[-1] for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=rows[0].device)
+    real = torch.zeros(len(rows), width, dtype=torch.bool, device=rows[0].device)
+    for i, r in enumerate(rows):
+        ids[i, :r.shape[-1]] = r
+        real[i, :r.shape[-1]] = True
+    return ids, real
+
+
+class PreferenceOptimisation(RLObjective):
+    """VRPO: per pair, n-sample ELBO estimates of the chosen and the rejected response under the policy and the
+    reference, with the same timesteps and masks for both models (`megadlms.rl.vrpo`); the DPO loss averaged over
+    the micro-batch's pairs."""
+
+    name = "VRPO (DPO on ELBO estimates)"
+
+    def __init__(self, *args: Any, samples: int, beta: float, eps: float, pad_id: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if samples < 1:
+            raise ConfigError(f"--vrpo-samples {samples} must be at least 1 (LLaDA 1.5 uses 8)")
+        self.samples, self.beta, self.eps, self.pad_id = samples, beta, eps, pad_id
+
+    def micro_batches(self, samples: Iterator[Any], noise: BatchNoise, count: int,
+                      device: torch.device) -> Iterator[Batch]:
+        assert isinstance(noise, StepSeed)
+        sh, n = self.sharding, self.samples
+        for m in range(count):
+            records = cast("list[Record]", self._next(samples))
+            first = sh.rows(m).start
+            seqs: list[torch.Tensor] = []
+            weights: list[torch.Tensor] = []
+            clean: list[torch.Tensor] = []
+            for j, rec in enumerate(records):
+                g = record_generator(noise.seed, first + j, device)
+                for response in (rec.chosen, rec.rejected):
+                    seq = torch.tensor(rec.prompt + response, dtype=torch.long, device=device)
+                    p, masked = elbo_noise(n, len(response), g, eps=self.eps)
+                    x, w = masked_rows(seq, len(rec.prompt), p, masked, mask_id=self.mask_id)
+                    seqs.extend(x)
+                    weights.extend(w)
+                    clean.extend([seq] * n)
+            inputs, real = pad_rows(seqs, self.pad_id)
+            targets, _ = pad_rows(clean, self.pad_id)
+            w = torch.zeros(inputs.shape, dtype=torch.float32, device=device)
+            for i, row in enumerate(weights):
+                w[i, :row.shape[0]] = row
+            tokens = int(real.sum()) * sh.dp_size
+            mask = None if bool(real.all()) else real
+            # the reference's forward costs a third of the policy's forward + backward
+            yield PairBatch(inputs, targets, w, tokens=tokens, flops=tokens * self.flops_per_token() * 4 / 3,
+                            attention_mask=mask, samples=n)
+
+    def loss(self, model: nn.Module, batch: Batch, output_weight: Callable[[], torch.Tensor]) -> torch.Tensor:
+        assert isinstance(batch, PairBatch)
+        kwargs = batch.model_kwargs()
+        with torch.no_grad(), self.reference() as ref:
+            ref_b = elbo_estimates(ref(batch.inputs, **kwargs), batch.targets, batch.weights, batch.samples)
+        pol_b = elbo_estimates(model(batch.inputs, **kwargs), batch.targets, batch.weights, batch.samples)
+        pol, ref_ = pol_b.view(-1, 2), ref_b.view(-1, 2)  # [pairs, chosen / rejected]
+        losses, margin = dpo_loss(pol[:, 0], ref_[:, 0], pol[:, 1], ref_[:, 1], self.beta)
+        self._record("margin", margin.mean().item())
+        self._record("accuracy", (margin > 0).float().mean().item())
+        self._record("chosen_reward", (self.beta * (pol[:, 0] - ref_[:, 0])).mean().item())
+        self._record("rejected_reward", (self.beta * (pol[:, 1] - ref_[:, 1])).mean().item())
+        return losses.mean()
+
+
+@dataclass
+class Rollouts:
+    """One micro-batch's rollouts (P prompts x G completions, rows grouped by prompt), kept for the mu updates."""
+
+    sequences: torch.Tensor  # long [N, P + C]: left-padded prompt, completion (EOS after the first EOS)
+    real: torch.Tensor  # bool [N, P + C]: False at the prompt's left padding
+    completion: torch.Tensor  # bool [N, C]: tokens up to and including the first EOS
+    advantages: torch.Tensor  # fp32 [N]
+    old_logp: list[torch.Tensor]  # per inner update, fp32 [N, C] (empty with mu = 1: the policy's own, detached)
+    ref_logp: list[torch.Tensor]  # per inner update, fp32 [N, C] (empty without a KL term)
+    index: int  # global index of the micro-batch in the rollout step (its noise)
+    seed: int  # the rollout step's seed
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def to(self, device: torch.device) -> Rollouts:
+        """The rollouts on `device` (a checkpoint's come back on the CPU)."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device)
+
+        return Rollouts(move(self.sequences), move(self.real), move(self.completion), move(self.advantages),
+                        [move(t) for t in self.old_logp], [move(t) for t in self.ref_logp], self.index, self.seed)
+
+
+@dataclass
+class RolloutBatch(Batch):
+    """diffu-GRPO micro-batch: the one-step inputs (`inputs`), the sampled sequences (`targets`) and the terms of
+    the loss. weights: the completion mask over the whole row (the prompt's positions 0)."""
+
+    prompt_length: int = 0
+    advantages: torch.Tensor | None = None  # fp32 [N]
+    old_logp: torch.Tensor | None = None  # fp32 [N, C]; None: the policy's own (mu = 1)
+    ref_logp: torch.Tensor | None = None  # fp32 [N, C]; None: no KL term
+
+
+class DiffuGRPO(RLObjective):
+    """diffu-GRPO (`megadlms.rl.grpo`): every mu steps, G completions per prompt from the fast sampler (eval mode, no
+    gradients), rewards, group advantages and the old-policy / reference log-probabilities of each inner update's
+    prompt mask; then mu optimizer steps on those rollouts."""
+
+    name = "diffu-GRPO"
+
+    def __init__(self, *args: Any, rl: Any, eos_id: int | None, tokenizer: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        from ..rl.rewards import RewardSet
+
+        self.rl, self.eos_id, self.tokenizer = rl, eos_id, tokenizer
+        self.group, self.mu = rl.grpo_group_size, rl.grpo_inner_updates
+        self.rewards = RewardSet.parse(rl.rl_reward)
+        self._inner = 0  # optimizer steps taken; rollouts are drawn when it is a multiple of mu
+        self._rollouts: list[Rollouts] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "inner": self._inner, "rollouts": [r.state_dict() for r in self._rollouts],
+                "reward_failures": self.rewards.failures}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._inner = int(state.get("inner", 0))
+        self._rollouts = [Rollouts(**r) for r in state.get("rollouts", [])]
+        self.rewards.failures = int(state.get("reward_failures", 0))
+
+    def micro_batches(self, samples: Iterator[Any], noise: BatchNoise, count: int,
+                      device: torch.device) -> Iterator[Batch]:
+        assert isinstance(noise, StepSeed)
+        j = self._inner % self.mu
+        if j == 0:
+            self._rollouts = []
+            for m in range(count):
+                records = cast("list[Record]", self._next(samples))
+                index = m * self.sharding.dp_size + self.sharding.dp_rank  # the global micro-batch
+                self._rollouts.append(self._rollout(records, noise.seed, index, device))
+        self._rollouts = [r.to(device) for r in self._rollouts]
+        for roll in self._rollouts:
+            inputs = self._one_step(roll, j)
+            n, total = roll.sequences.shape
+            p = total - roll.completion.shape[1]
+            weights = torch.zeros(n, total, dtype=torch.float32, device=device)
+            weights[:, p:] = roll.completion.float()
+            tokens = n * total * self.sharding.dp_size
+            yield RolloutBatch(inputs, roll.sequences, weights, tokens=tokens, flops=tokens * self.flops_per_token(),
+                               attention_mask=roll.real, position_ids=position_ids_from_mask(roll.real),
+                               prompt_length=p, advantages=roll.advantages,
+                               old_logp=roll.old_logp[j] if roll.old_logp else None,
+                               ref_logp=roll.ref_logp[j] if roll.ref_logp else None)
+        self._inner += 1
+
+    def loss(self, model: nn.Module, batch: Batch, output_weight: Callable[[], torch.Tensor]) -> torch.Tensor:
+        assert isinstance(batch, RolloutBatch) and batch.advantages is not None
+        p = batch.prompt_length
+        logp = token_logps(model(batch.inputs, **batch.model_kwargs())[:, p:], batch.targets[:, p:])
+        old = logp.detach() if batch.old_logp is None else batch.old_logp
+        loss, stats = grpo_loss(logp, old, batch.ref_logp, batch.advantages, batch.weights[:, p:] > 0,
+                                clip_eps=self.rl.grpo_clip_eps, kl_beta=self.rl.rl_kl_beta)
+        for k, v in stats.items():
+            self._record(k, v.item())
+        return loss
+
+    # -- rollouts
+    def _one_step(self, roll: Rollouts, j: int) -> torch.Tensor:
+        """The one-step input of inner update j (the same for the policy, the old policy and the reference)."""
+        p = roll.sequences.shape[1] - roll.completion.shape[1]
+        g = record_generator(roll.seed, roll.index, roll.sequences.device, salt=1 + j)
+        return one_step_inputs(roll.sequences, roll.real[:, :p], self.rl.grpo_prompt_mask, g, self.mask_id)
+
+    @torch.no_grad()
+    def _logps(self, model: nn.Module, roll: Rollouts, j: int) -> torch.Tensor:
+        p = roll.sequences.shape[1] - roll.completion.shape[1]
+        with self._autocast():
+            logits = model(self._one_step(roll, j), attention_mask=roll.real,
+                           position_ids=position_ids_from_mask(roll.real))
+        return token_logps(logits[:, p:], roll.sequences[:, p:])
+
+    @torch.no_grad()
+    def _rollout(self, records: list[Record], seed: int, index: int, device: torch.device) -> Rollouts:
+        import time
+
+        from ..diffusion.fast_sampler import fast_generate_tokens
+
+        policy = self._policy
+        assert policy is not None  # bound by the trainer
+        rl, g_size = self.rl, self.group
+        prompts = [r.prompt for r in records for _ in range(g_size)]
+        ids, attn = prepare_prompts(prompts, pad_id=self.mask_id, device=device)
+        real_prompt = attn if attn is not None else torch.ones_like(ids, dtype=torch.bool)
+        gen = record_generator(seed, index, device)
+        was_training = policy.training
+        policy.eval()
+        t0 = time.perf_counter()
+        try:
+            with self._autocast():
+                out, _ = fast_generate_tokens(policy, ids, attn, mask_id=self.mask_id, gen_length=rl.rl_gen_length,
+                                              block_length=rl.rl_block_length, threshold=rl.rl_threshold,
+                                              cache="dual", temperature=rl.rl_temperature, eos_id=self.eos_id,
+                                              generator=gen)
+        finally:
+            policy.train(was_training)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        p = ids.shape[1]
+        completions = tidy_completions(out[:, p:], self.eos_id)
+        mask = completion_mask(completions, self.eos_id)
+        texts = [self.tokenizer.decode(row) for row in trim_at_eos(completions, self.eos_id)]
+        fields = [r.fields for r in records for _ in range(g_size)]
+        failures = self.rewards.failures
+        rewards = torch.tensor(self.rewards(texts, fields), dtype=torch.float32, device=device)
+        self._record("reward_mean", rewards.mean().item())
+        self._record("reward_std", rewards.std().item() if rewards.numel() > 1 else 0.0)
+        self._record("reward_failures", self.rewards.failures - failures)
+        if len(self.rewards.terms) > 1:
+            for name, value in self.rewards.last.items():
+                self._record(f"reward/{name}", value)
+        self._record("rollout_tokens_per_s", completions.numel() / max(seconds, 1e-9))
+        self._record("rollout_s", seconds)  # the sampler's share of the step: against the step's time
+        self._record("completion_length", mask.sum(1).float().mean().item())
+        real = torch.cat([real_prompt, torch.ones_like(completions, dtype=torch.bool)], 1)
+        roll = Rollouts(torch.cat([ids, completions], 1), real, mask, group_advantages(rewards, g_size), [], [],
+                        index, seed)
+        if self.mu > 1:
+            roll.old_logp = [self._logps(policy, roll, j) for j in range(self.mu)]
+        if rl.rl_kl_beta > 0:
+            with self.reference() as ref:
+                roll.ref_logp = [self._logps(ref, roll, j) for j in range(self.mu)]
+        return roll
+
+
+def build_rl_objective(rl: Any, mode: str, model_config: TransformerConfig, attention: AttentionPlan,
+                       sharding: Sharding, *, autocast: Callable[[], contextlib.AbstractContextManager],
+                       tokenizer: Any, eps: float, **common: Any) -> RLObjective:
+    """The objective of `--rl` from the run's RLConfig `rl`, for a masked-diffusion model (difflm-noshift)."""
+    if mode != "difflm-noshift":
+        raise ConfigError(f"--rl {rl.rl} trains a masked-diffusion model whose position i predicts token i "
+                          f"(difflm-noshift); this run's mode is {mode}: use --model-running-mode difflm-noshift")
+    if attention.needs_masks() or attention.reset_position_ids:
+        raise ConfigError(f"--rl {rl.rl} scores one record per row: drop --reset-attention-mask, "
+                          "--reset-position-ids and --attention-anneal-iters")
+    pad = tokenizer.eod_id if tokenizer is not None and tokenizer.eod_id is not None else 0
+    if rl.rl == "vrpo":
+        return PreferenceOptimisation(model_config, attention, sharding, autocast=autocast, samples=rl.vrpo_samples,
+                                      beta=rl.dpo_beta, eps=eps, pad_id=pad, **common)
+    if rl.rl == "grpo":
+        return DiffuGRPO(model_config, attention, sharding, autocast=autocast, rl=rl, tokenizer=tokenizer,
+                         eos_id=tokenizer.eod_id if tokenizer is not None else None, **common)
+    raise ConfigError(f"--rl {rl.rl!r} is not one of {', '.join(RL_KINDS)}")
