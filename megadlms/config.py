@@ -13,14 +13,8 @@ from .errors import MegaDLMsError
 
 ATTN_MASK_TYPES = ("bidirectional", "causal")
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
-# the recipes whose weights --fp8-param-gather can gather in FP8 exactly (a per-tensor or per-block weight scale)
-FP8_PARAM_GATHER_RECIPES = ("delayed", "tensorwise", "blockwise")
-E4M3_ONLY_RECIPES = {"blockwise": "E4M3 is what torch's blockwise GEMM takes (gradients included)",
-                     "mxfp8": "MXFP8 is E4M3 for every operand"}
 FP8_AMAX_ALGOS = ("max", "most_recent")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-MOE_FP8_RECIPES = ("delayed", "tensorwise", "rowwise")  # the recipes the FP8 expert GEMMs take (megadlms.fp8.grouped)
 
 
 class ConfigError(MegaDLMsError, ValueError):
@@ -133,16 +127,18 @@ class TransformerConfig:
             raise ConfigError(f"block_size={self.block_size} must be a positive divisor of "
                               f"seq_length={self.seq_length}")
         _choice("fp8_format", self.fp8_format, FP8_FORMATS)
-        _choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        from .fp8.recipe import RECIPE_NAMES, attention_problem  # the recipes and their rules (megadlms.fp8.recipe)
+
+        _choice("fp8_recipe", self.fp8_recipe, RECIPE_NAMES)
         _choice("fp8_amax_compute_algo", self.fp8_amax_compute_algo, FP8_AMAX_ALGOS)
         if self.fp8_margin < 0:
             raise ConfigError(f"fp8_margin={self.fp8_margin} must be >= 0 (0 is the usual value)")
         _positive("fp8_amax_history_len", self.fp8_amax_history_len)
         if self.fp8:
             check_fp8_recipe_options(self.fp8_recipe, self.fp8_format, self.fp8_pow2_scales)
-        if self.fp8 and self.fp8_dot_product_attention and self.fp8_recipe != "delayed":
-            raise ConfigError(f"fp8_dot_product_attention=True takes the delayed recipe, got fp8_recipe="
-                              f"{self.fp8_recipe!r}; use --fp8-recipe delayed or drop --fp8-dot-product-attention")
+        problem = attention_problem(self.fp8_recipe) if self.fp8 and self.fp8_dot_product_attention else None
+        if problem:
+            raise ConfigError(problem)
         _check_moe(self)
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             if getattr(self, name) < 0:
@@ -269,9 +265,11 @@ def _check_moe(cfg: TransformerConfig) -> None:
     if cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function != "sigmoid":
         raise ConfigError("moe_router_enable_expert_bias=True (DeepSeek-V3's aux-loss-free balancing) takes "
                           f"moe_router_score_function='sigmoid', got {cfg.moe_router_score_function!r}")
-    if cfg.fp8 and cfg.fp8_recipe not in MOE_FP8_RECIPES:
-        raise ConfigError(f"fp8_recipe={cfg.fp8_recipe!r}: the FP8 expert GEMMs take {list(MOE_FP8_RECIPES)}; use "
-                          "--fp8-recipe rowwise or tensorwise with MoE")
+    from .fp8.recipe import experts_problem
+
+    problem = experts_problem(cfg.fp8_recipe) if cfg.fp8 else None
+    if problem:
+        raise ConfigError(problem)
 
 
 def _positive(name: str, value: int) -> None:
@@ -305,10 +303,10 @@ def check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
 
 
 def check_fp8_recipe_options(recipe: str, fp8_format: str, pow2_scales: bool) -> None:
-    """Raise ConfigError (one line) where the FP8 format or --fp8-pow2-scales does not go with the recipe."""
-    if recipe in E4M3_ONLY_RECIPES and fp8_format != "e4m3":
-        raise ConfigError(f"--fp8-format {fp8_format} with --fp8-recipe {recipe}: {E4M3_ONLY_RECIPES[recipe]}; "
-                          f"use --fp8-format e4m3")
-    if pow2_scales and recipe != "blockwise":
-        raise ConfigError(f"--fp8-pow2-scales applies to --fp8-recipe blockwise, got --fp8-recipe {recipe}; drop "
-                          "--fp8-pow2-scales")
+    """Raise ConfigError (one line) where the FP8 format or --fp8-pow2-scales does not go with the recipe (the rule:
+    `megadlms.fp8.recipe.format_problem`)."""
+    from .fp8.recipe import format_problem
+
+    problem = format_problem(recipe, fp8_format, pow2_scales)
+    if problem:
+        raise ConfigError(problem)

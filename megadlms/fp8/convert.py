@@ -22,7 +22,7 @@ from .hardware import check_fp8_support
 from .linear import Float8Linear
 from .quantize import amax_to_scale
 from .quantizer import make_quantizer
-from .recipe import DelayedScaling, Recipe, check_recipe
+from .recipe import DelayedScaling, Recipe, attention_problem, check_recipe, keeps_history
 from .state import FP8GlobalStateManager, fp8_autocast
 from .swiglu import SwiGLUFP8InputStore
 
@@ -92,11 +92,11 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
         if param.device.type == "cuda":  # the recipe's own GEMM (blockwise: Hopper, MXFP8: Blackwell)
             index = param.device.index if param.device.index is not None else torch.cuda.current_device()
             make_quantizer(recipe, recipe.fp8_format.fwd_dtype, None, 0).check_device(index)
-    attention_recipe: DelayedScaling | None = None
+    attention_recipe: Recipe | None = None
     if dot_product_attention:
-        if not isinstance(recipe, DelayedScaling):
-            raise ValueError(f"FP8 attention (--fp8-dot-product-attention) takes delayed scaling, got {recipe}; "
-                             "use --fp8-recipe delayed or drop --fp8-dot-product-attention")
+        problem = attention_problem(recipe)
+        if problem:
+            raise ValueError(problem)
         attention_recipe = recipe
         if param is not None:
             check_fp8_attention_support(param.device)
@@ -287,7 +287,7 @@ def fp8_step(model: nn.Module, group: Any = None) -> None:
     3. drop the cached FP8 weights, so the next forward casts the updated weights.
     """
     modules = list(fp8_scaling_modules(model))
-    delayed = [(m, m.recipe) for m in modules if isinstance(m.recipe, DelayedScaling)]
+    delayed = [(m, m.recipe) for m in modules if keeps_history(m.recipe)]
     reduce_amaxes([m for m, recipe in delayed if recipe.reduce_amax], group)
     groups: dict[tuple[DelayedScaling, torch.device, type], list[ScalingModule]] = defaultdict(list)
     for m, recipe in delayed:

@@ -19,8 +19,9 @@ from typing import Any, Sequence
 
 import yaml
 
-from ..config import FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, ConfigError
+from ..config import FP8_AMAX_ALGOS, FP8_FORMATS, ConfigError
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES
+from ..fp8.recipe import RECIPE_NAMES
 from ..lora import TARGETS as LORA_TARGETS
 from .config import RunConfig
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
@@ -147,7 +148,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
                    help="enable FP8: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients)")
     g.add_argument("--fp8-hybrid", action="store_true", help="same as --fp8-format hybrid")
-    g.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
+    g.add_argument("--fp8-recipe", choices=RECIPE_NAMES, default="delayed",
                    help="scaling: delayed / tensorwise (per tensor), rowwise, blockwise (1x128 tiles, 128x128 "
                         "weight blocks; Hopper, e4m3), mxfp8 (32-element E8M0 blocks; Blackwell, e4m3)")
     g.add_argument("--fp8-pow2-scales", action="store_true",

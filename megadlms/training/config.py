@@ -19,7 +19,6 @@ import torch
 from ..config import (
     FP8_AMAX_ALGOS,
     FP8_FORMATS,
-    FP8_RECIPES,
     ConfigError,
     TransformerConfig,
     check_at_least,
@@ -29,6 +28,7 @@ from ..config import (
 from ..data.args import DataSourceConfig
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES, ObjectiveConfig
 from ..distributed.config import ParallelConfig, check_fp8_param_gather
+from ..fp8.recipe import RECIPE_NAMES
 from ..lora import TARGETS as LORA_TARGETS
 from ..lora import LoraConfig, parse_targets
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
@@ -218,7 +218,7 @@ class FP8Config:
     def __post_init__(self) -> None:
         if self.fp8_format is not None:
             check_choice(self, "fp8_format", FP8_FORMATS)
-        check_choice(self, "fp8_recipe", FP8_RECIPES)
+        check_choice(self, "fp8_recipe", RECIPE_NAMES)
         check_choice(self, "fp8_amax_compute_algo", FP8_AMAX_ALGOS)
         check_at_least(self, {"fp8_margin": 0, "fp8_amax_history_len": 1, "num_layers_at_start_in_bf16": 0,
                               "num_layers_at_end_in_bf16": 0})
