@@ -75,7 +75,7 @@ def fp8_linear_names(model: TransformerLM) -> list[str]:
     if names:
         return names
     cfg = model.config
-    keep = fp8_layer_range(len(model.layers), cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16)
+    keep = fp8_layer_range(len(model.layers), *cfg.bf16_edges())
     return [f"layers.{i}.{n}" for i in keep for n, m in model.layers[i].named_modules() if fp8_eligible(m)]
 
 
