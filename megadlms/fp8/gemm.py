@@ -100,6 +100,12 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale
     _check_operands(a, b)
     if a.device.type == "cpu":
         return cpu_scaled_mm(a, b, scale_inv_a, scale_inv_b, out_dtype, use_fast_accum)
+    return scaled_mm_kernel(a, b, scale_inv_a, scale_inv_b, out_dtype, use_fast_accum)
+
+
+def scaled_mm_kernel(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale_inv_b: torch.Tensor,
+                     out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
+    """`scaled_mm` through `torch._scaled_mm` itself (CUDA; same arguments), with 16-byte aligned scales."""
     return torch._scaled_mm(a, b, scale_a=_aligned(scale_inv_a), scale_b=_aligned(scale_inv_b), out_dtype=out_dtype,
                             use_fast_accum=use_fast_accum)
 
