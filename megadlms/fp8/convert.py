@@ -16,7 +16,7 @@ from torch import nn
 from ..model import DotProductAttention, SwiGLU
 from .attention import Float8DotProductAttention, check_fp8_attention_support
 from .fused_mlp import fused_projections
-from .fusions import install_fusions
+from .fusions import install_fusions, log_fusion_decisions
 from .grouped import Float8GroupedExperts, fp8_grouped_eligible
 from .hardware import check_fp8_support
 from .linear import Float8Linear
@@ -100,7 +100,7 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
         attention_recipe = recipe
         if param is not None:
             check_fp8_attention_support(param.device)
-    fused = 0
+    decisions = []
     fp8_layers = fp8_layer_range(len(layers), num_layers_at_start_in_bf16, num_layers_at_end_in_bf16)
     for i in fp8_layers:
         layer = layers[i]
@@ -117,10 +117,8 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
                 fp8_attention = Float8DotProductAttention(attention_recipe,
                                                           device=param.device if param is not None else None)
                 _set_child(layer, name, fp8_attention.train(child.training))
-        fused += install_fusions(layer, {"fuse_projections": fuse_projections, "fuse_mlp": fuse_mlp})
-    if (fuse_projections or fuse_mlp) and len(fp8_layers) and not fused:
-        log.info("FP8 fusions (fused q/k/v, gate/up, MLP) take per-tensor scales: with %s the FP8 linears run "
-                 "unfused", type(recipe).__name__)
+        decisions += install_fusions(layer, {"fuse_projections": fuse_projections, "fuse_mlp": fuse_mlp})
+    log_fusion_decisions(decisions)
     # (the model is typed as any nn.Module, whose attributes the checker reads as tensors or modules)
     setattr(model, "layer_context", functools.partial(fp8_autocast, enabled=True, fp8_recipe=recipe))
     return model
