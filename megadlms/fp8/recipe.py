@@ -76,6 +76,9 @@ class RecipeCapabilities:
     experts: how the FP8 MoE expert GEMMs scale under it ("tensorwise", "rowwise"), None where they cannot.
     weight_scaling: how its weights are scaled: "tensor", "row" (per output channel), "block" (128x128) or "mx".
     export_scaling: the weight scaling of an FP8 export of a model trained with it ("tensor" or "block").
+    gpu_majors: the compute-capability majors whose GPUs run its GEMM (None: every FP8 GPU, >= 8.9; the GEMM's own
+        check adds what else it needs, e.g. the torch build). cpu_emulated: its GEMM is emulated on the CPU (a
+        dequantisation and an fp32 matmul of its scale layout), for tests.
     """
 
     name: ClassVar[str]
@@ -89,6 +92,8 @@ class RecipeCapabilities:
     experts: ClassVar[str | None] = None
     weight_scaling: ClassVar[str] = "tensor"
     export_scaling: ClassVar[str] = "tensor"
+    gpu_majors: ClassVar[tuple[int, ...] | None] = None
+    cpu_emulated: ClassVar[bool] = False
 
     fp8_format: Format  # a field of every recipe dataclass
 
@@ -202,6 +207,8 @@ class Float8BlockwiseScaling(RecipeCapabilities):
     param_gather: ClassVar[bool] = True
     weight_scaling: ClassVar[str] = "block"
     export_scaling: ClassVar[str] = "block"
+    gpu_majors: ClassVar[tuple[int, ...] | None] = (9,)  # Hopper: torch's blockwise scaled GEMM
+    cpu_emulated: ClassVar[bool] = True
 
     fp8_format: Format = Format.E4M3
     pow2_scales: bool = False
@@ -226,6 +233,8 @@ class Float8MXScaling(RecipeCapabilities):
     formats: ClassVar[tuple[Format, ...]] = (Format.E4M3,)
     formats_why: ClassVar[str] = "MXFP8 is E4M3 for every operand"
     weight_scaling: ClassVar[str] = "mx"
+    gpu_majors: ClassVar[tuple[int, ...] | None] = (10,)  # Blackwell: MX tensor cores
+    cpu_emulated: ClassVar[bool] = True
 
     fp8_format: Format = Format.E4M3
     rounding: str = "ceil"
@@ -275,6 +284,17 @@ def keeps_history(recipe: Recipe) -> TypeGuard[DelayedScaling]:
 def names_with(capability: str) -> list[str]:
     """The `--fp8-recipe` names whose class has a true `capability` (a `RecipeCapabilities` attribute)."""
     return [name for name, cls in RECIPE_CLASSES.items() if getattr(cls, capability)]
+
+
+def names_for_gpu(major: int) -> list[str]:
+    """The `--fp8-recipe` names whose GEMM runs on an FP8 GPU of compute-capability major `major` (`gpu_majors`)."""
+    return [name for name, cls in RECIPE_CLASSES.items() if cls.gpu_majors is None or major in cls.gpu_majors]
+
+
+def alternatives_on_gpu(major: int, instead_of: str) -> str:
+    """'a, b or c': the recipes that run on a GPU of major `major`, other than `instead_of` (for messages)."""
+    names = [n for n in names_for_gpu(major) if n != instead_of]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def format_problem(recipe: str, fp8_format: str, pow2_scales: bool = False) -> str | None:

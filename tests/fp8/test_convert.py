@@ -239,4 +239,4 @@ def test_mxfp8_on_a_hopper_gpu_is_one_line_naming_what_runs_there(monkeypatch):
     finally:
         check_mx_gemm_support.cache_clear()
     assert "\n" not in str(e.value) and "NVIDIA H200 (9.0)" in str(e.value)
-    assert str(e.value).endswith("use --fp8-recipe blockwise, tensorwise, rowwise or delayed")
+    assert str(e.value).endswith("use --fp8-recipe delayed, tensorwise, rowwise or blockwise")

@@ -134,6 +134,11 @@ def test_each_recipe_states_its_capabilities():
     assert [n for n in r.RECIPE_NAMES if r.recipe_class(n).formats == (Format.E4M3,)] == ["blockwise", "mxfp8"]
     assert [r.recipe_class(n).export_scaling for n in r.RECIPE_NAMES] == ["tensor"] * 3 + ["block", "tensor"]
     assert r.keeps_history(DelayedScaling()) and not r.keeps_history(Float8CurrentScaling())
+    assert r.names_for_gpu(9) == ["delayed", "tensorwise", "rowwise", "blockwise"]
+    assert r.names_for_gpu(10) == ["delayed", "tensorwise", "rowwise", "mxfp8"]
+    assert r.names_for_gpu(8) == ["delayed", "tensorwise", "rowwise"] and r.names_with("cpu_emulated") == [
+        "blockwise", "mxfp8"]
+    assert r.alternatives_on_gpu(9, "mxfp8") == "delayed, tensorwise, rowwise or blockwise"
     with pytest.raises(ValueError, match="is not one of"):
         r.recipe_class("fp4")
 
