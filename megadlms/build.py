@@ -34,9 +34,9 @@ def apply_fp8(model: M, cfg: TransformerConfig) -> M:
         return model
     from .fp8 import convert_to_fp8, recipe_from_config  # lazy: a BF16 model never imports the FP8 engine
 
-    return convert_to_fp8(model, recipe_from_config(cfg),
-                          num_layers_at_start_in_bf16=cfg.num_layers_at_start_in_bf16,
-                          num_layers_at_end_in_bf16=cfg.num_layers_at_end_in_bf16,
+    start, end = cfg.bf16_edges()
+    return convert_to_fp8(model, recipe_from_config(cfg), num_layers_at_start_in_bf16=start,
+                          num_layers_at_end_in_bf16=end,
                           activation_func_fp8_input_store=cfg.activation_func_fp8_input_store,
                           fp8_wgrad=cfg.fp8_wgrad, fuse_projections=cfg.fp8_fuse_projections,
                           fuse_mlp=cfg.fp8_fuse_mlp, fprop_fast_accum=cfg.fp8_fprop_fast_accum,

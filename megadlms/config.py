@@ -6,6 +6,7 @@ One dataclass, validated in `__post_init__`: every error names the field, the va
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,14 +14,8 @@ from .errors import MegaDLMsError
 
 ATTN_MASK_TYPES = ("bidirectional", "causal")
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
-# the recipes whose weights --fp8-param-gather can gather in FP8 exactly (a per-tensor or per-block weight scale)
-FP8_PARAM_GATHER_RECIPES = ("delayed", "tensorwise", "blockwise")
-E4M3_ONLY_RECIPES = {"blockwise": "E4M3 is what torch's blockwise GEMM takes (gradients included)",
-                     "mxfp8": "MXFP8 is E4M3 for every operand"}
 FP8_AMAX_ALGOS = ("max", "most_recent")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-MOE_FP8_RECIPES = ("delayed", "tensorwise", "rowwise")  # the recipes the FP8 expert GEMMs take (megadlms.fp8.grouped)
 
 
 class ConfigError(MegaDLMsError, ValueError):
@@ -28,7 +23,64 @@ class ConfigError(MegaDLMsError, ValueError):
 
 
 @dataclass
-class TransformerConfig:
+class FP8Settings:
+    """The FP8 settings of a model, defined once, with Megatron-Core's names and defaults (Transformer Engine
+    semantics): `TransformerConfig` has them, and so has the trainer's `FP8Config` (its flags), which hands them
+    over unchanged. Whether FP8 is on and its format are each config's own (`TransformerConfig.fp8` /
+    `fp8_format`; `FP8Config.fp8_format`, None for off). The `DelayedScaling` dataclass keeps Transformer Engine's
+    own defaults (history 1024, 'max') as the Python API TE users know; `recipe_from_config` builds it from these."""
+
+    fp8_recipe: str = "delayed"  # megadlms.fp8.recipe.RECIPE_NAMES
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1  # Megatron's defaults (TE's DelayedScaling uses 1024, "max")
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_wgrad: bool = True
+    activation_func_fp8_input_store: bool = False
+    fp8_fuse_projections: bool = True  # q/k/v and gate/up as one FP8 GEMM each (megadlms.fp8.fused_linear)
+    fp8_fuse_mlp: bool = True  # the MLP as one FP8 function, SwiGLU fused into its casts (megadlms.fp8.fused_mlp)
+    fp8_fprop_fast_accum: bool = True  # Hopper fast accumulation in the forward GEMM (TE's and torchao's default)
+    # the FP8 layers' attention in FP8 too (cuDNN; Megatron's --fp8-dot-product-attention); inert without fp8
+    fp8_dot_product_attention: bool = False
+    fp8_pow2_scales: bool = False  # blockwise: power-of-two scales (exact dequantisation)
+    # Megatron's --first-last-layers-bf16: keep num_layers_at_{start,end}_in_bf16 layers in BF16 (`bf16_edges`)
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+
+    def bf16_edges(self) -> tuple[int, int]:
+        """(layers at the start, layers at the end) kept in BF16: the counts with first_last_layers_bf16, else none."""
+        if not self.first_last_layers_bf16:
+            return 0, 0
+        return self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16
+
+    def check_fp8_settings(self, fp8_format: str | None, label: Callable[[str, Any], str]) -> None:
+        """Raise ConfigError (one line) for an invalid FP8 setting; `label(name, value)` spells the setting as its
+        config does (a field, `name=value`, or a flag, `--name value`). fp8_format: the format, None when FP8 is
+        off (the recipe rules are then not asked)."""
+        from .fp8.recipe import RECIPE_NAMES, attention_problem, format_problem  # the recipes' rules, asked
+
+        for name, choices in (("fp8_recipe", RECIPE_NAMES), ("fp8_amax_compute_algo", FP8_AMAX_ALGOS)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ConfigError(f"{label(name, value)} is not one of {list(choices)}")
+        for name, low in (("fp8_margin", 0), ("fp8_amax_history_len", 1), ("num_layers_at_start_in_bf16", 0),
+                          ("num_layers_at_end_in_bf16", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{label(name, value)} must be an integer")
+            if value < low:
+                raise ConfigError(f"{label(name, value)} must be >= {low}")
+        if fp8_format is None:
+            return
+        problem = format_problem(self.fp8_recipe, fp8_format, self.fp8_pow2_scales)
+        if problem is None and self.fp8_dot_product_attention:
+            problem = attention_problem(self.fp8_recipe)
+        if problem:
+            raise ConfigError(problem)
+
+
+@dataclass
+class TransformerConfig(FP8Settings):
     # --- architecture (Megatron-Core names) ---
     num_layers: int = 2
     hidden_size: int = 128
@@ -64,23 +116,9 @@ class TransformerConfig:
     moe_router_enable_expert_bias: bool = False  # DeepSeek-V3 aux-loss-free balancing (a bias on the selection)
     moe_router_bias_update_rate: float = 1e-3  # the expert bias's step per optimizer step
 
-    # --- FP8 (Transformer Engine / Megatron-Core semantics) ---
+    # --- FP8 (Transformer Engine / Megatron-Core semantics): on/off and the format here, the rest `FP8Settings` ---
     fp8: bool | str = False  # True, or Megatron's string form "e4m3" | "hybrid"
     fp8_format: str = "hybrid"
-    fp8_recipe: str = "delayed"
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1  # Megatron defaults (TE's DelayedScaling uses 1024, "max")
-    fp8_amax_compute_algo: str = "most_recent"
-    fp8_wgrad: bool = True
-    activation_func_fp8_input_store: bool = False
-    fp8_fuse_projections: bool = True  # q/k/v and gate/up as one FP8 GEMM each (megadlms.fp8.fused_linear)
-    fp8_fuse_mlp: bool = True  # the MLP as one FP8 function, SwiGLU fused into its casts (megadlms.fp8.fused_mlp)
-    fp8_fprop_fast_accum: bool = True  # Hopper fast accumulation in the forward GEMM (TE's and torchao's default)
-    # the FP8 layers' attention in FP8 too (cuDNN; Megatron's --fp8-dot-product-attention); inert without fp8
-    fp8_dot_product_attention: bool = False
-    fp8_pow2_scales: bool = False  # blockwise: power-of-two scales (exact dequantisation)
-    num_layers_at_start_in_bf16: int = 0
-    num_layers_at_end_in_bf16: int = 0
 
     # free-form provenance (e.g. the HF architecture a config came from); not validated
     extra: dict[str, Any] = field(default_factory=dict)
@@ -133,25 +171,13 @@ class TransformerConfig:
             raise ConfigError(f"block_size={self.block_size} must be a positive divisor of "
                               f"seq_length={self.seq_length}")
         _choice("fp8_format", self.fp8_format, FP8_FORMATS)
-        _choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
-        _choice("fp8_amax_compute_algo", self.fp8_amax_compute_algo, FP8_AMAX_ALGOS)
-        if self.fp8_margin < 0:
-            raise ConfigError(f"fp8_margin={self.fp8_margin} must be >= 0 (0 is the usual value)")
-        _positive("fp8_amax_history_len", self.fp8_amax_history_len)
-        if self.fp8:
-            check_fp8_recipe_options(self.fp8_recipe, self.fp8_format, self.fp8_pow2_scales)
-        if self.fp8 and self.fp8_dot_product_attention and self.fp8_recipe != "delayed":
-            raise ConfigError(f"fp8_dot_product_attention=True takes the delayed recipe, got fp8_recipe="
-                              f"{self.fp8_recipe!r}; use --fp8-recipe delayed or drop --fp8-dot-product-attention")
+        self.check_fp8_settings(self.fp8_format if self.fp8 else None, lambda name, value: f"{name}={value!r}")
         _check_moe(self)
-        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.num_layers_at_start_in_bf16 + self.num_layers_at_end_in_bf16 > self.num_layers:
+        start, end = self.bf16_edges()
+        if start + end > self.num_layers:
             raise ConfigError(
-                f"num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 = "
-                f"{self.num_layers_at_start_in_bf16 + self.num_layers_at_end_in_bf16} exceeds "
-                f"num_layers={self.num_layers}; keep fewer layers in BF16")
+                f"num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 = {start + end} exceeds "
+                f"num_layers={self.num_layers} (first_last_layers_bf16=True); keep fewer layers in BF16")
 
     # The fields that default to None, as __post_init__ filled them in
     @property
@@ -225,6 +251,10 @@ class TransformerConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ConfigError(f"unknown TransformerConfig fields {unknown}; known fields: {sorted(names)}")
+        if "first_last_layers_bf16" not in d:  # saved before the switch: its counts were the layers kept in BF16
+            start, end = d.get("num_layers_at_start_in_bf16", 0), d.get("num_layers_at_end_in_bf16", 0)
+            d = {**d, "first_last_layers_bf16": bool(start or end), "num_layers_at_start_in_bf16": start,
+                 "num_layers_at_end_in_bf16": end}
         return cls(**d)
 
     def replace(self, **changes: Any) -> TransformerConfig:
@@ -269,9 +299,11 @@ def _check_moe(cfg: TransformerConfig) -> None:
     if cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function != "sigmoid":
         raise ConfigError("moe_router_enable_expert_bias=True (DeepSeek-V3's aux-loss-free balancing) takes "
                           f"moe_router_score_function='sigmoid', got {cfg.moe_router_score_function!r}")
-    if cfg.fp8 and cfg.fp8_recipe not in MOE_FP8_RECIPES:
-        raise ConfigError(f"fp8_recipe={cfg.fp8_recipe!r}: the FP8 expert GEMMs take {list(MOE_FP8_RECIPES)}; use "
-                          "--fp8-recipe rowwise or tensorwise with MoE")
+    from .fp8.recipe import experts_problem
+
+    problem = experts_problem(cfg.fp8_recipe) if cfg.fp8 else None
+    if problem:
+        raise ConfigError(problem)
 
 
 def _positive(name: str, value: int) -> None:
@@ -302,13 +334,3 @@ def check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(obj, name)
     if value not in choices:
         raise ConfigError(f"{flag_name(name)} {value!r} is not one of {list(choices)}")
-
-
-def check_fp8_recipe_options(recipe: str, fp8_format: str, pow2_scales: bool) -> None:
-    """Raise ConfigError (one line) where the FP8 format or --fp8-pow2-scales does not go with the recipe."""
-    if recipe in E4M3_ONLY_RECIPES and fp8_format != "e4m3":
-        raise ConfigError(f"--fp8-format {fp8_format} with --fp8-recipe {recipe}: {E4M3_ONLY_RECIPES[recipe]}; "
-                          f"use --fp8-format e4m3")
-    if pow2_scales and recipe != "blockwise":
-        raise ConfigError(f"--fp8-pow2-scales applies to --fp8-recipe blockwise, got --fp8-recipe {recipe}; drop "
-                          "--fp8-pow2-scales")

@@ -32,6 +32,7 @@ SMOKES = {
     "bd3lm_likelihood": (["--smoke"], "ordering AR <= B=4 <= B=16 <= MDLM: "),
     "moe_block": (["--smoke"], "fp8-tensorwise  | "),
     "lora_memory": (["--smoke"], "fp8 vs bf16 base: peak memory"),
+    "fp8_cpu_speed": (["--smoke"], "fp8 rowwise      | "),
     "attention_grad_check": (["--device", "cpu", "--model-path", "tiny", "--layers", "1", "--seq-length", "64",
                               "--batches", "2", "--plans", "documents,bd3lm", "--variants", "eager-dense"],
                              "attention gradients: ok"),

@@ -20,7 +20,9 @@ def test_defaults_are_derived():
     (dict(fp8_amax_compute_algo="mean"), ["fp8_amax_compute_algo"]),
     (dict(attn_mask_type="sliding"), ["attn_mask_type"]),
     (dict(vocab_size=100, mask_token_id=100), ["mask_token_id=100", "vocab"]),
-    (dict(num_layers=2, num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=1), ["exceeds num_layers=2"]),
+    (dict(num_layers=2, first_last_layers_bf16=True, num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=1),
+     ["exceeds num_layers=2"]),
+    (dict(fp8_margin=-1), ["fp8_margin=-1", ">= 0"]),
 ])
 def test_validation_errors_name_field_value_and_fix(kwargs, words):
     with pytest.raises(ConfigError) as e:
@@ -67,3 +69,24 @@ def test_hf_config_json(tmp_path):
     assert not cfg.untie_embeddings_and_output_weights and cfg.rotary_base == 1e6
     with pytest.raises(ConfigError, match="neither a preset"):
         load_model_config(str(tmp_path / "nope"))
+
+
+def test_fp8_settings_are_one_definition_with_megatron_defaults():
+    """TransformerConfig and the trainer's FP8Config share FP8Settings (one set of fields and defaults); BF16 edge
+    layers count only with first_last_layers_bf16, as in Megatron-Core; a config saved before the switch existed
+    keeps its edge layers."""
+    import dataclasses
+
+    from megadlms.config import FP8Settings
+    from megadlms.training.config import FP8Config
+    shared = [f.name for f in dataclasses.fields(FP8Settings)]
+    for cls in (TransformerConfig, FP8Config):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        assert {n: defaults[n] for n in shared} == {f.name: f.default for f in dataclasses.fields(FP8Settings)}
+    cfg = TransformerConfig(num_layers=3)
+    assert (cfg.num_layers_at_start_in_bf16, cfg.bf16_edges()) == (1, (0, 0))
+    assert cfg.replace(first_last_layers_bf16=True).bf16_edges() == (1, 1)
+    old = {k: v for k, v in cfg.replace(num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=0).to_dict().items()
+           if k != "first_last_layers_bf16"}
+    assert TransformerConfig.from_dict(old).bf16_edges() == (2, 0)
+    assert TransformerConfig.from_dict(cfg.to_dict()) == cfg

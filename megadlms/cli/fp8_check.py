@@ -13,13 +13,12 @@ import argparse
 
 import torch
 
-from ..config import FP8_RECIPES
 from ..fp8.attention import FP8AttentionUnsupportedError, check_fp8_attention_support
 from ..fp8.gemm import scaled_mm
 from ..fp8.hardware import FP8UnsupportedError, check_fp8_support, default_device, fp8_backend_note
 from ..fp8.quantize import E4M3, quantize_tensorwise
 from ..fp8.quantizer import make_quantizer
-from ..fp8.recipe import RECIPE_CLASSES, Recipe
+from ..fp8.recipe import RECIPE_CLASSES, RECIPE_NAMES, Recipe, names_with
 
 RECIPES: dict[str, Recipe] = {name: cls() for name, cls in RECIPE_CLASSES.items()}  # each with its defaults
 
@@ -77,7 +76,7 @@ def describe_fp8_attention(device: torch.device) -> str:
 def describe_recipes(device: torch.device) -> str:
     """Which `--fp8-recipe`s run on `device` (where FP8 runs at all), and why the others do not, one per line."""
     runs, lines = [], []
-    for name in FP8_RECIPES:
+    for name in RECIPE_NAMES:
         recipe = RECIPES[name]
         try:
             if device.type == "cuda":
@@ -87,7 +86,8 @@ def describe_recipes(device: torch.device) -> str:
             lines.append(f"  {name}: no ({e})")
             continue
         runs.append(name)
-    note = " (blockwise and mxfp8 GEMMs emulated on the CPU, for tests)" if device.type == "cpu" else ""
+    emulated = " and ".join(names_with("cpu_emulated"))
+    note = f" ({emulated} GEMMs emulated on the CPU, for tests)" if device.type == "cpu" else ""
     return "\n".join([f"FP8 recipes (--fp8-recipe): {', '.join(runs)}{note}"] + lines)
 
 

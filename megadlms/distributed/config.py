@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import FP8_PARAM_GATHER_RECIPES, ConfigError, check_at_least, check_choice
+from ..config import ConfigError, check_at_least, check_choice
+from ..fp8.recipe import param_gather_problem
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 BACKENDS = ("nccl", "gloo")
@@ -45,11 +46,9 @@ def check_fp8_param_gather(fp8: bool, fp8_recipe: str, parallel: ParallelConfig)
     if not fp8:
         raise ConfigError("--fp8-param-gather gathers the weights of FP8 layers; add --fp8-format e4m3 (or hybrid) "
                           "or drop --fp8-param-gather")
-    if fp8_recipe not in FP8_PARAM_GATHER_RECIPES:
-        raise ConfigError(f"--fp8-param-gather works with --fp8-recipe {', '.join(FP8_PARAM_GATHER_RECIPES)}, not "
-                          f"{fp8_recipe} (its input-gradient GEMM casts the high-precision weight along the other "
-                          "dimension, which an FP8-gathered weight no longer has); drop --fp8-param-gather or pick "
-                          "one of those recipes")
+    problem = param_gather_problem(fp8_recipe)
+    if problem:
+        raise ConfigError(problem)
     if parallel.sharding_strategy == "no_shard":
         raise ConfigError("--fp8-param-gather casts the weight shards FSDP2 all-gathers, and --data-parallel-"
                           "sharding-strategy no_shard shards none; add --use-distributed-optimizer or pick optim, "

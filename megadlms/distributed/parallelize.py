@@ -76,7 +76,7 @@ def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel:
     not be exact: no FSDP2 sharding, one data-parallel rank, tensor parallelism, a recipe or a shape that cannot."""
     from ..fp8 import fp8_modules
     from ..fp8.fused_mlp import fused_projections
-    from ..fp8.param_gather import RECIPES, check_gather_shardable, enable_fp8_param_gather
+    from ..fp8.param_gather import check_gather_shardable, enable_fp8_param_gather
 
     check_fp8_param_gather(bool(model.config.fp8), model.config.fp8_recipe, parallel)
     if ctx.dp_size < 2:
@@ -85,7 +85,7 @@ def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel:
     linears = list(fp8_modules(model))
     names = {id(m): n for n, m in model.named_modules()}
     for m in linears:
-        check_gather_shardable(f"{names[id(m)]}.weight", m.weight.shape, RECIPES[type(m.recipe)], ctx.dp_size)
+        check_gather_shardable(f"{names[id(m)]}.weight", m.weight.shape, m.recipe.name, ctx.dp_size)
     groups = [tuple(g.members()) for g in fused_projections(model)]
     grouped = {id(m) for g in groups for m in g}
     groups += [(m,) for m in linears if id(m) not in grouped]

@@ -7,7 +7,8 @@
     fp8_step(model)                                # amax reduction + scale update + weight recast
 
 Which code runs where:
-    recipe.py      the recipes (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling)
+    recipe.py      the recipes (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Float8BlockwiseScaling,
+                   Float8MXScaling), each stating its capabilities, and every rule about recipes
     quantizer.py   one quantizer per (tensor role, recipe): a recipe is a kind of quantizer
     gemm.py        the FP8 GEMMs (fprop, dgrad, wgrad), the only caller of torch._scaled_mm
     linear.py      Float8Linear: one autograd function over its quantizers and the GEMM helper, which also

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -31,7 +31,7 @@ from .gemm import aligned_scalars
 from .kernels import cast_fp8, compiled
 from .linear import DelayedScalingState, FP8Telemetry, apply_keeping_dtypes
 from .quantize import FP8_MAX, amax_to_scale, quant_stats, quantize
-from .recipe import DelayedScaling, check_recipe
+from .recipe import DelayedScaling, Recipe, attention_problem, check_recipe
 from .state import FP8GlobalStateManager
 
 # Roles: columns of the amax history and entries of the scale vector
@@ -85,11 +85,12 @@ class Float8DotProductAttention(FP8Telemetry, DelayedScalingState, DotProductAtt
     fp8_bwd_roles = BWD_ROLES
     fp8_stats_roles = ("attn_q", "attn_k", "attn_v", "attn_grad")  # rows Q, K, V, DO
 
-    def __init__(self, recipe: DelayedScaling, device: Any = None):
+    def __init__(self, recipe: Recipe, device: Any = None):
         super().__init__()
-        self.recipe = check_recipe(recipe)
-        if not isinstance(recipe, DelayedScaling):
-            raise ValueError(f"FP8 attention takes delayed scaling (--fp8-recipe delayed), got {recipe}")
+        problem = attention_problem(check_recipe(recipe))
+        if problem:
+            raise ValueError(problem)
+        self.recipe = cast(DelayedScaling, recipe)  # the only recipe whose `attention` holds
         self._register_fp8_state(recipe, ROLES, device)
         self._register_fp8_stats(device)
         self.num_fp8_calls = 0  # forwards that ran in FP8 (tests, debugging)

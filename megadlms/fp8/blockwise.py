@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .hardware import FP8UnsupportedError
-from .recipe import E4M3, E5M2, FP8_MAX
+from .recipe import E4M3, E5M2, FP8_MAX, Float8BlockwiseScaling, alternatives_on_gpu
 
 try:  # the cast kernel exists where Triton does
     import triton
@@ -220,11 +220,11 @@ def check_blockwise_gemm_support(device_index: int) -> None:
                                   f"BlockWise1x128 scales); this is torch {torch.__version__}: upgrade torch or use "
                                   "--fp8-recipe tensorwise / rowwise / delayed")
     major, minor = torch.cuda.get_device_capability(device_index)
-    if major != 9:
+    if major not in (Float8BlockwiseScaling.gpu_majors or ()):
         name = torch.cuda.get_device_name(device_index)
-        alt = "mxfp8, tensorwise or delayed" if major == 10 else "tensorwise, rowwise or delayed"
         raise FP8UnsupportedError(f"--fp8-recipe blockwise runs on Hopper (compute capability 9.0) only: cuda:"
-                                  f"{device_index} is {name} ({major}.{minor}); use --fp8-recipe {alt}")
+                                  f"{device_index} is {name} ({major}.{minor}); use --fp8-recipe "
+                                  f"{alternatives_on_gpu(major, 'blockwise')}")
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
     if cuda < (12, 9):
         raise FP8UnsupportedError(f"--fp8-recipe blockwise needs torch built with CUDA >= 12.9 (cuBLASLt block "

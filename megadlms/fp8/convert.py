@@ -16,13 +16,13 @@ from torch import nn
 from ..model import DotProductAttention, SwiGLU
 from .attention import Float8DotProductAttention, check_fp8_attention_support
 from .fused_mlp import fused_projections
-from .fusions import install_fusions
+from .fusions import install_fusions, log_fusion_decisions
 from .grouped import Float8GroupedExperts, fp8_grouped_eligible
 from .hardware import check_fp8_support
 from .linear import Float8Linear
 from .quantize import amax_to_scale
 from .quantizer import make_quantizer
-from .recipe import DelayedScaling, Recipe, check_recipe
+from .recipe import DelayedScaling, Recipe, attention_problem, check_recipe, keeps_history
 from .state import FP8GlobalStateManager, fp8_autocast
 from .swiglu import SwiGLUFP8InputStore
 
@@ -92,15 +92,15 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
         if param.device.type == "cuda":  # the recipe's own GEMM (blockwise: Hopper, MXFP8: Blackwell)
             index = param.device.index if param.device.index is not None else torch.cuda.current_device()
             make_quantizer(recipe, recipe.fp8_format.fwd_dtype, None, 0).check_device(index)
-    attention_recipe: DelayedScaling | None = None
+    attention_recipe: Recipe | None = None
     if dot_product_attention:
-        if not isinstance(recipe, DelayedScaling):
-            raise ValueError(f"FP8 attention (--fp8-dot-product-attention) takes delayed scaling, got {recipe}; "
-                             "use --fp8-recipe delayed or drop --fp8-dot-product-attention")
+        problem = attention_problem(recipe)
+        if problem:
+            raise ValueError(problem)
         attention_recipe = recipe
         if param is not None:
             check_fp8_attention_support(param.device)
-    fused = 0
+    decisions = []
     fp8_layers = fp8_layer_range(len(layers), num_layers_at_start_in_bf16, num_layers_at_end_in_bf16)
     for i in fp8_layers:
         layer = layers[i]
@@ -117,10 +117,8 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
                 fp8_attention = Float8DotProductAttention(attention_recipe,
                                                           device=param.device if param is not None else None)
                 _set_child(layer, name, fp8_attention.train(child.training))
-        fused += install_fusions(layer, {"fuse_projections": fuse_projections, "fuse_mlp": fuse_mlp})
-    if (fuse_projections or fuse_mlp) and len(fp8_layers) and not fused:
-        log.info("FP8 fusions (fused q/k/v, gate/up, MLP) take per-tensor scales: with %s the FP8 linears run "
-                 "unfused", type(recipe).__name__)
+        decisions += install_fusions(layer, {"fuse_projections": fuse_projections, "fuse_mlp": fuse_mlp})
+    log_fusion_decisions(decisions)
     # (the model is typed as any nn.Module, whose attributes the checker reads as tensors or modules)
     setattr(model, "layer_context", functools.partial(fp8_autocast, enabled=True, fp8_recipe=recipe))
     return model
@@ -287,7 +285,7 @@ def fp8_step(model: nn.Module, group: Any = None) -> None:
     3. drop the cached FP8 weights, so the next forward casts the updated weights.
     """
     modules = list(fp8_scaling_modules(model))
-    delayed = [(m, m.recipe) for m in modules if isinstance(m.recipe, DelayedScaling)]
+    delayed = [(m, m.recipe) for m in modules if keeps_history(m.recipe)]
     reduce_amaxes([m for m, recipe in delayed if recipe.reduce_amax], group)
     groups: dict[tuple[DelayedScaling, torch.device, type], list[ScalingModule]] = defaultdict(list)
     for m, recipe in delayed:

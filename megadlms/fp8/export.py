@@ -50,6 +50,7 @@ from .gemm import scaled_mm
 from .hardware import check_fp8_support
 from .linear import Float8Linear, apply_keeping_dtypes
 from .quantize import E4M3, FP8_MAX, amax_to_scale, quantize, round_up16
+from .recipe import recipe_class
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -74,13 +75,14 @@ def fp8_linear_names(model: TransformerLM) -> list[str]:
     if names:
         return names
     cfg = model.config
-    keep = fp8_layer_range(len(model.layers), cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16)
+    keep = fp8_layer_range(len(model.layers), *cfg.bf16_edges())
     return [f"layers.{i}.{n}" for i in keep for n, m in model.layers[i].named_modules() if fp8_eligible(m)]
 
 
 def scaling_of(cfg: TransformerConfig) -> str:
-    """The export scaling that matches the recipe a model was trained with: "block" for blockwise, else "tensor"."""
-    return "block" if cfg.fp8 and cfg.fp8_recipe == "blockwise" else "tensor"
+    """The export scaling that matches the recipe a model was trained with (the recipe's `export_scaling`: "block"
+    for blockwise, else "tensor")."""
+    return recipe_class(cfg.fp8_recipe).export_scaling if cfg.fp8 else "tensor"
 
 
 def quantize_weight(w: torch.Tensor, scaling: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:

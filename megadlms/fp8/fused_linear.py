@@ -24,9 +24,12 @@ unfused layers' output for the same inputs (each element is the same FP8 product
 in FP8 (`param_gather`) arrive cast with that weight scale: their rows, concatenated, are the step's weight
 (uncached, no second rounding).
 
-Whenever fusion does not apply (outside an enabled fp8_autocast, rowwise recipe, hooks on a member
-(tensor parallelism), DTensor weights, mixed member settings), the call falls back to calling the
-member modules one by one. FP8 telemetry (`enable_fp8_stats`) is recorded on the fused path itself:
+Whether the members can be fused is decided once, when the model is converted (`group_problem`: Float8Linears of a
+per-tensor recipe, the same input width, dimensions that are multiples of 16, equal settings, no hooks, no DTensor
+weights); conversion logs the decision (`fusions.install_fusions`). A forward checks that the decision still holds
+and raises `FusionError` naming what changed where it does not (e.g. tensor parallelism applied after conversion
+without `fusions.remove_fusions`). Outside an enabled fp8_autocast (and for an empty input) the members run one by
+one, as their own modules do there. FP8 telemetry (`enable_fp8_stats`) is recorded on the fused path itself:
 each member gets the statistics of the shared input cast, of its rows of the weight cast and of its
 columns of the gradient cast.
 """
@@ -39,6 +42,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from ..errors import MegaDLMsError
 from ..model import compute_dtype
 from .gemm import Operand
 from .linear import (
@@ -56,8 +60,38 @@ from .quantize import quant_stats, round_up16
 from .quantizer import FP8Tensor, GroupQuantizer, StepScales
 from .state import FP8GlobalStateManager
 
-# what the members of a fusion share (else it runs them one by one)
+# what the members of a fusion share (decided at conversion, checked on every forward)
 SHARED_SETTINGS = ("recipe", "fp8_wgrad", "cache_weight", "fprop_fast_accum", "backward_fast_accum", "training")
+
+
+class FusionError(MegaDLMsError, RuntimeError):
+    """A fusion decided at conversion no longer holds (its members changed); the message says what and the fix."""
+
+
+def group_problem(mods: tuple[nn.Module, ...] | list[nn.Module]) -> str | None:
+    """Why sibling linears reading the same input cannot run as one fused FP8 GEMM, or None: they are
+    Float8Linears of a per-tensor recipe, with the same input width K, N and K multiples of 16, equal
+    `SHARED_SETTINGS`, one device, no forward hooks and no DTensor weights."""
+    if not all(type(m) is Float8Linear for m in mods):
+        return "its members are not all Float8Linears"
+    first = cast(Float8Linear, mods[0])
+    if not first.recipe.per_tensor:
+        return f"--fp8-recipe {first.recipe.name}: the fused GEMMs take per-tensor scales"
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    k, device = first.weight.shape[1], first.weight.device
+    for m in cast("tuple[Float8Linear, ...]", tuple(mods)):
+        if m._forward_hooks or m._forward_pre_hooks:
+            return "a member has forward hooks (e.g. tensor parallelism)"
+        if dtensor is not None and isinstance(m.weight, dtensor.DTensor):
+            return "a member's weight is a DTensor (tensor parallelism)"
+        if m.weight.shape[1] != k or m.weight.device != device:
+            return "its members differ in input width or device"
+        if m.weight.shape[0] % 16 or k % 16:
+            return f"weight {tuple(m.weight.shape)}: the fused GEMM needs dimensions that are multiples of 16"
+        for s in SHARED_SETTINGS:
+            if getattr(m, s) != getattr(first, s):
+                return f"its members' {s} differ ({getattr(first, s)} vs {getattr(m, s)})"
+    return None
 
 
 class FusedFloat8Projection(nn.Module):
@@ -77,12 +111,25 @@ class FusedFloat8Projection(nn.Module):
         self.num_fused_calls = 0  # forwards that took the fused path (tests, debugging)
 
     @classmethod
-    def of(cls, parent: nn.Module, names: tuple[str, ...]) -> FusedFloat8Projection | None:
-        """The fusion of `parent.<names>`, or None unless they are Float8Linears with a per-tensor recipe."""
+    def of(cls, parent: nn.Module, names: tuple[str, ...]) -> FusedFloat8Projection | str:
+        """The fusion of `parent.<names>`, or why it cannot be (`group_problem`): decided here, once."""
         mods = tuple(getattr(parent, n) for n in names)
-        if all(type(m) is Float8Linear for m in mods) and mods[0].quantizers[WEIGHT].per_tensor:
-            return cls(cast("tuple[Float8Linear, ...]", mods), names)
-        return None
+        problem = group_problem(mods)
+        if problem is not None:
+            return problem
+        return cls(cast("tuple[Float8Linear, ...]", mods), names)
+
+    def check_still_holds(self, x: torch.Tensor) -> None:
+        """Raise FusionError unless the decision made at conversion still holds for these members and input x."""
+        problem = group_problem(self._members)
+        if problem is None and x.shape[-1] != self._members[0].weight.shape[1]:
+            problem = f"input width {x.shape[-1]} is not the members' {self._members[0].weight.shape[1]}"
+        if problem is None and x.device != self._members[0].weight.device:
+            problem = f"input on {x.device}, members on {self._members[0].weight.device}"
+        if problem is not None:
+            raise FusionError(f"FusedFloat8Projection({self.extra_repr()}): the fusion decided at conversion no "
+                              f"longer holds: {problem}; convert without fuse_projections, or remove the fusions "
+                              "(megadlms.fp8.fusions.remove_fusions) before changing the members")
 
     def extra_repr(self) -> str:
         return ", ".join(self.names)
@@ -112,26 +159,16 @@ class FusedFloat8Projection(nn.Module):
         self.weight_cache = None
 
     def fusable(self, mods: list[Float8Linear], x: torch.Tensor) -> bool:
+        """Whether this call runs fused: inside an enabled fp8_autocast of the members' recipe, for a non-empty x
+        (else the members run one by one, as outside FP8; under another recipe they raise the mismatch error).
+        Raises FusionError where the decision made at conversion no longer holds."""
         if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0:
             return False
-        first = mods[0]
-        if not all(type(m) is Float8Linear for m in mods) or not first.quantizers[WEIGHT].per_tensor:
-            return False
         explicit = FP8GlobalStateManager.get_explicit_recipe()
-        if explicit is not None and explicit != first.recipe:
+        if explicit is not None and explicit != mods[0].recipe:
             return False  # the members raise the mismatch error
-        dtensor = sys.modules.get("torch.distributed.tensor")
-        k = first.weight.shape[1]
-        for m in mods:
-            if m._forward_hooks or m._forward_pre_hooks:
-                return False
-            if dtensor is not None and isinstance(m.weight, dtensor.DTensor):
-                return False
-            if m.weight.shape[1] != k or m.weight.shape[0] % 16 or k % 16 or m.weight.device != x.device:
-                return False
-            if any(getattr(m, s) != getattr(first, s) for s in SHARED_SETTINGS):
-                return False
-        return x.shape[-1] == k
+        self.check_still_holds(x)
+        return True
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -20,10 +20,13 @@ the same fp32 values the cast then scales, writing nothing. Against the unfused 
 (and of [d_gate, d_up]) in place of its BF16 write, its read by an amax pass and its read by the cast.
 
 `FusedFloat8MLP` is the module in `MLP.fusion` (which `MLP.forward` calls) after `convert_to_fp8(fuse_mlp=True)`
-(the default) for delayed and current scaling. It takes the fused path where the fused kernels run (CUDA with Triton, or
-Triton's interpreter), with delayed scaling once scales exist (from the first `fp8_step` on: the casts need
-their scales before the pass); otherwise (delayed scaling's first step, FP8 telemetry on, hooks on a member,
-outside fp8_autocast) it runs the MLP's layers one by one, as without it. Rowwise scaling does not install it.
+(the default) for delayed and current scaling; whether an MLP can be fused is decided there, once (`mlp_problem`:
+three Float8Linears of a per-tensor recipe, a SwiGLU, no biases, FP8 weight gradients, fusable gate/up, equal
+settings, no hooks), and logged; a forward raises `FusionError` where that decision no longer holds. At run time it
+takes the fused path where the fused kernels run (CUDA with Triton, or Triton's interpreter), with delayed scaling
+once scales exist (from the first `fp8_step` on: the casts need their scales before the pass); otherwise (no
+Triton, delayed scaling's first step, FP8 telemetry on, outside fp8_autocast) it runs the MLP's layers one by one,
+as without it. Rowwise, blockwise and MXFP8 scaling do not install it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from torch import nn
 
 from ..model import MLP, SwiGLU, compute_dtype
 from . import triton_swiglu
-from .fused_linear import SHARED_SETTINGS, FusedFloat8Projection
+from .fused_linear import SHARED_SETTINGS, FusedFloat8Projection, FusionError, group_problem
 from .gemm import Operand, fp8_gemm
 from .linear import GRAD, INPUT, Float8Linear, FP8WeightCache, bprop, fprop, take_fp8_weights
 from .quantize import pad_2d, round_up16
@@ -57,18 +60,17 @@ class FusedFloat8MLP(nn.Module):
         self.num_fused_calls = 0  # forwards that took the fused path (tests, debugging)
 
     @classmethod
-    def of(cls, mlp: nn.Module) -> FusedFloat8MLP | None:
-        """The fusion of `mlp`, or None unless its three projections are Float8Linears of a per-tensor recipe."""
+    def of(cls, mlp: nn.Module) -> FusedFloat8MLP | str:
+        """The fusion of `mlp`, or why it cannot be (`mlp_problem`): decided here, once."""
         if not isinstance(mlp, MLP):
-            return None
-        if not all(type(getattr(mlp, n)) is Float8Linear for n in ("gate_proj", "up_proj", "down_proj")):
-            return None
-        gate, up, down = (_float8_linear(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
-        if not down.quantizers[GRAD].per_tensor:
-            return None
+            return "not an MLP"
+        problem = mlp_problem(mlp)
+        if problem is not None:
+            return problem
         gate_up = mlp.gate_up_fusion
         if not isinstance(gate_up, FusedFloat8Projection):
-            gate_up = FusedFloat8Projection((gate, up), ("gate_proj", "up_proj"))
+            gate_up = FusedFloat8Projection(
+                (_float8_linear(mlp.gate_proj), _float8_linear(mlp.up_proj)), ("gate_proj", "up_proj"))
         return cls(mlp, gate_up)
 
     @property
@@ -86,22 +88,19 @@ class FusedFloat8MLP(nn.Module):
         return self.mlp.layers_forward(x)
 
     def _fusable(self, x: torch.Tensor) -> bool:
-        mlp = self.mlp
-        down = mlp.down_proj
+        """Whether this call runs fused (inside fp8_autocast: where the fused kernels run, without telemetry, with
+        delayed scaling once scales exist). Raises FusionError where the decision made at conversion no longer
+        holds."""
         gu = self.gate_up.members()
-        if type(down) is not Float8Linear or type(mlp.act_fn) not in (SwiGLU, SwiGLUFP8InputStore):
+        if not self.gate_up.fusable(gu, x):  # outside the members' recipe: they run (and raise) one by one
             return False
-        if not self.gate_up.fusable(gu, x) or not down.quantizers[GRAD].per_tensor:
-            return False
-        if down._forward_hooks or down._forward_pre_hooks or mlp.act_fn._forward_hooks:
-            return False
-        if down.bias is not None or any(m.bias is not None for m in gu) or not down.fp8_wgrad:
-            return False
-        if down.weight.shape[1] != gu[0].weight.shape[0] or down.weight.shape[0] % 16:
-            return False
+        problem = mlp_problem(self.mlp)
+        if problem is not None:
+            raise FusionError(f"FusedFloat8MLP: the fusion decided at conversion no longer holds: {problem}; convert "
+                              "without fuse_mlp, or remove the fusions (megadlms.fp8.fusions.remove_fusions) before "
+                              "changing the MLP")
+        down = self.down
         if any(m.collect_fp8_stats for m in (*gu, down)):
-            return False
-        if any(getattr(down, s) != getattr(gu[0], s) for s in SHARED_SETTINGS):  # one set for the three layers
             return False
         delayed = down.quantizers[INPUT].keeps_history
         if delayed and not all(m.scales_ready() for m in (*gu, down)):  # scales exist from the first fp8_step on
@@ -120,6 +119,33 @@ class FusedFloat8MLP(nn.Module):
         out = _FusedFloat8MLPFn.apply(x2, self.gate_up, self.down, compute_dtype(x), grad_follows,
                                       isinstance(self.mlp.act_fn, SwiGLUFP8InputStore), *ws)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def mlp_problem(mlp: MLP) -> str | None:
+    """Why `mlp` cannot run as one fused FP8 function, or None: gate/up/down are Float8Linears of a per-tensor
+    recipe (gate/up fusable as a group: `group_problem`), the activation a SwiGLU, no biases, FP8 weight gradients,
+    matching widths (down's a multiple of 16), one set of settings for the three, no hooks on down or the SwiGLU."""
+    gate, up, down, act = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+    if type(down) is not Float8Linear or type(act) not in (SwiGLU, SwiGLUFP8InputStore):
+        return "its down projection is not a Float8Linear or its activation not a SwiGLU"
+    problem = group_problem((gate, up))
+    if problem is not None:
+        return f"gate/up: {problem}"
+    gu = (_float8_linear(gate), _float8_linear(up))
+    if not down.quantizers[GRAD].per_tensor:
+        return f"--fp8-recipe {down.recipe.name}: the fused GEMMs take per-tensor scales"
+    if down._forward_hooks or down._forward_pre_hooks or act._forward_hooks:
+        return "its down projection or SwiGLU has forward hooks"
+    if down.bias is not None or any(m.bias is not None for m in gu):
+        return "a projection has a bias"
+    if not down.fp8_wgrad:
+        return "its weight gradients run in high precision (fp8_wgrad=False)"
+    if down.weight.shape[1] != gu[0].weight.shape[0] or down.weight.shape[0] % 16:
+        return f"down weight {tuple(down.weight.shape)} does not follow gate/up {tuple(gu[0].weight.shape)}"
+    for s in SHARED_SETTINGS:  # one set for the three layers
+        if getattr(down, s) != getattr(gu[0], s):
+            return f"its projections' {s} differ"
+    return None
 
 
 def _float8_linear(m: nn.Module | torch.Tensor) -> Float8Linear:

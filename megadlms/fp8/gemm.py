@@ -1,4 +1,5 @@
-"""The FP8 GEMMs of the linear layers: the only caller of `torch._scaled_mm` in the engine.
+"""The FP8 GEMMs of the linear layers: the only caller of `torch._scaled_mm` in the engine (on the CPU: a
+dequantized fp32 matmul, checked against it, `cpu_scaled_mm`).
 
 Every GEMM of a linear is `a @ b^T` over two quantized operands, each an `Operand`: FP8 data [rows, K] row-major
 (K, the contracted dimension, contiguous) with its dequantization scale (per tensor, or one per row):
@@ -18,7 +19,7 @@ gradient without FP8 (fp8_wgrad=False), `bias_grad` the bias gradient.
 
 from __future__ import annotations
 
-import functools
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -86,29 +87,77 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale_inv_b: torch.Tensor,
               out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
-    """(a * scale_inv_a) @ (b * scale_inv_b) through `torch._scaled_mm`, accumulated in fp32.
+    """(a * scale_inv_a) @ (b * scale_inv_b), accumulated in fp32, rounded once to out_dtype.
 
     a: fp8 [M, K] row-major; b: fp8 [K, N] column-major (e.g. `w.t()` of a row-major [N, K]);
     M, K, N multiples of 16. Scales fp32: both scalars (tensorwise), or scale_inv_a [M, 1] and
     scale_inv_b [1, N] (rowwise). Returns [M, N] in out_dtype.
+
+    CUDA: `torch._scaled_mm`. CPU: the same product as a dequantization and an fp32 matmul (`cpu_scaled_mm`),
+    since the CPU `_scaled_mm` kernel is far slower than an fp32 matmul on some CPUs; its first use per variant
+    is checked against `torch._scaled_mm`.
     """
     _check_operands(a, b)
-    if a.device.type == "cpu" and scale_inv_a.dim() and not _cpu_rowwise_scaled_mm():
-        # torch builds whose CPU `_scaled_mm` takes per-tensor scales only: the same product, dequantized first
-        return ((a.float() * scale_inv_a) @ (b.float() * scale_inv_b)).to(out_dtype)
+    if a.device.type == "cpu":
+        return cpu_scaled_mm(a, b, scale_inv_a, scale_inv_b, out_dtype, use_fast_accum)
+    return scaled_mm_kernel(a, b, scale_inv_a, scale_inv_b, out_dtype, use_fast_accum)
+
+
+def scaled_mm_kernel(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale_inv_b: torch.Tensor,
+                     out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
+    """`scaled_mm` through `torch._scaled_mm` itself (CUDA; same arguments), with 16-byte aligned scales."""
     return torch._scaled_mm(a, b, scale_a=_aligned(scale_inv_a), scale_b=_aligned(scale_inv_b), out_dtype=out_dtype,
                             use_fast_accum=use_fast_accum)
 
 
-@functools.cache
-def _cpu_rowwise_scaled_mm() -> bool:
-    """Whether this torch's CPU `_scaled_mm` takes one scale per row (newer builds do; older ones assert)."""
-    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+def _dequantized_mm(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale_inv_b: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """((a * scale_inv_a) @ (b * scale_inv_b)) in fp32, then rounded to out_dtype: the CPU `_scaled_mm`'s
+    arithmetic (each operand dequantized to fp32 first, one rounding of the fp32 result)."""
+    return ((a.float() * scale_inv_a) @ (b.float() * scale_inv_b)).to(out_dtype)
+
+
+# variant (a dtype, b dtype, per-tensor or per-row scales, out dtype) -> whether `_dequantized_mm` agreed with
+# torch._scaled_mm on its first use (True), or torch._scaled_mm is what runs for it (False)
+_CPU_CHECKED: dict[tuple[torch.dtype, torch.dtype, bool, torch.dtype], bool] = {}
+
+
+def cpu_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale_inv_b: torch.Tensor,
+                  out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
+    """`scaled_mm` on the CPU (same arguments): `_dequantized_mm`. The first call of each variant also runs
+    `torch._scaled_mm` and compares: equal up to the fp32 accumulation order (|diff| <= K * 2**-22 * (|a| @ |b|)
+    dequantized, plus one rounding to out_dtype), else the variant keeps `torch._scaled_mm` with a warning. A torch
+    whose CPU `_scaled_mm` rejects the variant (older builds take per-tensor scales only) uses `_dequantized_mm`."""
+    out = _dequantized_mm(a, b, scale_inv_a, scale_inv_b, out_dtype)
+    key = (a.dtype, b.dtype, scale_inv_a.dim() > 0, out_dtype)
+    ok = _CPU_CHECKED.get(key)
+    if ok is None:
+        ok = _CPU_CHECKED[key] = _agrees_with_scaled_mm(out, a, b, scale_inv_a, scale_inv_b, out_dtype,
+                                                        use_fast_accum)
+    if ok:
+        return out
+    return torch._scaled_mm(a, b, scale_a=scale_inv_a, scale_b=scale_inv_b, out_dtype=out_dtype,
+                            use_fast_accum=use_fast_accum)
+
+
+def _agrees_with_scaled_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor,
+                           scale_inv_b: torch.Tensor, out_dtype: torch.dtype, use_fast_accum: bool) -> bool:
+    """Whether `out` (`_dequantized_mm`) equals `torch._scaled_mm` of the same operands up to the fp32
+    accumulation order; True also when this torch's CPU `_scaled_mm` does not take the variant."""
     try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
-    except RuntimeError:
-        return False
-    return True
+        ref = torch._scaled_mm(a, b, scale_a=scale_inv_a, scale_b=scale_inv_b, out_dtype=out_dtype,
+                               use_fast_accum=use_fast_accum)
+    except RuntimeError:  # this build's CPU kernel rejects the variant (e.g. per-row scales): nothing to compare
+        return True
+    bound = (a.float().abs() * scale_inv_a.abs()) @ (b.float().abs() * scale_inv_b.abs())
+    out_ulp = torch.finfo(out_dtype).eps
+    tol = bound * (a.shape[1] * 2.0 ** -22 + 2 * out_ulp)
+    ok = bool(((out.float() - ref.float()).abs() <= tol).all())
+    if not ok:
+        warnings.warn(f"FP8 on CPU: the dequantized fp32 GEMM disagrees with torch._scaled_mm for "
+                      f"{a.dtype} x {b.dtype} -> {out_dtype} ({'per-row' if scale_inv_a.dim() else 'per-tensor'} "
+                      "scales); running torch._scaled_mm for it", RuntimeWarning, stacklevel=3)
+    return ok
 
 
 def _aligned(scale: torch.Tensor) -> torch.Tensor:
@@ -147,5 +196,5 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return g.float().sum(0).to(dtype)
 
 
-__all__ = ["Operand", "scale_layout", "dequant_scale", "fp8_gemm", "scaled_mm",
+__all__ = ["Operand", "scale_layout", "dequant_scale", "fp8_gemm", "scaled_mm", "cpu_scaled_mm",
            "aligned_scalars", "wgrad_high_precision", "bias_grad"]

@@ -31,7 +31,7 @@ from ..grouped_gemm import gmm, gmm_wgrad
 from ..model import compute_dtype
 from ..moe import GroupedExperts
 from .quantize import amax_to_scale, quantize
-from .recipe import E4M3, FP8_MAX, DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Recipe
+from .recipe import E4M3, FP8_MAX, Recipe, experts_problem
 from .state import FP8GlobalStateManager
 
 log = logging.getLogger("megadlms")
@@ -41,12 +41,10 @@ SCALINGS = ("rowwise", "tensorwise")
 
 def expert_scaling(recipe: Recipe) -> str:
     """'rowwise' or 'tensorwise': how the expert GEMMs scale under `recipe` (see the module docstring)."""
-    if isinstance(recipe, Float8RowwiseScaling):
-        return "rowwise"
-    if isinstance(recipe, (Float8CurrentScaling, DelayedScaling)):
-        return "tensorwise"
-    raise ValueError(f"the FP8 expert GEMMs take the rowwise, tensorwise or delayed recipe, got {recipe}; use "
-                     "--fp8-recipe rowwise or tensorwise with MoE")
+    problem = experts_problem(recipe)
+    if problem or recipe.experts is None:
+        raise ValueError(problem)
+    return recipe.experts
 
 
 # ------------------------------------------------------------------ scales

@@ -20,8 +20,8 @@ def default_device() -> torch.device:
 def check_fp8_support(device: torch.device | str | int) -> None:
     """Raise FP8UnsupportedError unless FP8 GEMMs can run on `device`.
 
-    CUDA: needs compute capability >= 8.9 (FP8 tensor cores). CPU: supported through the CPU
-    `torch._scaled_mm` kernel (same code path as on a GPU; slow; for tests and debugging).
+    CUDA: needs compute capability >= 8.9 (FP8 tensor cores). CPU: supported, the FP8 GEMMs run as
+    dequantization + fp32 matmul (`gemm.cpu_scaled_mm`, checked against `torch._scaled_mm`; for tests and debugging).
     """
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if dev.type == "cpu" or dev.type == "meta":
@@ -46,6 +46,6 @@ def fp8_backend_note(device: torch.device | str) -> str | None:
     """A one-line note for the training log about how FP8 runs on `device`, or None when there is nothing to say."""
     dev = torch.device(device)
     if dev.type == "cpu":
-        return ("FP8 on CPU: the FP8 GEMMs run through torch._scaled_mm's CPU kernel (the same code path as on a "
-                "GPU, numerically equivalent, but slow); use it for tests and debugging")
+        return ("FP8 on CPU: the FP8 GEMMs run as dequantization + fp32 matmul (the arithmetic of torch._scaled_mm, "
+                "checked against it on first use); use it for tests and debugging")
     return None

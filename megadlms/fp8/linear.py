@@ -41,7 +41,7 @@ from .hardware import check_fp8_support
 from .param_gather import gathered_fp8
 from .quantize import pad_2d, quant_stats, round_up16
 from .quantizer import FP8Tensor, Quantizer, StepScales, make_quantizer
-from .recipe import DelayedScaling, Recipe, check_recipe
+from .recipe import DelayedScaling, Recipe, check_recipe, keeps_history
 from .state import FP8GlobalStateManager
 
 ROLES = ("input", "weight", "grad")
@@ -141,7 +141,7 @@ class DelayedScalingState(_ModuleMixin):
     fp8_initialized: torch.Tensor | None
 
     def _register_fp8_state(self, recipe: Recipe, roles: int, device: Any) -> None:
-        if isinstance(recipe, DelayedScaling):
+        if keeps_history(recipe):
             self.register_buffer("fp8_amax_history", torch.zeros(recipe.amax_history_len, roles, device=device))
             self.register_buffer("fp8_scale", torch.ones(roles, device=device))
             self.register_buffer("fp8_initialized", torch.zeros((), dtype=torch.bool, device=device))

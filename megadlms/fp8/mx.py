@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .hardware import FP8UnsupportedError
-from .recipe import E4M3, FP8_MAX
+from .recipe import E4M3, FP8_MAX, Float8MXScaling, alternatives_on_gpu
 
 __all__ = ["MX_BLOCK", "E8M0", "quantize_mx", "dequantize_mx", "swizzle_scales", "mx_gemm", "check_mx_gemm_support"]
 
@@ -96,11 +96,11 @@ def check_mx_gemm_support(device_index: int) -> None:
     """Raise FP8UnsupportedError (one line, naming the recipes that run there) unless torch's MX GEMM runs on
     cuda:`device_index`."""
     major, minor = torch.cuda.get_device_capability(device_index)
-    if major != 10:
+    if major not in (Float8MXScaling.gpu_majors or ()):
         name = torch.cuda.get_device_name(device_index)
-        runs = "blockwise, tensorwise, rowwise or delayed" if major == 9 else "tensorwise, rowwise or delayed"
         raise FP8UnsupportedError(f"--fp8-recipe mxfp8 needs a Blackwell GPU of compute capability 10.x (MX tensor "
-                                  f"cores); cuda:{device_index} is {name} ({major}.{minor}): use --fp8-recipe {runs}")
+                                  f"cores); cuda:{device_index} is {name} ({major}.{minor}): use --fp8-recipe "
+                                  f"{alternatives_on_gpu(major, 'mxfp8')}")
     if not (hasattr(F, "scaled_mm") and hasattr(F, "SwizzleType")):
         raise FP8UnsupportedError(f"--fp8-recipe mxfp8 needs torch >= 2.10 (torch.nn.functional.scaled_mm with "
                                   f"BlockWise1x32 scales); this is torch {torch.__version__}")

@@ -44,24 +44,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..config import FP8_PARAM_GATHER_RECIPES
 from ..errors import MegaDLMsError
 from .blockwise import BLOCK, block_scale_buffer
 from .gemm import Operand
 from .kernels import amax_of, cast_fp8, current_scale, record_amax
 from .quantizer import WEIGHT_ROLE, FP8Tensor, StepScales
-from .recipe import DelayedScaling, Float8BlockwiseScaling, Float8CurrentScaling, Recipe
+from .recipe import Recipe, param_gather_problem, recipe_class
 
 # a Float8Linear, the layer whose weight is gathered (linear.py, which imports this module, defines it)
 FP8Layer = Any
 
-__all__ = ["RECIPES", "ParamGatherError", "ScaleGroup", "Float8GatherWeight", "Float8GatheredWeight",
+__all__ = ["ParamGatherError", "ScaleGroup", "Float8GatherWeight", "Float8GatheredWeight",
            "check_gather_recipe", "check_gather_shardable", "enable_fp8_param_gather", "gathered_fp8",
            "gathered_scale_group", "unwrap_gather_weight"]
-
-# the recipes whose FP8 weight can be gathered exactly, by --fp8-recipe name
-RECIPES = {DelayedScaling: "delayed", Float8CurrentScaling: "tensorwise", Float8BlockwiseScaling: "blockwise"}
-
 
 class ParamGatherError(MegaDLMsError, ValueError):
     """The FP8 parameter all-gather cannot be exact for this recipe, weight or sharding; the message says what to
@@ -69,12 +64,10 @@ class ParamGatherError(MegaDLMsError, ValueError):
 
 
 def check_gather_recipe(recipe: str) -> None:
-    """Raise ParamGatherError unless --fp8-recipe `recipe` can gather its weights in FP8."""
-    if recipe not in FP8_PARAM_GATHER_RECIPES:
-        raise ParamGatherError(
-            f"--fp8-param-gather works with --fp8-recipe {', '.join(FP8_PARAM_GATHER_RECIPES)}, not {recipe} (its "
-            "input-gradient GEMM casts the high-precision weight along the other dimension, which an FP8-gathered "
-            "weight no longer has); drop --fp8-param-gather or pick one of those recipes")
+    """Raise ParamGatherError unless --fp8-recipe `recipe` can gather its weights in FP8 (`param_gather_problem`)."""
+    problem = param_gather_problem(recipe)
+    if problem:
+        raise ParamGatherError(problem)
 
 
 def check_gather_shardable(name: str, shape: torch.Size | tuple[int, ...], recipe: str, shards: int) -> None:
@@ -83,7 +76,7 @@ def check_gather_shardable(name: str, shape: torch.Size | tuple[int, ...], recip
     if len(shape) != 2:
         raise ParamGatherError(f"--fp8-param-gather: {name} has shape {tuple(shape)}; only 2-D weights [N, K] are "
                                "gathered in FP8")
-    if recipe == "blockwise" and shape[0] % (BLOCK * shards):
+    if recipe_class(recipe).weight_scaling == "block" and shape[0] % (BLOCK * shards):
         raise ParamGatherError(
             f"--fp8-param-gather with --fp8-recipe blockwise: {name} has {shape[0]} rows, which {shards} FSDP "
             f"shards cannot split into whole 128-row blocks (it needs a multiple of {BLOCK * shards}); use "
@@ -164,13 +157,13 @@ def enable_fp8_param_gather(groups: Iterable[Sequence[FP8Layer]], shards: int) -
     n = 0
     for members in groups:
         group = ScaleGroup(members)
-        kinds = {type(m.recipe) for m in group.members}
+        kinds = {m.recipe.name for m in group.members}
         if len(group.members) > 1 and (len(kinds) > 1 or not group.members[0].quantizers[WEIGHT_ROLE].per_tensor):
             raise ParamGatherError(f"FP8 parameter all-gather: the members of {group} must share one per-tensor "
                                    "recipe to share a scale")
         for i, layer in enumerate(group.members):
             recipe: Recipe = layer.recipe
-            name = RECIPES.get(type(recipe), type(recipe).__name__)
+            name = recipe.name
             check_gather_shardable(f"{type(layer).__name__}({layer.in_features}, {layer.out_features}).weight",
                                    layer.weight.shape, name, shards)
             w = layer.weight
@@ -289,7 +282,7 @@ class Float8GatherWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """Cast this shard to FP8. Returns ((FP8 bytes as uint8 [, block scales fp32]), metadata)."""
         layer = self._group.members[self._index]
-        recipe = RECIPES.get(type(layer.recipe), type(layer.recipe).__name__)
+        recipe = layer.recipe.name
         shards = mesh.size()
         check_gather_shardable(f"{type(layer).__name__}.weight", tuple(outer_size), recipe, shards)
         w = self._tensor

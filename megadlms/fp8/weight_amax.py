@@ -25,12 +25,11 @@ from torch import nn
 
 from .kept_amax import KeptAmax
 from .linear import Float8Linear
-from .recipe import Float8CurrentScaling
 
 
 def _eligible(m: nn.Module) -> TypeGuard[Float8Linear]:
     dtensor = sys.modules.get("torch.distributed.tensor")
-    return (isinstance(m, Float8Linear) and isinstance(m.recipe, Float8CurrentScaling)
+    return (isinstance(m, Float8Linear) and m.recipe.current_weight_scale
             and not (dtensor is not None and isinstance(m.weight, dtensor.DTensor)))
 
 

@@ -19,8 +19,9 @@ from typing import Any, Sequence
 
 import yaml
 
-from ..config import FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, ConfigError
+from ..config import FP8_AMAX_ALGOS, FP8_FORMATS, ConfigError, FP8Settings
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES
+from ..fp8.recipe import RECIPE_NAMES
 from ..lora import TARGETS as LORA_TARGETS
 from .config import RunConfig
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
@@ -147,23 +148,24 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
                    help="enable FP8: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients)")
     g.add_argument("--fp8-hybrid", action="store_true", help="same as --fp8-format hybrid")
-    g.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
+    fp8 = FP8Settings()  # the FP8 settings' one set of defaults
+    g.add_argument("--fp8-recipe", choices=RECIPE_NAMES, default=fp8.fp8_recipe,
                    help="scaling: delayed / tensorwise (per tensor), rowwise, blockwise (1x128 tiles, 128x128 "
                         "weight blocks; Hopper, e4m3), mxfp8 (32-element E8M0 blocks; Blackwell, e4m3)")
     g.add_argument("--fp8-pow2-scales", action="store_true",
                    help="blockwise: scales rounded down to powers of two (dequantisation is exact)")
-    g.add_argument("--fp8-margin", type=int, default=0)
-    g.add_argument("--fp8-amax-history-len", type=int, default=1)
-    g.add_argument("--fp8-amax-compute-algo", choices=FP8_AMAX_ALGOS, default="most_recent")
+    g.add_argument("--fp8-margin", type=int, default=fp8.fp8_margin)
+    g.add_argument("--fp8-amax-history-len", type=int, default=fp8.fp8_amax_history_len)
+    g.add_argument("--fp8-amax-compute-algo", choices=FP8_AMAX_ALGOS, default=fp8.fp8_amax_compute_algo)
     g.add_argument("--no-fp8-wgrad", dest="fp8_wgrad", action="store_false", help="weight-gradient GEMM in BF16")
     g.add_argument("--activation-func-fp8-input-store", action="store_true",
                    help="save the SwiGLU input for backward in FP8")
-    g.add_argument("--fp8-fuse-projections", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--fp8-fuse-projections", action=argparse.BooleanOptionalAction, default=fp8.fp8_fuse_projections,
                    help="run q/k/v and gate/up as one FP8 GEMM each (same parameters and checkpoints)")
-    g.add_argument("--fp8-fuse-mlp", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--fp8-fuse-mlp", action=argparse.BooleanOptionalAction, default=fp8.fp8_fuse_mlp,
                    help="run the FP8 MLP as one function with the SwiGLU fused into its FP8 casts (delayed and "
                         "tensorwise scaling)")
-    g.add_argument("--fp8-fprop-fast-accum", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--fp8-fprop-fast-accum", action=argparse.BooleanOptionalAction, default=fp8.fp8_fprop_fast_accum,
                    help="fast accumulation in the forward FP8 GEMM (off: full-precision accumulation, slower)")
     g.add_argument("--fp8-dot-product-attention", action="store_true",
                    help="attention in FP8 too: cuDNN's FP8 flash attention (Hopper or newer; needs the "
@@ -174,8 +176,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "shard first (delayed, tensorwise, blockwise; needs a sharding strategy)")
     g.add_argument("--first-last-layers-bf16", action="store_true",
                    help="keep the first/last transformer layers in BF16 (counts below)")
-    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
-    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=fp8.num_layers_at_start_in_bf16)
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=fp8.num_layers_at_end_in_bf16)
     g.add_argument("--fp8-stats", action=argparse.BooleanOptionalAction, default=False,
                    help="log FP8 amax / underflow / saturation per tensor role every --log-interval; the steps it "
                         "records run their layers outside the CUDA graphs (eagerly: slower, and with their "

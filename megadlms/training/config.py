@@ -17,14 +17,13 @@ from typing import Any, Mapping
 import torch
 
 from ..config import (
-    FP8_AMAX_ALGOS,
     FP8_FORMATS,
-    FP8_RECIPES,
     ConfigError,
+    FP8Settings,
     TransformerConfig,
     check_at_least,
     check_choice,
-    check_fp8_recipe_options,
+    flag_name,
 )
 from ..data.args import DataSourceConfig
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES, ObjectiveConfig
@@ -192,49 +191,29 @@ class TrainConfig:
 
 
 @dataclass
-class FP8Config:
+class FP8Config(FP8Settings):
     """FP8 training (Transformer Engine / Megatron-Core semantics); off while fp8_format is None.
 
-    Fields shared with TransformerConfig keep its names and meanings; `model_fields` hands them over."""
+    The model's FP8 settings are `FP8Settings`, the one definition TransformerConfig shares (`model_fields` hands
+    them over unchanged); this config adds the training-only ones."""
 
     fp8_format: str | None = None  # "e4m3" | "hybrid" (E4M3 forward, E5M2 gradients)
-    fp8_recipe: str = "delayed"
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1
-    fp8_amax_compute_algo: str = "most_recent"
-    fp8_wgrad: bool = True
-    activation_func_fp8_input_store: bool = False
-    fp8_fuse_projections: bool = True
-    fp8_fuse_mlp: bool = True
-    fp8_fprop_fast_accum: bool = True
-    fp8_dot_product_attention: bool = False
-    fp8_pow2_scales: bool = False  # blockwise: scales rounded down to powers of two
-    first_last_layers_bf16: bool = False  # keep num_layers_at_{start,end}_in_bf16 layers in BF16
-    num_layers_at_start_in_bf16: int = 1
-    num_layers_at_end_in_bf16: int = 1
     fp8_stats: bool = False  # log amax / underflow / saturation per tensor role every log interval
     fp8_param_gather: bool = False  # FSDP2 all-gathers the FP8 layers' weights in FP8 (megadlms.fp8.param_gather)
 
     def __post_init__(self) -> None:
         if self.fp8_format is not None:
             check_choice(self, "fp8_format", FP8_FORMATS)
-        check_choice(self, "fp8_recipe", FP8_RECIPES)
-        check_choice(self, "fp8_amax_compute_algo", FP8_AMAX_ALGOS)
-        check_at_least(self, {"fp8_margin": 0, "fp8_amax_history_len": 1, "num_layers_at_start_in_bf16": 0,
-                              "num_layers_at_end_in_bf16": 0})
-        if self.fp8_format is not None:
-            check_fp8_recipe_options(self.fp8_recipe, self.fp8_format, self.fp8_pow2_scales)
+        self.check_fp8_settings(self.fp8_format, lambda name, value: f"{flag_name(name)} {value!r}")
 
     @property
     def enabled(self) -> bool:
         return self.fp8_format is not None
 
     def model_fields(self) -> dict[str, Any]:
-        """The TransformerConfig FP8 fields for this config."""
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _MODEL_FIELDS}
+        """The TransformerConfig FP8 fields for this config: the `FP8Settings` unchanged, FP8 on/off, the format."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(FP8Settings)}
         shared.update(fp8=self.enabled, fp8_format=self.fp8_format or "hybrid")
-        if not self.first_last_layers_bf16:
-            shared.update(num_layers_at_start_in_bf16=0, num_layers_at_end_in_bf16=0)
         return shared
 
 

@@ -18,7 +18,8 @@ from megadlms.training.checkpoint import save_model_checkpoint
 
 def test_export_command_from_checkpoint(tmp_path, capsys):
     cfg = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=96,
-                            seq_length=32, fp8=True, add_qkv_bias=True, num_layers_at_end_in_bf16=1)
+                            seq_length=32, fp8=True, add_qkv_bias=True, first_last_layers_bf16=True,
+                            num_layers_at_start_in_bf16=0)
     torch.manual_seed(0)
     model = build_model(cfg)
     assert any(isinstance(m, Float8Linear) for m in model.modules())

@@ -76,6 +76,6 @@ def test_recipes_line_names_what_each_gpu_runs(monkeypatch, capsys):
         lines = check.describe_recipes(torch.device("cuda", 0)).splitlines()
         assert lines[0] == f"FP8 recipes (--fp8-recipe): {runs}" and len(lines) == 2
         assert lines[1].startswith(f"  {missing}: no (--fp8-recipe {missing} ")
-    assert "use --fp8-recipe mxfp8, tensorwise or delayed" in lines[1]  # blockwise on Blackwell: what runs instead
+    assert "use --fp8-recipe delayed, tensorwise, rowwise or mxfp8" in lines[1]  # blockwise on Blackwell
     check_blockwise_gemm_support.cache_clear()
     check_mx_gemm_support.cache_clear()

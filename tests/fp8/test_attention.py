@@ -113,7 +113,7 @@ def test_build_model_installs_fp8_attention_in_fp8_layers_only():
     assert all(m.recipe == DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=1,
                                           amax_compute_algo="most_recent") for m in _attention_modules(model))
 
-    partial = build_model(_cfg(num_layers_at_start_in_bf16=1))
+    partial = build_model(_cfg(first_last_layers_bf16=True, num_layers_at_end_in_bf16=0))
     kinds = [type(m) for m in _attention_modules(partial)]
     assert kinds == [DotProductAttention, Float8DotProductAttention, Float8DotProductAttention]
 
@@ -129,7 +129,7 @@ def test_build_model_installs_fp8_attention_in_fp8_layers_only():
 
 def test_state_dict_gains_exactly_the_attention_buffers_and_loads_into_bf16_models():
     torch.manual_seed(0)
-    cfg = _cfg(num_layers_at_start_in_bf16=1)
+    cfg = _cfg(first_last_layers_bf16=True, num_layers_at_end_in_bf16=0)
     model = build_model(cfg)
     without = build_model(cfg.replace(fp8_dot_product_attention=False))
     sd = model.state_dict()
@@ -384,7 +384,7 @@ def test_model_with_padding_mask_falls_back_in_every_layer():
 @pytest.mark.parametrize("attn_mask_type", ["bidirectional", "causal"])
 def test_training_steps_run_attention_in_fp8(attn_mask_type):
     torch.manual_seed(0)
-    model = build_model(_cfg(attn_mask_type=attn_mask_type, num_layers_at_end_in_bf16=1))
+    model = build_model(_cfg(attn_mask_type=attn_mask_type, first_last_layers_bf16=True, num_layers_at_start_in_bf16=0))
     attns = _attention_modules(model)
     assert [type(m) for m in attns] == [Float8DotProductAttention] * 2 + [DotProductAttention]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -220,7 +220,7 @@ def test_finer_scaled_recipes_convert_to_unfused_linears(caplog):
         tree = repr(model)
         assert "Fused" not in tree and tree.count("Float8Linear(") == 7 and "4 x TransformerLayer" in tree
         assert f"recipe={recipe}" in tree and model.layers[0].mlp.fusion is None
-        assert f"with {type(recipe).__name__} the FP8 linears run unfused" in caplog.text
+        assert f"fused q/k/v on 0 of 4 (4: --fp8-recipe {recipe.name}: the fused GEMMs take per-tensor" in caplog.text
         assert not any("fp8_amax_history" in k for k in model.state_dict())  # no delayed-scaling state
 
 
@@ -239,4 +239,4 @@ def test_mxfp8_on_a_hopper_gpu_is_one_line_naming_what_runs_there(monkeypatch):
     finally:
         check_mx_gemm_support.cache_clear()
     assert "\n" not in str(e.value) and "NVIDIA H200 (9.0)" in str(e.value)
-    assert str(e.value).endswith("use --fp8-recipe blockwise, tensorwise, rowwise or delayed")
+    assert str(e.value).endswith("use --fp8-recipe delayed, tensorwise, rowwise or blockwise")

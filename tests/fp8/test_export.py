@@ -28,7 +28,8 @@ from .helpers import ref_fake_quant, rel
 
 def _model(fp8: bool):
     cfg = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=96,
-                            seq_length=32, fp8=fp8, add_qkv_bias=True, num_layers_at_end_in_bf16=1)
+                            seq_length=32, fp8=fp8, add_qkv_bias=True, first_last_layers_bf16=True,
+                            num_layers_at_start_in_bf16=0)
     torch.manual_seed(0)
     return build_model(cfg), cfg
 
@@ -154,7 +155,7 @@ def test_inference_linear_with_block_scales_matches_tiles_times_blocks():
 def _blockwise_model():
     cfg = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=2, num_query_groups=1,
                             ffn_hidden_size=256, vocab_size=96, seq_length=32, fp8=True, fp8_format="e4m3",
-                            fp8_recipe="blockwise", num_layers_at_end_in_bf16=1,
+                            fp8_recipe="blockwise", first_last_layers_bf16=True, num_layers_at_start_in_bf16=0,
                             untie_embeddings_and_output_weights=True)
     torch.manual_seed(0)
     return build_model(cfg), cfg

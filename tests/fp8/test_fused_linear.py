@@ -316,6 +316,7 @@ def test_scaled_mm_scales_are_16_byte_aligned(monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_mm", recording_mm)
     monkeypatch.setattr(quantize, "_aligned", counting_aligned)
+    monkeypatch.setattr(quantize, "cpu_scaled_mm", quantize.scaled_mm_kernel)  # the CUDA path, on the CPU
     for fuse in (True, False):
         model = convert_to_fp8(TransformerLM(_cfg()), DelayedScaling(amax_history_len=4), fuse_projections=fuse)
         tokens = torch.randint(0, 128, (2, 16))

@@ -3,6 +3,7 @@ and the bias gradient."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megadlms.fp8.gemm import Operand, bias_grad, fp8_gemm, wgrad_high_precision
@@ -30,3 +31,37 @@ def test_high_precision_wgrad_and_bias_grad():
     assert dw.dtype == torch.float32 and torch.equal(dw, (g.t() @ x).float())
     db = bias_grad(g, torch.float32)
     assert torch.equal(db, g.float().sum(0))
+
+
+def test_cpu_gemm_is_the_dequantized_fp32_product_checked_once_against_scaled_mm(monkeypatch):
+    """On the CPU the GEMM is a dequantization and an fp32 matmul; torch._scaled_mm runs only on the first call of
+    each variant, as the check, and the results are equal (the same arithmetic)."""
+    from megadlms.fp8 import gemm
+    monkeypatch.setattr(gemm, "_CPU_CHECKED", {})
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 256), torch.randn(96, 256)
+    qa, sa, _ = quantize_tensorwise(a, E5M2)
+    qb, sb, _ = quantize_tensorwise(b, E4M3)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        want = real(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        for _ in range(3):
+            got = gemm.scaled_mm(qa, qb.t(), sa, sb, out_dtype)
+            assert got.dtype == out_dtype and torch.equal(got, want)
+    assert len(calls) == 2  # one check per out dtype
+    assert all(gemm._CPU_CHECKED.values())
+
+
+def test_cpu_gemm_that_disagrees_with_scaled_mm_falls_back_to_it(monkeypatch):
+    from megadlms.fp8 import gemm
+    monkeypatch.setattr(gemm, "_CPU_CHECKED", {})
+    monkeypatch.setattr(gemm, "_dequantized_mm", lambda a, b, sa, sb, od: ((a.float() * sa) @ (b.float() * sb) + 1)
+                        .to(od))
+    qa, sa, _ = quantize_tensorwise(torch.randn(32, 64), E4M3)
+    qb, sb, _ = quantize_tensorwise(torch.randn(16, 64), E4M3)
+    with pytest.warns(RuntimeWarning, match="disagrees with torch._scaled_mm"):
+        got = gemm.scaled_mm(qa, qb.t(), sa, sb, torch.float32)
+    assert torch.equal(got, torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32))
+    assert gemm._CPU_CHECKED == {(E4M3, E4M3, False, torch.float32): False}

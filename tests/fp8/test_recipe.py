@@ -121,3 +121,34 @@ def test_bootstrap_before_first_step_uses_current_amax():
     q, scale_inv = layer.quantize(x, INPUT, x.numel(), record=True).rows
     assert q.float().max().item() == 448.0  # scaled to the top of the range, not flushed at scale 1
     assert scale_inv.item() == pytest.approx(0.01 / 448, rel=1e-6)
+
+
+def test_each_recipe_states_its_capabilities():
+    from megadlms.fp8 import recipe as r
+    assert r.RECIPE_NAMES == ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
+    assert [r.recipe_class(n).name for n in r.RECIPE_NAMES] == list(r.RECIPE_NAMES)
+    assert r.names_with("param_gather") == ["delayed", "tensorwise", "blockwise"]
+    assert r.names_with("attention") == ["delayed"]
+    assert r.names_with("experts") == ["delayed", "tensorwise", "rowwise"]
+    assert r.names_with("per_tensor") == ["delayed", "tensorwise"]
+    assert [n for n in r.RECIPE_NAMES if r.recipe_class(n).formats == (Format.E4M3,)] == ["blockwise", "mxfp8"]
+    assert [r.recipe_class(n).export_scaling for n in r.RECIPE_NAMES] == ["tensor"] * 3 + ["block", "tensor"]
+    assert r.keeps_history(DelayedScaling()) and not r.keeps_history(Float8CurrentScaling())
+    assert r.names_for_gpu(9) == ["delayed", "tensorwise", "rowwise", "blockwise"]
+    assert r.names_for_gpu(10) == ["delayed", "tensorwise", "rowwise", "mxfp8"]
+    assert r.names_for_gpu(8) == ["delayed", "tensorwise", "rowwise"] and r.names_with("cpu_emulated") == [
+        "blockwise", "mxfp8"]
+    assert r.alternatives_on_gpu(9, "mxfp8") == "delayed, tensorwise, rowwise or blockwise"
+    with pytest.raises(ValueError, match="is not one of"):
+        r.recipe_class("fp4")
+
+
+def test_the_rules_are_asked_of_the_recipe():
+    """Each rule answers None where it holds, else the message every caller raises (in its own error type)."""
+    from megadlms.fp8 import recipe as r
+    assert r.format_problem("blockwise", "e4m3") is None and r.format_problem("delayed", "hybrid") is None
+    assert "use --fp8-format e4m3" in r.format_problem("mxfp8", "hybrid")
+    assert "--fp8-pow2-scales applies to --fp8-recipe blockwise" in r.format_problem("rowwise", "e4m3", True)
+    assert r.attention_problem(DelayedScaling()) is None and "delayed" in r.attention_problem("tensorwise")
+    assert r.param_gather_problem("blockwise") is None and "not rowwise" in r.param_gather_problem("rowwise")
+    assert r.experts_problem(Float8RowwiseScaling()) is None and "expert GEMMs" in r.experts_problem("blockwise")

@@ -258,3 +258,20 @@ def test_the_first_call_reference_cast_is_built_in_row_blocks(monkeypatch):
         assert torch.equal(amax, x.abs().amax().float())
         x[39, 0] = float("nan")
         assert triton_cast._aten_cast(x, scale, fp8)[1].isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_amax_and_cast_equal_the_references(dtype):
+    """On the CPU `amax_of` is abs + amax and the cast ATen's own: the bits of the inf-norm and of the grid
+    rounding the compiled kernels use, NaN included."""
+    from megadlms.fp8 import kernels
+    from megadlms.fp8.quantize import round_to_fp8_grid
+    torch.manual_seed(0)
+    x = (torch.randn(48, 80) * 30).to(dtype)
+    assert torch.equal(kernels.amax_of(x), torch.linalg.vector_norm(x, float("inf")).float())
+    x[3, 5] = float("nan")
+    assert kernels.amax_of(x).isnan()
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        y = (torch.randn(64, 64) * 2.0 ** torch.randint(-12, 9, (64, 64))).clamp(-448, 448)
+        assert torch.equal(kernels._to_fp8(y, fp8).view(torch.uint8),
+                           round_to_fp8_grid(y, fp8).to(fp8).view(torch.uint8))

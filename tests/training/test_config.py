@@ -66,9 +66,9 @@ def test_model_overrides_are_the_set_transformer_fields():
     fp8 = FP8Config(fp8_format="e4m3", fp8_recipe="tensorwise", num_layers_at_start_in_bf16=2)
     fields = fp8.model_fields()
     assert fields["fp8"] is True and fields["fp8_recipe"] == "tensorwise"
-    assert fields["num_layers_at_start_in_bf16"] == 0  # only with first_last_layers_bf16
-    both = dataclasses.replace(fp8, first_last_layers_bf16=True).model_fields()
-    assert (both["num_layers_at_start_in_bf16"], both["num_layers_at_end_in_bf16"]) == (2, 1)
+    assert TransformerConfig(**fields).bf16_edges() == (0, 0)  # the counts apply with first_last_layers_bf16 only
+    both = TransformerConfig(num_layers=4, **dataclasses.replace(fp8, first_last_layers_bf16=True).model_fields())
+    assert both.bf16_edges() == (2, 1)
     assert FP8Config().model_fields()["fp8"] is False
 
 
