@@ -12,6 +12,9 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="split each layer's heads and FFN over this many ranks (DTensor tensor parallelism); "
                         "must divide num_attention_heads, num_query_groups and ffn_hidden_size")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence's positions over this many ranks (attention all-gathers K/V); "
+                        "--seq-length must be divisible by 2 x this size")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with tensor parallelism, run norms on seq_length / tp positions per rank")
     g.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES, default="no_shard",

@@ -13,6 +13,7 @@ BACKENDS = ("nccl", "gloo")
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1  # each sequence's positions split over this many ranks
     sequence_parallel: bool = False  # with TP: norms on seq_length / tp positions per rank
     data_parallel_sharding_strategy: str = "no_shard"  # DDP | FSDP2 ZeRO-1 / -2 / -3 (`data_parallel`)
     use_distributed_optimizer: bool = False  # Megatron's spelling of no_shard -> optim
@@ -22,7 +23,7 @@ class ParallelConfig:
     distributed_backend: str | None = None  # None: nccl on GPUs, gloo on CPU
 
     def __post_init__(self) -> None:
-        check_at_least(self, {"tensor_model_parallel_size": 1})
+        check_at_least(self, {"tensor_model_parallel_size": 1, "context_parallel_size": 1})
         check_choice(self, "data_parallel_sharding_strategy", SHARDING_STRATEGIES)
         if self.distributed_backend is not None:
             check_choice(self, "distributed_backend", BACKENDS)

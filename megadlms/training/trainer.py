@@ -157,7 +157,7 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
             eval_eps=obj.difflm_eps, loss=obj.diffusion_loss, antithetic=obj.bd3lm_antithetic,
             ignore_bos=obj.ignore_bos, resample=obj.bd3lm_resample)
     sharding = Sharding(config.train.micro_batch_size, ctx.dp_rank, ctx.dp_size,
-                        ctx.dp_group if ctx.distributed else None)
+                        ctx.dp_group if ctx.distributed else None, cp_rank=ctx.cp_rank, cp_size=ctx.cp_size)
     # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
     return build_objective(obj.objective(mode, model_config.mask_token_id), model_config, attention, sharding,
                            sft=config.data.sft, bd3lm_config=bd3lm_config, flex=device.type == "cuda" and compiled,
@@ -284,6 +284,8 @@ class Trainer:
             blockers.append(f"the device is {self.device.type}, CUDA graphs need a GPU")
         if self.ctx.tp_size > 1:
             blockers.append("tensor parallelism (DTensor parameters)")
+        if self.ctx.cp_size > 1:
+            blockers.append("context parallelism (attention all-gathers K/V)")
         if self.ctx.dp_strategy not in ("none", "no_shard"):
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
         if self.run_config.train.recompute_granularity:
@@ -410,8 +412,8 @@ class Trainer:
                     total += self._loss(batch)
                     n += 1
         if self.ctx.distributed:
-            dist.all_reduce(total, group=self.ctx.dp_group)
-            n *= self.ctx.dp_size
+            dist.all_reduce(total, group=self.ctx.dp_cp_group)
+            n *= self.ctx.dp_cp_size
         self.model.train()
         return (total / max(n, 1)).item()
 
@@ -576,9 +578,9 @@ class Trainer:
              seconds: float, bar: Any) -> None:
         skipped = self.guard.end_window(self.state.iteration)  # raises after --max-skipped-steps in a row
         loss = loss_sum / max(steps - skipped, 1)  # the mean over the steps not skipped
-        if self.ctx.distributed:  # the loss of the global batch, not of rank 0's share
-            dist.all_reduce(loss, group=self.ctx.dp_group)
-            loss = loss / self.ctx.dp_size
+        if self.ctx.distributed:  # the loss of the global batch, not of rank 0's share (nor of its positions)
+            dist.all_reduce(loss, group=self.ctx.dp_cp_group)
+            loss = loss / self.ctx.dp_cp_size
         loss_value = loss.item() if skipped < steps else float("nan")
         m = {"iteration": self.state.iteration, "loss": loss_value, "lr": step["lr"],
              "grad_norm": float(step["grad_norm"]), "consumed_samples": self.state.consumed_samples,
@@ -616,7 +618,8 @@ def setup(config: RunConfig) -> Trainer:
     from ..data import build_loaders, load_tokenizer
 
     t, data = config.train, config.data
-    ctx = init_parallel(t.device, config.parallel.tensor_model_parallel_size, config.parallel.distributed_backend)
+    ctx = init_parallel(t.device, config.parallel.tensor_model_parallel_size, config.parallel.distributed_backend,
+                        cp_size=config.parallel.context_parallel_size)
     if not ctx.is_main:
         logging.getLogger("megadlms").setLevel(logging.WARNING)
     _seed_all(t.seed)
@@ -662,14 +665,14 @@ def setup(config: RunConfig) -> Trainer:
     if ctx.is_main:
         n_params = sum(p.numel() for p in model.parameters())
         log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention (%s)%s | device %s%s | "
-                 "world %d (dp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
+                 "world %d (dp %d x cp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
                  config.checkpoint.load if config.checkpoint.use_checkpoint_args else config.model.model_path,
                  n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
                  cfg.attn_mask_type + (f" block-diffusion (blocks of {cfg.block_size})" if cfg.block_size else ""),
                  trainer.objective.attention_kernel(ctx.device),
                  f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
                  ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
-                 ctx.dp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
+                 ctx.dp_size, ctx.cp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
         if lora is not None:
             log.info("%s | base %s", describe_memory(trainer.base_model, lora.config), lora.base)
     ck = config.checkpoint
