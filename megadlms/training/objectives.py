@@ -168,6 +168,20 @@ class Objective:
         return weighted_cross_entropy(logits, batch.targets, batch.weights, batch.denominator,
                                       mask_id=self.subs_mask_id)
 
+    def loss_from_hidden(self, hidden: torch.Tensor, batch: Batch, output_weight: Callable[[], torch.Tensor]
+                         ) -> torch.Tensor:
+        """The micro-batch's loss from the model's final hidden states [B, S, H] (a pipeline's last stage, whose
+        schedule calls it): the LM head and the weighted cross-entropy of `loss` without the forward."""
+        length = batch.targets.shape[1]
+        hidden = hidden[:, :length]
+        if self.loss_chunk_tokens:
+            rows = batch.weighted_rows.get() if batch.weighted_rows is not None else None
+            return chunked_weighted_cross_entropy(hidden, output_weight(), batch.targets, batch.weights,
+                                                  self.loss_chunk_tokens, num_rows=rows,
+                                                  denominator=batch.denominator, mask_id=self.subs_mask_id)
+        return weighted_cross_entropy(F.linear(hidden, output_weight()), batch.targets, batch.weights,
+                                      batch.denominator, mask_id=self.subs_mask_id)
+
     # -- helpers
     def _next(self, samples: Iterator[torch.Tensor]) -> torch.Tensor:
         import time
