@@ -115,7 +115,8 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 class ContextParallelAttention(DotProductAttention):
     """Wraps a layer's `core_attention`: gathers the whole sequence's K/V over the cp group, then attends the
     rank's queries to them. attn_mask is the rank's rows over the gathered keys (`shard_mask`), or None for
-    bidirectional attention; causal attention without a mask gets the mask of the zigzag layout."""
+    bidirectional attention; causal attention without a mask runs per chunk on the keys before it (no mask is
+    materialised)."""
 
     def __init__(self, inner: nn.Module, group: dist.ProcessGroup, cp_size: int, cp_rank: int):
         super().__init__()
@@ -125,13 +126,36 @@ class ContextParallelAttention(DotProductAttention):
                 is_causal: bool) -> torch.Tensor:
         """q [B, N, S/cp, D], k and v [B, G, S/cp, D] (this rank's positions) -> [B, N, S/cp, D]."""
         k, v = gather_sequence(k, self.group), gather_sequence(v, self.group)
-        if is_causal:
-            if attn_mask is not None:
-                raise ValueError("context parallelism: is_causal with a mask; pass the causal rows in the mask")
-            seq = k.shape[2]
-            q_pos = rank_positions(seq, self.cp_size, self.cp_rank, q.device)
-            attn_mask = (key_positions(seq, self.cp_size, q.device)[None, :] <= q_pos[:, None])[None, None]
-        return self.inner(q, k, v, attn_mask, False)
+        if not is_causal:
+            return self.inner(q, k, v, attn_mask, False)
+        if attn_mask is not None:
+            raise ValueError("context parallelism: is_causal with a mask; pass the causal rows in the mask")
+        return self._causal(q, k, v)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention without a materialised mask: each of the rank's two chunks (global chunk c of n
+        positions) attends the keys before its end, (c + 1) n, under SDPA's lower-right causal bias."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        seq = k.shape[2]
+        order = _natural_order(seq, self.cp_size, str(k.device))
+        k, v = k.index_select(2, order), v.index_select(2, order)
+        if q.shape[1] != k.shape[1]:  # the causal bias's fused kernels take no grouped K/V
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        n = seq // (2 * self.cp_size)
+        outs = []
+        for i, c in enumerate((self.cp_rank, 2 * self.cp_size - 1 - self.cp_rank)):
+            end = (c + 1) * n
+            outs.append(self.inner(q[:, :, i * n:(i + 1) * n], k[:, :, :end], v[:, :, :end],
+                                   causal_lower_right(n, end), False))
+        return torch.cat(outs, dim=2)
+
+
+@functools.lru_cache(maxsize=64)
+def _natural_order(seq: int, cp_size: int, device: str) -> torch.Tensor:
+    """long [seq]: the gathered keys' indices in position order (the inverse of `key_positions`)."""
+    return torch.argsort(_key_positions(seq, cp_size, device))
 
 
 def apply_context_parallel(model: TransformerLM, group: dist.ProcessGroup) -> None:
