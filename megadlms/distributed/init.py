@@ -30,6 +30,7 @@ class ParallelContext:
     device: torch.device = torch.device("cpu")
     tp_size: int = 1
     cp_size: int = 1  # context parallelism: ranks sharing each sequence's positions
+    pp_size: int = 1  # pipeline parallelism: consecutive stages of the layers
     mesh: DeviceMesh | None = None  # dims ("dp", "tp") when distributed; ("dp", "cp", "tp") with cp_size > 1
     # the ranks that reduce gradients and losses: "dp", or "dp" x "cp" flattened with context parallelism
     dp_cp_mesh: DeviceMesh | None = None
@@ -40,7 +41,15 @@ class ParallelContext:
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // (self.tp_size * self.cp_size)
+        return self.world_size // (self.tp_size * self.cp_size * self.pp_size)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank() if self.mesh is not None and self.pp_size > 1 else 0
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["pp"].get_group() if self.mesh is not None and self.pp_size > 1 else None
 
     @property
     def dp_cp_size(self) -> int:
@@ -106,7 +115,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | None = None,
-                  timeout_minutes: float = 30.0, cp_size: int = 1) -> ParallelContext:
+                  timeout_minutes: float = 30.0, cp_size: int = 1, pp_size: int = 1) -> ParallelContext:
     """Initialise torch.distributed when launched by torchrun (NCCL on GPUs, gloo on CPU).
 
     Returns the ParallelContext of this process; its mesh has dims ("dp", "tp") of sizes
@@ -123,6 +132,9 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world == 1 and not dist.is_initialized():
+        if pp_size != 1:
+            raise ConfigError(f"--pipeline-model-parallel-size {pp_size} needs {pp_size} processes; launch with "
+                              f"torchrun --nproc_per_node={pp_size}")
         if cp_size != 1:
             raise ConfigError(f"--context-parallel-size {cp_size} needs at least {cp_size} processes; launch "
                               f"with torchrun --nproc_per_node={cp_size} (or a multiple of it)")
@@ -143,7 +155,14 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
     if world % (tp_size * cp_size):
         raise ConfigError(f"world size {world} is not divisible by --context-parallel-size {cp_size} x "
                           f"--tensor-model-parallel-size {tp_size}; launch a multiple of {cp_size * tp_size} processes")
-    if cp_size > 1:
+    if pp_size > 1:
+        if world % (pp_size * cp_size * tp_size):
+            raise ConfigError(f"world size {world} is not divisible by --pipeline-model-parallel-size {pp_size}; "
+                              f"launch a multiple of {pp_size} processes")
+        mesh = init_device_mesh(dev.type, (pp_size, world // (pp_size * tp_size), tp_size),
+                                mesh_dim_names=("pp", "dp", "tp"))
+        dp_cp = mesh["dp"]
+    elif cp_size > 1:
         mesh = init_device_mesh(dev.type, (world // (cp_size * tp_size), cp_size, tp_size),
                                 mesh_dim_names=("dp", "cp", "tp"))
         dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
@@ -151,7 +170,7 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
         mesh = init_device_mesh(dev.type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
         dp_cp = mesh["dp"]
     return ParallelContext(rank=dist.get_rank(), world_size=world, local_rank=local_rank, device=dev,
-                           tp_size=tp_size, cp_size=cp_size, mesh=mesh, dp_cp_mesh=dp_cp)
+                           tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, mesh=mesh, dp_cp_mesh=dp_cp)
 
 
 def destroy_parallel() -> None:

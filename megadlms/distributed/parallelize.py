@@ -132,6 +132,8 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
     Returns the model to train (a DDP wrapper for no_shard without TP, else `model` itself) and records
     the strategy in ctx.dp_strategy / ctx.sequence_parallel for the trainer.
     """
+    if ctx.pp_size > 1:
+        return _pipeline_stage(model, ctx, activation_checkpointing=activation_checkpointing, compile=compile)
     strategy = parallel.sharding_strategy
     sequence_parallel = parallel.sequence_parallel and ctx.tp_size > 1
     tp_mesh, dp_mesh = _meshes(ctx, strategy)
@@ -171,6 +173,30 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
         log.info("%s", " | ".join(x for x, on in ((dp, ctx.dp_cp_size > 1), (cp, ctx.cp_size > 1),
                                                   (tp, ctx.tp_size > 1)) if on))
     return trained
+
+
+def _pipeline_stage(model: TransformerLM, ctx: ParallelContext, *, activation_checkpointing: bool,
+                    compile: bool) -> nn.Module:
+    """This rank's pipeline stage of `model` (`megadlms.distributed.pipeline_parallel`); pipeline parallelism runs
+    without data, tensor or context parallelism for now, and without FP8 or MoE layers."""
+    from .pipeline_parallel import PipelineStageModule, check_pipeline_parallel
+
+    pp = ctx.pp_size
+    check_pipeline_parallel(model.config, pp)
+    if ctx.dp_size > 1:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} runs without data parallelism for now: launch "
+                          f"{pp} processes, not {ctx.world_size}")
+    if model.config.fp8 or model.config.is_moe:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not yet take FP8 (amaxes are reduced per "
+                          "model) or MoE layers; drop one of them")
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model)
+    ctx.dp_strategy = "none"
+    if ctx.is_main:
+        log.info("pipeline parallel: %d stages of %d layers", pp, model.config.num_layers // pp)
+    return PipelineStageModule(model, ctx.pp_rank, pp)
 
 
 def _describe(strategy: str, tp_size: int) -> str:

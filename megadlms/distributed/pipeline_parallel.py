@@ -22,8 +22,9 @@ from torch import nn
 
 from ..config import ConfigError, TransformerConfig
 from ..model import TransformerLM
+from .config import PIPELINE_SCHEDULES
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = PIPELINE_SCHEDULES
 
 
 def check_pipeline_parallel(cfg: TransformerConfig, pp_size: int) -> None:

@@ -256,6 +256,7 @@ class Trainer:
 
             self._fp8_uncached = set_fp8_weight_caching(model, False)  # not FSDP's (off for good)
         self.layer_graphs = self._layer_graphs()
+        self.pipeline = self._pipeline_runner()  # --pipeline-model-parallel-size: the step runs a schedule
         self._train_iter: Iterator[torch.Tensor] | None = None
         self._pending_save: ckpt.PendingCheckpoint | None = None  # --async-save: the write in flight
         self._async_group: dist.ProcessGroup | None = None
@@ -286,6 +287,8 @@ class Trainer:
             blockers.append("tensor parallelism (DTensor parameters)")
         if self.ctx.cp_size > 1:
             blockers.append("context parallelism (attention all-gathers K/V)")
+        if self.ctx.pp_size > 1:
+            blockers.append("pipeline parallelism (the schedule runs the layers)")
         if self.ctx.dp_strategy not in ("none", "no_shard"):
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
         if self.run_config.train.recompute_granularity:
@@ -299,6 +302,23 @@ class Trainer:
             return None
         # with accumulation the FP8 weights are cast once per step outside the graphs, not on every replay
         return LayerGraphs(self.base_model, emulate=emulate, strict=mode == "on", fp8_weights_per_step=self.accum > 1)
+
+    def _pipeline_runner(self) -> Any:
+        if self.ctx.pp_size == 1:
+            return None
+        from .pipeline_step import PipelineRunner
+
+        pp, train_cfg = self.ctx.pp_size, self.run_config.train
+        if self.run_config.objective.difflm_varilen_prob:
+            raise ConfigError(f"--pipeline-model-parallel-size {pp} runs micro-batches of one shape: add "
+                              "--difflm-varilen-prob 0")
+        if train_cfg.generate_sample:
+            raise ConfigError(f"--pipeline-model-parallel-size {pp}: the model is split over ranks, so it cannot "
+                              "sample at the end; add --no-generate-sample")
+        assert self.ctx.pp_group is not None  # a mesh with a pp dimension
+        return PipelineRunner(self.model, self.objective, self.ctx.pp_group,  # type: ignore[arg-type]
+                              self.device, self.accum, self.run_config.parallel.pipeline_schedule,
+                              self.autocast_dtype or torch.float32)
 
     # ----------------------------------------------------------------- precision
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -338,7 +358,13 @@ class Trainer:
         tokens, flops = 0, 0.0
         train_iter = self._train_iter
         assert train_iter is not None  # set when `run` starts
-        for m, batch in enumerate(self.objective.micro_batches(train_iter, noise, self.accum, self.device)):
+        batches = self.objective.micro_batches(train_iter, noise, self.accum, self.device)
+        if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
+            staged = list(batches)
+            with self._autocast():
+                loss_sum += self.pipeline.train(staged)
+            tokens, flops, batches = sum(b.tokens for b in staged), sum(b.flops for b in staged), iter(())
+        for m, batch in enumerate(batches):
             with self._grad_sync(last=m == self.accum - 1), self._compile_stance(batch.inputs.shape[1]):
                 loss = self._loss(batch)
                 (loss / self.accum).backward()
@@ -379,6 +405,8 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.run_config.train.clip_grad
         max_norm = clip if clip > 0 else float("inf")
+        if self.pipeline is not None:  # the norm over every stage's gradients
+            return self.pipeline.clip_grads(self.optimizer, max_norm)
         norm = clip_grad_norm(self.optimizer, params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -408,7 +436,13 @@ class Trainer:
             for _ in range(eval_iters):
                 noise = self.objective.draw_noise(sampler, self.global_batch, self.accum, evaluation=True)
                 self.attention.begin_step(self.run_config.train.train_iters, self.model_config.seq_length)
-                for batch in self.objective.micro_batches(it, noise, self.accum, self.device):
+                batches = self.objective.micro_batches(it, noise, self.accum, self.device)
+                if self.pipeline is not None:
+                    staged = list(batches)
+                    with self._autocast():
+                        total += self.pipeline.evaluate(staged)
+                    n, batches = n + len(staged), iter(())
+                for batch in batches:
                     total += self._loss(batch)
                     n += 1
         if self.ctx.distributed:
@@ -619,7 +653,8 @@ def setup(config: RunConfig) -> Trainer:
 
     t, data = config.train, config.data
     ctx = init_parallel(t.device, config.parallel.tensor_model_parallel_size, config.parallel.distributed_backend,
-                        cp_size=config.parallel.context_parallel_size)
+                        cp_size=config.parallel.context_parallel_size,
+                        pp_size=config.parallel.pipeline_model_parallel_size)
     if not ctx.is_main:
         logging.getLogger("megadlms").setLevel(logging.WARNING)
     _seed_all(t.seed)
