@@ -32,7 +32,7 @@ class ParallelConfig:
         pp = self.pipeline_model_parallel_size
         if pp > 1 and (self.tensor_model_parallel_size > 1 or self.context_parallel_size > 1
                        or self.sharding_strategy != "no_shard"):
-            raise ConfigError(f"--pipeline-model-parallel-size {pp} runs alone for now: drop "
+            raise ConfigError(f"--pipeline-model-parallel-size {pp} takes DDP alone for now: drop "
                               "--tensor-model-parallel-size, --context-parallel-size and the sharded data-parallel "
                               "strategies")
         check_choice(self, "data_parallel_sharding_strategy", SHARDING_STRATEGIES)

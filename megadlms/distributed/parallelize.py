@@ -177,15 +177,13 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
 
 def _pipeline_stage(model: TransformerLM, ctx: ParallelContext, *, activation_checkpointing: bool,
                     compile: bool) -> nn.Module:
-    """This rank's pipeline stage of `model` (`megadlms.distributed.pipeline_parallel`); pipeline parallelism runs
-    without data, tensor or context parallelism for now, and without FP8 or MoE layers."""
+    """This rank's pipeline stage of `model` (`megadlms.distributed.pipeline_parallel`), under DDP over the
+    data-parallel ranks when there are several (the schedule reduces gradients on the last micro-batch only).
+    Pipeline parallelism runs without tensor or context parallelism and FSDP2 for now, nor FP8 or MoE layers."""
     from .pipeline_parallel import PipelineStageModule, check_pipeline_parallel
 
     pp = ctx.pp_size
     check_pipeline_parallel(model.config, pp)
-    if ctx.dp_size > 1:
-        raise ConfigError(f"--pipeline-model-parallel-size {pp} runs without data parallelism for now: launch "
-                          f"{pp} processes, not {ctx.world_size}")
     if model.config.fp8 or model.config.is_moe:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} does not yet take FP8 (amaxes are reduced per "
                           "model) or MoE layers; drop one of them")
@@ -193,10 +191,14 @@ def _pipeline_stage(model: TransformerLM, ctx: ParallelContext, *, activation_ch
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
-    ctx.dp_strategy = "none"
+    stage: nn.Module = PipelineStageModule(model, ctx.pp_rank, pp)
+    ctx.dp_strategy = "no_shard" if ctx.dp_size > 1 else "none"
+    if ctx.dp_size > 1:
+        stage = apply_ddp(stage, ctx.dp_group, ctx.device)
     if ctx.is_main:
-        log.info("pipeline parallel: %d stages of %d layers", pp, model.config.num_layers // pp)
-    return PipelineStageModule(model, ctx.pp_rank, pp)
+        dp = f" | data parallel: DDP over {ctx.dp_size} ranks" if ctx.dp_size > 1 else ""
+        log.info("pipeline parallel: %d stages of %d layers%s", pp, model.config.num_layers // pp, dp)
+    return stage
 
 
 def _describe(strategy: str, tp_size: int) -> str:

@@ -101,13 +101,14 @@ class PipelineStageModule(nn.Module):
 def build_schedule(stage_module: PipelineStageModule, group: dist.ProcessGroup, device: torch.device,
                    n_microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
                    micro_batch: tuple[int, int], schedule: str = "1f1b", activation_dtype: torch.dtype = torch.float32,
-                   output_dtype: torch.dtype = torch.float32) -> Any:
+                   output_dtype: torch.dtype = torch.float32, submodule: nn.Module | None = None) -> Any:
     """A torch.distributed.pipelining schedule of one stage per rank of `group`. loss_fn(hidden, index) is called
     on the last stage with the micro-batch's final hidden states and its index (long [1]) in the step.
 
     micro_batch: (B, S) of every micro-batch; the activations sent between stages are [B, S, H] in
     `activation_dtype` (the residual stream's), the last stage's output in `output_dtype` (the final norm's). Given
-    up front, no forward runs to infer them (which would read a micro-batch's masks out of turn)."""
+    up front, no forward runs to infer them (which would read a micro-batch's masks out of turn). submodule: what the
+    stage runs, when not `stage_module` itself (its DDP wrapper)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     if schedule not in SCHEDULES:
@@ -122,8 +123,8 @@ def build_schedule(stage_module: PipelineStageModule, group: dist.ProcessGroup, 
               else torch.empty(b, s, hidden, dtype=activation_dtype, device=device, requires_grad=True))
     outputs = torch.empty(b, s, hidden, dtype=output_dtype if stage_module.is_last else activation_dtype,
                           device=device, requires_grad=True)
-    stage = PipelineStage(stage_module, stage_module.stage, pp_size, device, input_args=inputs, output_args=outputs,
-                          group=group)
+    stage = PipelineStage(submodule or stage_module, stage_module.stage, pp_size, device, input_args=inputs,
+                          output_args=outputs, group=group)
     cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
     return cls(stage, n_microbatches, loss_fn=loss_fn)
 

@@ -5,10 +5,11 @@ stage, the tied embedding's two copies synchronised and the gradient norm taken 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..distributed.pipeline_parallel import PipelineStageModule, build_schedule, run_schedule, sync_tied_gradients
 from .objectives import Batch, Objective
@@ -17,15 +18,32 @@ from .objectives import Batch, Objective
 class PipelineRunner:
     """One stage's side of the step. group: the pipeline's ranks (stage i on rank i of the group)."""
 
-    def __init__(self, stage: PipelineStageModule, objective: Objective, group: dist.ProcessGroup,
+    def __init__(self, model: nn.Module, objective: Objective, group: dist.ProcessGroup,
                  device: torch.device, micro_batches: int, schedule: str, output_dtype: torch.dtype):
-        self.stage, self.objective, self.group, self.device = stage, objective, group, device
+        """model: this rank's PipelineStageModule, or its DDP wrapper (data parallelism between pipelines)."""
+        self.model = model
+        self.stage = cast(PipelineStageModule, getattr(model, "module", model))
+        self.objective, self.group, self.device = objective, group, device
         self.micro_batches, self.schedule_name, self.output_dtype = micro_batches, schedule, output_dtype
         self._batches: list[Batch] = []
         self._schedule: Any = None
-        # the tied embedding's two copies: the first and the last stage (a group of their own, made by every rank)
+        self._tied_group = self._first_and_last(group)
+
+    @staticmethod
+    def _first_and_last(group: dist.ProcessGroup) -> dist.ProcessGroup:
+        """The group of this pipeline's first and last stage (the tied embedding's two copies). Every rank makes
+        every pipeline's pair, in the same order, as new_group requires."""
         ranks = dist.get_process_group_ranks(group)
-        self._tied_group = dist.new_group([ranks[0], ranks[-1]]) if len(ranks) > 2 else group
+        if len(ranks) <= 2:
+            return group
+        pipelines: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(pipelines, ranks)
+        mine = group
+        for pair in sorted({(p[0], p[-1]) for p in pipelines}):
+            g = dist.new_group(list(pair))
+            if pair == (ranks[0], ranks[-1]):
+                mine = g
+        return mine
 
     def _loss_fn(self, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return self.objective.loss_from_hidden(hidden, self._batches[int(index)], lambda: self.stage.output_weight)
@@ -36,7 +54,8 @@ class PipelineRunner:
         if self._schedule is None:
             self._schedule = build_schedule(self.stage, self.group, self.device, self.micro_batches, self._loss_fn,
                                             micro_batch=tuple(batches[0].inputs.shape),  # type: ignore[arg-type]
-                                            schedule=self.schedule_name, output_dtype=self.output_dtype)
+                                            schedule=self.schedule_name, output_dtype=self.output_dtype,
+                                            submodule=self.model)
         inputs = torch.cat([b.inputs for b in batches])
         kwargs = [b.model_kwargs() for b in batches]
         if train:

@@ -89,7 +89,7 @@ def test_resume_from_pp2_on_one_process(runs):
 
 
 def test_pipeline_with_other_parallelism_is_refused():
-    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2 runs alone for now"):
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2 takes DDP alone for now"):
         ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2)
 
 
