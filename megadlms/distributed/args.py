@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import BACKENDS, SHARDING_STRATEGIES
+from .config import BACKENDS, PIPELINE_SCHEDULES, SHARDING_STRATEGIES
 
 
 def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
@@ -12,6 +12,14 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="split each layer's heads and FFN over this many ranks (DTensor tensor parallelism); "
                         "must divide num_attention_heads, num_query_groups and ffn_hidden_size")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence's positions over this many ranks (attention all-gathers K/V); "
+                        "--seq-length must be divisible by 2 x this size")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="split the layers into this many consecutive stages, one per rank (torch.distributed."
+                        "pipelining); must divide --num-layers; for now without other parallelism")
+    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
+                   help="1f1b: one forward, one backward in turn (micro-batches >= stages); gpipe: all forwards first")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with tensor parallelism, run norms on seq_length / tp positions per rank")
     g.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES, default="no_shard",

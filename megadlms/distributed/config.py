@@ -9,11 +9,15 @@ from ..fp8.recipe import param_gather_problem
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 BACKENDS = ("nccl", "gloo")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1  # each sequence's positions split over this many ranks
+    pipeline_model_parallel_size: int = 1  # the layers split into this many consecutive stages
+    pipeline_schedule: str = "1f1b"  # 1f1b | gpipe (torch.distributed.pipelining)
     sequence_parallel: bool = False  # with TP: norms on seq_length / tp positions per rank
     data_parallel_sharding_strategy: str = "no_shard"  # DDP | FSDP2 ZeRO-1 / -2 / -3 (`data_parallel`)
     use_distributed_optimizer: bool = False  # Megatron's spelling of no_shard -> optim
@@ -23,7 +27,15 @@ class ParallelConfig:
     distributed_backend: str | None = None  # None: nccl on GPUs, gloo on CPU
 
     def __post_init__(self) -> None:
-        check_at_least(self, {"tensor_model_parallel_size": 1})
+        check_at_least(self, {"tensor_model_parallel_size": 1, "context_parallel_size": 1,
+                              "pipeline_model_parallel_size": 1})
+        check_choice(self, "pipeline_schedule", PIPELINE_SCHEDULES)
+        pp = self.pipeline_model_parallel_size
+        if pp > 1 and (self.tensor_model_parallel_size > 1 or self.context_parallel_size > 1
+                       or self.sharding_strategy != "no_shard"):
+            raise ConfigError(f"--pipeline-model-parallel-size {pp} takes DDP alone for now: drop "
+                              "--tensor-model-parallel-size, --context-parallel-size and the sharded data-parallel "
+                              "strategies")
         check_choice(self, "data_parallel_sharding_strategy", SHARDING_STRATEGIES)
         if self.distributed_backend is not None:
             check_choice(self, "distributed_backend", BACKENDS)

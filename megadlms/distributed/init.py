@@ -2,8 +2,9 @@
 
 `torchrun --nproc_per_node=N [--nnodes M --rdzv-endpoint HOST:PORT] pretrain_difflm.py ...` sets
 RANK / WORLD_SIZE / LOCAL_RANK; `init_parallel` turns them into a process group (NCCL on GPUs,
-gloo on CPU) and a ("dp", "tp") DeviceMesh. A world of one process (plain `python`, or torchrun
-with one process) creates no process group at all, so the single-device path has no overhead.
+gloo on CPU) and a ("dp", "tp") DeviceMesh (("dp", "cp", "tp") with context parallelism). A world of
+one process (plain `python`, or torchrun with one process) creates no process group at all, so the
+single-device path has no overhead.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ class ParallelContext:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     tp_size: int = 1
-    mesh: DeviceMesh | None = None  # dims ("dp", "tp") when distributed
+    cp_size: int = 1  # context parallelism: ranks sharing each sequence's positions
+    pp_size: int = 1  # pipeline parallelism: consecutive stages of the layers
+    mesh: DeviceMesh | None = None  # dims ("dp", "tp") when distributed; ("dp", "cp", "tp") with cp_size > 1
+    # the ranks that reduce gradients and losses: "dp", or "dp" x "cp" flattened with context parallelism
+    dp_cp_mesh: DeviceMesh | None = None
     # set by `parallelize_model`: how the data-parallel ranks share the model ("none" with one dp rank,
     # else one of the --data-parallel-sharding-strategy values) and whether activations are sequence-sharded
     dp_strategy: str = "none"
@@ -36,7 +41,32 @@ class ParallelContext:
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.tp_size
+        return self.world_size // (self.tp_size * self.cp_size * self.pp_size)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank() if self.mesh is not None and self.pp_size > 1 else 0
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["pp"].get_group() if self.mesh is not None and self.pp_size > 1 else None
+
+    @property
+    def dp_cp_size(self) -> int:
+        """The ranks whose gradients are averaged: data parallel x context parallel."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh["cp"].get_local_rank() if self.mesh is not None and self.cp_size > 1 else 0
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["cp"].get_group() if self.mesh is not None and self.cp_size > 1 else None
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
+        return self.dp_cp_mesh.get_group() if self.dp_cp_mesh is not None else None
 
     @property
     def dp_rank(self) -> int:
@@ -85,20 +115,29 @@ def _env_int(name: str, default: int) -> int:
 
 
 def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | None = None,
-                  timeout_minutes: float = 30.0) -> ParallelContext:
+                  timeout_minutes: float = 30.0, cp_size: int = 1, pp_size: int = 1) -> ParallelContext:
     """Initialise torch.distributed when launched by torchrun (NCCL on GPUs, gloo on CPU).
 
     Returns the ParallelContext of this process; its mesh has dims ("dp", "tp") of sizes
-    (world_size // tp_size, tp_size), tp innermost so that a TP group stays within a node.
+    (world_size // tp_size, tp_size), tp innermost so that a TP group stays within a node; with cp_size > 1,
+    ("dp", "cp", "tp") of sizes (world_size // (cp_size * tp_size), cp_size, tp_size).
     """
     world = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     if tp_size < 1:
         raise ConfigError(f"--tensor-model-parallel-size {tp_size} must be >= 1")
+    if cp_size < 1:
+        raise ConfigError(f"--context-parallel-size {cp_size} must be >= 1")
     dev = pick_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world == 1 and not dist.is_initialized():
+        if pp_size != 1:
+            raise ConfigError(f"--pipeline-model-parallel-size {pp_size} needs {pp_size} processes; launch with "
+                              f"torchrun --nproc_per_node={pp_size}")
+        if cp_size != 1:
+            raise ConfigError(f"--context-parallel-size {cp_size} needs at least {cp_size} processes; launch "
+                              f"with torchrun --nproc_per_node={cp_size} (or a multiple of it)")
         if tp_size != 1:
             raise ConfigError(f"--tensor-model-parallel-size {tp_size} needs at least {tp_size} processes; launch "
                              f"with torchrun --nproc_per_node={tp_size} (or a multiple of it)")
@@ -113,9 +152,25 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
     if world % tp_size:
         raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp_size}; "
                          f"launch a multiple of {tp_size} processes")
-    mesh = init_device_mesh(dev.type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    if world % (tp_size * cp_size):
+        raise ConfigError(f"world size {world} is not divisible by --context-parallel-size {cp_size} x "
+                          f"--tensor-model-parallel-size {tp_size}; launch a multiple of {cp_size * tp_size} processes")
+    if pp_size > 1:
+        if world % (pp_size * cp_size * tp_size):
+            raise ConfigError(f"world size {world} is not divisible by --pipeline-model-parallel-size {pp_size}; "
+                              f"launch a multiple of {pp_size} processes")
+        mesh = init_device_mesh(dev.type, (pp_size, world // (pp_size * tp_size), tp_size),
+                                mesh_dim_names=("pp", "dp", "tp"))
+        dp_cp = mesh["dp"]
+    elif cp_size > 1:
+        mesh = init_device_mesh(dev.type, (world // (cp_size * tp_size), cp_size, tp_size),
+                                mesh_dim_names=("dp", "cp", "tp"))
+        dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+    else:
+        mesh = init_device_mesh(dev.type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+        dp_cp = mesh["dp"]
     return ParallelContext(rank=dist.get_rank(), world_size=world, local_rank=local_rank, device=dev,
-                           tp_size=tp_size, mesh=mesh)
+                           tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, mesh=mesh, dp_cp_mesh=dp_cp)
 
 
 def destroy_parallel() -> None:

@@ -1,7 +1,8 @@
 """The model-transformation pipeline, in one fixed order (`build_parallel_model`):
 
     construct (plain single-device model) -> [load the frozen base] -> FP8 conversion -> [LoRA]
-    -> [FP8 parameter all-gather] -> tensor parallel -> activation checkpointing -> torch.compile -> FSDP2 / DDP
+    -> [FP8 parameter all-gather] -> tensor parallel -> context parallel -> activation checkpointing
+    -> torch.compile -> FSDP2 / DDP (over the data- x context-parallel ranks)
 
 Each step is a function of its own. (The trainer captures the layers in CUDA graphs afterwards, once its
 optimizer exists: `megadlms.training.cuda_graphs`.)
@@ -20,6 +21,7 @@ from ..build import apply_fp8, construct_model
 from ..config import ConfigError, TransformerConfig
 from ..model import TransformerLM
 from .config import ParallelConfig, check_fp8_param_gather
+from .context_parallel import apply_context_parallel
 from .data_parallel import apply_ddp, apply_fsdp
 from .init import ParallelContext
 from .tensor_parallel import apply_tensor_parallel
@@ -55,16 +57,17 @@ def apply_compile(model: TransformerLM) -> None:
 
 
 def _meshes(ctx: ParallelContext, strategy: str) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """(TP mesh, data-parallel mesh), both sub-meshes of one root mesh as FSDP2 + TP requires."""
+    """(TP mesh, data-parallel mesh), both sub-meshes of one root mesh as FSDP2 + TP requires. The data-parallel
+    mesh spans the context-parallel ranks too: they hold the same weights and reduce their gradients together."""
     if ctx.mesh is None:
         return None, None
-    if strategy == "no_shard" and ctx.tp_size > 1 and ctx.dp_size > 1:
+    if strategy == "no_shard" and ctx.tp_size > 1 and ctx.dp_cp_size > 1:
         # DDP takes no DTensor parameters: replicate with FSDP2 over a (dp, 1) mesh instead (HSDP whose shard
         # groups have one rank). Same rank layout as ctx.mesh, so dp ranks and groups are unchanged.
-        mesh = init_device_mesh(ctx.device.type, (ctx.dp_size, 1, ctx.tp_size),
+        mesh = init_device_mesh(ctx.device.type, (ctx.dp_cp_size, 1, ctx.tp_size),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         return mesh["tp"], mesh["dp_replicate", "dp_shard"]
-    return ctx.mesh["tp"], ctx.mesh["dp"]
+    return ctx.mesh["tp"], ctx.dp_cp_mesh
 
 
 def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig) -> int:
@@ -79,17 +82,17 @@ def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel:
     from ..fp8.param_gather import check_gather_shardable, enable_fp8_param_gather
 
     check_fp8_param_gather(bool(model.config.fp8), model.config.fp8_recipe, parallel)
-    if ctx.dp_size < 2:
+    if ctx.dp_cp_size < 2:
         raise ConfigError("--fp8-param-gather: this run has one data-parallel rank, so FSDP2 gathers nothing; launch "
                           "more ranks (torchrun --nproc-per-node N) or drop --fp8-param-gather")
     linears = list(fp8_modules(model))
     names = {id(m): n for n, m in model.named_modules()}
     for m in linears:
-        check_gather_shardable(f"{names[id(m)]}.weight", m.weight.shape, m.recipe.name, ctx.dp_size)
+        check_gather_shardable(f"{names[id(m)]}.weight", m.weight.shape, m.recipe.name, ctx.dp_cp_size)
     groups = [tuple(g.members()) for g in fused_projections(model)]
     grouped = {id(m) for g in groups for m in g}
     groups += [(m,) for m in linears if id(m) not in grouped]
-    n = enable_fp8_param_gather(groups, ctx.dp_size)
+    n = enable_fp8_param_gather(groups, ctx.dp_cp_size)
     if ctx.is_main:
         log.info("FP8 parameter all-gather: %d weights gathered as FP8 (%s scaling)", n, model.config.fp8_recipe)
     return n
@@ -122,12 +125,15 @@ def build_parallel_model(cfg: TransformerConfig, ctx: ParallelContext, parallel:
 def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig, *,
                       activation_checkpointing: bool = False, compile: bool = False,
                       param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Apply tensor parallelism, activation checkpointing, compile and data parallelism to a (converted) model.
+    """Apply tensor parallelism, context parallelism, activation checkpointing, compile and data parallelism to a
+    (converted) model.
 
     param_dtype: FSDP2's compute dtype (the autocast dtype; None keeps the parameters' own).
     Returns the model to train (a DDP wrapper for no_shard without TP, else `model` itself) and records
     the strategy in ctx.dp_strategy / ctx.sequence_parallel for the trainer.
     """
+    if ctx.pp_size > 1:
+        return _pipeline_stage(model, ctx, activation_checkpointing=activation_checkpointing, compile=compile)
     strategy = parallel.sharding_strategy
     sequence_parallel = parallel.sequence_parallel and ctx.tp_size > 1
     tp_mesh, dp_mesh = _meshes(ctx, strategy)
@@ -137,16 +143,19 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
     if ctx.tp_size > 1:
         assert tp_mesh is not None  # ctx has a mesh when it has more than one rank
         apply_tensor_parallel(model, tp_mesh, sequence_parallel)
+    if ctx.cp_size > 1:
+        assert ctx.cp_group is not None  # a mesh with a cp dimension
+        apply_context_parallel(model, ctx.cp_group)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
     ctx.sequence_parallel = sequence_parallel
-    ctx.dp_strategy = strategy if ctx.dp_size > 1 else "none"
+    ctx.dp_strategy = strategy if ctx.dp_cp_size > 1 else "none"
     trained: nn.Module = model
-    if ctx.dp_size > 1 and strategy == "no_shard" and ctx.tp_size == 1:
-        trained = apply_ddp(model, ctx.dp_group, ctx.device)
-    elif ctx.dp_size > 1:
+    if ctx.dp_cp_size > 1 and strategy == "no_shard" and ctx.tp_size == 1:
+        trained = apply_ddp(model, ctx.dp_cp_group, ctx.device)
+    elif ctx.dp_cp_size > 1:
         assert dp_mesh is not None  # ctx has a mesh when it has more than one rank
         apply_fsdp(model, dp_mesh, reshard_after_forward=strategy == "optim_grads_params", param_dtype=param_dtype,
                    prefetch=parallel.overlap_param_gather)
@@ -157,9 +166,39 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
             set_fp8_weight_caching(model, False)
     if ctx.distributed and ctx.is_main:
         tp = f"tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if sequence_parallel else ''}"
-        dp = f"data parallel: {_describe(strategy, ctx.tp_size)} over {ctx.dp_size} ranks"
-        log.info("%s", " | ".join(x for x, on in ((dp, ctx.dp_size > 1), (tp, ctx.tp_size > 1)) if on))
+        dp = f"data parallel: {_describe(strategy, ctx.tp_size)} over {ctx.dp_cp_size} ranks"
+        if ctx.cp_size > 1:
+            dp += f" ({ctx.dp_size} data x {ctx.cp_size} context parallel)"
+        cp = f"context parallel over {ctx.cp_size} ranks (K/V all-gathered)"
+        log.info("%s", " | ".join(x for x, on in ((dp, ctx.dp_cp_size > 1), (cp, ctx.cp_size > 1),
+                                                  (tp, ctx.tp_size > 1)) if on))
     return trained
+
+
+def _pipeline_stage(model: TransformerLM, ctx: ParallelContext, *, activation_checkpointing: bool,
+                    compile: bool) -> nn.Module:
+    """This rank's pipeline stage of `model` (`megadlms.distributed.pipeline_parallel`), under DDP over the
+    data-parallel ranks when there are several (the schedule reduces gradients on the last micro-batch only).
+    Pipeline parallelism runs without tensor or context parallelism and FSDP2 for now, nor FP8 or MoE layers."""
+    from .pipeline_parallel import PipelineStageModule, check_pipeline_parallel
+
+    pp = ctx.pp_size
+    check_pipeline_parallel(model.config, pp)
+    if model.config.fp8 or model.config.is_moe:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not yet take FP8 (amaxes are reduced per "
+                          "model) or MoE layers; drop one of them")
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model)
+    stage: nn.Module = PipelineStageModule(model, ctx.pp_rank, pp)
+    ctx.dp_strategy = "no_shard" if ctx.dp_size > 1 else "none"
+    if ctx.dp_size > 1:
+        stage = apply_ddp(stage, ctx.dp_group, ctx.device)
+    if ctx.is_main:
+        dp = f" | data parallel: DDP over {ctx.dp_size} ranks" if ctx.dp_size > 1 else ""
+        log.info("pipeline parallel: %d stages of %d layers%s", pp, model.config.num_layers // pp, dp)
+    return stage
 
 
 def _describe(strategy: str, tp_size: int) -> str:

@@ -36,6 +36,7 @@ from ..diffusion.objective import (
     prepare_sft_batch,
     weighted_cross_entropy,
 )
+from ..distributed.context_parallel import shard_mask, shard_sequence
 from ..moe import add_aux_losses
 from .documents import AttentionPlan, attended_pairs
 
@@ -91,6 +92,8 @@ class Sharding:
     dp_rank: int = 0
     dp_size: int = 1
     dp_group: dist.ProcessGroup | None = None  # set when dp_size > 1
+    cp_rank: int = 0  # context parallelism: this rank holds positions `rank_positions(S, cp_size, cp_rank)`
+    cp_size: int = 1
 
     def rows(self, micro_step: int) -> slice:
         """This rank's rows of the global batch's noise in micro-step `micro_step`."""
@@ -110,7 +113,8 @@ class Objective:
     def __init__(self, model_config: TransformerConfig, attention: AttentionPlan, sharding: Sharding, *,
                  flex: bool, loss_chunk_tokens: int, on_data_wait: Callable[[float], None] | None = None):
         self.model_config, self.attention, self.sharding = model_config, attention, sharding
-        self.flex, self.loss_chunk_tokens = flex, loss_chunk_tokens
+        # context parallelism slices dense whole-sequence masks to the rank's rows (no BlockMask yet)
+        self.flex, self.loss_chunk_tokens = flex and sharding.cp_size == 1, loss_chunk_tokens
         self._on_data_wait = on_data_wait
 
     # -- what the trainer reports
@@ -119,8 +123,12 @@ class Objective:
 
     def attention_kernel(self, device: torch.device) -> str:
         if self.attention.needs_masks():
-            return "FlexAttention, block mask" if device.type == "cuda" else "SDPA, dense mask"
+            return "FlexAttention, block mask" if self._flex_masks(device) else "SDPA, dense mask"
         return "SDPA"
+
+    def _flex_masks(self, device: torch.device) -> bool:
+        """Whether the AttentionPlan's masks are BlockMasks (CUDA), not dense (elsewhere, and under CP)."""
+        return device.type == "cuda" and self.sharding.cp_size == 1
 
     def validation_note(self) -> str:
         """What the validation loss is, for its log line: the cross-entropy and whether the first token counts."""
@@ -176,6 +184,20 @@ class Objective:
         return weighted_cross_entropy(logits, batch.targets, batch.weights, batch.denominator,
                                       mask_id=self.subs_mask_id)
 
+    def loss_from_hidden(self, hidden: torch.Tensor, batch: Batch, output_weight: Callable[[], torch.Tensor]
+                         ) -> torch.Tensor:
+        """The micro-batch's loss from the model's final hidden states [B, S, H] (a pipeline's last stage, whose
+        schedule calls it): the LM head and the weighted cross-entropy of `loss` without the forward."""
+        length = batch.targets.shape[1]
+        hidden = hidden[:, :length]
+        if self.loss_chunk_tokens:
+            rows = batch.weighted_rows.get() if batch.weighted_rows is not None else None
+            return chunked_weighted_cross_entropy(hidden, output_weight(), batch.targets, batch.weights,
+                                                  self.loss_chunk_tokens, num_rows=rows,
+                                                  denominator=batch.denominator, mask_id=self.subs_mask_id)
+        return weighted_cross_entropy(F.linear(hidden, output_weight()), batch.targets, batch.weights,
+                                      batch.denominator, mask_id=self.subs_mask_id)
+
     # -- helpers
     def _next(self, samples: Iterator[torch.Tensor]) -> torch.Tensor:
         import time
@@ -185,6 +207,48 @@ class Objective:
         if self._on_data_wait is not None:
             self._on_data_wait(time.perf_counter() - t0)  # host time blocked on the loader
         return sample
+
+    def _context_shard(self, batch: Batch) -> Batch:
+        """With context parallelism, the rank's positions of a whole-sequence micro-batch (`megadlms.distributed.
+        context_parallel`); without, the batch itself. Targets and weights are aligned with the inputs (BD3-LM's
+        x_0 half gets weight 0), a length that does not split into 2 x cp chunks is padded (pad keys masked out,
+        pad queries weigh 0), and the normaliser stays the whole sequence's, divided by cp: the cp ranks' losses
+        average to the one-rank loss, as the gradients averaged over data x context-parallel ranks do."""
+        cp, r = self.sharding.cp_size, self.sharding.cp_rank
+        if cp == 1:
+            return batch
+        inputs, targets, weights = batch.inputs, batch.targets, batch.weights
+        b, s = inputs.shape
+        device = inputs.device
+        denominator = batch.denominator
+        if denominator is None:
+            denominator = torch.tensor(float(targets.numel()), device=device)
+        padded = -(-s // (2 * cp)) * (2 * cp)
+        positions = batch.position_ids
+        if positions is None:
+            positions = torch.arange(s, device=device)
+        mask = batch.attention_mask
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise ValueError("context parallelism takes dense attention masks, not FlexAttention BlockMasks")
+        if padded != s:
+            pad = padded - s
+            if mask is None:
+                mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device)
+                if self.model_config.causal:
+                    mask = mask.tril()
+            mask = torch.nn.functional.pad(mask, (0, pad, 0, pad), value=False)
+            mask[:, :, s:, :] = True  # pad queries (weight 0) attend anything; no real query sees a pad key
+            inputs = torch.nn.functional.pad(inputs, (0, pad))
+            positions = torch.nn.functional.pad(positions, (0, pad))
+        t_pad = padded - targets.shape[1]
+        targets = torch.nn.functional.pad(targets, (0, t_pad))
+        weights = torch.nn.functional.pad(weights, (0, t_pad))
+        inputs, targets, weights = (shard_sequence(x, cp, r) for x in (inputs, targets, weights))
+        positions = shard_sequence(positions, cp, r, dim=positions.dim() - 1)
+        if mask is not None:
+            mask = shard_mask(mask, cp, r)
+        return Batch(inputs, targets, weights, tokens=batch.tokens, flops=batch.flops, attention_mask=mask,
+                     position_ids=positions, denominator=denominator / cp, weighted_rows=self._counted(weights))
 
     def _counted(self, weights: torch.Tensor) -> HostCount | None:
         return HostCount(weights) if self.loss_chunk_tokens else None
@@ -226,11 +290,13 @@ class Pretraining(Objective):
             mask, positions = None, None
             if self.attention.needs_masks() or self.attention.reset_position_ids:
                 mask, positions = self.attention.for_batch(sample[:, :length], None,
-                                                           dense=length != self.model_config.seq_length)
+                                                           dense=length != self.model_config.seq_length
+                                                           or sh.cp_size > 1)
             tokens = length * sh.micro_batch_size * sh.dp_size
-            yield Batch(inputs, targets, weights, tokens=tokens, flops=tokens * self.flops_per_token(),
-                        attention_mask=mask, position_ids=positions, weighted_rows=self._counted(weights),
-                        denominator=self._denominator(noise, targets.shape[0], length, device))
+            yield self._context_shard(Batch(
+                inputs, targets, weights, tokens=tokens, flops=tokens * self.flops_per_token(), attention_mask=mask,
+                position_ids=positions, weighted_rows=self._counted(weights),
+                denominator=self._denominator(noise, targets.shape[0], length, device)))
 
 
 class BlockDiffusion(Objective):
@@ -266,10 +332,11 @@ class BlockDiffusion(Objective):
             inputs, targets, weights = bd3lm.prepare_batch(sample, (noise.t[rows], noise.u[rows]), self.config,
                                                            evaluation=noise.evaluation)
             tokens = self.config.seq_length * sh.micro_batch_size * sh.dp_size
-            yield Batch(inputs, targets, weights, tokens=tokens, flops=tokens * self.flops_per_token(),
-                        attention_mask=kwargs["attention_mask"], position_ids=kwargs["position_ids"],
-                        weighted_rows=self._counted(weights),
-                        denominator=self._denominator(noise, targets.shape[0], self.config.seq_length, device))
+            yield self._context_shard(Batch(
+                inputs, targets, weights, tokens=tokens, flops=tokens * self.flops_per_token(),
+                attention_mask=kwargs["attention_mask"], position_ids=kwargs["position_ids"],
+                weighted_rows=self._counted(weights),
+                denominator=self._denominator(noise, targets.shape[0], self.config.seq_length, device)))
 
 
 class SupervisedFineTuning(Objective):
@@ -306,12 +373,13 @@ class SupervisedFineTuning(Objective):
         denominator = (total / (count * sh.dp_size)).clamp(min=1.0)
         tokens = cfg.seq_length * sh.micro_batch_size * sh.dp_size
         for b, n_pairs in zip(batches, pairs):
-            mask, positions = self.attention.for_batch(b.inputs, b.segment_ids)
+            mask, positions = self.attention.for_batch(b.inputs, b.segment_ids, dense=sh.cp_size > 1)
             # attention over each conversation's own (query, key) pairs, not whole windows
             flops = (tokens * 6.0 * cfg.num_matmul_params()
                      + sh.dp_size * n_pairs * cfg.attention_flops_per_pair())
-            yield Batch(b.inputs, b.targets, b.weights, tokens=tokens, flops=flops, attention_mask=mask,
-                        position_ids=positions, denominator=denominator, weighted_rows=self._counted(b.weights))
+            yield self._context_shard(Batch(
+                b.inputs, b.targets, b.weights, tokens=tokens, flops=flops, attention_mask=mask,
+                position_ids=positions, denominator=denominator, weighted_rows=self._counted(b.weights)))
 
 
 def build_objective(objective: ObjectiveConfig, model_config: TransformerConfig, attention: AttentionPlan,

@@ -166,7 +166,7 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
             eval_eps=obj.difflm_eps, loss=obj.diffusion_loss, antithetic=obj.bd3lm_antithetic,
             ignore_bos=obj.ignore_bos, resample=obj.bd3lm_resample)
     sharding = Sharding(config.train.micro_batch_size, ctx.dp_rank, ctx.dp_size,
-                        ctx.dp_group if ctx.distributed else None)
+                        ctx.dp_group if ctx.distributed else None, cp_rank=ctx.cp_rank, cp_size=ctx.cp_size)
     # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
     return build_objective(obj.objective(mode, model_config.mask_token_id), model_config, attention, sharding,
                            sft=config.data.sft, bd3lm_config=bd3lm_config, flex=device.type == "cuda" and compiled,
@@ -267,6 +267,7 @@ class Trainer:
 
             self._fp8_uncached = set_fp8_weight_caching(model, False)  # not FSDP's (off for good)
         self.layer_graphs = self._layer_graphs()
+        self.pipeline = self._pipeline_runner()  # --pipeline-model-parallel-size: the step runs a schedule
         self._train_iter: Iterator[torch.Tensor] | None = None
         self._pending_save: ckpt.PendingCheckpoint | None = None  # --async-save: the write in flight
         self._async_group: dist.ProcessGroup | None = None
@@ -295,6 +296,10 @@ class Trainer:
             blockers.append(f"the device is {self.device.type}, CUDA graphs need a GPU")
         if self.ctx.tp_size > 1:
             blockers.append("tensor parallelism (DTensor parameters)")
+        if self.ctx.cp_size > 1:
+            blockers.append("context parallelism (attention all-gathers K/V)")
+        if self.ctx.pp_size > 1:
+            blockers.append("pipeline parallelism (the schedule runs the layers)")
         if self.ctx.dp_strategy not in ("none", "no_shard"):
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
         if self.run_config.train.recompute_granularity:
@@ -310,6 +315,23 @@ class Trainer:
             return None
         # with accumulation the FP8 weights are cast once per step outside the graphs, not on every replay
         return LayerGraphs(self.base_model, emulate=emulate, strict=mode == "on", fp8_weights_per_step=self.accum > 1)
+
+    def _pipeline_runner(self) -> Any:
+        if self.ctx.pp_size == 1:
+            return None
+        from .pipeline_step import PipelineRunner
+
+        pp, train_cfg = self.ctx.pp_size, self.run_config.train
+        if self.run_config.objective.difflm_varilen_prob:
+            raise ConfigError(f"--pipeline-model-parallel-size {pp} runs micro-batches of one shape: add "
+                              "--difflm-varilen-prob 0")
+        if train_cfg.generate_sample:
+            raise ConfigError(f"--pipeline-model-parallel-size {pp}: the model is split over ranks, so it cannot "
+                              "sample at the end; add --no-generate-sample")
+        assert self.ctx.pp_group is not None  # a mesh with a pp dimension
+        return PipelineRunner(self.model, self.objective, self.ctx.pp_group,
+                              self.device, self.accum, self.run_config.parallel.pipeline_schedule,
+                              self.autocast_dtype or torch.float32)
 
     # ----------------------------------------------------------------- precision
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -349,7 +371,13 @@ class Trainer:
         tokens, flops = 0, 0.0
         train_iter = self._train_iter
         assert train_iter is not None  # set when `run` starts
-        for m, batch in enumerate(self.objective.micro_batches(train_iter, noise, self.accum, self.device)):
+        batches = self.objective.micro_batches(train_iter, noise, self.accum, self.device)
+        if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
+            staged = list(batches)
+            with self._autocast():
+                loss_sum += self.pipeline.train(staged)
+            tokens, flops, batches = sum(b.tokens for b in staged), sum(b.flops for b in staged), iter(())
+        for m, batch in enumerate(batches):
             with self._grad_sync(last=m == self.accum - 1), self._compile_stance(batch.inputs.shape[1]):
                 loss = self._loss(batch)
                 (loss / self.accum).backward()
@@ -390,6 +418,8 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.run_config.train.clip_grad
         max_norm = clip if clip > 0 else float("inf")
+        if self.pipeline is not None:  # the norm over every stage's gradients
+            return self.pipeline.clip_grads(self.optimizer, max_norm)
         norm = clip_grad_norm(self.optimizer, params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -419,12 +449,18 @@ class Trainer:
             for _ in range(eval_iters):
                 noise = self.objective.draw_noise(sampler, self.global_batch, self.accum, evaluation=True)
                 self.attention.begin_step(self.run_config.train.train_iters, self.model_config.seq_length)
-                for batch in self.objective.micro_batches(it, noise, self.accum, self.device):
+                batches = self.objective.micro_batches(it, noise, self.accum, self.device)
+                if self.pipeline is not None:
+                    staged = list(batches)
+                    with self._autocast():
+                        total += self.pipeline.evaluate(staged)
+                    n, batches = n + len(staged), iter(())
+                for batch in batches:
                     total += self._loss(batch)
                     n += 1
         if self.ctx.distributed:
-            dist.all_reduce(total, group=self.ctx.dp_group)
-            n *= self.ctx.dp_size
+            dist.all_reduce(total, group=self.ctx.dp_cp_group)
+            n *= self.ctx.dp_cp_size
         self.model.train()
         return (total / max(n, 1)).item()
 
@@ -591,9 +627,9 @@ class Trainer:
              seconds: float, bar: Any) -> None:
         skipped = self.guard.end_window(self.state.iteration)  # raises after --max-skipped-steps in a row
         loss = loss_sum / max(steps - skipped, 1)  # the mean over the steps not skipped
-        if self.ctx.distributed:  # the loss of the global batch, not of rank 0's share
-            dist.all_reduce(loss, group=self.ctx.dp_group)
-            loss = loss / self.ctx.dp_size
+        if self.ctx.distributed:  # the loss of the global batch, not of rank 0's share (nor of its positions)
+            dist.all_reduce(loss, group=self.ctx.dp_cp_group)
+            loss = loss / self.ctx.dp_cp_size
         loss_value = loss.item() if skipped < steps else float("nan")
         m = {"iteration": self.state.iteration, "loss": loss_value, "lr": step["lr"],
              "grad_norm": float(step["grad_norm"]), "consumed_samples": self.state.consumed_samples,
@@ -633,7 +669,8 @@ def setup(config: RunConfig) -> Trainer:
 
     train_cfg, data = config.train, config.data
     ctx = init_parallel(train_cfg.device, config.parallel.tensor_model_parallel_size,
-                        config.parallel.distributed_backend)
+                        config.parallel.distributed_backend, cp_size=config.parallel.context_parallel_size,
+                        pp_size=config.parallel.pipeline_model_parallel_size)
     if not ctx.is_main:
         logging.getLogger("megadlms").setLevel(logging.WARNING)
     _seed_all(train_cfg.seed)
@@ -688,14 +725,14 @@ def setup(config: RunConfig) -> Trainer:
     if ctx.is_main:
         n_params = sum(p.numel() for p in model.parameters())
         log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention (%s)%s | device %s%s | "
-                 "world %d (dp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
+                 "world %d (dp %d x cp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
                  config.checkpoint.load if config.checkpoint.use_checkpoint_args else config.model.model_path,
                  n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
                  cfg.attn_mask_type + (f" block-diffusion (blocks of {cfg.block_size})" if cfg.block_size else ""),
                  trainer.objective.attention_kernel(ctx.device),
                  f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
                  ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
-                 ctx.dp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
+                 ctx.dp_size, ctx.cp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
         if lora is not None:
             log.info("%s | base %s", describe_memory(trainer.base_model, lora.config), lora.base)
     ck = config.checkpoint

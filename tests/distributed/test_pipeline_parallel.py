@@ -1,0 +1,99 @@
+"""Pipeline parallelism on 2 processes (torch.distributed.pipelining, 1F1B and GPipe): a step's micro-batch losses
+and every gradient equal the whole model's running the micro-batches in turn; a PP=2 training run (with validation)
+gives one process's curve and its checkpoint resumes on one process; bad sizes are refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megadlms.build import build_model
+from megadlms.config import TransformerConfig
+from megadlms.distributed.config import ParallelConfig
+from megadlms.distributed.init import init_parallel
+from megadlms.distributed.pipeline_parallel import PipelineStageModule, check_pipeline_parallel, stage_layers
+
+from .launch import TINY, launch, train_iterations, train_losses
+from .pp_worker import CASES
+
+RTOL = 1e-5  # fp32: only the order of floating-point sums differs
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp") / "results.json"
+    launch(2, [str(out)], script="tests/distributed/pp_worker.py", rerun_after_native_crash=True)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipeline_matches_the_whole_model(results, case):
+    r = results[case]
+    assert r["loss"] < RTOL, r
+    assert r["grads"] < RTOL, r
+    tied = 1 if "untied" not in case and "bd3lm" not in case else 0
+    assert sum(r["params_per_stage"]) == r["params"] + tied  # every parameter on one stage; a tied embedding on two
+
+
+def test_stages_hold_their_layers_under_global_names():
+    model = build_model(TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=2, vocab_size=64))
+    last = PipelineStageModule(model, stage=1, pp_size=2)
+    names = {n for n, _ in last.named_parameters()}
+    assert "layers.2.self_attn.q_proj.weight" in names and "layers.1.mlp.up_proj.weight" not in names
+    assert {"norm.weight", "embed_tokens.weight"} <= names  # the final norm, and the tied head's weight
+    assert list(stage_layers(8, 4, 3)) == [6, 7]
+
+
+def test_layers_not_divisible_by_stages_are_refused():
+    with pytest.raises(ValueError, match="--num-layers 6 is not divisible by --pipeline-model-parallel-size 4; "
+                                         "use a pipeline size that divides it, or 8 layers"):
+        check_pipeline_parallel(TransformerConfig(num_layers=6), 4)
+
+
+COMMON = TINY + ["--train-iters", "4", "--eval-iters", "1", "--eval-interval", "2"]
+
+
+def eval_losses(save) -> list[float]:
+    lines = (save / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if r["split"] == "valid"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The one-process reference run and the PP=2 run (1F1B over 4 micro-batches of 1), launched once."""
+    root = tmp_path_factory.mktemp("pp_runs")
+    launch(1, COMMON + ["--micro-batch-size", "2", "--save", str(root / "one")])
+    out = launch(2, COMMON + ["--micro-batch-size", "1", "--save", str(root / "pp2"), "--pipeline-model-parallel-size",
+                              "2", "--save-interval", "2"], rerun_after_native_crash=True,
+                 clean_before_rerun=[root / "pp2"])
+    return root, out
+
+
+def test_training_matches_one_process(runs):
+    root, out = runs
+    assert "pipeline parallel: 2 stages of 1 layers" in out
+    reference = train_losses(root / "one")
+    assert len(reference) == 4
+    assert train_losses(root / "pp2") == pytest.approx(reference, rel=RTOL)
+    assert eval_losses(root / "pp2") == pytest.approx(eval_losses(root / "one"), rel=RTOL)
+
+
+def test_resume_from_pp2_on_one_process(runs):
+    root, _ = runs
+    resumed = root / "resumed"
+    launch(1, TINY + ["--train-iters", "4", "--micro-batch-size", "2", "--save", str(resumed), "--load",
+                      str(root / "pp2"), "--ckpt-step", "2"])
+    assert train_iterations(resumed) == [3, 4]
+    assert train_losses(resumed) == pytest.approx(train_losses(root / "one")[2:], rel=RTOL)
+
+
+def test_pipeline_with_other_parallelism_is_refused():
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2 takes DDP alone for now"):
+        ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2)
+
+
+def test_pipeline_needs_that_many_processes(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2 needs 2 processes"):
+        init_parallel("cpu", pp_size=2)
