@@ -34,9 +34,8 @@ from .sampler import (
     Prompts,
     initial_sequence,
     logits_shift,
-    model_device,
+    model_prompts,
     position_ids_from_mask,
-    prepare_prompts,
     trim_at_eos,
 )
 
@@ -173,14 +172,7 @@ def dream_generate(model: nn.Module, prompts: Prompts, *, mask_id: int | None = 
     prompts: token-id lists (any lengths; left-padded internally) or a long tensor [B, P]. mask_id defaults
     to model.config.mask_token_id. See `dream_generate_tokens`.
     """
-    if mask_id is None:
-        mask_id = getattr(getattr(model, "config", None), "mask_token_id", None)
-        if mask_id is None:
-            raise ConfigError("mask_id is not given and model.config.mask_token_id is None; pass mask_id= (the "
-                             "[MASK] token id the model was trained with)")
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    ids, attn = prepare_prompts(prompts, pad_id=mask_id if pad_id is None else pad_id, device=model_device(model),
-                                vocab_size=vocab)
+    mask_id, ids, attn = model_prompts(model, prompts, mask_id, pad_id)
     out = dream_generate_tokens(model, ids, attn, mask_id=mask_id, gen_length=gen_length, steps=steps, alg=alg,
                                 alg_temp=alg_temp, temperature=temperature, top_p=top_p, top_k=top_k, eps=eps,
                                 generator=generator, progress=progress)

@@ -40,9 +40,8 @@ from .sampler import (
     guided_logits,
     initial_sequence,
     logits_shift,
-    model_device,
+    model_prompts,
     position_ids_from_mask,
-    prepare_prompts,
     propose,
     reused_graphs,
     trim_at_eos,
@@ -229,14 +228,7 @@ def fast_generate(model: nn.Module, prompts: Prompts, *, mask_id: int | None = N
                   generator: torch.Generator | None = None, progress: Progress = None,
                   cuda_graph: bool = False) -> list[list[int]]:
     """`fast_generate_tokens` on token-id prompts; returns the new tokens per prompt (cut before EOS)."""
-    if mask_id is None:
-        mask_id = getattr(getattr(model, "config", None), "mask_token_id", None)
-        if mask_id is None:
-            raise ConfigError("mask_id is not given and model.config.mask_token_id is None; pass mask_id= (the "
-                             "[MASK] token id the model was trained with)")
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    ids, attn = prepare_prompts(prompts, pad_id=mask_id if pad_id is None else pad_id, device=model_device(model),
-                                vocab_size=vocab)
+    mask_id, ids, attn = model_prompts(model, prompts, mask_id, pad_id)
     out, _ = fast_generate_tokens(model, ids, attn, mask_id=mask_id, gen_length=gen_length,
                                   block_length=block_length, threshold=threshold, steps=steps, cache=cache,
                                   temperature=temperature, remasking=remasking, cfg_scale=cfg_scale, eos_id=eos_id,

@@ -104,6 +104,22 @@ def model_device(model: nn.Module) -> torch.device:
 # --------------------------------------------------------------------------- prompts
 
 
+def model_prompts(model: nn.Module, prompts: Prompts, mask_id: int | None, pad_id: int | None
+                  ) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """(mask_id, input_ids long [B, P], attention_mask bool [B, P] or None) for a diffusion sampler: the mask id
+    given or the model config's, the prompts left-padded on the model's device (with pad_id, default the mask id)
+    and checked against its vocabulary."""
+    cfg = getattr(model, "config", None)
+    if mask_id is None:
+        mask_id = getattr(cfg, "mask_token_id", None)
+        if mask_id is None:
+            raise ConfigError("mask_id is not given and model.config.mask_token_id is None; pass mask_id= (the "
+                              "[MASK] token id the model was trained with)")
+    ids, attn = prepare_prompts(prompts, pad_id=mask_id if pad_id is None else pad_id, device=model_device(model),
+                                vocab_size=getattr(cfg, "vocab_size", None))
+    return mask_id, ids, attn
+
+
 def prepare_prompts(prompts: Prompts, *, pad_id: int, device: torch.device | str,
                     vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Prompts -> (input_ids long [B, P], attention_mask bool [B, P] or None when no row is padded).
