@@ -40,6 +40,19 @@ DEMO_RULE = (f"Without --config, the run starts from the demo configuration ({DE
 log = logging.getLogger(__name__)
 
 
+def _layer_freq(text: str) -> int | list[int]:
+    """--moe-layer-freq: an int N, or a comma list of 0/1 per layer."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int or a comma list of 0/1, e.g. 1 or 0,1,1,1") from None
+    if len(values) == 1 and "," not in text:
+        return values[0]
+    if not values or any(v not in (0, 1) for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: a per-layer pattern holds only 0 (dense) and 1 (MoE)")
+    return values
+
+
 def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.epilog = DEMO_RULE
@@ -56,6 +69,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         g.add_argument(flag, type=typ, default=None, help="override the preset's value")
     g.add_argument("--qk-layernorm", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--untie-embeddings-and-output-weights", action=argparse.BooleanOptionalAction, default=None)
+
+    g = p.add_argument_group("mixture of experts (Megatron-Core's flags; docs/moe.md)")
+    g.add_argument("--num-moe-experts", type=int, default=None, help="routed experts per MoE layer (none: dense)")
+    for flag, typ in (("--moe-router-topk", int), ("--moe-ffn-hidden-size", int),
+                      ("--moe-shared-expert-intermediate-size", int), ("--moe-router-topk-scaling-factor", float),
+                      ("--moe-aux-loss-coeff", float), ("--moe-z-loss-coeff", float),
+                      ("--moe-router-bias-update-rate", float)):
+        g.add_argument(flag, type=typ, default=None, help="override the preset's value")
+    g.add_argument("--moe-layer-freq", type=_layer_freq, default=None,
+                   help="N: every Nth layer is MoE; or a 0/1 pattern per layer, e.g. 0,1,1,1 (dense first layer)")
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default=None)
+    g.add_argument("--moe-router-pre-softmax", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--moe-router-enable-expert-bias", action=argparse.BooleanOptionalAction, default=None)
 
     g = p.add_argument_group("diffusion objective")
     g.add_argument("--model-running-mode", choices=RUNNING_MODES, default=None,

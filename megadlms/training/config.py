@@ -55,6 +55,19 @@ class ModelConfig:
     init_method_std: float | None = None
     qk_layernorm: bool | None = None
     untie_embeddings_and_output_weights: bool | None = None
+    # mixture of experts (Megatron-Core's flags; megadlms.moe)
+    num_moe_experts: int | None = None
+    moe_router_topk: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | list[int] | None = None
+    moe_router_score_function: str | None = None
+    moe_router_pre_softmax: bool | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_aux_loss_coeff: float | None = None
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool | None = None
+    moe_router_bias_update_rate: float | None = None
 
     def overrides(self) -> dict[str, Any]:
         """The TransformerConfig fields this config sets (those not None)."""

@@ -3,6 +3,7 @@ are logged, and a resumed run continues bit for bit."""
 
 import json
 
+import pytest
 import torch
 
 from megadlms.moe import moe_layers
@@ -53,3 +54,17 @@ def test_tiny_moe_resumes_exactly(tmp_path):
     assert "layers.1.mlp.experts.gate_proj" in wa
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+
+
+def test_moe_flags_turn_a_dense_preset_into_a_mixture_of_experts():
+    """Megatron-Core's MoE flags on the command line, as the config fields of the same names."""
+    from megadlms.training.args import parse_train_args
+
+    flags = ["--model-path", "tiny", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+             "--seq-length", "32", "--num-moe-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "0,1",
+             "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--train-iters", "2"]
+    over = parse_train_args(flags).model.overrides()
+    assert over["num_moe_experts"] == 4 and over["moe_layer_freq"] == [0, 1]
+    assert over["moe_router_score_function"] == "sigmoid" and over["moe_router_enable_expert_bias"] is True
+    with pytest.raises(SystemExit):
+        parse_train_args(flags[:-2] + ["--moe-layer-freq", "0,2"])
