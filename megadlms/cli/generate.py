@@ -27,6 +27,7 @@ from ..diffusion.bd3lm_sampler import bd3lm_generate_tokens, generated_rows
 from ..diffusion.dream_sampler import DREAM_ALGS, dream_generate_tokens
 from ..diffusion.fast_sampler import fast_generate_tokens
 from ..diffusion.sampler import REMASKING, generate_tokens, prepare_prompts
+from ..dlm_formats import DREAM_ARCHITECTURE
 from ..errors import report_errors
 from ..generate.ar import ar_generate_tokens
 from ..jsonl import read_jsonl
@@ -63,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="reference: LLaDA's sampler; fast: KV cache + parallel decoding (default: fast on GPU, "
                         "reference on CPU); bd3lm: block diffusion, variable length up to --max-new-tokens "
                         "(the default for a model trained with --model-running-mode bd3lm); dream: Dream's "
-                        "diffusion_generate over the whole --gen-length (no blocks), order by --alg")
+                        "diffusion_generate over the whole --gen-length (no blocks), order by --alg (the default "
+                        "for a model imported from Dream)")
     g.add_argument("--gen-length", type=int, default=128)
     g.add_argument("--block-length", type=int, default=32)
     g.add_argument("--steps", type=int, default=None,
@@ -229,7 +231,8 @@ def _run(args: argparse.Namespace) -> int:
         if mask_id is None:
             raise ConfigError("no mask token id: the model config has no mask_token_id and the tokenizer no mask "
                              "token; pass --mask-token ID (the id the model was trained with)")
-    sampler = "ar" if causal else args.sampler or ("bd3lm" if cfg.block_size else
+    dream = (cfg.extra or {}).get("hf_architecture") == DREAM_ARCHITECTURE  # a model imported from Dream
+    sampler = "ar" if causal else args.sampler or ("bd3lm" if cfg.block_size else "dream" if dream else
                                                    "fast" if device.type == "cuda" else "reference")
     dream_flags = [f for f, v in (("--alg", args.alg), ("--alg-temp", args.alg_temp), ("--top-k", args.top_k))
                    if v is not None]
