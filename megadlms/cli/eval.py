@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--diffusion-loss", choices=("subs", "full-vocab"), default="subs",
                    help="the diffusion bounds' cross-entropy: subs (MDLM's SUBS, as training defaults: [MASK] "
                         "out of the softmax, the bound of the model that samples) or full-vocab (LLaDA's)")
+    g.add_argument("--ignore-bos", action="store_true",
+                   help="never mask a window's first token and leave it out of the bounds (MDLM / BD3-LM's "
+                        "ignore_bos, for models trained with train --ignore-bos)")
     g.add_argument("--mask-ratios", default=",".join(map(str, DEFAULT_RATIOS)), help="comma-separated ratios")
     g.add_argument("--compare", metavar="DIR", default=None,
                    help="a second checkpoint (or Hugging Face folder) scored on the same windows and masks")
@@ -186,6 +189,7 @@ def _run_ppl(args: argparse.Namespace) -> int:
         model_report,
         objective_loss_sum,
         score_windows,
+        scored_tokens,
         validation_windows,
     )
 
@@ -218,18 +222,21 @@ def _run_ppl(args: argparse.Namespace) -> int:
     mine = windows[ctx.rank::ctx.world_size]  # under torchrun each rank scores its share; the sums are reduced
     report: dict[str, Any] = {"data_path": data_path, "split": split, "windows": len(windows),
                               "seq_length": seq_length, "mask_ratios": ratios, "loss": args.diffusion_loss,
+                              "ignore_bos": args.ignore_bos,
                               "models": {}}
     for name, m, c in models:
         mask_id = args.mask_token if args.mask_token is not None else c.mask_token_id
         with torch.no_grad():
             total = score_windows(m, c, mine, seq_length=seq_length, ratios=ratios, mask_id=mask_id,
                                   seed=args.seed, batch_size=args.batch_size,
-                                  loss=args.diffusion_loss).to(ctx.device)
+                                  loss=args.diffusion_loss, ignore_bos=args.ignore_bos).to(ctx.device)
             objective = objective_loss_sum(m, c, mine, seq_length=seq_length, mask_id=mask_id, seed=args.seed,
-                                           batch_size=args.batch_size, loss=args.diffusion_loss)
+                                           batch_size=args.batch_size, loss=args.diffusion_loss,
+                                           ignore_bos=args.ignore_bos)
         if ctx.world_size > 1:
             dist.all_reduce(total)
-        report["models"][name] = model_report(c, (total / (len(windows) * seq_length)).tolist())
+        counted = len(windows) * scored_tokens(c, seq_length, args.ignore_bos)
+        report["models"][name] = model_report(c, (total / counted).tolist())
         if objective is not None:
             summed = torch.tensor([objective], dtype=torch.float64, device=ctx.device)
             if ctx.world_size > 1:

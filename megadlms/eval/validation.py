@@ -42,11 +42,22 @@ def validation_windows(tokenizer: Any, *, data_path: str, seq_length: int, sampl
     return [next(it)[0].tolist() for _ in range(samples)]
 
 
+def scored_tokens(cfg: Any, seq_length: int, ignore_bos: bool = False) -> int:
+    """The tokens of a window [seq_length + 1] that `score_windows` scores: an AR model's seq_length targets; a
+    diffusion model's seq_length, less its first token for a shifted model (nothing predicts it) or with
+    ignore_bos (never masked, out of the bound)."""
+    if cfg.attn_mask_type == "causal":
+        return seq_length
+    return seq_length - 1 if ignore_bos or getattr(cfg, "diffusion_shift", False) else seq_length
+
+
 def score_windows(model: Any, cfg: Any, windows: list[list[int]], *, seq_length: int, ratios: list[float],
-                  mask_id: int | None, seed: int, batch_size: int, loss: str = "subs") -> torch.Tensor:
+                  mask_id: int | None, seed: int, batch_size: int, loss: str = "subs",
+                  ignore_bos: bool = False) -> torch.Tensor:
     """Summed loss over the windows' tokens, fp64: per mask ratio [R] for a masked-diffusion model (each entry
     (L / k) x CE over k masked tokens, summed over windows), the exact NLL [1] for a causal model, the NELBO [1]
-    for a block-diffusion model. loss: subs or full-vocab (the diffusion models' cross-entropy)."""
+    for a block-diffusion model. loss: subs or full-vocab (the diffusion models' cross-entropy). ignore_bos: the
+    diffusion models' first token is never masked and not scored (`scored_tokens` counts what is)."""
     if cfg.attn_mask_type == "causal":
         pairs = [(w[:1], w[1:seq_length + 1]) for w in windows]
         return torch.tensor([-sum(lp for lp, _ in ar_loglikelihood(model, pairs, batch_size=batch_size))],
@@ -56,16 +67,18 @@ def score_windows(model: Any, cfg: Any, windows: list[list[int]], *, seq_length:
                           "mask_token_id; pass --mask-token ID")
     if cfg.block_size is not None:  # block diffusion: its own NELBO (noise per block), not a per-ratio ELBO
         return torch.tensor([bd3lm_nelbo_sum(model, windows, seq_length=seq_length, block_size=cfg.block_size,
-                                             mask_id=mask_id, seed=seed, loss=loss)], dtype=torch.float64)
-    # a difflm-shift model predicts token i at position i - 1: its first token is the prefix of the rest
-    first = 1 if getattr(cfg, "diffusion_shift", False) else 0
+                                             mask_id=mask_id, seed=seed, loss=loss, ignore_bos=ignore_bos)],
+                            dtype=torch.float64)
+    # a difflm-shift model predicts token i at position i - 1, and ignore_bos never masks the first token: the
+    # first token is then the prefix of the rest
+    first = 1 if ignore_bos or getattr(cfg, "diffusion_shift", False) else 0
     pairs = [(w[:first], w[first:seq_length]) for w in windows]
     return elbo_nll(model, pairs, mask_id=mask_id, ratios=ratios, seed=seed, batch_size=batch_size,
                     subs_mask_id=mask_id if loss == "subs" else None).sum(0)
 
 
 def objective_loss_sum(model: Any, cfg: Any, windows: list[list[int]], *, seq_length: int, mask_id: int | None,
-                       seed: int, batch_size: int, loss: str = "subs") -> float | None:
+                       seed: int, batch_size: int, loss: str = "subs", ignore_bos: bool = False) -> float | None:
     """The trainer's validation loss of the windows [seq_length + 1], summed over windows: the objective the model
     trains with (masked diffusion, shifted or not, AR, or BD3-LM) through the same methods as `train`'s step and
     validation (`megadlms.training.objectives`), with evaluation noise from a generator seeded by `seed` and the
@@ -87,14 +100,17 @@ def objective_loss_sum(model: Any, cfg: Any, windows: list[list[int]], *, seq_le
             "difflm-shift" if cfg.diffusion_shift else "difflm-noshift")
     if mode != "vanilla" and mask_id is None:
         raise ConfigError("the diffusion loss needs the model's [MASK] id: pass --mask-token ID")
+    ignore_bos = ignore_bos and mode in ("difflm-noshift", "bd3lm")  # the others never score the first token
     blocks = None if cfg.block_size is None else bd3lm.Bd3lmConfig(
-        block_size=cfg.block_size, seq_length=seq_length, mask_token_id=mask_id or 0, loss=loss)
+        block_size=cfg.block_size, seq_length=seq_length, mask_token_id=mask_id or 0, loss=loss,
+        ignore_bos=ignore_bos)
     sampler = MaskSampler(seed, device=device)
     total = 0.0
     for start in range(0, len(windows), batch_size):
         chunk = torch.tensor([w[:seq_length + 1] for w in windows[start:start + batch_size]], device=device)
         n = chunk.shape[0]
-        objective = build_objective(ObjectiveConfig(mode=mode, mask_token_id=mask_id or 0, loss=loss), model_config,
+        objective = build_objective(ObjectiveConfig(mode=mode, mask_token_id=mask_id or 0, loss=loss,
+                                                    ignore_bos=ignore_bos and blocks is None), model_config,
                                     AttentionPlan(causal=cfg.causal, device=device), Sharding(n), sft=False,
                                     bd3lm_config=blocks, flex=False, loss_chunk_tokens=0)
         noise = objective.draw_noise(sampler, n, 1, evaluation=True)
@@ -104,7 +120,7 @@ def objective_loss_sum(model: Any, cfg: Any, windows: list[list[int]], *, seq_le
 
 
 def bd3lm_nelbo_sum(model: Any, windows: list[list[int]], *, seq_length: int, block_size: int, mask_id: int,
-                    seed: int, loss: str = "subs") -> float:
+                    seed: int, loss: str = "subs", ignore_bos: bool = False) -> float:
     """The BD3-LM NELBO summed over the windows' tokens (nats). Each window draws its noise from a generator seeded by
     `seed` and its own tokens, so a score does not depend on the order or on how ranks split the windows."""
     from ..diffusion.bd3lm import nelbo
@@ -116,8 +132,9 @@ def bd3lm_nelbo_sum(model: Any, windows: list[list[int]], *, seq_length: int, bl
     for w in windows:
         g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(str(w[:seq_length]).encode()))
         tokens = torch.tensor([w[:seq_length]], device=device)
-        nats = nelbo(model, tokens, block_size=block_size, mask_token_id=mask_id, generator=g, loss=loss)
-        total += float(nats[0]) * seq_length
+        nats = nelbo(model, tokens, block_size=block_size, mask_token_id=mask_id, generator=g, loss=loss,
+                     ignore_bos=ignore_bos)
+        total += float(nats[0]) * (seq_length - 1 if ignore_bos else seq_length)
     return total
 
 

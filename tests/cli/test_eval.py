@@ -122,6 +122,14 @@ def test_ppl_compares_two_checkpoints_per_mask_ratio(eval_files, tmp_path, capsy
     # the training objective (the trainer's step and validation methods): for AR the same exact NLL; for masked
     # diffusion an estimate of the same bound with sampled noise
     assert ar["objective_loss"] == pytest.approx(ar["nll"], rel=1e-5) and "training objective" in out
+    # --ignore-bos: each window's first token is the never-masked prefix, and the bound is per token of the rest
+    argv[argv.index("--compare") + 1] = str(eval_files["dlm2"])
+    code, out, err = run_cli(argv + ["--ignore-bos"], capsys)
+    assert code == 0, err
+    got = json.loads((tmp_path / "out" / "ppl.json").read_text())["models"][str(eval_files["dlm"])]
+    nll = lk.elbo_nll(eval_files["models"]["dlm"], [(w[:1], w[1:16]) for w in windows], mask_id=1,
+                      ratios=[0.25, 0.5, 1.0], seed=1234, subs_mask_id=1)
+    assert got["loss_per_ratio"] == pytest.approx((nll.sum(0) / (3 * 15)).tolist(), rel=1e-5)
     dlm = json.loads((tmp_path / "out" / "ppl.json").read_text())["models"][str(eval_files["dlm"])]
     assert 0.5 * dlm["elbo"] < dlm["objective_loss"] < 2 * dlm["elbo"]
 
