@@ -205,6 +205,16 @@ class TransformerConfig(FP8Settings):
         return self.attn_mask_type == "causal"
 
     @property
+    def running_mode(self) -> str:
+        """The `--model-running-mode` this architecture computes: bd3lm (a block size), vanilla (causal),
+        difflm-shift (position i predicts token i + 1) or difflm-noshift."""
+        if self.block_size is not None:
+            return "bd3lm"
+        if self.causal:
+            return "vanilla"
+        return "difflm-shift" if self.diffusion_shift else "difflm-noshift"
+
+    @property
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None
 

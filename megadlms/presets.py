@@ -337,13 +337,12 @@ def _stock_config(cfg: TransformerConfig, arch: str, dtype: torch.dtype, ids: Ma
         "pad_token_id": ids.get("pad_token_id"),
         "dtype": str(dtype).removeprefix("torch."),
         "mask_token_id": cfg.mask_token_id, "attn_mask_type": cfg.attn_mask_type,
-        "model_running_mode": "vanilla" if cfg.causal else ("difflm-shift" if cfg.diffusion_shift
-                                                            else "difflm-noshift"),
+        "model_running_mode": cfg.running_mode,
     }
     if cfg.attn_mask_type == "bidirectional":
         hf["is_causal"] = False
     if cfg.block_size is not None:  # block diffusion: its sampler needs the block size
-        hf.update(model_running_mode="bd3lm", block_size=cfg.block_size)
+        hf.update(block_size=cfg.block_size)
     if family in ("qwen3", "qwen2"):
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=n,
                   layer_types=["full_attention"] * n)

@@ -96,8 +96,7 @@ def objective_loss_sum(model: Any, cfg: Any, windows: list[list[int]], *, seq_le
     model_config = TransformerConfig.from_dict({**cfg.to_dict(), "seq_length": seq_length,
                                                 "max_position_embeddings": max(seq_length,
                                                                                cfg.max_position_embeddings)})
-    mode = ("bd3lm" if cfg.block_size is not None else "vanilla" if cfg.causal else
-            "difflm-shift" if cfg.diffusion_shift else "difflm-noshift")
+    mode = model_config.running_mode
     if mode != "vanilla" and mask_id is None:
         raise ConfigError("the diffusion loss needs the model's [MASK] id: pass --mask-token ID")
     ignore_bos = ignore_bos and mode in ("difflm-noshift", "bd3lm")  # the others never score the first token

@@ -146,9 +146,7 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
                autocast=None, tokenizer: Any = None) -> Objective:
     """The run's objective (`megadlms.training.objectives`, RL's in `megadlms.training.rl_objectives`)."""
     obj = config.objective
-    # the mode `resolve_model_config` built the model for
-    mode = ("bd3lm" if model_config.block_size is not None else "vanilla" if model_config.causal else
-            "difflm-shift" if model_config.diffusion_shift else "difflm-noshift")
+    mode = model_config.running_mode  # the mode `resolve_model_config` built the model for
     if config.rl.rl is not None:
         from .rl_objectives import build_rl_objective
 
