@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
+from ..diffusion.objective import DIFFUSION_LOSSES
 from ..errors import import_extra
 from ..eval.likelihood import DEFAULT_RATIOS
 from .model_args import add_model_source, check_tokenizer_type
@@ -58,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--data-cache-path", default=None, help="folder for the cached sample index")
     g.add_argument("--eval-samples", type=int, default=64, help="validation windows to score")
     g.add_argument("--seq-length", type=int, default=None, help="window length (default: the model's seq_length)")
-    g.add_argument("--diffusion-loss", choices=("subs", "full-vocab"), default="subs",
+    g.add_argument("--diffusion-loss", choices=DIFFUSION_LOSSES, default="subs",
                    help="the diffusion bounds' cross-entropy: subs (MDLM's SUBS, as training defaults: [MASK] "
                         "out of the softmax, the bound of the model that samples) or full-vocab (LLaDA's)")
     g.add_argument("--ignore-bos", action="store_true",

@@ -16,6 +16,8 @@ The pure functions (masking, the batch transforms, the losses) stay in `megadlms
 
 from __future__ import annotations
 
+import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +103,7 @@ class Sharding:
         return slice(start, start + self.micro_batch_size)
 
 
-class Objective:
+class Objective(ABC):
     """The interface. `draw_noise` -> `micro_batches` -> `loss` per micro-batch; the same calls for training
     and validation (evaluation=True: the evaluation noise, whole windows, the final attention)."""
 
@@ -153,13 +155,15 @@ class Objective:
         pass
 
     # -- the step
+    @abstractmethod
     def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
                    evaluation: bool = False) -> BatchNoise:
-        raise NotImplementedError
+        """One global batch's noise from `sampler`'s generator (evaluation: the evaluation noise)."""
 
+    @abstractmethod
     def micro_batches(self, samples: Iterator[torch.Tensor], noise: BatchNoise, count: int,
                       device: torch.device) -> Iterator[Batch]:
-        raise NotImplementedError
+        """This rank's `count` micro-batches of the global batch, from the loader's `samples`."""
 
     def loss(self, model: nn.Module, batch: Batch, output_weight: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The micro-batch's loss, fp32 scalar (under the caller's autocast), plus the auxiliary losses of an MoE
@@ -200,8 +204,6 @@ class Objective:
 
     # -- helpers
     def _next(self, samples: Iterator[torch.Tensor]) -> torch.Tensor:
-        import time
-
         t0 = time.perf_counter()
         sample = next(samples)
         if self._on_data_wait is not None:
