@@ -25,11 +25,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 $PY -c "import torch; print('torch', torch.__version__)" >> "$OUT/gpu.txt"
 case "$PART" in
 correctness)
-    step fp8_check 60 $PY -m megadlms fp8-check
-    step fp8_numerics 90 $PY benchmarks/fp8_numerics.py
-    step attention_grads 240 $PY benchmarks/attention_grad_check.py --plans documents,bd3lm,anneal \
+    step fp8_check 45 $PY -m megadlms fp8-check
+    step fp8_numerics 80 $PY benchmarks/fp8_numerics.py
+    step attention_grads 220 $PY benchmarks/attention_grad_check.py --plans documents,bd3lm,anneal \
         --variants eager-flex,compiled-flex,fp8-compiled-flex
-    step cuda_graph_check 240 $PY benchmarks/cuda_graph_check.py --iters 8 \
+    step cuda_graph_check 220 $PY benchmarks/cuda_graph_check.py --iters 8 \
         --variants "bf16,fp8 delayed,bf16 documents,fp8 documents,bf16 bd3lm,fp8 bd3lm"
     echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
     echo "=== fp8-check"; tail -6 "$OUT/fp8_check.log"
