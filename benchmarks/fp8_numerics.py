@@ -64,7 +64,7 @@ def fake_quant(x: torch.Tensor, dtype: torch.dtype, axis: int | None) -> torch.T
     if axis is None:
         q, si, _ = quantize_tensorwise(x, dtype)
     else:
-        q, si, _ = quantize_rowwise(x, dtype, axis)
+        q, si = quantize_rowwise(x, dtype, axis)
     return dequantize(q, si, torch.float64)
 
 

@@ -9,8 +9,10 @@
 Which code runs where:
     recipe.py      the recipes (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Float8BlockwiseScaling,
                    Float8MXScaling), each stating its capabilities, and every rule about recipes
+    tensor.py      FP8Tensor, the one type of FP8 data: data, scale_inv, the scaling it states and its axis
     quantizer.py   one quantizer per (tensor role, recipe): a recipe is a kind of quantizer
-    gemm.py        the FP8 GEMMs (fprop, dgrad, wgrad), the only caller of torch._scaled_mm
+    gemm.py        the FP8 GEMMs (fprop, dgrad, wgrad) dispatched on the operands' scaling, the only caller of
+                   torch._scaled_mm
     linear.py      Float8Linear: one autograd function over its quantizers and the GEMM helper, which also
                    runs the fused groups' concatenated weights
     fusions.py     the fusions conversion installs (a registry), as modules in the model's fusion slots:

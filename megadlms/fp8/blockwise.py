@@ -20,8 +20,8 @@ Scale layouts (what `torch.nn.functional.scaled_mm`'s BlockWise1x128 / BlockWise
 - tiles of q [R, C]: scale_inv [R, C / 128] fp32, column-major (strides (1, R)).
 - blocks of q [R, C]: scale_inv [R / 128, L4] fp32, row-major, L4 = C / 128 rounded up to a multiple of 4 (the
   GEMM reads it transposed, 16-byte aligned); columns past C / 128 are padding (1.0).
-Quantized tensors are zero-padded to multiples of 128 in both dimensions (zeros change no amax and add nothing
-to a GEMM); the caller slices the GEMM output back.
+The casts return `tensor.FP8Tensor`s of scaling TILE or BLOCK, zero-padded to multiples of 128 in both dimensions
+(zeros change no amax and add nothing to a GEMM); the caller slices the GEMM output back.
 
 On CUDA each cast is one Triton pass: the tile cast writes the tiles and, on request, the transposed tiles; the
 block cast writes the blocks (and their transpose) with their scales. The first call of each per (dtype, format,
@@ -35,13 +35,13 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .hardware import FP8UnsupportedError
 from .recipe import E4M3, E5M2, FP8_MAX, Float8BlockwiseScaling, alternatives_on_gpu
+from .tensor import FP8Tensor, Scaling
 
 try:  # the cast kernel exists where Triton does
     import triton
@@ -49,17 +49,10 @@ try:  # the cast kernel exists where Triton does
 except Exception:  # no Triton: the torch reference runs
     triton = None
 
-__all__ = ["BLOCK", "Quantized", "quantize_tiles", "quantize_blocks", "dequantize_tiles", "dequantize_blocks",
+__all__ = ["BLOCK", "quantize_tiles", "quantize_blocks", "dequantize_tiles", "dequantize_blocks",
            "blockwise_gemm", "check_blockwise_gemm_support", "tile_scale", "block_scale_buffer"]
 
 BLOCK = 128
-
-
-class Quantized(NamedTuple):
-    """FP8 data and the fp32 scale_inv that dequantises it (layouts in the module docstring)."""
-
-    data: torch.Tensor
-    scale_inv: torch.Tensor
 
 
 def _round_up(n: int, m: int) -> int:
@@ -89,16 +82,26 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch
     return (x * scale).clamp_(-fmax, fmax).to(fp8_dtype)
 
 
-def _tiles_reference(xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool) -> Quantized:
+def _tiles(q: torch.Tensor, scale_inv: torch.Tensor, transposed: bool) -> FP8Tensor:
+    return FP8Tensor(q, scale_inv, Scaling.TILE, transposed)
+
+
+def _blocks(q: torch.Tensor, scale_inv: torch.Tensor, transposed: bool) -> FP8Tensor:
+    return FP8Tensor(q, scale_inv, Scaling.BLOCK, transposed)
+
+
+def _tiles_reference(xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transposed: bool = False) -> FP8Tensor:
     r, c = xp.shape
     xt = xp.float().contiguous().view(r, c // BLOCK, BLOCK)
     scale = tile_scale(xt.abs().amax(dim=2), fp8_dtype, pow2)  # [R, C/128]
     q = _cast(xt, scale.unsqueeze(2), fp8_dtype).view(r, c)
-    return Quantized(q, scale.reciprocal().t().contiguous().t())
+    inv = scale.reciprocal()
+    col_major = inv.new_empty(inv.shape[1], inv.shape[0]).copy_(inv.t()).t()  # strides (1, R), as the kernel's
+    return _tiles(q, col_major, transposed)
 
 
 def quantize_tiles(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3, pow2: bool = False, transpose: bool = False
-                   ) -> tuple[Quantized, Quantized | None]:
+                   ) -> tuple[FP8Tensor, FP8Tensor | None]:
     """x [R, C] (any float dtype) -> (its 1x128 tiles, and with `transpose` the 1x128 tiles of x^T).
 
     Tiles: q [R', C'] (R', C' = R, C padded to multiples of 128), scale_inv [R', C'/128] column-major.
@@ -110,8 +113,9 @@ def quantize_tiles(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3, pow2: bool = 
 
 
 def _tiles_pair_reference(xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
-                          ) -> tuple[Quantized, Quantized | None]:
-    return _tiles_reference(xp, fp8_dtype, pow2), (_tiles_reference(xp.t(), fp8_dtype, pow2) if transpose else None)
+                          ) -> tuple[FP8Tensor, FP8Tensor | None]:
+    return (_tiles_reference(xp, fp8_dtype, pow2),
+            _tiles_reference(xp.t(), fp8_dtype, pow2, transposed=True) if transpose else None)
 
 
 def block_scale_buffer(scale_inv: torch.Tensor) -> torch.Tensor:
@@ -121,7 +125,7 @@ def block_scale_buffer(scale_inv: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_blocks(w: torch.Tensor, fp8_dtype: torch.dtype = E4M3, pow2: bool = False, transpose: bool = False
-                    ) -> tuple[Quantized, Quantized | None]:
+                    ) -> tuple[FP8Tensor, FP8Tensor | None]:
     """w [N, K] -> (its 128x128 blocks, and with `transpose` the same blocks of w^T).
 
     Blocks: q [N', K'] (padded to multiples of 128), scale_inv buffer [N'/128, L4(K'/128)]. Transposed: q^T
@@ -132,7 +136,7 @@ def quantize_blocks(w: torch.Tensor, fp8_dtype: torch.dtype = E4M3, pow2: bool =
 
 
 def _cast_padded(what: str, xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
-                 ) -> tuple[Quantized, Quantized | None]:
+                 ) -> tuple[FP8Tensor, FP8Tensor | None]:
     """The `what` ('tile' or 'block') cast of xp (padded to multiples of 128): the Triton kernel on CUDA once its
     first call agreed with the torch reference, else the reference."""
     kernel, reference = (_tiles_triton, _tiles_pair_reference) if what == "tile" else (_blocks_triton,
@@ -147,14 +151,14 @@ def _cast_padded(what: str, xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool
 
 
 def _blocks_reference(wp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
-                      ) -> tuple[Quantized, Quantized | None]:
+                      ) -> tuple[FP8Tensor, FP8Tensor | None]:
     n, k = wp.shape
     blocks = wp.float().view(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     scale = tile_scale(blocks.abs().amax(dim=(1, 3)), fp8_dtype, pow2)  # [N/128, K/128]
     q = _cast(blocks, scale[:, None, :, None], fp8_dtype).view(n, k)
     scale_inv = scale.reciprocal()
-    out = Quantized(q, block_scale_buffer(scale_inv))
-    return out, (Quantized(q.t().contiguous(), block_scale_buffer(scale_inv.t())) if transpose else None)
+    out = _blocks(q, block_scale_buffer(scale_inv), False)
+    return out, (_blocks(q.t().contiguous(), block_scale_buffer(scale_inv.t()), True) if transpose else None)
 
 
 def dequantize_tiles(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -181,10 +185,10 @@ def _is_block_scale(q: torch.Tensor, s: torch.Tensor) -> bool:
     return tuple(s.shape) == (-(-r // BLOCK), _round_up(-(-c // BLOCK), 4)) and s.is_contiguous()
 
 
-def _check_gemm_operands(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor
-                         ) -> bool:
+def _check_gemm_operands(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
+                         b_blocks: bool) -> None:
     """The shape/layout rules of the CUDA kernels, checked on every backend so CPU tests catch what a GPU would
-    reject. Returns whether b has 128x128 block scales (else 1x128 tiles). Metadata only: no sync."""
+    reject; b's scales as stated (`b_blocks`: 128x128 blocks, else 1x128 tiles). Metadata only: no sync."""
     if a_q.dim() != 2 or b_q.dim() != 2 or a_q.shape[1] != b_q.shape[1]:
         raise ValueError(f"blockwise_gemm: a {tuple(a_q.shape)} and b {tuple(b_q.shape)} must be [M, K] and [N, K]")
     for name, t in (("a", a_q), ("b", b_q)):
@@ -202,13 +206,12 @@ def _check_gemm_operands(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Te
     if not _is_tile_scale(a_q, a_scale):
         raise ValueError(f"blockwise_gemm: a_scale must be 1x128 tiles [{a_q.shape[0]}, {a_q.shape[1] // BLOCK}] "
                          f"column-major, got shape {tuple(a_scale.shape)} strides {a_scale.stride()}")
-    if _is_block_scale(b_q, b_scale):
-        return True
-    if _is_tile_scale(b_q, b_scale):
-        return False
-    raise ValueError(f"blockwise_gemm: b_scale {tuple(b_scale.shape)} strides {b_scale.stride()} is neither 1x128 "
-                     f"tiles [{b_q.shape[0]}, {b_q.shape[1] // BLOCK}] column-major nor a 128x128 block buffer "
-                     f"[{-(-b_q.shape[0] // BLOCK)}, {_round_up(b_q.shape[1] // BLOCK, 4)}]")
+    if b_blocks and not _is_block_scale(b_q, b_scale):
+        raise ValueError(f"blockwise_gemm: b_scale must be a 128x128 block buffer [{-(-b_q.shape[0] // BLOCK)}, "
+                         f"{_round_up(b_q.shape[1] // BLOCK, 4)}], got shape {tuple(b_scale.shape)}")
+    if not b_blocks and not _is_tile_scale(b_q, b_scale):
+        raise ValueError(f"blockwise_gemm: b_scale must be 1x128 tiles [{b_q.shape[0]}, {b_q.shape[1] // BLOCK}] "
+                         f"column-major, got shape {tuple(b_scale.shape)} strides {b_scale.stride()}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,13 +235,13 @@ def check_blockwise_gemm_support(device_index: int) -> None:
 
 
 def blockwise_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+                   out_dtype: torch.dtype, b_blocks: bool) -> torch.Tensor:
     """(a_q * a_scale) @ (b_q * b_scale)^T accumulated in fp32 -> [M, N] in out_dtype.
 
     a_q: E4M3 [M, K] row-major with 1x128 tile scales [M, K/128] column-major. b_q: E4M3 [N, K] row-major with
-    1x128 tile scales [N, K/128] column-major, or 128x128 block scales (the [N/128, L4] buffer). M, N multiples
-    of 16, K of 128. CUDA: torch's blockwise scaled GEMM (SM90); CPU: dequantise-then-matmul emulation."""
-    b_blocks = _check_gemm_operands(a_q, a_scale, b_q, b_scale)
+    1x128 tile scales [N, K/128] column-major, or (`b_blocks`) 128x128 block scales (the [N/128, L4] buffer). M, N
+    multiples of 16, K of 128. CUDA: torch's blockwise scaled GEMM (SM90); CPU: dequantise-then-matmul emulation."""
+    _check_gemm_operands(a_q, a_scale, b_q, b_scale, b_blocks)
     if a_q.device.type == "cuda":
         check_blockwise_gemm_support(a_q.device.index if a_q.device.index is not None else torch.cuda.current_device())
         st = F.ScalingType
@@ -326,7 +329,7 @@ if triton is not None:
 
 
 def _tiles_triton(xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
-                  ) -> tuple[Quantized, Quantized | None]:
+                  ) -> tuple[FP8Tensor, FP8Tensor | None]:
     r, c = xp.shape
     q = torch.empty(r, c, dtype=fp8_dtype, device=xp.device)
     s = torch.empty(c // BLOCK, r, dtype=torch.float32, device=xp.device)  # column-major [R, C/128]
@@ -335,11 +338,11 @@ def _tiles_triton(xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpos
     mbits, emin = _GRID[fp8_dtype]
     _tiles_kernel[(r // BLOCK, c // BLOCK)](xp, q, s, qt, st, r, c, FMAX=FP8_MAX[fp8_dtype], MBITS=mbits, EMIN=emin,
                                             POW2=pow2, TRANSPOSE=transpose, B=BLOCK, num_warps=8)
-    return Quantized(q, s.t()), (Quantized(qt, st.t()) if transpose else None)
+    return _tiles(q, s.t(), False), (_tiles(qt, st.t(), True) if transpose else None)
 
 
 def _blocks_triton(wp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose: bool
-                   ) -> tuple[Quantized, Quantized | None]:
+                   ) -> tuple[FP8Tensor, FP8Tensor | None]:
     n, k = wp.shape
     nb, kb = n // BLOCK, k // BLOCK
     q = torch.empty(n, k, dtype=fp8_dtype, device=wp.device)
@@ -349,7 +352,7 @@ def _blocks_triton(wp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpo
     mbits, emin = _GRID[fp8_dtype]
     _blocks_kernel[(nb, kb)](wp, q, s, qt, st, n, k, s.shape[1], st.shape[1], FMAX=FP8_MAX[fp8_dtype], MBITS=mbits,
                              EMIN=emin, POW2=pow2, TRANSPOSE=transpose, B=BLOCK, num_warps=8)
-    return Quantized(q, s), (Quantized(qt, st) if transpose else None)
+    return _blocks(q, s, False), (_blocks(qt, st, True) if transpose else None)
 
 
 def _first_call_agrees(what: str, kernel, reference, xp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool,

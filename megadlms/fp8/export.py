@@ -40,17 +40,17 @@ from ..model import RotaryEmbedding, TransformerLM, compute_dtype
 from .blockwise import (
     BLOCK,
     block_scale_buffer,
-    blockwise_gemm,
     check_blockwise_gemm_support,
     quantize_blocks,
     quantize_tiles,
 )
 from .convert import fp8_eligible, fp8_layer_range
-from .gemm import scaled_mm
+from .gemm import fp8_gemm, scaled_mm
 from .hardware import check_fp8_support
 from .linear import Float8Linear, apply_keeping_dtypes
 from .quantize import E4M3, FP8_MAX, amax_to_scale, quantize, round_up16
 from .recipe import recipe_class
+from .tensor import FP8Tensor, Scaling
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -234,7 +234,8 @@ class Float8InferenceLinear(nn.Module):
         if (np_, kp) != (n, k):  # pad the fp8 bytes (0x00 is +0.0 in E4M3)
             w = F.pad(w.view(torch.uint8), (0, kp - k, 0, np_ - n)).view(E4M3)
         xq, _ = quantize_tiles(x2)  # padded to multiples of 128
-        y = blockwise_gemm(xq.data, xq.scale_inv, w, block_scale_buffer(self.weight_scale_inv), out_dtype)
+        wq = FP8Tensor(w, block_scale_buffer(self.weight_scale_inv), Scaling.BLOCK)
+        y = fp8_gemm(xq, wq, out_dtype, fast_accum=False)
         y = y[: x2.shape[0], :n]
         return y + self.bias.to(out_dtype) if self.bias is not None else y
 

@@ -23,12 +23,13 @@ import torch
 from torch import nn
 
 from ..model import compute_dtype
-from .gemm import Operand, fp8_gemm
+from .gemm import fp8_gemm
 from .hardware import check_fp8_support
 from .kernels import cast_fp8, transpose_fp8
 from .linear import apply_keeping_dtypes
 from .quantize import pad_2d, round_up16
 from .recipe import E4M3, E5M2
+from .tensor import FP8Tensor, Scaling
 
 BUFFERS = ("weight_fp8", "weight_scale_inv")
 
@@ -85,8 +86,9 @@ class FrozenFP8Linear(nn.Module):
         w = self.weight_fp8[:self.out_features, :self.in_features].float() * self.weight_scale_inv
         return w.to(dtype)
 
-    def weight_operand(self) -> Operand:
-        return Operand(self.weight_fp8, self.weight_scale_inv)
+    def weight_operand(self) -> FP8Tensor:
+        """The frozen weight as the forward GEMM's operand: E4M3 [Np, Kp], one scale."""
+        return FP8Tensor(self.weight_fp8, self.weight_scale_inv, Scaling.TENSOR)
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +110,8 @@ class _FrozenFP8Fn(torch.autograd.Function):
         kp = mod.weight_fp8.shape[1]
         xq, _, x_si, _ = cast_fp8(pad_2d(x.contiguous(), round_up16(m), kp), None, None, E4M3)
         assert xq is not None  # asked for
-        y = fp8_gemm(Operand(xq, x_si), mod.weight_operand(), out_dtype, mod.fprop_fast_accum)[:m, :mod.out_features]
+        xt = FP8Tensor(xq, x_si, Scaling.TENSOR)
+        y = fp8_gemm(xt, mod.weight_operand(), out_dtype, mod.fprop_fast_accum)[:m, :mod.out_features]
         if mod.bias is not None:
             y = y + mod.bias.to(out_dtype)
         ctx.mod, ctx.m, ctx.x_dtype = mod, m, x.dtype
@@ -122,6 +125,7 @@ class _FrozenFP8Fn(torch.autograd.Function):
         np_ = mod.weight_fp8.shape[0]
         gq, _, g_si, _ = cast_fp8(pad_2d(g.contiguous(), round_up16(ctx.m), np_), None, None, mod.grad_dtype)
         assert gq is not None  # asked for
-        w_t = Operand(transpose_fp8(mod.weight_fp8), mod.weight_scale_inv)  # W^T [Kp, Np], freed on return
-        dx = fp8_gemm(Operand(gq, g_si), w_t, ctx.x_dtype, False)[:ctx.m, :mod.in_features]
+        # W^T [Kp, Np], freed on return
+        w_t = FP8Tensor(transpose_fp8(mod.weight_fp8), mod.weight_scale_inv, Scaling.TENSOR, transposed=True)
+        dx = fp8_gemm(FP8Tensor(gq, g_si, Scaling.TENSOR), w_t, ctx.x_dtype, False)[:ctx.m, :mod.in_features]
         return dx, None, None

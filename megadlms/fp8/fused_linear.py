@@ -44,7 +44,6 @@ from torch import nn
 
 from ..errors import MegaDLMsError
 from ..model import compute_dtype
-from .gemm import Operand
 from .linear import (
     GRAD,
     INPUT,
@@ -57,8 +56,9 @@ from .linear import (
 )
 from .param_gather import gathered_fp8, gathered_scale_group
 from .quantize import quant_stats, round_up16
-from .quantizer import FP8Tensor, GroupQuantizer, StepScales
+from .quantizer import FP8Copies, GroupQuantizer, StepScales
 from .state import FP8GlobalStateManager
+from .tensor import FP8Tensor
 
 # what the members of a fusion share (decided at conversion, checked on every forward)
 SHARED_SETTINGS = ("recipe", "fp8_wgrad", "cache_weight", "fprop_fast_accum", "backward_fast_accum", "training")
@@ -224,22 +224,22 @@ class FusedFloat8Projection(nn.Module):
         ws = [m.weight.detach() for m in mods]
         t = self.quantizers[WEIGHT].quantize_cat(ws, want_t, record=mods[0].training,
                                                  amaxes=[m.kept_weight_amax() for m in mods], step=step)
-        q, scale_inv = t.row_copy()
+        rows = t.row_copy()
         member_caches, row = [], 0
         for m, w, key in zip(mods, ws, keys):
             n = w.shape[0]
-            mc = FP8WeightCache(key, q[row:row + n], scale_inv)  # what the member itself uses if called alone
+            mc = FP8WeightCache(key, rows.with_data(rows.data[row:row + n]))  # what the member uses if called alone
             row += n
             m.num_weight_casts += 1
             if self.cache_weight:
                 m.weight_cache = mc
             member_caches.append(mc)
-        group = FP8WeightCache(tuple(keys), q, scale_inv, step, tuple(member_caches))
+        group = FP8WeightCache(tuple(keys), rows, step, tuple(member_caches))
         group.dgrad = t.cols  # the input-gradient GEMM's operand, when made in the same pass
         self.weight_cache = group if self.cache_weight else None
         return group
 
-    def _gathered_weight(self, gathered: list[Operand | None]) -> FP8WeightCache:
+    def _gathered_weight(self, gathered: list[FP8Tensor | None]) -> FP8WeightCache:
         """The concatenated FP8 weight from members FSDP2 gathered in FP8 (`param_gather`), uncached. They were
         cast with the group's one scale (the one `quantize_cat` uses), so their rows concatenate into the operand
         the fused cast makes: the same FP8 values, no second rounding."""
@@ -249,35 +249,36 @@ class FusedFloat8Projection(nn.Module):
                 or any(gathered_scale_group(m.weight) is not group for m in mods)):
             raise RuntimeError(f"the members of {self.extra_repr()} were not gathered in FP8 as one scale group: "
                                "enable_fp8_param_gather must get a fused projection's members together")
-        datas = [cast(Operand, op).data for op in gathered]
-        q, scale_inv = torch.cat(datas), cast(Operand, gathered[0]).scale_inv
-        members = tuple(FP8WeightCache(None, rows, scale_inv) for rows in q.split([d.shape[0] for d in datas]))
-        return FP8WeightCache(None, q, scale_inv, self.step_scales(), members)
+        first = cast(FP8Tensor, gathered[0])
+        datas = [cast(FP8Tensor, op).data for op in gathered]
+        q = torch.cat(datas)
+        members = tuple(FP8WeightCache(None, first.with_data(rows)) for rows in q.split([d.shape[0] for d in datas]))
+        return FP8WeightCache(None, first.with_data(q), self.step_scales(), members)
 
-    def fp8_weight_dgrad(self, cache: FP8WeightCache) -> Operand:
+    def fp8_weight_dgrad(self, cache: FP8WeightCache) -> FP8Tensor:
         """[W_1; ...]^T [K, sum N_i]: the dgrad GEMM's operand, transposed from the cached q."""
         return weight_dgrad(cache, self.quantizers[WEIGHT],
                             lambda: torch.cat([m.weight.detach() for m in self._members]))
 
     # ------------------------------------------------------------------ casts
-    def quantize_input(self, x: torch.Tensor, numel: int, cols: bool, w: FP8WeightCache) -> FP8Tensor:
+    def quantize_input(self, x: torch.Tensor, numel: int, cols: bool, w: FP8WeightCache) -> FP8Copies:
         """The shared input x [Mp, K], cast once for the group (see `Float8Linear.quantize_input`)."""
         first = self._members[0]
         xq = self.quantizers[INPUT].quantize(x, True, cols, record=first.training, step=w.step)
         if first.collect_fp8_stats:  # one input: its statistics computed once, recorded by every member
-            q, si = xq.row_copy()
-            stats = quant_stats(x, q, si.reciprocal(), q.dtype, numel)
+            xr = xq.row_copy()
+            stats = quant_stats(x, xr.data, xr.scale_inv.reciprocal(), xr.data.dtype, numel)
             for mod in self._members:
                 mod.add_stats(INPUT, stats)
         return xq
 
-    def quantize_grad(self, gs: tuple[torch.Tensor, ...], rows: bool, cols: bool, w: FP8WeightCache) -> FP8Tensor:
+    def quantize_grad(self, gs: tuple[torch.Tensor, ...], rows: bool, cols: bool, w: FP8WeightCache) -> FP8Copies:
         """The members' output gradients gs[i] [M, N_i] as one operand [Mp, sum N_i], cast once for the group."""
         m = gs[0].shape[0]
         gq = self.quantizers[GRAD].quantize_cols(gs, round_up16(m), rows, cols, record=True, step=w.step)
         if self._members[0].collect_fp8_stats:  # each member: its gradient against its columns of the FP8 gradient
-            q_all, si = gq.rows if gq.rows is not None else gq.col_copy()
-            scale, col = si.reciprocal(), 0
+            copy = gq.rows if gq.rows is not None else gq.col_copy()
+            q_all, scale, col = copy.data, copy.scale_inv.reciprocal(), 0
             for mod, g in zip(self._members, gs):
                 n = g.shape[1]
                 q = q_all[:m, col:col + n] if gq.rows is not None else q_all[col:col + n, :m].t()
@@ -291,7 +292,7 @@ class FusedFloat8Projection(nn.Module):
         w_scale = None
         for mod, mc in zip(self._members, c.members):
             if mc.stats_epoch != mod.stats_epoch:
-                w_scale = w_scale if w_scale is not None else c.scale_inv.reciprocal()
+                w_scale = w_scale if w_scale is not None else c.rows.scale_inv.reciprocal()
                 wi = mod.weight.detach()
-                mod.record_stats(WEIGHT, wi, mc.q, w_scale, wi.numel())
+                mod.record_stats(WEIGHT, wi, mc.rows.data, w_scale, wi.numel())
                 mc.stats_epoch = mod.stats_epoch

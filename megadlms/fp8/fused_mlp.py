@@ -39,12 +39,13 @@ from torch import nn
 from ..model import MLP, SwiGLU, compute_dtype
 from . import triton_swiglu
 from .fused_linear import SHARED_SETTINGS, FusedFloat8Projection, FusionError, group_problem
-from .gemm import Operand, fp8_gemm
+from .gemm import fp8_gemm
 from .linear import GRAD, INPUT, Float8Linear, FP8WeightCache, bprop, fprop, take_fp8_weights
-from .quantize import pad_2d, round_up16
-from .quantizer import FP8Tensor, Quantizer
+from .quantize import E4M3, pad_2d, quantize_rowwise, round_up16
+from .quantizer import FP8Copies, Quantizer
 from .state import FP8GlobalStateManager
-from .swiglu import SwiGLUFP8InputStore, quantize_rows
+from .swiglu import SwiGLUFP8InputStore
+from .tensor import FP8Tensor, Scaling
 
 
 class FusedFloat8MLP(nn.Module):
@@ -155,7 +156,7 @@ def _float8_linear(m: nn.Module | torch.Tensor) -> Float8Linear:
 
 
 def swiglu_to_fp8(y: torch.Tensor, quantizer: Quantizer, w: FP8WeightCache, cols: bool, record: bool
-                ) -> FP8Tensor | None:
+                ) -> FP8Copies | None:
     """h = silu(gate) * up of y = [gate, up] [Mp, 2F] written straight to FP8 (and h^T when `cols`) with the scale
     of `quantizer` (the down projection's input); None where the fused kernel is off."""
     scaling = quantizer.fused_scale(w.step, lambda: triton_swiglu.checked_swiglu_amax(y))
@@ -166,12 +167,12 @@ def swiglu_to_fp8(y: torch.Tensor, quantizer: Quantizer, w: FP8WeightCache, cols
     out = triton_swiglu.checked_swiglu_cast(y, scale, quantizer.fp8_dtype, cols, slots[0] if slots else None)
     if out is None:
         return None
-    return FP8Tensor.per_tensor(*out, scale_inv)
+    return FP8Copies.per_tensor(*out, scale_inv)
 
 
 def swiglu_grads_to_fp8(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                     row_scales: tuple[torch.Tensor, torch.Tensor] | None, quantizer: Quantizer, w: FP8WeightCache,
-                    rows: bool, cols: bool) -> FP8Tensor | None:
+                    rows: bool, cols: bool) -> FP8Copies | None:
     """The SwiGLU's derivatives [d_gate, d_up] [Mp, 2F] from dh [Mp, F] written straight to FP8 (`rows` and/or
     `cols`) with the scale of `quantizer` (the gate/up group's gradient), its amax recorded; None where the fused
     kernel is off. gate, up: the forward's, in FP8 with `row_scales` where kept so."""
@@ -183,7 +184,12 @@ def swiglu_grads_to_fp8(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                                                 quantizer.amax_slots())
     if out is None:
         return None
-    return FP8Tensor.per_tensor(*out, scale_inv)
+    return FP8Copies.per_tensor(*out, scale_inv)
+
+
+def _tensors(t: FP8Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(data, scale_inv) of t, to save for backward; (None, None) without t."""
+    return (t.data, t.scale_inv) if t is not None else (None, None)
 
 
 class _FusedFloat8MLPFn(torch.autograd.Function):
@@ -214,13 +220,13 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         saved_y: tuple[torch.Tensor, ...] = ()
         if grad_follows:
             if store_fp8:  # activation_func_fp8_input_store: E4M3 with one scale per row, as SwiGLUFP8InputStore
-                gq, g_si = quantize_rows(y[:, :f])
-                uq, u_si = quantize_rows(y[:, f:])
+                gq, g_si = quantize_rowwise(y[:, :f], E4M3)
+                uq, u_si = quantize_rowwise(y[:, f:], E4M3)
                 saved_y = (gq, uq, g_si.reshape(-1), u_si.reshape(-1))
             else:
                 saved_y = (y,)
-        x_cols, h_cols = xq.cols, hq.cols  # x^T [H, mp], h^T [F, mp]: the wgrad operands
-        ctx.save_for_backward(*(x_cols or (None, None)), *(h_cols or (None, None)), *saved_y)
+        # x^T [H, mp], h^T [F, mp]: the wgrad operands (per tensor: the fused MLP's recipes are)
+        ctx.save_for_backward(*_tensors(xq.cols), *_tensors(hq.cols), *saved_y)
         ctx.gate_up, ctx.down, ctx.wgu, ctx.wd = gate_up, down, wgu, wd
         ctx.keep_weights = down.cache_weight
         ctx.dims = (m, k, f)
@@ -241,7 +247,7 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
         need_wgu = need_wg or need_wu
         # the down projection: one cast of d_out (q and d_out^T), dgrad -> dh [mp, F] (unsliced), wgrad
         g8 = down.quantize_grad((d_out.contiguous(),), True, need_wd, wd)
-        h_cols = Operand(h_saved, h_si) if need_wd else None
+        h_cols = FP8Tensor(h_saved, h_si, Scaling.TENSOR, transposed=True) if need_wd else None
         dh, (d_wdown,) = bprop(down, wd, g8, h_cols, (round_up16(m), f), (k,), ctx.out_dtype, ctx.w_dtypes[2:],
                                True, (need_wd,))
         assert dh is not None
@@ -258,7 +264,7 @@ class _FusedFloat8MLPFn(torch.autograd.Function):
                 gate, up = gate.float() * row_scales[0][:, None], up.float() * row_scales[1][:, None]
             d_gate, d_up = (d.to(ctx.out_dtype) for d in triton_swiglu.swiglu_bwd_ref(dh, gate, up))
             dq = gate_up.quantize_grad((d_gate, d_up), need_dx, need_wgu, wgu)
-        x_cols = Operand(x_saved, x_si) if need_wgu else None
+        x_cols = FP8Tensor(x_saved, x_si, Scaling.TENSOR, transposed=True) if need_wgu else None
         dx, (d_wg, d_wu) = bprop(gate_up, wgu, dq, x_cols, (m, k), (f, f), ctx.x_dtype, ctx.w_dtypes[:2], need_dx,
                                  (need_wg, need_wu))
         return dx, None, None, None, None, None, d_wg, d_wu, d_wdown

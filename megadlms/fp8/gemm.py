@@ -1,72 +1,44 @@
 """The FP8 GEMMs of the linear layers: the only caller of `torch._scaled_mm` in the engine (on the CPU: a
 dequantized fp32 matmul, checked against it, `cpu_scaled_mm`).
 
-Every GEMM of a linear is `a @ b^T` over two quantized operands, each an `Operand`: FP8 data [rows, K] row-major
-(K, the contracted dimension, contiguous) with its dequantization scale (per tensor, or one per row):
+Every GEMM of a linear is `a @ b^T` over two quantized operands, each a `tensor.FP8Tensor`: FP8 data [rows, K]
+row-major (K, the contracted dimension, contiguous) with its dequantization scale and the scaling it states:
 
     fprop:  y  = x @ W^T    fp8_gemm(x.rows, W.rows)      x [M, K], W [N, K]
     dgrad:  dx = g @ W      fp8_gemm(g.rows, W.cols)      W.cols = W^T [K, N]
     wgrad:  dW = g^T @ x    fp8_gemm(g.cols, x.cols)      g^T [N, M], x^T [K, M]
 
-(`rows` / `cols`: a quantizer's FP8 copy of a tensor and of its transpose: `quantizer.FP8Tensor`). The operands
+(`rows` / `cols`: a quantizer's FP8 copy of a tensor and of its transpose: `quantizer.FP8Copies`). The operands
 are already padded to multiples of 16 (`pad_2d`); callers slice the results. `wgrad_high_precision` is the weight
 gradient without FP8 (fp8_wgrad=False), `bias_grad` the bias gradient.
 
-`fp8_gemm` dispatches on the operands' scale layout (`scale_layout`): per tensor or per row -> `torch._scaled_mm`;
-1x128 tiles / 128x128 blocks (fp32, `blockwise.py`) -> `blockwise.blockwise_gemm`; E8M0 scales per 32 elements
-(`mx.py`) -> `mx.mx_gemm`. A new scaling recipe adds its layout here; the layers do not change.
+`fp8_gemm` dispatches on the operands' `Scaling`: per tensor or per row -> `torch._scaled_mm`; 1x128 tiles /
+128x128 blocks (`blockwise.py`) -> `blockwise.blockwise_gemm`; 1x32 MX (`mx.py`) -> `mx.mx_gemm`. A new scaling
+recipe adds its `Scaling` and its GEMM here; the layers do not change.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
 
 import torch
 
-from .blockwise import BLOCK, blockwise_gemm, dequantize_blocks, dequantize_tiles
-from .mx import E8M0, dequantize_mx, mx_gemm
+from .blockwise import blockwise_gemm, dequantize_blocks, dequantize_tiles
+from .mx import dequantize_mx, mx_gemm
 from .recipe import E5M2
+from .tensor import FP8Tensor, Scaling
 
 
-class Operand(NamedTuple):
-    """One FP8 GEMM operand: data fp8 [R, K] row-major; scale_inv, one of the layouts of `scale_layout`."""
-
-    data: torch.Tensor
-    scale_inv: torch.Tensor
-
-
-def scale_layout(op: Operand) -> str:
-    """Which scale layout `op` carries (metadata only):
-
-    'tensor'  fp32 0-dim                       'row'    fp32 [R, 1] contiguous (one scale per row)
-    'tile'    fp32 [R, K/128] column-major     'block'  fp32 [R/128, L4] buffer (`blockwise.quantize_blocks`)
-    'mx'      E8M0 [R, K/32]
-    A 1x128 tile scale of a K = 128 operand is [R, 1] too: the blockwise quantizer stores tile scales with strides
-    (1, R), R >= 128, which tells them from a row's (stride 1 along both dimensions)."""
-    s, (r, k) = op.scale_inv, op.data.shape
-    if s.dtype == E8M0:
-        return "mx"
-    if s.dim() == 0:
-        return "tensor"
-    if s.shape[0] == r and s.shape[1] == 1 and (s.stride(1) == 1 or k % BLOCK):
-        return "row"
-    if s.shape[0] == r and k % BLOCK == 0 and s.shape[1] == k // BLOCK:
-        return "tile"
-    return "block"
-
-
-def dequant_scale(op: Operand) -> torch.Tensor:
-    """op's scale_inv expanded to broadcast against op.data [R, K] (fp32): what telemetry compares a cast with."""
-    layout, s = scale_layout(op), op.scale_inv
-    ones = torch.ones(op.data.shape, device=op.data.device)
-    if layout == "mx":
-        return dequantize_mx(ones, s)
-    if layout == "tile":
-        return dequantize_tiles(ones, s)
-    if layout == "block":
-        return dequantize_blocks(ones, s)
-    return s
+def dequant_scale(t: FP8Tensor) -> torch.Tensor:
+    """t's scale_inv expanded to broadcast against t.data [R, K] (fp32): what telemetry compares a cast with."""
+    ones = torch.ones(t.data.shape, device=t.data.device)
+    if t.scaling is Scaling.MX:
+        return dequantize_mx(ones, t.scale_inv)
+    if t.scaling is Scaling.TILE:
+        return dequantize_tiles(ones, t.scale_inv)
+    if t.scaling is Scaling.BLOCK:
+        return dequantize_blocks(ones, t.scale_inv)
+    return t.scale_inv
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -172,17 +144,27 @@ def aligned_scalars(values: torch.Tensor) -> torch.Tensor:
     return values.reshape(-1, 1).expand(-1, 4).contiguous()
 
 
-def fp8_gemm(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+def fp8_gemm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype, fp32 accumulation (`fast_accum`: Hopper's faster,
-    reduced-precision accumulation, which the layers use in the forward GEMM only). Blockwise and MX operands run
-    their recipe's GEMM (fp32 accumulation always)."""
-    layout = scale_layout(a)
-    if layout == "tile":
-        return blockwise_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype)
-    if layout == "mx":
+    reduced-precision accumulation, which the layers use in the forward GEMM only). Dispatches on the operands'
+    stated scaling: 1x128 tiles (b: tiles or 128x128 blocks) and MX operands run their recipe's GEMM (fp32
+    accumulation always), per-tensor and per-row ones `scaled_mm`."""
+    if a.scaling is Scaling.TILE:
+        if b.scaling not in (Scaling.TILE, Scaling.BLOCK):
+            raise ValueError(f"fp8_gemm: a 1x128-tile operand takes tiles or 128x128 blocks, got {b}")
+        return blockwise_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype,
+                              b_blocks=b.scaling is Scaling.BLOCK)
+    if a.scaling is Scaling.MX or b.scaling is Scaling.MX:
+        if a.scaling is not b.scaling:
+            raise ValueError(f"fp8_gemm: MX operands multiply MX operands, got {a} and {b}")
         return mx_gemm(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype)
-    b_si = b.scale_inv.reshape(1, -1) if b.scale_inv.dim() else b.scale_inv  # per row of b: [1, N] for scale_b
+    if a.scaling not in _SCALED_MM or b.scaling not in _SCALED_MM:
+        raise ValueError(f"fp8_gemm: no GEMM takes {a} and {b}")
+    b_si = b.scale_inv.reshape(1, -1) if b.scaling is Scaling.ROW else b.scale_inv  # per row of b: [1, N] for scale_b
     return scaled_mm(a.data, b.data.t(), a.scale_inv, b_si, out_dtype, fast_accum)
+
+
+_SCALED_MM = (Scaling.TENSOR, Scaling.ROW)  # the scalings `torch._scaled_mm` takes
 
 
 def wgrad_high_precision(g: torch.Tensor, x: torch.Tensor, compute_dtype: torch.dtype,
@@ -196,5 +178,5 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return g.float().sum(0).to(dtype)
 
 
-__all__ = ["Operand", "scale_layout", "dequant_scale", "fp8_gemm", "scaled_mm", "cpu_scaled_mm",
+__all__ = ["dequant_scale", "fp8_gemm", "scaled_mm", "cpu_scaled_mm",
            "aligned_scalars", "wgrad_high_precision", "bias_grad"]

@@ -41,10 +41,10 @@ def _copy_into(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
 
 
 def _copy_weight(old: FP8WeightCache, new: FP8WeightCache) -> None:
-    """A fresh cast into the captured cache's tensors: q, its scale inverse and the step's delayed scales (a layer's
-    own are its scale buffer itself); no dgrad: these caches hold q only."""
-    _copy_into(old.q, new.q)
-    _copy_into(old.scale_inv, new.scale_inv)
+    """A fresh cast into the captured cache's tensors: the FP8 rows, their scale inverse and the step's delayed
+    scales (a layer's own are its scale buffer itself); no dgrad: these caches hold the rows only."""
+    _copy_into(old.rows.data, new.rows.data)
+    _copy_into(old.rows.scale_inv, new.rows.scale_inv)
     if old.step is not None and new.step is not None:
         _copy_into(old.step.scales, new.step.scales)
         _copy_into(old.step.scale_invs, new.step.scale_invs)

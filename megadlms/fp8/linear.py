@@ -36,13 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import compute_dtype
-from .gemm import Operand, bias_grad, dequant_scale, fp8_gemm, wgrad_high_precision
+from .gemm import bias_grad, dequant_scale, fp8_gemm, wgrad_high_precision
 from .hardware import check_fp8_support
 from .param_gather import gathered_fp8
 from .quantize import pad_2d, quant_stats, round_up16
-from .quantizer import FP8Tensor, Quantizer, StepScales, make_quantizer
+from .quantizer import FP8Copies, Quantizer, StepScales, make_quantizer
 from .recipe import DelayedScaling, Recipe, check_recipe, keeps_history
 from .state import FP8GlobalStateManager
+from .tensor import FP8Tensor
 
 ROLES = ("input", "weight", "grad")
 INPUT, WEIGHT, GRAD = 0, 1, 2
@@ -104,31 +105,26 @@ def take_fp8_weights(ctx: Any, *names: str) -> tuple[Any, ...]:
 
 
 class FP8WeightCache:
-    """The FP8 copy of one weight, or of a fused group's concatenated weights, for one optimizer step (reused by
-    every micro-batch of the step).
+    """The FP8 weight of one layer, or of a fused group's concatenated weights, for one optimizer step (reused by
+    every micro-batch of the step), with what identifies it.
 
-    q [Np, Kp] row-major with scale_inv (0-dim, or [Np, 1] rowwise): the fprop operand (`rows`); `dgrad`: W^T
-    [Kp, Np] with its scale_inv, the dgrad operand (`gemm.Operand`), made on first use unless the cast made it.
-    step: delayed scaling's scales of this step (`StepScales`), for the input and gradient casts of every
-    micro-batch; None before the first `fp8_step` and for other recipes. members: a group's per-member caches (views
-    of q's row blocks, which a member called on its own uses); () for one weight.
+    rows: W [Np, Kp] (`FP8Tensor`), the fprop operand; `dgrad`: W^T [Kp, Np], the dgrad operand, made on first use
+    unless the cast made it. key: the weight version it was cast from (`Float8Linear.weight_key`). step: delayed
+    scaling's scales of this step (`StepScales`), for the input and gradient casts of every micro-batch; None before
+    the first `fp8_step` and for other recipes. members: a group's per-member caches (views of rows' row blocks,
+    which a member called on its own uses); () for one weight.
     """
 
-    __slots__ = ("key", "q", "scale_inv", "dgrad", "stats_epoch", "step", "keep_dgrad", "members")
+    __slots__ = ("key", "rows", "dgrad", "stats_epoch", "step", "keep_dgrad", "members")
 
-    def __init__(self, key: Any, q: torch.Tensor, scale_inv: torch.Tensor, step: StepScales | None = None,
+    def __init__(self, key: Any, rows: FP8Tensor, step: StepScales | None = None,
                  members: tuple[FP8WeightCache, ...] = ()):
-        self.key, self.q, self.scale_inv, self.step, self.members = key, q, scale_inv, step, members
-        self.dgrad: Operand | None = None
+        self.key, self.rows, self.step, self.members = key, rows, step, members
+        self.dgrad: FP8Tensor | None = None
         self.stats_epoch = -1
         # whether a dgrad copy the backward makes is kept for later micro-batches; False for the caches CUDA graphs
-        # read (fp8.graph_weights), which hold q only
+        # read (fp8.graph_weights), which hold rows only
         self.keep_dgrad = True
-
-    @property
-    def rows(self) -> Operand:
-        """q with its scale_inv: the fprop GEMM's operand."""
-        return Operand(self.q, self.scale_inv)
 
 
 class DelayedScalingState(_ModuleMixin):
@@ -193,7 +189,7 @@ class FP8Telemetry(_ModuleMixin):
         """Merge the statistics of one cast (x -> q with `scale`, `numel` elements without padding) into `role`'s."""
         self.add_stats(role, quant_stats(x, q, scale, q.dtype, numel))
 
-    def record_cast(self, role: int, x: torch.Tensor, t: FP8Tensor, numel: int) -> None:
+    def record_cast(self, role: int, x: torch.Tensor, t: FP8Copies, numel: int) -> None:
         """`record_stats` of x against whichever FP8 copy `t` holds."""
         q, si = t.any_copy()  # padded further than x by the blockwise (128) and MX (32) casts
         self.record_stats(role, pad_2d(x, *q.shape), q, si.reciprocal(), numel)
@@ -315,19 +311,19 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
 
     # ------------------------------------------------------------------ casts
     def quantize(self, x: torch.Tensor, role: int, numel: int, rows: bool = True, cols: bool = False,
-                 record: bool = True, step: StepScales | None = None, stats: bool = True) -> FP8Tensor:
+                 record: bool = True, step: StepScales | None = None, stats: bool = True) -> FP8Copies:
         """x [R, C] (padded) cast by this layer's quantizer of `role`; telemetry records it when on."""
         t = self.quantizers[role].quantize(x, rows, cols, record, step=step)
         if stats and self.collect_fp8_stats:
             self.record_cast(role, x, t, numel)
         return t
 
-    def quantize_input(self, x: torch.Tensor, numel: int, cols: bool, w: FP8WeightCache) -> FP8Tensor:
+    def quantize_input(self, x: torch.Tensor, numel: int, cols: bool, w: FP8WeightCache) -> FP8Copies:
         """The input x [Mp, Kp] (padded; `numel` elements without the padding): `rows` for the forward GEMM, and
         `cols` (x^T) for the weight gradient when asked; its amax recorded in training."""
         return self.quantize(x, INPUT, numel, cols=cols, record=self.training, step=w.step)
 
-    def quantize_grad(self, gs: tuple[torch.Tensor, ...], rows: bool, cols: bool, w: FP8WeightCache) -> FP8Tensor:
+    def quantize_grad(self, gs: tuple[torch.Tensor, ...], rows: bool, cols: bool, w: FP8WeightCache) -> FP8Copies:
         """The output gradient (gs = (g,), g [M, N] contiguous), padded to multiples of 16: `rows` for the input
         gradient, `cols` (g^T) for the weight gradient."""
         (g,) = gs
@@ -350,7 +346,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         w = self.local_params()[0]
         gathered = gathered_fp8(w)
         if gathered is not None:  # FSDP2 gathered it in FP8, cast as this layer casts (fp8.param_gather)
-            return FP8WeightCache(None, *gathered, self.step_scales())
+            return FP8WeightCache(None, gathered, self.step_scales())
         key = self.weight_key()
         cache = self.weight_cache
         if cache is None or (key is not None and cache.key != key):
@@ -362,22 +358,23 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
             want_t = want_t and quantizer.cols_in_same_pass
             step = self.step_scales()
             t = quantizer.quantize(wp, True, want_t, record=self.training, amax=self.kept_weight_amax(), step=step)
-            cache = FP8WeightCache(key, *t.row_copy(), step)
+            cache = FP8WeightCache(key, t.row_copy(), step)
             cache.dgrad = t.cols  # the input-gradient GEMM's operand, when made in the same pass
             self.num_weight_casts += 1
             if self.cache_weight:
                 self.weight_cache = cache
         if self.collect_fp8_stats and cache.stats_epoch != self.stats_epoch:
-            self.record_stats(WEIGHT, pad_2d(w.detach(), *cache.q.shape), cache.q,
-                              dequant_scale(cache.rows).reciprocal(), w.numel())
+            q = cache.rows.data
+            self.record_stats(WEIGHT, pad_2d(w.detach(), *q.shape), q, dequant_scale(cache.rows).reciprocal(),
+                              w.numel())
             cache.stats_epoch = self.stats_epoch
         return cache
 
-    def fp8_weight_dgrad(self, cache: FP8WeightCache) -> Operand:
+    def fp8_weight_dgrad(self, cache: FP8WeightCache) -> FP8Tensor:
         """W^T [Kp, Np] with its scale_inv: the right operand of dx = g @ W (made from `cache` or, rowwise, cast
         again from the master weight), kept in the cache for later micro-batches when it may."""
         return weight_dgrad(cache, self.quantizers[WEIGHT], lambda: pad_2d(self.local_params()[0].detach(),
-                                                                             *cache.q.shape))
+                                                                             *cache.rows.shape))
 
     # ------------------------------------------------------------------ forward
     # Outside torch.compile's graphs: a compiled model breaks its graph here and runs this layer
@@ -402,7 +399,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         return y.reshape(*x.shape[:-1], n)
 
 
-def weight_dgrad(cache: FP8WeightCache, quantizer: Quantizer, master: Callable[[], torch.Tensor]) -> Operand:
+def weight_dgrad(cache: FP8WeightCache, quantizer: Quantizer, master: Callable[[], torch.Tensor]) -> FP8Tensor:
     """`cache.dgrad`, or the transposed operand made now from the cached rows (`master`: the padded high-precision
     weight, for kinds that cast the transpose from it), kept in the cache when it may."""
     if cache.dgrad is not None:
@@ -443,12 +440,12 @@ class FP8Projection(Protocol):
 
     def fp8_weight(self, grad_follows: bool) -> FP8WeightCache: ...
 
-    def fp8_weight_dgrad(self, cache: FP8WeightCache) -> Operand: ...
+    def fp8_weight_dgrad(self, cache: FP8WeightCache) -> FP8Tensor: ...
 
-    def quantize_input(self, x: torch.Tensor, numel: int, cols: bool, w: FP8WeightCache) -> FP8Tensor: ...
+    def quantize_input(self, x: torch.Tensor, numel: int, cols: bool, w: FP8WeightCache) -> FP8Copies: ...
 
     def quantize_grad(self, gs: tuple[torch.Tensor, ...], rows: bool, cols: bool, w: FP8WeightCache
-                      ) -> FP8Tensor: ...
+                      ) -> FP8Copies: ...
 
 
 def run_fp8_projection(proj: FP8Projection, x: torch.Tensor, out_dtype: torch.dtype, grad_follows: bool,
@@ -460,14 +457,14 @@ def run_fp8_projection(proj: FP8Projection, x: torch.Tensor, out_dtype: torch.dt
 
 
 def fprop(proj: FP8Projection, xp: torch.Tensor, numel: int, w: FP8WeightCache, want_cols: bool,
-          out_dtype: torch.dtype) -> tuple[torch.Tensor, FP8Tensor]:
+          out_dtype: torch.dtype) -> tuple[torch.Tensor, FP8Copies]:
     """The forward GEMM of `proj`: xp [Mp, Kp] (padded; `numel` elements without the padding) cast (with x^T for
     the weight gradient when `want_cols`), y = x @ W^T -> (y [Mp, Np] in out_dtype, padded; the FP8 input)."""
     xq = proj.quantize_input(xp, numel, want_cols, w)
     return fp8_gemm(xq.row_copy(), w.rows, out_dtype, proj.fprop_fast_accum), xq
 
 
-def bprop(proj: FP8Projection, w: FP8WeightCache, gq: FP8Tensor, x_cols: Operand | None, dims: tuple[int, int],
+def bprop(proj: FP8Projection, w: FP8WeightCache, gq: FP8Copies, x_cols: FP8Tensor | None, dims: tuple[int, int],
           sizes: tuple[int, ...], x_dtype: torch.dtype, w_dtypes: tuple[torch.dtype, ...], need_dx: bool,
           need_w: tuple[bool, ...]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """The backward GEMMs of `proj` from its FP8 output gradient gq [Mp, sum N_i] (`rows` where need_dx, `cols`
@@ -508,9 +505,11 @@ class _Float8LinearFn(torch.autograd.Function):
         if any(b is not None for b in bs):
             y = y + _concat_biases(bs, sizes, out_dtype, y.device)
         x_saved = x_saved_si = None
+        ctx.x_scaling = None  # the FP8 x^T's scaling (its tensors are saved for backward, not held by ctx)
         if need_w:
             if fp8_wgrad:
-                x_saved, x_saved_si = xq.col_copy()  # [Kp, Mp]: the wgrad GEMM's right operand
+                x_cols = xq.col_copy()  # [Kp, Mp]: the wgrad GEMM's right operand
+                x_saved, x_saved_si, ctx.x_scaling = x_cols.data, x_cols.scale_inv, x_cols.scaling
             else:
                 x_saved = x.to(out_dtype)  # the weight gradient in the compute dtype needs the unquantized input
         ctx.save_for_backward(x_saved, x_saved_si)
@@ -539,7 +538,7 @@ class _Float8LinearFn(torch.autograd.Function):
         if need_dx or fp8_wgrad:
             # from g at once: g for the input gradient, g^T (K-major over tokens) for the weight gradient
             gq = proj.quantize_grad(gs, need_dx, fp8_wgrad, w)
-            x_cols = Operand(x_saved, x_saved_si) if fp8_wgrad else None
+            x_cols = FP8Tensor(x_saved, x_saved_si, ctx.x_scaling, transposed=True) if fp8_wgrad else None
             dx, dws = bprop(proj, w, gq, x_cols, ctx.dims, ctx.sizes, ctx.x_dtype, ctx.w_dtypes, need_dx, need_w)
         if any(need_w) and not ctx.fp8_wgrad:  # per weight: exactly the unfused layers' GEMMs
             dws = [wgrad_high_precision(g, x_saved, ctx.out_dtype, dt) if need else None

@@ -46,10 +46,10 @@ from torch.utils._pytree import tree_map
 
 from ..errors import MegaDLMsError
 from .blockwise import BLOCK, block_scale_buffer
-from .gemm import Operand
 from .kernels import amax_of, cast_fp8, current_scale, record_amax
-from .quantizer import WEIGHT_ROLE, FP8Tensor, StepScales
+from .quantizer import WEIGHT_ROLE, FP8Copies, StepScales
 from .recipe import Recipe, param_gather_problem, recipe_class
+from .tensor import FP8Tensor, Scaling
 
 # a Float8Linear, the layer whose weight is gathered (linear.py, which imports this module, defines it)
 FP8Layer = Any
@@ -112,9 +112,10 @@ class ScaleGroup:
         shards = [shard if i == index else _shard(m) for i, m in enumerate(self.members)]
         return torch.stack([amax_of(s) if s.numel() else s.new_zeros((), dtype=torch.float32) for s in shards])
 
-    def cast_shard(self, index: int, shard: torch.Tensor, group: Any) -> Operand:
+    def cast_shard(self, index: int, shard: torch.Tensor, group: Any) -> FP8Tensor:
         """The FP8 cast of member `index`'s weight shard [rows, K] with the scale the unsharded weight's cast
-        would use (module docstring): (q [rows, K'] fp8, scale_inv 0-dim or 128x128 block scales [rows/128, L4]).
+        would use (module docstring): q [rows, K'] fp8 per tensor (scale_inv 0-dim) or in 128x128 blocks
+        (scale_inv [rows/128, L4]).
         group: the shard group (None: one rank holds the whole weight)."""
         layer = self.members[index]
         quantizer = layer.quantizers[WEIGHT_ROLE]
@@ -138,13 +139,13 @@ class ScaleGroup:
             record_amax([layer.fp8_amax_history[0, WEIGHT_ROLE]], amaxes[index])
         q, _, scale_inv, _ = cast_fp8(shard, scale, None, fp8_dtype, layer.recipe.margin, scale_inv=scale_inv)
         assert q is not None  # asked for
-        return Operand(q, scale_inv)
+        return FP8Tensor(q, scale_inv, Scaling.TENSOR)
 
-    def record_stats(self, index: int, shard: torch.Tensor, op: Operand) -> None:
+    def record_stats(self, index: int, shard: torch.Tensor, op: FP8Tensor) -> None:
         """FP8 telemetry of the weight role: this rank's shard cast, once per statistics window."""
         layer = self.members[index]
         if layer.collect_fp8_stats and self._stats_epochs[index] != layer.stats_epoch and shard.numel():
-            layer.record_cast(WEIGHT_ROLE, shard, FP8Tensor(rows=op), shard.numel())
+            layer.record_cast(WEIGHT_ROLE, shard, FP8Copies(rows=op), shard.numel())
             self._stats_epochs[index] = layer.stats_epoch
 
 
@@ -198,21 +199,22 @@ def _plain_weight_in_state_dict(module: nn.Module, state_dict: dict[str, Any], p
         state_dict[key] = unwrap_gather_weight(state_dict[key])
 
 
-def gathered_fp8(weight: torch.Tensor) -> Operand | None:
+def gathered_fp8(weight: torch.Tensor) -> FP8Tensor | None:
     """The FP8 GEMM operand FSDP2 gathered for `weight` (padded as the layer's own cast pads: per-tensor to
     multiples of 16, blockwise to 128 with the block-scale buffer), or None when it was not gathered in FP8."""
     if not isinstance(weight, Float8GatheredWeight):
         return None
-    q, si = weight._data, weight._scale_inv
+    fp8 = weight._fp8
+    q, si = fp8.data, fp8.scale_inv
     n, k = q.shape
-    if weight._blocks:
+    if fp8.scaling is Scaling.BLOCK:
         rows, cols = -(-n // BLOCK) * BLOCK, -(-k // BLOCK) * BLOCK
         si = block_scale_buffer(si)
     else:
         rows, cols = -(-n // 16) * 16, -(-k // 16) * 16
     if (rows, cols) != (n, k):
         q = F.pad(q.view(torch.uint8), (0, cols - k, 0, rows - n)).view(q.dtype)  # FP8 zeros are 0x00
-    return Operand(q, si)
+    return fp8.with_data(q, si)
 
 
 def gathered_scale_group(weight: torch.Tensor) -> ScaleGroup | None:
@@ -291,7 +293,7 @@ class Float8GatherWeight(torch.Tensor):
         self._group.record_stats(self._index, w, op)
         q = op.data[: w.shape[0], :k].contiguous().view(torch.uint8)  # the casts pad to 16 or 128 columns
         fp8_dtype = op.data.dtype
-        if op.scale_inv.dim() == 0:  # per tensor: the same scale on every rank, kept as metadata
+        if op.scaling is Scaling.TENSOR:  # the same scale on every rank, kept as metadata
             q = F.pad(q, (0, 0, 0, rows - q.shape[0]))
             return (q,), (fp8_dtype, op.scale_inv)
         blocks = op.scale_inv[:, : -(-k // BLOCK)].contiguous()  # [rows/128, K/128]: the buffer's padding off
@@ -305,47 +307,48 @@ class Float8GatherWeight(torch.Tensor):
         if blocks:
             scale_inv = all_gather_outputs[1]
         if out is not None:  # a later all-gather into the same storage: only the scale is new
-            out._scale_inv = scale_inv
+            out._fp8 = out._fp8.with_data(out._fp8.data, scale_inv)
             return None
-        return Float8GatheredWeight(data, scale_inv, blocks, self._group, param_dtype), (all_gather_outputs[0],)
+        fp8 = FP8Tensor(data, scale_inv, Scaling.BLOCK if blocks else Scaling.TENSOR)
+        return Float8GatheredWeight(fp8, self._group, param_dtype), (all_gather_outputs[0],)
 
 
 class Float8GatheredWeight(torch.Tensor):
-    """The unsharded weight after an FP8 all-gather: FP8 data [N, K] and its scale_inv (0-dim, or 128x128 block
-    scales [N/128, K/128] with `blocks`), presenting as a `dtype` tensor [N, K]. The views FSDP2 takes keep the FP8
-    data; any other op sees the dequantised weight (a plain linear outside fp8_autocast, for instance)."""
+    """The unsharded weight after an FP8 all-gather, carrying it as an `FP8Tensor` (`_fp8`: data [N, K] per tensor
+    with a 0-dim scale_inv, or in 128x128 blocks with scales [N/128, K/128]), presenting as a `dtype` tensor [N, K].
+    The views FSDP2 takes keep the FP8 data; any other op sees the dequantised weight (a plain linear outside
+    fp8_autocast, for instance)."""
 
-    _data: torch.Tensor
-    _scale_inv: torch.Tensor
-    _blocks: bool
+    _fp8: FP8Tensor
     _group: ScaleGroup
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, blocks: bool, group: ScaleGroup,
-                dtype: torch.dtype):
+    def __new__(cls, fp8: FP8Tensor, group: ScaleGroup, dtype: torch.dtype):
+        data = fp8.data
         return torch.Tensor._make_wrapper_subclass(cls, data.size(), strides=data.stride(),
                                                    storage_offset=data.storage_offset(), dtype=dtype,
                                                    device=data.device, requires_grad=False)
 
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, blocks: bool, group: ScaleGroup,
-                 dtype: torch.dtype):
-        self._data, self._scale_inv, self._blocks, self._group = data, scale_inv, blocks, group
+    def __init__(self, fp8: FP8Tensor, group: ScaleGroup, dtype: torch.dtype):
+        self._fp8, self._group = fp8, group
 
     def __repr__(self) -> str:  # type: ignore[override]  # a plain repr, without torch's tensor_contents
-        kind = "128x128 blocks" if self._blocks else "per tensor"
-        return f"Float8GatheredWeight({tuple(self._data.shape)}, {self._data.dtype}, {kind})"
+        return f"Float8GatheredWeight({self._fp8})"
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's idiom
 
     def dequantize(self) -> torch.Tensor:
-        if not self._blocks:
-            return (self._data.float() * self._scale_inv).to(self.dtype)
-        s = self._scale_inv.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-        return (self._data.float() * s[: self._data.shape[0], : self._data.shape[1]]).to(self.dtype)
+        data, s = self._fp8.data, self._fp8.scale_inv
+        if self._fp8.scaling is not Scaling.BLOCK:
+            return (data.float() * s).to(self.dtype)
+        s = s.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+        return (data.float() * s[: data.shape[0], : data.shape[1]]).to(self.dtype)
 
     def _rewrap(self, data: torch.Tensor) -> Float8GatheredWeight:
-        scale = self._scale_inv[: -(-data.shape[0] // BLOCK)] if self._blocks else self._scale_inv
-        return Float8GatheredWeight(data, scale, self._blocks, self._group, self.dtype)
+        scale = self._fp8.scale_inv
+        if self._fp8.scaling is Scaling.BLOCK:
+            scale = scale[: -(-data.shape[0] // BLOCK)]
+        return Float8GatheredWeight(self._fp8.with_data(data, scale), self._group, self.dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -353,11 +356,11 @@ class Float8GatheredWeight(torch.Tensor):
         w = args[0]
         aten = torch.ops.aten
         if func in (aten.detach.default, aten.alias.default):
-            return w._rewrap(func(w._data))
+            return w._rewrap(func(w._fp8.data))
         if func is aten.as_strided.default and isinstance(w, cls):  # FSDP2: the padded gather -> the weight
             size, stride = args[1], args[2]
             offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
-            if offset in (0, None) and list(stride) == [size[1], 1] and w._data.is_contiguous():
-                return w._rewrap(w._data[: size[0]])
+            if offset in (0, None) and list(stride) == [size[1], 1] and w._fp8.data.is_contiguous():
+                return w._rewrap(w._fp8.data[: size[0]])
         return func(*tree_map(lambda t: t.dequantize() if isinstance(t, cls) else t, args),
                     **tree_map(lambda t: t.dequantize() if isinstance(t, cls) else t, kwargs))

@@ -92,16 +92,17 @@ def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0
     return quantize(x, scale, fp8_dtype), scale.reciprocal(), amax
 
 
-def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, dim: int, margin: int = 0
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Current scaling with one scale per slice along the other axis of a 2-D x [R, C].
+def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, dim: int = -1, margin: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current scaling with one scale per slice of x along `dim` (the amax reduced over it, kept as size 1).
 
-    dim=1: one scale per row -> scale_inv [R, 1]; dim=0: one scale per column -> scale_inv [1, C].
-    Returns (q [R, C], scale_inv fp32 contiguous, amax [] fp32 of the whole tensor).
+    x [R, C]: dim=1 (or -1): one scale per row -> scale_inv [R, 1]; dim=0: one per column -> scale_inv [1, C].
+    x [..., F], dim=-1: one per row of the last dim -> scale_inv [..., 1] (the FP8 SwiGLU input store).
+    Returns (q, same shape as x, scale_inv fp32 contiguous).
     """
     amax = x.abs().amax(dim=dim, keepdim=True).float()
     scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
-    return quantize(x, scale, fp8_dtype), scale.reciprocal().contiguous(), amax.amax()
+    return quantize(x, scale, fp8_dtype), scale.reciprocal().contiguous()
 
 
 # |x * scale| at or above these would round past the largest finite value: max + half its ulp

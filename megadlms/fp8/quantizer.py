@@ -1,8 +1,8 @@
 """Quantizers: one per (tensor role, recipe) of an FP8 layer, the only place a recipe's scaling happens.
 
-A quantizer turns a high-precision 2-D tensor into the FP8 operands the GEMMs take (`FP8Tensor`: `rows`, the
-tensor, and/or `cols`, its transpose, each an `gemm.Operand` with its scale) and records the tensor's amax where
-its recipe keeps a history. The recipe is a kind of quantizer, chosen once when the layer is built
+A quantizer turns a high-precision 2-D tensor into the FP8 operands the GEMMs take (`FP8Copies`: `rows`, the
+tensor, and/or `cols`, its transpose, each a `tensor.FP8Tensor` stating its scaling) and records the tensor's amax
+where its recipe keeps a history. The recipe is a kind of quantizer, chosen once when the layer is built
 (`make_quantizer`, through `QUANTIZER_KINDS`):
 
     DelayedQuantizer     per tensor; the scale of the last `fp8_step` (history of past amaxes), x's own amax
@@ -24,7 +24,7 @@ The delayed scaling state (amax history, scales, whether scales exist yet) stays
 `fp8_step` for all modules at once); a delayed quantizer reads and writes its column through `owner`. The scales
 of one step, with their inverses, travel with the step's FP8 weight to every cast of the step (`StepScales`).
 
-Adding a recipe: a recipe dataclass, a Quantizer subclass producing its scale layout in `Operand`, its entry in
+Adding a recipe: a recipe dataclass, a Quantizer subclass producing `FP8Tensor`s of its `Scaling`, its entry in
 `QUANTIZER_KINDS` and its kernel call in `gemm.fp8_gemm`. Kinds whose GEMM needs more than FP8 support check the
 device in `check_device` (called when a model is converted on a GPU).
 """
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from .blockwise import BLOCK, block_scale_buffer, check_blockwise_gemm_support, quantize_blocks, quantize_tiles
-from .gemm import Operand, aligned_scalars, dequant_scale
+from .gemm import aligned_scalars, dequant_scale
 from .kernels import amax_of, cast_fp8, cast_fp8_cat, cast_fp8_cols, current_scale, transpose_fp8
 from .mx import check_mx_gemm_support, quantize_mx
 from .quantize import quantize_rowwise
@@ -50,23 +50,24 @@ from .recipe import (
     Float8RowwiseScaling,
     Recipe,
 )
+from .tensor import FP8Tensor, Scaling
 
 WEIGHT_ROLE = 1  # the weight's role index in the linears (input, weight, grad)
 
 
 @dataclass
-class FP8Tensor:
-    """The FP8 copies of a 2-D tensor x [R, C]: `rows` = x as [R, C], `cols` = x^T as [C, R] (each row-major with
-    its scale_inv), whichever the caller asked for (None otherwise)."""
+class FP8Copies:
+    """The FP8 copies one cast made of a 2-D tensor x [R, C]: `rows` = x as [R, C], `cols` = x^T as [C, R] (each an
+    `FP8Tensor`, row-major with its scale_inv), whichever the caller asked for (None otherwise)."""
 
-    rows: Operand | None = None
-    cols: Operand | None = None
+    rows: FP8Tensor | None = None
+    cols: FP8Tensor | None = None
 
     @staticmethod
-    def per_tensor(q: torch.Tensor | None, t: torch.Tensor | None, scale_inv: torch.Tensor) -> FP8Tensor:
+    def per_tensor(q: torch.Tensor | None, t: torch.Tensor | None, scale_inv: torch.Tensor) -> FP8Copies:
         """The copies a per-tensor cast made, q [R, C] and/or q^T [C, R] (None where not made), with their scale."""
-        return FP8Tensor(Operand(q, scale_inv) if q is not None else None,
-                         Operand(t, scale_inv) if t is not None else None)
+        return FP8Copies(FP8Tensor(q, scale_inv, Scaling.TENSOR) if q is not None else None,
+                         FP8Tensor(t, scale_inv, Scaling.TENSOR, transposed=True) if t is not None else None)
 
     def any_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [R, C], scale_inv broadcastable to it) from whichever copy exists: what telemetry compares x with."""
@@ -75,12 +76,12 @@ class FP8Tensor:
         cols = self.col_copy()
         return cols.data.t(), dequant_scale(cols).t()
 
-    def row_copy(self) -> Operand:
+    def row_copy(self) -> FP8Tensor:
         """`rows`, where the caller asked the cast for it."""
         assert self.rows is not None, "the cast made no row-major copy"
         return self.rows
 
-    def col_copy(self) -> Operand:
+    def col_copy(self) -> FP8Tensor:
         """`cols`, where the caller asked the cast for it."""
         assert self.cols is not None, "the cast made no transposed copy"
         return self.cols
@@ -125,7 +126,7 @@ class Quantizer:
         return f"{type(self).__name__}({self.fp8_dtype})"
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Copies:
         """x [R, C] (any float dtype, padded to multiples of 16) -> its FP8 `rows` and/or `cols`.
 
         record: add x's amax to the scaling history (delayed scaling; ignored elsewhere).
@@ -144,10 +145,10 @@ class Quantizer:
         a = amax()
         return current_scale([a], self.fp8_dtype, self.recipe.margin) if a is not None else None
 
-    def cols_of(self, rows: Operand, source: Callable[[], torch.Tensor]) -> Operand:
+    def cols_of(self, rows: FP8Tensor, source: Callable[[], torch.Tensor]) -> FP8Tensor:
         """The transposed operand of a tensor x [R, C] whose `rows` exist already (a cached FP8 weight); `source`
         gives x itself, for kinds that cast the transpose from it."""
-        return Operand(transpose_fp8(rows.data), rows.scale_inv)
+        return FP8Tensor(transpose_fp8(rows.data), rows.scale_inv, Scaling.TENSOR, transposed=True)
 
     def check_device(self, device_index: int) -> None:
         """Raise FP8UnsupportedError (one line) unless this kind's GEMM runs on cuda:`device_index`."""
@@ -157,9 +158,9 @@ class CurrentQuantizer(Quantizer):
     """Per-tensor current scaling: scale = (fp8_max / amax(x)) / 2**margin (`Float8CurrentScaling`)."""
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Copies:
         q, t, si, _ = cast_fp8(x, None, None, self.fp8_dtype, self.recipe.margin, rows, cols, amax=amax)
-        return FP8Tensor.per_tensor(q, t, si)
+        return FP8Copies.per_tensor(q, t, si)
 
 
 class DelayedQuantizer(Quantizer):
@@ -188,7 +189,7 @@ class DelayedQuantizer(Quantizer):
         return [self.amax_slot()]
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Copies:
         scale: torch.Tensor | None
         if step is not None:
             scale, scale_inv = step.scales[self.role], step.scale_invs[self.role]
@@ -197,7 +198,7 @@ class DelayedQuantizer(Quantizer):
         slot = self.amax_slot() if record else None
         q, t, si, _ = cast_fp8(x, scale, slot, self.fp8_dtype, self.recipe.margin, rows, cols, amax=amax,
                                scale_inv=scale_inv)
-        return FP8Tensor.per_tensor(q, t, si)
+        return FP8Copies.per_tensor(q, t, si)
 
     def fused_scale(self, step: StepScales | None, amax: Callable[[], torch.Tensor | None]
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -214,16 +215,16 @@ class _SeparateCastsQuantizer(Quantizer):
     cols_in_same_pass = False
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
-        return FP8Tensor(self._rows(x) if rows else None, self._cols(x) if cols else None)
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Copies:
+        return FP8Copies(self._rows(x) if rows else None, self._cols(x) if cols else None)
 
-    def cols_of(self, rows: Operand, source: Callable[[], torch.Tensor]) -> Operand:
+    def cols_of(self, rows: FP8Tensor, source: Callable[[], torch.Tensor]) -> FP8Tensor:
         return self._cols(source())
 
-    def _rows(self, x: torch.Tensor) -> Operand:
+    def _rows(self, x: torch.Tensor) -> FP8Tensor:
         raise NotImplementedError
 
-    def _cols(self, x: torch.Tensor) -> Operand:
+    def _cols(self, x: torch.Tensor) -> FP8Tensor:
         raise NotImplementedError
 
 
@@ -232,13 +233,13 @@ class RowwiseQuantizer(_SeparateCastsQuantizer):
 
     recipe: Float8RowwiseScaling
 
-    def _rows(self, x: torch.Tensor) -> Operand:
-        q, si, _ = quantize_rowwise(x, self.fp8_dtype, 1, self.recipe.margin)  # si [R, 1]
-        return Operand(q, si)
+    def _rows(self, x: torch.Tensor) -> FP8Tensor:
+        q, si = quantize_rowwise(x, self.fp8_dtype, 1, self.recipe.margin)  # si [R, 1]
+        return FP8Tensor(q, si, Scaling.ROW)
 
-    def _cols(self, x: torch.Tensor) -> Operand:
-        q, si, _ = quantize_rowwise(x, self.fp8_dtype, 0, self.recipe.margin)  # one scale per column: si [1, C]
-        return Operand(transpose_fp8(q), si.reshape(-1, 1))
+    def _cols(self, x: torch.Tensor) -> FP8Tensor:
+        q, si = quantize_rowwise(x, self.fp8_dtype, 0, self.recipe.margin)  # one scale per column: si [1, C]
+        return FP8Tensor(transpose_fp8(q), si.reshape(-1, 1), Scaling.ROW, transposed=True)
 
 
 class BlockwiseQuantizer(Quantizer):
@@ -257,32 +258,20 @@ class BlockwiseQuantizer(Quantizer):
         return f"BlockwiseQuantizer({self.fp8_dtype}, {'128x128 blocks' if self.blocks else '1x128 tiles'})"
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
-        if self.blocks:
-            q, t = quantize_blocks(x, self.fp8_dtype, self.recipe.pow2_scales, transpose=cols)
-            return FP8Tensor(Operand(*q) if rows else None, Operand(*t) if t is not None else None)
-        q, t = quantize_tiles(x, self.fp8_dtype, self.recipe.pow2_scales, transpose=cols)
-        return FP8Tensor(_tiles(*q) if rows else None, _tiles(*t) if t is not None else None)
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Copies:
+        cast = quantize_blocks if self.blocks else quantize_tiles
+        q, t = cast(x, self.fp8_dtype, self.recipe.pow2_scales, transpose=cols)
+        return FP8Copies(q if rows else None, t)
 
-    def cols_of(self, rows: Operand, source: Callable[[], torch.Tensor]) -> Operand:
+    def cols_of(self, rows: FP8Tensor, source: Callable[[], torch.Tensor]) -> FP8Tensor:
         if not self.blocks:
             return self.quantize(source(), rows=False, cols=True).col_copy()
-        q, buf = rows
-        kb = -(-q.shape[1] // BLOCK)
-        return Operand(transpose_fp8(q), block_scale_buffer(buf[:, :kb].t()))
+        kb = -(-rows.data.shape[1] // BLOCK)
+        return FP8Tensor(transpose_fp8(rows.data), block_scale_buffer(rows.scale_inv[:, :kb].t()), Scaling.BLOCK,
+                         transposed=True)
 
     def check_device(self, device_index: int) -> None:
         check_blockwise_gemm_support(device_index)
-
-
-def _tiles(data: torch.Tensor, scale_inv: torch.Tensor) -> Operand:
-    """An operand with 1x128 tile scales, stored column-major with strides (1, R) even where K = 128 (one tile per
-    row): that is what tells them from per-row scales (`gemm.scale_layout`)."""
-    r = scale_inv.shape[0]
-    if scale_inv.stride() != (1, r):
-        scale_inv = torch.empty_strided(scale_inv.shape, (1, r), dtype=scale_inv.dtype,
-                                        device=scale_inv.device).copy_(scale_inv)
-    return Operand(data, scale_inv)
 
 
 class MXQuantizer(_SeparateCastsQuantizer):
@@ -291,11 +280,11 @@ class MXQuantizer(_SeparateCastsQuantizer):
 
     recipe: Float8MXScaling
 
-    def _rows(self, x: torch.Tensor) -> Operand:
-        return Operand(*quantize_mx(x, self.recipe.rounding))
+    def _rows(self, x: torch.Tensor) -> FP8Tensor:
+        return FP8Tensor(*quantize_mx(x, self.recipe.rounding), Scaling.MX)
 
-    def _cols(self, x: torch.Tensor) -> Operand:
-        return Operand(*quantize_mx(x.t(), self.recipe.rounding))
+    def _cols(self, x: torch.Tensor) -> FP8Tensor:
+        return FP8Tensor(*quantize_mx(x.t(), self.recipe.rounding), Scaling.MX, transposed=True)
 
     def check_device(self, device_index: int) -> None:
         check_mx_gemm_support(device_index)
@@ -325,17 +314,17 @@ class GroupQuantizer(Quantizer):
         return (step.scales[self.role], step.scale_invs[self.role]) if step is not None else (None, None)
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
-                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Tensor:
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Copies:
         """The shared operand x [R, C] (the group's input), x's amax recorded into every member's slot."""
         scale, scale_inv = self._scales(step)
         slots = self.amax_slots() if record else None
         q, t, si, _ = cast_fp8(x, scale, slots, self.fp8_dtype, self.recipe.margin, rows, cols, amax=amax,
                                scale_inv=scale_inv)
-        return FP8Tensor.per_tensor(q, t, si)
+        return FP8Copies.per_tensor(q, t, si)
 
     def quantize_cat(self, ws: Sequence[torch.Tensor], cols: bool = False, record: bool = False,
                      amaxes: Sequence[torch.Tensor | None] | None = None, step: StepScales | None = None
-                     ) -> FP8Tensor:
+                     ) -> FP8Copies:
         """The members' weights ws[i] [N_i, K] as one operand [sum N_i, K] (`rows`, and `cols` = its transpose),
         without their high-precision concatenation; each member's own amax recorded into its own slot.
         amaxes: max |ws[i]| where kept by the weights' writer (None entries are computed)."""
@@ -350,10 +339,10 @@ class GroupQuantizer(Quantizer):
                 torch._foreach_maximum_(slots, found)
             scale, scale_inv = current_scale(found, self.fp8_dtype, self.recipe.margin)
             q, t = cast_fp8_cat(list(ws), scale, self.fp8_dtype, cols)
-        return FP8Tensor.per_tensor(q, t, scale_inv)
+        return FP8Copies.per_tensor(q, t, scale_inv)
 
     def quantize_cols(self, parts: Sequence[torch.Tensor], padded_rows: int, rows: bool = True, cols: bool = False,
-                      record: bool = False, step: StepScales | None = None) -> FP8Tensor:
+                      record: bool = False, step: StepScales | None = None) -> FP8Copies:
         """The column blocks parts[i] [M, N_i] (the members' output gradients) as one operand [M, sum N_i] zero-padded
         to `padded_rows` rows, without their high-precision concatenation; the amax of all of them recorded into every
         member's slot."""
@@ -361,7 +350,7 @@ class GroupQuantizer(Quantizer):
         slots = self.amax_slots() if record else None
         q, t, si = cast_fp8_cols(parts, scale, slots, self.fp8_dtype, self.recipe.margin, padded_rows, rows, cols,
                                  scale_inv=scale_inv)
-        return FP8Tensor.per_tensor(q, t, si)
+        return FP8Copies.per_tensor(q, t, si)
 
     def fused_scale(self, step: StepScales | None, amax: Callable[[], torch.Tensor | None]
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -389,5 +378,5 @@ def make_quantizer(recipe: Recipe, fp8_dtype: torch.dtype, owner: Any, role: int
     return kind(recipe, fp8_dtype)
 
 
-__all__ = ["FP8Tensor", "StepScales", "Quantizer", "CurrentQuantizer", "DelayedQuantizer", "RowwiseQuantizer",
+__all__ = ["FP8Copies", "StepScales", "Quantizer", "CurrentQuantizer", "DelayedQuantizer", "RowwiseQuantizer",
            "BlockwiseQuantizer", "MXQuantizer", "GroupQuantizer", "QUANTIZER_KINDS", "WEIGHT_ROLE", "make_quantizer"]

@@ -14,23 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from ..model import SwiGLU
-from .quantize import E4M3, FP8_MAX, amax_to_scale, quantize
+from .quantize import E4M3, quantize_rowwise
 from .state import FP8GlobalStateManager
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., F] -> (E4M3 q [..., F], scale_inv [..., 1] fp32), one scale per row of the last dim."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = amax_to_scale(amax, FP8_MAX[E4M3])
-    return quantize(x, scale, E4M3), scale.reciprocal()
 
 
 class _SwiGLUFP8StoreFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         out = F.silu(gate) * up
-        gq, g_si = quantize_rows(gate)
-        uq, u_si = quantize_rows(up)
+        gq, g_si = quantize_rowwise(gate, E4M3)  # one scale per row of the last dim: [..., 1]
+        uq, u_si = quantize_rowwise(up, E4M3)
         ctx.save_for_backward(gq, g_si, uq, u_si)
         ctx.dtypes = (gate.dtype, up.dtype)
         return out

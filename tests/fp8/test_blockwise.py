@@ -17,6 +17,7 @@ import torch
 
 from megadlms.fp8 import blockwise as bw
 from megadlms.fp8.hardware import FP8UnsupportedError
+from megadlms.fp8.tensor import Scaling
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ML = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}
@@ -129,7 +130,8 @@ def test_fprop_dgrad_wgrad_equal_dequantise_then_matmul():
         "wgrad": (gtq, xtq, False, dy.t(), x.t()),
     }
     for name, (a, b, blocks, ea, eb) in cases.items():
-        got = bw.blockwise_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float32).double().numpy()
+        assert (b.scaling is Scaling.BLOCK) == blocks and a.scaling is Scaling.TILE
+        got = bw.blockwise_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float32, blocks).double().numpy()
         want = dequant64(a.data, a.scale_inv, False) @ dequant64(b.data, b.scale_inv, blocks).T
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=name)
         # the right operands in the right layout: within E4M3's rounding (2**-4 per operand) of the unquantised
@@ -143,12 +145,14 @@ def test_gemm_rejects_layouts_the_gpu_kernel_rejects():
     xq, _ = bw.quantize_tiles(outliers(128, 256, 5))
     wq, _ = bw.quantize_blocks(outliers(128, 256, 6))
     with pytest.raises(ValueError, match="column-major"):
-        bw.blockwise_gemm(xq.data, xq.scale_inv.contiguous(), wq.data, wq.scale_inv, torch.float32)
-    with pytest.raises(ValueError, match="neither 1x128"):
-        bw.blockwise_gemm(xq.data, xq.scale_inv, wq.data, wq.scale_inv[:, :2], torch.float32)
+        bw.blockwise_gemm(xq.data, xq.scale_inv.contiguous(), wq.data, wq.scale_inv, torch.float32, True)
+    with pytest.raises(ValueError, match="128x128 block buffer"):
+        bw.blockwise_gemm(xq.data, xq.scale_inv, wq.data, wq.scale_inv[:, :2], torch.float32, True)
+    with pytest.raises(ValueError, match="b_scale must be 1x128 tiles"):  # block scales stated as tiles
+        bw.blockwise_gemm(xq.data, xq.scale_inv, wq.data, wq.scale_inv, torch.float32, False)
     g, _ = bw.quantize_tiles(outliers(128, 256, 7), E5M2)  # the SM90 kernels take E4M3 only
     with pytest.raises(ValueError, match="E4M3 operands only.*--fp8-format e4m3"):
-        bw.blockwise_gemm(g.data, g.scale_inv, wq.data, wq.scale_inv, torch.float32)
+        bw.blockwise_gemm(g.data, g.scale_inv, wq.data, wq.scale_inv, torch.float32, True)
 
 
 def test_gemm_support_errors_name_what_is_needed(monkeypatch):
@@ -225,7 +229,8 @@ def test_cuda_gemm_matches_the_cpu_emulation():
     wq, wtq = bw.quantize_blocks(w, transpose=True)
     gq, gtq = bw.quantize_tiles(dy, transpose=True)
     for a, b in ((xq, wq), (gq, wtq), (gtq, xtq)):
-        got = bw.blockwise_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float32).cpu()
+        blocks = b.scaling is Scaling.BLOCK
+        got = bw.blockwise_gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float32, blocks).cpu()
         cpu = [t.cpu() for t in (a.data, a.scale_inv, b.data, b.scale_inv)]  # .cpu() keeps the strides
-        want = bw.blockwise_gemm(*cpu, torch.float32)
+        want = bw.blockwise_gemm(*cpu, torch.float32, blocks)
         torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-3 * want.abs().max().item())

@@ -74,9 +74,9 @@ KERNELS = COMMON + textwrap.dedent("""
         assert torch.equal(t.view(torch.uint8), q.view(torch.uint8).t())
         assert torch.allclose(slots[0], d.abs().amax(), rtol=1e-6) and slots[1] == 1e9
         # gate/up kept in E4M3 with row scales; only the transposed output
-        from megadlms.fp8.swiglu import quantize_rows
-        gq, gs = quantize_rows(y[:, :f])
-        uq, us = quantize_rows(y[:, f:])
+        from megadlms.fp8.quantize import quantize_rowwise
+        gq, gs = quantize_rowwise(y[:, :f], torch.float8_e4m3fn)
+        uq, us = quantize_rowwise(y[:, f:], torch.float8_e4m3fn)
         q2, t2 = ts.checked_swiglu_bwd_cast(dh, gq, uq, torch.tensor(4.0), fp8, False, True, (gs[:, 0], us[:, 0]))
         d2 = torch.cat(ts.swiglu_bwd_ref(dh, gq.float() * gs, uq.float() * us), 1)
         assert q2 is None and ts._codes_close(t2.t().contiguous(), (d2 * 4).clamp(-fmax, fmax).to(fp8))

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megadlms.fp8.gemm import Operand, bias_grad, fp8_gemm, wgrad_high_precision
+from megadlms.fp8.gemm import bias_grad, fp8_gemm, wgrad_high_precision
 from megadlms.fp8.quantize import E4M3, E5M2, quantize_rowwise, quantize_tensorwise
+from megadlms.fp8.tensor import FP8Tensor, Scaling
 
 
 def test_fp8_gemm_is_the_dequantized_product_per_tensor_and_per_row():
@@ -16,13 +17,40 @@ def test_fp8_gemm_is_the_dequantized_product_per_tensor_and_per_row():
     qa, sa, _ = quantize_tensorwise(a, E5M2)
     qb, sb, _ = quantize_tensorwise(b, E4M3)
     want = (qa.double() * sa.double()) @ (qb.double() * sb.double()).t()
-    got = fp8_gemm(Operand(qa, sa), Operand(qb, sb), torch.float32, fast_accum=False)
+    got = fp8_gemm(FP8Tensor(qa, sa, Scaling.TENSOR), FP8Tensor(qb, sb, Scaling.TENSOR), torch.float32,
+                   fast_accum=False)
     assert got.shape == (32, 16) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
-    ra, rsa, _ = quantize_rowwise(a, E4M3, 1)  # [32, 1]
-    rb, rsb, _ = quantize_rowwise(b, E4M3, 1)  # [16, 1]: one scale per row of b, i.e. per output column
+    ra, rsa = quantize_rowwise(a, E4M3, 1)  # [32, 1]
+    rb, rsb = quantize_rowwise(b, E4M3, 1)  # [16, 1]: one scale per row of b, i.e. per output column
     want = (ra.double() * rsa.double()) @ (rb.double() * rsb.double()).t()
-    got = fp8_gemm(Operand(ra, rsa), Operand(rb, rsb), torch.float32, fast_accum=False)
+    got = fp8_gemm(FP8Tensor(ra, rsa, Scaling.ROW), FP8Tensor(rb, rsb, Scaling.ROW), torch.float32, fast_accum=False)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_fp8_gemm_dispatches_on_the_stated_scaling_not_the_scale_shape():
+    """A per-row scale of a K = 128 operand is [R, 1], as a 1x128 tile scale is: the stated scaling decides, and
+    operands that no GEMM multiplies are refused with both named."""
+    torch.manual_seed(0)
+    a, b = torch.randn(16, 128), torch.randn(32, 128)
+    ra, rsa = quantize_rowwise(a, E4M3)
+    rb, rsb = quantize_rowwise(b, E4M3)
+    rows = fp8_gemm(FP8Tensor(ra, rsa, Scaling.ROW), FP8Tensor(rb, rsb, Scaling.ROW), torch.float32, False)
+    tiles = fp8_gemm(FP8Tensor(ra, rsa, Scaling.TILE), FP8Tensor(rb, rsb, Scaling.TILE), torch.float32, False)
+    want = (ra.double() * rsa.double()) @ (rb.double() * rsb.double()).t()
+    for got in (rows, tiles):  # one tile per row: the same product through either GEMM
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="tiles or 128x128 blocks"):
+        fp8_gemm(FP8Tensor(ra, rsa, Scaling.TILE), FP8Tensor(rb, rsb, Scaling.ROW), torch.float32, False)
+    with pytest.raises(ValueError, match="MX operands"):
+        fp8_gemm(FP8Tensor(ra, rsa, Scaling.ROW), FP8Tensor(rb, rsb, Scaling.MX), torch.float32, False)
+    with pytest.raises(ValueError, match="no GEMM takes"):
+        fp8_gemm(FP8Tensor(ra, rsa, Scaling.BLOCK), FP8Tensor(rb, rsb, Scaling.TENSOR), torch.float32, False)
+
+
+def test_fp8_tensor_states_its_axis():
+    q, s = torch.zeros(16, 32, dtype=E4M3), torch.ones(16, 1)
+    assert FP8Tensor(q, s, Scaling.ROW).axis == 1 and FP8Tensor(q, s, Scaling.ROW, transposed=True).axis == 0
+    assert FP8Tensor(q, s[0, 0], Scaling.TENSOR).axis is None and FP8Tensor(q, s, Scaling.BLOCK).axis is None
 
 
 def test_high_precision_wgrad_and_bias_grad():

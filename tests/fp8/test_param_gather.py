@@ -25,6 +25,7 @@ from megadlms.fp8.param_gather import (
     check_gather_shardable,
     gathered_fp8,
 )
+from megadlms.fp8.tensor import Scaling
 from megadlms.training.config import FP8Config, RunConfig
 from tests.distributed.launch import train_iterations, train_losses
 
@@ -138,17 +139,16 @@ def test_fused_group_members_cast_with_the_fused_weights_scale(recipe):
     for i, m in enumerate(mods):
         m.weight = torch.nn.Parameter(Float8GatherWeight(m.weight.data, group, i))
     ops = [group.cast_shard(i, w, None) for i, w in enumerate(masters)]
-    assert torch.equal(torch.cat([op.data for op in ops]).view(torch.uint8), want.q.view(torch.uint8))
-    assert all(torch.equal(op.scale_inv, want.scale_inv) for op in ops)
+    assert torch.equal(torch.cat([op.data for op in ops]).view(torch.uint8), want.rows.data.view(torch.uint8))
+    assert all(torch.equal(op.scale_inv, want.rows.scale_inv) and op.scaling is Scaling.TENSOR for op in ops)
     # gathered in FP8, the members' rows are the fused GEMM's weight, with the group's step scales, uncached
     for m, op in zip(mods, ops):
-        m.weight = torch.nn.Parameter(Float8GatheredWeight(op.data, op.scale_inv, False, group, torch.float32),
-                                      requires_grad=False)
+        m.weight = torch.nn.Parameter(Float8GatheredWeight(op, group, torch.float32), requires_grad=False)
     fused.invalidate_fp8_weight_cache()
     got = fused.fp8_weight(grad_follows=True)
-    assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(got.scale_inv,
-                                                                                          want.scale_inv)
-    assert [mc.q.shape[0] for mc in got.members] == [m.out_features for m in mods] and fused.weight_cache is None
+    assert torch.equal(got.rows.data.view(torch.uint8), want.rows.data.view(torch.uint8))
+    assert torch.equal(got.rows.scale_inv, want.rows.scale_inv)
+    assert [mc.rows.shape[0] for mc in got.members] == [m.out_features for m in mods] and fused.weight_cache is None
     if recipe == "delayed":
         assert torch.equal(got.step.scales, want.step.scales) and float(got.step.scales[1]) == pytest.approx(448 / 1.5)
     else:
@@ -158,10 +158,10 @@ def test_fused_group_members_cast_with_the_fused_weights_scale(recipe):
 def test_gathered_weight_is_the_operand_of_the_layers_cast():
     w = torch.randn(256, 200)
     q, _ = quantize_blocks(w)  # padded to [256, 256], block scales in the GEMM's [2, 4] buffer
-    gathered = Float8GatheredWeight(q.data[:, :200].contiguous(), q.scale_inv[:, :2].contiguous(), True,
+    gathered = Float8GatheredWeight(q.with_data(q.data[:, :200].contiguous(), q.scale_inv[:, :2].contiguous()),
                                     ScaleGroup(()), torch.float32)
     op = gathered_fp8(gathered)
-    assert torch.equal(op.data.view(torch.uint8), q.data.view(torch.uint8))
+    assert op.scaling is Scaling.BLOCK and torch.equal(op.data.view(torch.uint8), q.data.view(torch.uint8))
     assert torch.equal(op.scale_inv, q.scale_inv)
     assert torch.equal(gathered + 0, dequantize_blocks(q.data, q.scale_inv)[:, :200])  # other ops: dequantised
     assert gathered_fp8(w) is None

@@ -113,14 +113,17 @@ def test_amax_to_scale_margin_and_fallback():
 
 def test_rowwise_and_columnwise_scales():
     x = torch.tensor([[1.0, -4.0], [0.5, 0.25], [0.0, 0.0]]).repeat(1, 8)  # [3, 16]
-    q, si, amax = quantize_rowwise(x, E4M3, dim=1)
+    q, si = quantize_rowwise(x, E4M3, dim=1)
     assert si.shape == (3, 1) and si.is_contiguous()
     assert torch.allclose(si.squeeze(1), torch.tensor([4.0 / 448, 0.5 / 448, 1.0]))
-    assert amax.item() == 4.0
-    q0, si0, _ = quantize_rowwise(x, E4M3, dim=0)
+    q0, si0 = quantize_rowwise(x, E4M3, dim=0)
     assert si0.shape == (1, 16)
     assert torch.allclose(si0[0, :2], torch.tensor([1.0 / 448, 4.0 / 448]))
     assert torch.equal(dequantize(q, si)[2], torch.zeros(16))  # an all-zero row stays zero
+    # N-D, one scale per row of the last dim (the FP8 SwiGLU input store): the 2-D rows' cast, reshaped
+    q3, si3 = quantize_rowwise(x.reshape(1, 3, 16), E4M3)
+    assert si3.shape == (1, 3, 1) and torch.equal(si3.reshape(3, 1), si)
+    assert torch.equal(q3.reshape(3, 16).view(torch.uint8), q.view(torch.uint8))
 
 
 def test_quant_stats_counts():

@@ -7,7 +7,6 @@ import torch
 
 from megadlms.fp8 import DelayedScaling, Float8CurrentScaling, Float8Linear, Float8RowwiseScaling, Format
 from megadlms.fp8.blockwise import dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
-from megadlms.fp8.gemm import scale_layout
 from megadlms.fp8.linear import GRAD, INPUT, WEIGHT
 from megadlms.fp8.mx import dequantize_mx, quantize_mx
 from megadlms.fp8.quantize import E4M3, E5M2, amax_to_scale, quantize, quantize_rowwise
@@ -16,7 +15,7 @@ from megadlms.fp8.quantizer import (
     BlockwiseQuantizer,
     CurrentQuantizer,
     DelayedQuantizer,
-    FP8Tensor,
+    FP8Copies,
     GroupQuantizer,
     MXQuantizer,
     RowwiseQuantizer,
@@ -25,6 +24,7 @@ from megadlms.fp8.quantizer import (
 )
 from megadlms.fp8.recipe import Float8BlockwiseScaling, Float8MXScaling
 from megadlms.fp8.state import fp8_autocast
+from megadlms.fp8.tensor import Scaling
 
 
 @pytest.mark.parametrize("recipe, kind", [(DelayedScaling(), DelayedQuantizer),
@@ -70,15 +70,16 @@ def test_rowwise_quantizer_scales_rows_and_columns_from_the_values():
     quant = RowwiseQuantizer(Float8RowwiseScaling(), E4M3)
     x = torch.randn(32, 16) * torch.linspace(0.1, 10, 32)[:, None]
     t = quant.quantize(x, rows=True, cols=True)
-    q, si, _ = quantize_rowwise(x, E4M3, 1)
-    qc, sic, _ = quantize_rowwise(x, E4M3, 0)
+    q, si = quantize_rowwise(x, E4M3, 1)
+    qc, sic = quantize_rowwise(x, E4M3, 0)
     assert torch.equal(t.rows.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(t.rows.scale_inv, si)
     assert torch.equal(t.cols.data.view(torch.uint8), qc.t().contiguous().view(torch.uint8))
     assert t.cols.scale_inv.shape == (16, 1) and torch.equal(t.cols.scale_inv, sic.reshape(-1, 1))
     # a cached weight's transposed operand: cast again from the master values, not transposed from rows
     cols = quant.cols_of(t.rows, lambda: x)
     assert torch.equal(cols.data.view(torch.uint8), t.cols.data.view(torch.uint8))
-    q_back, si_back = FP8Tensor(cols=t.cols).any_copy()
+    assert (t.rows.scaling, t.rows.axis, t.cols.scaling, t.cols.axis) == (Scaling.ROW, 1, Scaling.ROW, 0)
+    q_back, si_back = FP8Copies(cols=t.cols).any_copy()
     assert torch.equal(q_back.view(torch.uint8), qc.view(torch.uint8)) and torch.equal(si_back, sic)
 
 
@@ -135,12 +136,12 @@ def test_group_quantizer_casts_with_one_scale_and_records_into_every_member():
 def _dq_tiles(x: torch.Tensor) -> torch.Tensor:
     """x quantized in 1x128 tiles along its rows, dequantised, unpadded (the blockwise library's cast)."""
     q, _ = quantize_tiles(x)
-    return dequantize_tiles(*q)[: x.shape[0], : x.shape[1]]
+    return dequantize_tiles(q.data, q.scale_inv)[: x.shape[0], : x.shape[1]]
 
 
 def _dq_blocks(w: torch.Tensor) -> torch.Tensor:
     q, _ = quantize_blocks(w)
-    return dequantize_blocks(*q)[: w.shape[0], : w.shape[1]]
+    return dequantize_blocks(q.data, q.scale_inv)[: w.shape[0], : w.shape[1]]
 
 
 def _dq_mx(x: torch.Tensor) -> torch.Tensor:
@@ -179,18 +180,21 @@ def test_blockwise_quantizer_kinds_and_layouts():
     assert not tiles.per_tensor and QUANTIZER_KINDS[Float8BlockwiseScaling] is BlockwiseQuantizer
     x = torch.randn(32, 256)
     t = tiles.quantize(x, rows=True, cols=True)
-    assert scale_layout(t.rows) == scale_layout(t.cols) == "tile" and t.cols.data.shape == (256, 128)
+    assert t.rows.scaling is t.cols.scaling is Scaling.TILE and t.cols.data.shape == (256, 128)
+    assert (t.rows.transposed, t.cols.transposed) == (False, True)
     si = t.rows.scale_inv
     assert torch.equal(si, torch.exp2(torch.round(torch.log2(si))))  # powers of two
     w = torch.randn(128, 256)
     wq = blocks.quantize(w).rows
-    assert scale_layout(wq) == "block"
+    assert wq.scaling is Scaling.BLOCK
     cols = blocks.cols_of(wq, lambda: w)  # W^T: the same FP8 values, the block scales transposed
     ref, _ = quantize_blocks(w.t(), pow2=True)
     assert torch.equal(cols.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(cols.scale_inv,
                                                                                                  ref.scale_inv)
-    q_back, si_back = FP8Tensor(rows=wq).any_copy()  # telemetry's view: a scale per element
-    assert si_back.shape == (128, 256) and torch.equal(q_back.float() * si_back, dequantize_blocks(*wq))
+    assert cols.scaling is Scaling.BLOCK and cols.transposed
+    q_back, si_back = FP8Copies(rows=wq).any_copy()  # telemetry's view: a scale per element
+    assert si_back.shape == (128, 256) and torch.equal(q_back.float() * si_back,
+                                                       dequantize_blocks(wq.data, wq.scale_inv))
 
 
 def test_mx_quantizer_scales_each_copy_along_its_own_k():
@@ -198,7 +202,8 @@ def test_mx_quantizer_scales_each_copy_along_its_own_k():
     assert type(quant) is MXQuantizer and not quant.cols_in_same_pass
     x = torch.randn(48, 64)
     t = quant.quantize(x, rows=True, cols=True)
-    assert scale_layout(t.rows) == "mx" and t.rows.scale_inv.shape == (48, 2) and t.cols.scale_inv.shape == (64, 2)
+    assert t.rows.scaling is t.cols.scaling is Scaling.MX
+    assert t.rows.scale_inv.shape == (48, 2) and t.cols.scale_inv.shape == (64, 2)
     q, s = quantize_mx(x.t())
     assert torch.equal(t.cols.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(
         t.cols.scale_inv.view(torch.uint8), s.view(torch.uint8))

@@ -42,18 +42,17 @@ def _fp8_nodes(out: torch.Tensor) -> list:
 
 
 def _weight_refs(nodes: list) -> list[weakref.ref]:
-    """Weak references to every FP8 weight tensor (q, its transpose, the dgrad operand) the nodes hold."""
+    """Weak references to every FP8 weight tensor (the rows and the dgrad operand's data) the nodes hold."""
     refs = []
     for node in nodes:
         for a in WEIGHT_ATTRS:
             w = getattr(node, a, None)
             if w is None:
                 continue
-            for name in ("q", "t", "dgrad"):
+            for name in ("rows", "dgrad"):
                 v = getattr(w, name, None)
-                for t in v if isinstance(v, tuple) else (v,):
-                    if isinstance(t, torch.Tensor):
-                        refs.append(weakref.ref(t))
+                if v is not None:
+                    refs.append(weakref.ref(v.data))
     return refs
 
 

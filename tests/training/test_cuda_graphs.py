@@ -346,7 +346,7 @@ def test_fp8_weight_refresh_frees_each_fresh_cast_before_the_next(monkeypatch):
         _step(model, opt, [ids], True)  # delayed scales exist from here on
         weights = StepFP8Weights(model.layers)
         weights.precast()
-        captured = [c.q for c in weights.captured_groups] + [c.q for c in weights.captured_single]
+        captured = [c.rows.data for c in weights.captured_groups + weights.captured_single]
         before = [q.clone() for q in captured]
         _step(model, opt, [ids], True)  # the weights change and fp8_step drops the caches
         assert weights.stale()
@@ -355,7 +355,7 @@ def test_fp8_weight_refresh_frees_each_fresh_cast_before_the_next(monkeypatch):
             def spy(arg, cast=getattr(StepFP8Weights, name)):
                 assert all(r() is None for r in fresh), "a fresh cast outlived its copy into the captured cache"
                 out = cast(arg)
-                fresh.append(weakref.ref(out.q))
+                fresh.append(weakref.ref(out.rows.data))
                 return out
             monkeypatch.setattr(StepFP8Weights, name, staticmethod(spy))
         weights.refresh()
