@@ -19,8 +19,7 @@ from .fused_mlp import fused_projections
 from .fusions import install_fusions, log_fusion_decisions
 from .grouped import Float8GroupedExperts, fp8_grouped_eligible
 from .hardware import check_fp8_support
-from .linear import Float8Linear
-from .quantize import amax_to_scale
+from .linear import DelayedScalingState, Float8Linear
 from .quantizer import make_quantizer
 from .recipe import DelayedScaling, Recipe, attention_problem, check_recipe, keeps_history
 from .state import FP8GlobalStateManager, fp8_autocast
@@ -154,7 +153,7 @@ def set_fp8_weight_caching(model: nn.Module, enabled: bool) -> list[Float8Linear
     whose setting changed (to switch back with `fp8_weight_caching`)."""
     changed = [m for m in fp8_modules(model) if m.cache_weight != enabled]
     for m in changed:
-        m.cache_weight = enabled
+        m.set_cache_weight(enabled)
     if changed and not enabled:
         invalidate_fp8_weight_caches(model)
     return changed
@@ -166,12 +165,12 @@ def fp8_weight_caching(model: nn.Module, modules: list[Float8Linear]) -> Iterato
     e.g. over the batches of an evaluation, which all see the same weights. On exit their setting is back to off
     and the caches made inside are dropped: training without a cache must not hold them through its steps."""
     for m in modules:
-        m.cache_weight = True
+        m.set_cache_weight(True)
     try:
         yield
     finally:
         for m in modules:
-            m.cache_weight = False
+            m.set_cache_weight(False)
         if modules:
             invalidate_fp8_weight_caches(model)
 
@@ -188,23 +187,20 @@ def fp8_graph_capture(model: nn.Module, weights_in_graph: bool = True) -> Iterat
     runs recorded the amaxes of sample inputs.
     """
     modules = list(fp8_modules(model))
-    buffers = [b for m in fp8_scaling_modules(model) for b in (m.fp8_amax_history, m.fp8_scale, m.fp8_initialized)
-               if b is not None]
-    saved = [b.clone() for b in buffers]
+    scaling = list(fp8_scaling_modules(model))
+    saved = [sm.save_scaling_state() for sm in scaling]
     cache_flags = [m.cache_weight for m in modules]
     if weights_in_graph:
         for m in modules:
-            m.cache_weight = False
-            m.invalidate_fp8_weight_cache()
+            m.set_cache_weight(False)
     try:
         yield
     finally:
-        for b, s in zip(buffers, saved):
-            b.copy_(s)
+        for sm, state in zip(scaling, saved):
+            sm.restore_scaling_state(state)
         if weights_in_graph:
             for m, flag in zip(modules, cache_flags):
-                m.cache_weight = flag
-                m.invalidate_fp8_weight_cache()
+                m.set_cache_weight(flag)
 
 
 def _default_group(group: Any) -> Any:
@@ -226,52 +222,10 @@ def reduce_amaxes(modules: list[ScalingModule], group: Any = None) -> None:
     group = _default_group(group)
     if group is None or not modules:
         return
-    slots = [_delayed_state(m)[0][0] for m in modules]
+    slots = [m.delayed_state()[0][0] for m in modules]
     flat = torch.cat(slots)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     torch._foreach_copy_(slots, list(flat.split([s.numel() for s in slots])))
-
-
-_ROLE_MAXIMA: dict[tuple, torch.Tensor] = {}
-
-
-def _role_maxima(fmt: Any, roles: int, bwd_roles: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """[roles] fp32: each role's FP8 maximum (the backward format's for `bwd_roles`). Made once per kind of module
-    and device: a tensor made from host data is a host-to-device copy, which on CUDA waits for the stream."""
-    key = (fmt, roles, tuple(bwd_roles), device)
-    t = _ROLE_MAXIMA.get(key)
-    if t is None:
-        t = _ROLE_MAXIMA[key] = torch.tensor([fmt.max_bwd if r in bwd_roles else fmt.max_fwd for r in range(roles)],
-                                             dtype=torch.float32, device=device)
-    return t
-
-
-def _delayed_state(m: ScalingModule) -> tuple[torch.Tensor, torch.Tensor]:
-    """(amax history, scales) of a module with delayed scaling."""
-    assert m.fp8_amax_history is not None and m.fp8_scale is not None, "delayed scaling keeps both"
-    return m.fp8_amax_history, m.fp8_scale
-
-
-def _update_scales(recipe: DelayedScaling, modules: list[ScalingModule]) -> None:
-    """New scales from the histories, then roll each history (slot 0 = the new step, zeroed). The modules share
-    one type (the same roles): each role's scale uses the forward or the backward format's maximum.
-
-    Tensor ops on stacked buffers: a fixed number of kernels whatever the layer count, no sync.
-    """
-    states = [_delayed_state(m) for m in modules]
-    hists, scales = [h for h, _ in states], [s for _, s in states]
-    # a non-finite amax (a diverging step, skipped by the optimizer) is not kept: 0 leaves that scale as it was
-    h = torch.nan_to_num(torch.stack(hists), nan=0.0, posinf=0.0, neginf=0.0)  # [n, L, roles]
-    amax = h[:, 0] if recipe.amax_compute_algo == "most_recent" else h.amax(dim=1)  # [n, roles]
-    old = torch.stack(scales)  # [n, roles]
-    fmax = _role_maxima(recipe.fp8_format, h.shape[2], modules[0].fp8_bwd_roles, h.device)
-    new = amax_to_scale(amax, fmax, recipe.margin, old)
-    rolled = torch.roll(h, 1, dims=1)
-    rolled[:, 0] = 0
-    torch._foreach_copy_(hists, list(rolled.unbind(0)))
-    torch._foreach_copy_(scales, list(new.unbind(0)))
-    for m in modules:
-        m.mark_scales_ready()
 
 
 @torch.no_grad()
@@ -289,8 +243,8 @@ def fp8_step(model: nn.Module, group: Any = None) -> None:
     reduce_amaxes([m for m, recipe in delayed if recipe.reduce_amax], group)
     groups: dict[tuple[DelayedScaling, torch.device, type], list[ScalingModule]] = defaultdict(list)
     for m, recipe in delayed:
-        groups[(recipe, _delayed_state(m)[0].device, type(m))].append(m)
+        groups[(recipe, m.delayed_state()[0].device, type(m))].append(m)
     for (recipe, _, _), members in groups.items():
-        _update_scales(recipe, members)
+        DelayedScalingState.update_scales(recipe, members)
     for m in modules:
         m.invalidate_fp8_weight_cache()

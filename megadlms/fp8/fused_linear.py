@@ -230,9 +230,7 @@ class FusedFloat8Projection(nn.Module):
             n = w.shape[0]
             mc = FP8WeightCache(key, rows.with_data(rows.data[row:row + n]))  # what the member uses if called alone
             row += n
-            m.num_weight_casts += 1
-            if self.cache_weight:
-                m.weight_cache = mc
+            m.keep_group_cast(mc)
             member_caches.append(mc)
         group = FP8WeightCache(tuple(keys), rows, step, tuple(member_caches))
         group.dgrad = t.cols  # the input-gradient GEMM's operand, when made in the same pass

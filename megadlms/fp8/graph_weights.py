@@ -124,23 +124,23 @@ class StepFP8Weights:
         _copy_weight(old, new)
         for m, om, nm in zip(g.members(), old.members, new.members):
             om.key = nm.key
-            m.weight_cache = om
+            m.restore_weight_cache(om)
         g.weight_cache = old
 
     def _refresh_single(self, m: Float8Linear, old: FP8WeightCache) -> None:
         new = self._cast_single(m)
         _copy_weight(old, new)
         old.key = new.key
-        m.weight_cache = old
+        m.restore_weight_cache(old)
 
     # ----------------------------------------------------------------- use
     @contextlib.contextmanager
     def frozen(self) -> Iterator[None]:
         """Inside, the layers use their cached FP8 weights as they are (the captured forward)."""
         for m in self.modules:
-            m.weights_frozen = True
+            m.freeze_weights(True)
         try:
             yield
         finally:
             for m in self.modules:
-                m.weights_frozen = False
+                m.freeze_weights(False)

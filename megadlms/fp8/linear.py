@@ -28,7 +28,7 @@ the BF16 GEMM of the unquantized tensors.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
@@ -39,7 +39,7 @@ from ..model import compute_dtype
 from .gemm import bias_grad, dequant_scale, fp8_gemm, wgrad_high_precision
 from .hardware import check_fp8_support
 from .param_gather import gathered_fp8
-from .quantize import pad_2d, quant_stats, round_up16
+from .quantize import amax_to_scale, pad_2d, quant_stats, round_up16
 from .quantizer import FP8Copies, Quantizer, StepScales, make_quantizer
 from .recipe import DelayedScaling, Recipe, check_recipe, keeps_history
 from .state import FP8GlobalStateManager
@@ -135,6 +135,7 @@ class DelayedScalingState(_ModuleMixin):
     fp8_amax_history: torch.Tensor | None
     fp8_scale: torch.Tensor | None
     fp8_initialized: torch.Tensor | None
+    fp8_bwd_roles: tuple[int, ...] = ()  # the roles in the recipe's backward format (the scale update's maxima)
 
     def _register_fp8_state(self, recipe: Recipe, roles: int, device: Any) -> None:
         if keeps_history(recipe):
@@ -164,11 +165,65 @@ class DelayedScalingState(_ModuleMixin):
         return StepScales(self.fp8_scale)
 
     def mark_scales_ready(self) -> None:
-        """Scales exist from now on (`fp8_step` wrote them)."""
+        """Scales exist from now on (`update_scales` wrote them)."""
         if not self.scales_ready():
             assert self.fp8_initialized is not None  # delayed scaling
             self.fp8_initialized.fill_(True)
         self._ready = True
+
+    def delayed_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(amax history [L, roles], scales [roles]) of a module with delayed scaling."""
+        assert self.fp8_amax_history is not None and self.fp8_scale is not None, "delayed scaling keeps both"
+        return self.fp8_amax_history, self.fp8_scale
+
+    def save_scaling_state(self) -> list[torch.Tensor]:
+        """Copies of the delayed-scaling buffers (none for other recipes), for `restore_scaling_state`."""
+        return [b.clone() for b in self._scaling_buffers()]
+
+    def restore_scaling_state(self, saved: list[torch.Tensor]) -> None:
+        """The delayed-scaling buffers back to `saved` (`save_scaling_state`), e.g. after a CUDA-graph warm-up
+        recorded the amaxes of sample inputs."""
+        for b, s in zip(self._scaling_buffers(), saved):
+            b.copy_(s)
+
+    def _scaling_buffers(self) -> list[torch.Tensor]:
+        return [b for b in (self.fp8_amax_history, self.fp8_scale, self.fp8_initialized) if b is not None]
+
+    @staticmethod
+    def update_scales(recipe: DelayedScaling, modules: Sequence[DelayedScalingState]) -> None:
+        """New scales from the histories of `modules`, then each history rolled (slot 0 = the new step, zeroed):
+        the one writer of the scales (`fp8_step` calls it once per kind of module). The modules share one type (the
+        same roles): each role's scale uses the forward or the backward format's maximum.
+
+        Tensor ops on stacked buffers: a fixed number of kernels whatever the layer count, no sync."""
+        states = [m.delayed_state() for m in modules]
+        hists, scales = [h for h, _ in states], [s for _, s in states]
+        # a non-finite amax (a diverging step, skipped by the optimizer) is not kept: 0 leaves that scale as it was
+        h = torch.nan_to_num(torch.stack(hists), nan=0.0, posinf=0.0, neginf=0.0)  # [n, L, roles]
+        amax = h[:, 0] if recipe.amax_compute_algo == "most_recent" else h.amax(dim=1)  # [n, roles]
+        old = torch.stack(scales)  # [n, roles]
+        fmax = _role_maxima(recipe.fp8_format, h.shape[2], modules[0].fp8_bwd_roles, h.device)
+        new = amax_to_scale(amax, fmax, recipe.margin, old)
+        rolled = torch.roll(h, 1, dims=1)
+        rolled[:, 0] = 0
+        torch._foreach_copy_(hists, list(rolled.unbind(0)))
+        torch._foreach_copy_(scales, list(new.unbind(0)))
+        for m in modules:
+            m.mark_scales_ready()
+
+
+_ROLE_MAXIMA: dict[tuple, torch.Tensor] = {}
+
+
+def _role_maxima(fmt: Any, roles: int, bwd_roles: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[roles] fp32: each role's FP8 maximum (the backward format's for `bwd_roles`). Made once per kind of module
+    and device: a tensor made from host data is a host-to-device copy, which on CUDA waits for the stream."""
+    key = (fmt, roles, tuple(bwd_roles), device)
+    t = _ROLE_MAXIMA.get(key)
+    if t is None:
+        t = _ROLE_MAXIMA[key] = torch.tensor([fmt.max_bwd if r in bwd_roles else fmt.max_fwd for r in range(roles)],
+                                             dtype=torch.float32, device=device)
+    return t
 
 
 class FP8Telemetry(_ModuleMixin):
@@ -198,6 +253,15 @@ class FP8Telemetry(_ModuleMixin):
         """Merge one cast's [amax, underflow, saturation, numel] into this window's statistics of `role`."""
         buf = self.fp8_stats_buffer[role]
         buf.copy_(torch.cat([torch.maximum(buf[:1], s[:1]), buf[1:] + s[1:]]))
+
+    def set_collect_fp8_stats(self, enabled: bool) -> None:
+        """Record the statistics of this module's casts from now on (or stop)."""
+        self.collect_fp8_stats = bool(enabled)
+
+    def new_stats_window(self) -> None:
+        """Zero the statistics and start a new window (the weight's cast is recorded again, once, in it)."""
+        self.fp8_stats_buffer.zero_()
+        self.stats_epoch += 1
 
 
 class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
@@ -273,9 +337,37 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         # the FP8 metadata stays fp32 whatever dtype the parameters are cast to
         return apply_keeping_dtypes(self, fn, ("fp8_amax_history", "fp8_scale", "fp8_stats_buffer"), recurse)
 
+    # The per-step state of the layer (its FP8 weight cache, its caching and freezing switches, its kept weight
+    # amax) is written here only: conversion, fused groups, CUDA-graph weights and the optimizer's amaxes call these.
     def invalidate_fp8_weight_cache(self) -> None:
         """Drop the cached FP8 weight; the next forward casts the weight again."""
         self.weight_cache = None
+
+    def set_cache_weight(self, enabled: bool) -> None:
+        """Keep the FP8 weight for the step's later micro-batches (or not); the cache held now is dropped."""
+        self.cache_weight = bool(enabled)
+        self.weight_cache = None
+
+    def keep_group_cast(self, cache: FP8WeightCache) -> None:
+        """A cast of this layer's weight that its fused group made (`cache`: its rows of the group's FP8 weight):
+        counted as this layer's cast and kept as its cache when it caches."""
+        self.num_weight_casts += 1
+        if self.cache_weight:
+            self.weight_cache = cache
+
+    def restore_weight_cache(self, cache: FP8WeightCache) -> None:
+        """`cache` (a captured one, just recast in place: `graph_weights.StepFP8Weights`) is the current FP8 weight."""
+        self.weight_cache = cache
+
+    def freeze_weights(self, frozen: bool) -> None:
+        """Frozen, the forward uses the cached FP8 weight as it is, without a version check or a cast (a CUDA graph
+        captured reading it; `graph_weights.StepFP8Weights` recasts into it)."""
+        self.weights_frozen = bool(frozen)
+
+    def keep_weight_amax(self, kept: KeptAmax | None) -> None:
+        """max |weight| from now on kept by the weight's writer (`weight_amax.attach_weight_amaxes`), or None: each
+        weight cast computes it."""
+        self.weight_amax = kept
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:

@@ -26,7 +26,7 @@ def fp8_telemetry_modules(model: nn.Module) -> Iterator[FP8Telemetry]:
 def enable_fp8_stats(model: nn.Module, enabled: bool = True) -> None:
     """Turn statistics collection on (or off) for every FP8 module of `model`."""
     for m in fp8_telemetry_modules(model):
-        m.collect_fp8_stats = bool(enabled)
+        m.set_collect_fp8_stats(enabled)
 
 
 def fp8_stats_enabled(model: nn.Module) -> bool:
@@ -59,8 +59,7 @@ def fp8_stats(model: nn.Module, reset: bool = True) -> dict[str, float]:
     if reset:
         for mods in groups.values():
             for m in mods:
-                m.fp8_stats_buffer.zero_()
-                m.stats_epoch += 1
+                m.new_stats_window()
     out: dict[str, float] = {}
     roles = [r for names in groups for r in names]
     for role, (amax, under, sat, numel) in zip(roles, values):

@@ -136,7 +136,7 @@ class ScaleGroup:
         else:
             scale, scale_inv = current_scale(list(amaxes.unbind()), fp8_dtype, layer.recipe.margin)
         if delayed and layer.training:  # each member's own amax into its own history
-            record_amax([layer.fp8_amax_history[0, WEIGHT_ROLE]], amaxes[index])
+            record_amax(quantizer.amax_slots(), amaxes[index])
         q, _, scale_inv, _ = cast_fp8(shard, scale, None, fp8_dtype, layer.recipe.margin, scale_inv=scale_inv)
         assert q is not None  # asked for
         return FP8Tensor(q, scale_inv, Scaling.TENSOR)

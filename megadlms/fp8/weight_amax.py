@@ -45,8 +45,9 @@ def attach_weight_amaxes(model: nn.Module) -> list[tuple[torch.Tensor, KeptAmax]
     for device, ms in by_device.items():
         buf = torch.zeros(len(ms), dtype=torch.float32, device=device)
         for i, m in enumerate(ms):
-            m.weight_amax = KeptAmax(buf[i], -1)
-            pairs.append((m.weight, m.weight_amax))
+            kept = KeptAmax(buf[i], -1)
+            m.keep_weight_amax(kept)
+            pairs.append((m.weight, kept))
     refresh_weight_amaxes(model)
     return pairs
 
@@ -63,7 +64,7 @@ def detach_weight_amaxes(model: nn.Module) -> None:
     """Back to an amax pass before each weight cast (an optimizer that was publishing them may stop)."""
     for m in model.modules():
         if isinstance(m, Float8Linear):
-            m.weight_amax = None
+            m.keep_weight_amax(None)
 
 
 __all__ = ["KeptAmax", "attach_weight_amaxes", "refresh_weight_amaxes", "detach_weight_amaxes"]

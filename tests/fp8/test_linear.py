@@ -282,3 +282,35 @@ def test_telemetry_of_the_finer_scaled_recipes(recipe):
     amaxes = [float(x.detach().abs().max()), float(layer.weight.detach().abs().max()), 1.0]
     assert stats[:, 0].tolist() == pytest.approx(amaxes)
     assert stats[:, 2].tolist() == [0, 0, 0] and stats[:, 3].tolist() == [640, 64 * 48, 480]
+
+
+def test_the_layer_owns_its_per_step_state():
+    """The switches and records other modules change go through the layer's methods: caching off drops the cache
+    (the next forward casts again), the delayed-scaling buffers come back from a snapshot, the statistics window
+    restarts at zero."""
+    layer = Float8Linear(32, 16, recipe=DelayedScaling(amax_history_len=4))
+    x = torch.randn(8, 32)
+    with fp8_autocast(enabled=True):
+        layer(x)
+        layer(x)
+    assert layer.num_weight_casts == 1 and layer.weight_cache is not None
+    layer.set_cache_weight(False)
+    assert layer.weight_cache is None
+    with fp8_autocast(enabled=True):
+        layer(x)
+    assert layer.num_weight_casts == 2 and layer.weight_cache is None
+    saved = layer.save_scaling_state()
+    before = [t.clone() for t in saved]
+    with fp8_autocast(enabled=True):
+        layer(x * 100)  # records a larger input amax into the history
+    assert float(layer.fp8_amax_history[0, 0]) == pytest.approx(float((x * 100).abs().max()), rel=1e-6)
+    layer.restore_scaling_state(saved)
+    assert all(torch.equal(a, b) for a, b in zip((layer.fp8_amax_history, layer.fp8_scale, layer.fp8_initialized),
+                                                 before))
+    layer.set_collect_fp8_stats(True)
+    with fp8_autocast(enabled=True):
+        layer(x)
+    assert float(layer.fp8_stats_buffer[0, 0]) == pytest.approx(float(x.abs().max()), rel=1e-6)
+    epoch = layer.stats_epoch
+    layer.new_stats_window()
+    assert layer.stats_epoch == epoch + 1 and not layer.fp8_stats_buffer.any()
