@@ -91,6 +91,9 @@ def kernels_ms(params: list[torch.Tensor], grads: list[torch.Tensor], block: int
 
 
 def main() -> None:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--layers", type=int, default=16)

@@ -109,6 +109,9 @@ def cosines(a: dict, b: dict) -> tuple[float, str]:
 
 
 def main() -> int:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default="qwen3-0.6b")
     ap.add_argument("--layers", type=int, default=4)

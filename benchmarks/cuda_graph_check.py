@@ -111,6 +111,9 @@ def check_failed_capture() -> str:
 
 
 def main() -> None:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--layers", type=int, default=4)

@@ -111,6 +111,9 @@ def probe(name: str, device: str, recipe: DelayedScaling, iters: int) -> dict:
 
 
 def main() -> None:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="qwen,llama")
     p.add_argument("--format", choices=["hybrid", "e4m3"], default="hybrid")

@@ -443,6 +443,9 @@ def gemm_bench(cfg: TransformerConfig, a: argparse.Namespace, device: torch.devi
 
 
 def main() -> None:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     a = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     compile_ = device.type == "cuda" if a.compile is None else a.compile

@@ -76,6 +76,9 @@ def time_us(fn, iters: int) -> float:
 
 
 def main() -> None:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--modes", default="0,1,2,3", help="transposed-store formulations to try")

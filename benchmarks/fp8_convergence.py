@@ -159,6 +159,9 @@ def run_parallel(a: argparse.Namespace, names: list[str]) -> list[dict]:
 
 
 def main() -> None:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", default="qwen3-0.6b")
     p.add_argument("--iters", type=int, default=300)

@@ -15,7 +15,7 @@ whose q^T is not q transposed byte for byte (and whose q differs from the torch 
 Prints one row per kernel and formulation: calls, calls with a wrong q^T, wrong elements, calls with a wrong q,
 and whether it is the formulation training runs (`triton_cast.production_formulation`,
 `triton_swiglu.production_formulation`: one per kernel, checked once against torch on its first call). This study
-is where the choice of that formulation (and of torch's ptxas, `triton_cast.use_torch_ptxas`) is made and
+is where the choice of that formulation (and of torch's ptxas, `megadlms.triton_setup.use_torch_ptxas`) is made and
 revisited; the library itself does not search.
 """
 
@@ -144,7 +144,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=6144)
     p.add_argument("--ptxas", default="bundled", help="bundled (Triton's own), torch (torch's, what "
-                   "megadlms.fp8.triton_cast.use_torch_ptxas picks), or a path; each run compiles into a fresh "
+                   "megadlms.triton_setup.use_torch_ptxas picks), or a path; each run compiles into a fresh "
                    "Triton cache")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, 2 calls, Triton's interpreter on the CPU")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -159,7 +159,7 @@ def main() -> None:
 
     if not torch.cuda.is_available() and not a.smoke:
         raise SystemExit("fp8_store_check.py needs a CUDA GPU (or --smoke)")
-    from megadlms.fp8.triton_cast import torch_ptxas
+    from megadlms.triton_setup import torch_ptxas
 
     ptxas = {"bundled": None, "torch": torch_ptxas()}.get(a.ptxas, a.ptxas)
     if a.ptxas == "torch" and ptxas is None:

@@ -110,6 +110,9 @@ def profile_forward(model, prompt: torch.Tensor, mask_id: int, args: argparse.Na
 
 
 def main() -> None:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="qwen3-1.7b")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

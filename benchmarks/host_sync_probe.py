@@ -108,6 +108,9 @@ def host_times(trainer, steps: int) -> tuple[list[float], list[float]]:
 
 
 def main() -> None:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     a = parse_args()
     import torch
 

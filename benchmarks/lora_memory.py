@@ -93,6 +93,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llada-8b")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the preset (a quick look)")

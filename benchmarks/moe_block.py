@@ -175,6 +175,9 @@ def run_variant(name: str, device, args) -> dict[str, float]:
 
 
 def main() -> None:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--variants", default="bf16,fp8-rowwise,fp8-tensorwise")

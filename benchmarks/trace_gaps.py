@@ -118,6 +118,9 @@ def report(r: dict, top: int) -> None:
 
 
 def main() -> None:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("trace", type=Path, help="Chrome trace (.json or .json.gz)")
     p.add_argument("--min-us", type=float, default=5.0, help="ignore shorter gaps (kernel-to-kernel latency)")

@@ -376,6 +376,9 @@ def run_logged(cmd: list[str], log: Path | None, timeout: int) -> tuple[int, str
 
 
 def main() -> None:
+    from megadlms.triton_setup import use_torch_ptxas
+
+    use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
     a = parse_args()
     if a.worker:
         worker(json.loads(a.worker))

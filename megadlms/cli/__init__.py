@@ -15,6 +15,7 @@ import sys
 from typing import Sequence
 
 from ..errors import report_errors
+from ..triton_setup import use_torch_ptxas
 
 # name -> (module, one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -44,6 +45,7 @@ def run_command(name: str, argv: Sequence[str], prog: str | None = None) -> int:
 
     def go() -> int | None:
         args = parse(parser, list(argv)) if parse is not None else parser.parse_args(list(argv))
+        use_torch_ptxas()  # the FP8 Triton kernels compile with torch's ptxas (TRITON_PTXAS_PATH chooses another)
         return module.run(args)
 
     setup_logging()

@@ -25,6 +25,7 @@ Which code runs where:
                    export.py: FP8 inference export.
 """
 
+from ..triton_setup import use_torch_ptxas
 from .attention import Float8DotProductAttention
 from .convert import (
     convert_to_fp8,
@@ -57,6 +58,6 @@ __all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8RowwiseSca
            "Float8DotProductAttention",
            "SwiGLUFP8InputStore", "convert_to_fp8", "fp8_step", "fp8_modules", "invalidate_fp8_weight_caches",
            "fp8_graph_capture", "fp8_weight_caching",
-           "set_fp8_weight_caching", "check_fp8_support", "fp8_backend_note", "FP8UnsupportedError",
+           "set_fp8_weight_caching", "check_fp8_support", "fp8_backend_note", "FP8UnsupportedError", "use_torch_ptxas",
            "fp8_stats", "enable_fp8_stats", "fp8_stats_enabled", "attach_weight_amaxes", "refresh_weight_amaxes",
            "detach_weight_amaxes"]

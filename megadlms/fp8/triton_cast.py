@@ -51,32 +51,7 @@ def enabled(device: torch.device) -> bool:
         return False
     if _state["ok"] is None:
         _state["ok"] = os.environ.get("MEGADLMS_FP8_TRITON", "1") != "0" and triton is not None
-        if _state["ok"] and device.type == "cuda":
-            use_torch_ptxas()
     return bool(_state["ok"])
-
-
-def torch_ptxas() -> str | None:
-    """The ptxas that ships with torch (CUDA builds), or None."""
-    path = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
-    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
-
-
-def use_torch_ptxas() -> None:
-    """Compile this process's Triton kernels with torch's own ptxas, as torch.compile does, unless the user chose one
-    (TRITON_PTXAS_PATH).
-
-    The ptxas Triton 3.6 bundles for Hopper (CUDA 12.8) miscompiles kernels that store an FP8 tile and its
-    transpose: on an H200 a quarter of q^T was wrong in every call of the fused SwiGLU kernels and of the cast of
-    fp32 sources, and right with CUDA 13.0's ptxas (`benchmarks/fp8_store_check.py`). torch.compile points
-    TRITON_PTXAS_PATH at torch's ptxas when it first compiles a kernel in the process, so without this the ptxas of
-    these kernels depended on whether inductor had compiled something before them. The first-call checks guard
-    either way; this makes the fast formulations the ones that pass."""
-    if os.environ.get("TRITON_PTXAS_PATH"):
-        return
-    path = torch_ptxas()
-    if path is not None:
-        os.environ["TRITON_PTXAS_PATH"] = path
 
 
 def _interpret() -> bool:
@@ -229,7 +204,7 @@ MAX_AMAX_OUTS = 3
 
 def production_formulation() -> tuple[int, bool]:
     """(t_mode, sw_round) of the casts in training: formulation 0 with the conversion instruction's rounding, compiled
-    with torch's ptxas (`use_torch_ptxas`: with it every formulation stores q^T right on an H200); under Triton's
+    with torch's ptxas (`megadlms.triton_setup.use_torch_ptxas`, which the `megadlms` commands call); under Triton's
     interpreter the rounding in fp32 arithmetic."""
     return 0, _interpret()
 
@@ -352,7 +327,8 @@ def checked_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torc
     if not problems:
         return q, t
     warnings.warn(f"megadlms.fp8: the Triton FP8 cast kernel disagreed with the ATen cast for {x.dtype} -> "
-                  f"{fp8_dtype} ({'; '.join(problems)}); this variant uses the torch cast instead",
+                  f"{fp8_dtype} ({'; '.join(problems)}); this variant uses the torch cast instead (with Triton's "
+                  "bundled ptxas: call megadlms.fp8.use_torch_ptxas() before the first FP8 forward)",
                   RuntimeWarning, stacklevel=2)
     for a, b in zip(amaxes, before):
         a.copy_(b)

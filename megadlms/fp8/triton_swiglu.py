@@ -184,8 +184,8 @@ FORMULATIONS = {"fwd": (1, 0, HOST_TRANSPOSE), "bwd": (0, 1, HOST_TRANSPOSE)}
 
 def production_formulation(kernel: str) -> tuple[int, bool]:
     """(t_mode, sw_round) of `kernel` ("fwd" or "bwd") in training: its first formulation with the conversion
-    instruction's rounding (compiled with torch's ptxas, `triton_cast.use_torch_ptxas`); under Triton's interpreter
-    the rounding in fp32 arithmetic (`triton_cast.production_formulation`)."""
+    instruction's rounding (compiled with torch's ptxas, `megadlms.triton_setup.use_torch_ptxas`); under Triton's
+    interpreter the rounding in fp32 arithmetic (`triton_cast.production_formulation`)."""
     return FORMULATIONS[kernel][0], triton_cast.production_formulation()[1]
 
 
@@ -349,8 +349,6 @@ def _first_call(key: tuple, run: Any, ref: torch.Tensor, amax_outs: Sequence[tor
     """Run `run(marker=True)` (the kernel in its production formulation) and check its outputs against the torch
     computation (`_codes_close` for q and q^T, the amax outputs within 1e-3); records the verdict, and on a
     disagreement switches the variant off (None) with a warning and the amax outputs restored."""
-    if ref.is_cuda:  # before the kernels compile here: their transposed stores need it (see there)
-        triton_cast.use_torch_ptxas()
     before = [a.clone() for a in amax_outs]
     problems = []
     try:
@@ -434,8 +432,6 @@ def _amax_close(got: torch.Tensor, want: torch.Tensor) -> bool:
 def _checked_amax(key: tuple, x: torch.Tensor, run: Any, values: Any, what: str) -> torch.Tensor | None:
     """run() (an amax kernel over x's rows), checked on its first call per key against max |values(r0, r1)| over
     x's rows (`triton_cast.checked_once`); None when it is off."""
-    if x.is_cuda and key not in _state["amax_ok"]:  # before it compiles, as for the cast kernels (`_first_call`)
-        triton_cast.use_torch_ptxas()
     return triton_cast.checked_once(_state["amax_ok"], key, run, lambda: _reference_amax(x.shape[0], values), what,
                                     _amax_close)
 

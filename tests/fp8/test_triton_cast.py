@@ -224,23 +224,23 @@ def test_elements_a_kernel_leaves_unwritten_fail_the_first_call_check(monkeypatc
 
 
 def test_the_kernels_compile_with_torchs_ptxas_unless_the_user_chose_one(monkeypatch, tmp_path):
-    """Triton's bundled Hopper ptxas miscompiles the transposed FP8 stores: the kernels take torch's own ptxas, as
-    torch.compile does, on their first CUDA use; a TRITON_PTXAS_PATH the user set stays."""
-    from megadlms.fp8 import triton_cast
+    """Triton's bundled Hopper ptxas miscompiles the transposed FP8 stores: `use_torch_ptxas` (opt-in; the commands
+    call it) points Triton at torch's own ptxas, as torch.compile does; a TRITON_PTXAS_PATH the user set stays."""
+    from megadlms import triton_setup
 
     ours = tmp_path / "ptxas"
     ours.write_text("#!/bin/sh\n")
     ours.chmod(0o755)
-    monkeypatch.setattr(triton_cast.torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
-    assert triton_cast.torch_ptxas() is None  # no bin/ptxas beside this torch
+    monkeypatch.setattr(triton_setup, "_torch_dir", lambda: str(tmp_path / "torch"))
+    assert triton_setup.torch_ptxas() is None  # no bin/ptxas beside this torch
     (tmp_path / "torch" / "bin").mkdir(parents=True)
     (tmp_path / "torch" / "bin" / "ptxas").write_bytes(ours.read_bytes())
     (tmp_path / "torch" / "bin" / "ptxas").chmod(0o755)
     monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
-    triton_cast.use_torch_ptxas()
+    triton_setup.use_torch_ptxas()
     assert os.environ["TRITON_PTXAS_PATH"] == str(tmp_path / "torch" / "bin" / "ptxas")
     monkeypatch.setenv("TRITON_PTXAS_PATH", str(ours))
-    triton_cast.use_torch_ptxas()
+    triton_setup.use_torch_ptxas()
     assert os.environ["TRITON_PTXAS_PATH"] == str(ours)
 
 
