@@ -81,7 +81,7 @@ def run_checks(calls: int, rows: int, hidden: int, ffn: int, smoke: bool = False
     for src in (torch.bfloat16, torch.float32):
         tile = triton_cast.tile_config(src, True)
         for n_amax in (1, 0):
-            for mode in (0, 1, 2):
+            for mode in triton_cast.TRANSPOSE_MODES:
                 def cast(mode=mode, src=src, tile=tile, n_amax=n_amax):
                     x = torch.randn(rows, hidden, device=dev, dtype=src)
                     amax = [torch.zeros((), device=dev) for _ in range(n_amax)]
@@ -90,7 +90,7 @@ def run_checks(calls: int, rows: int, hidden: int, ffn: int, smoke: bool = False
                     return q, t, torch_cast(x, e4m3), 0.0
                 variants.append((f"cast {str(src)[6:]}->e4m3 {tile} amax {n_amax}", mode, cast))
     for n_amax in (1, 0):
-        for mode in triton_swiglu.FORMULATIONS["fwd"][:2]:
+        for mode in triton_swiglu.FORMULATIONS["fwd"]:
             def fwd(mode=mode, n_amax=n_amax):
                 y = torch.randn(rows, 2 * ffn, device=dev, dtype=torch.bfloat16)
                 amax = torch.zeros((), device=dev) if n_amax else None
@@ -99,7 +99,7 @@ def run_checks(calls: int, rows: int, hidden: int, ffn: int, smoke: bool = False
                 return q, t, ref, 1e-3
             variants.append((f"swiglu fwd {triton_swiglu.TILES['fwd']} amax {n_amax}", mode, fwd))
     for n_amax in (2, 0):
-        for mode in triton_swiglu.FORMULATIONS["bwd"][:2]:
+        for mode in triton_swiglu.FORMULATIONS["bwd"]:
             def bwd(mode=mode, n_amax=n_amax):
                 dh, gate, up = (torch.randn(rows, ffn, device=dev, dtype=torch.bfloat16) for _ in range(3))
                 amax = [torch.zeros((), device=dev) for _ in range(n_amax)]

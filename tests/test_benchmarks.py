@@ -64,7 +64,7 @@ def test_fp8_cast_sweep_smoke(tmp_path):
     fp32 arithmetic: the interpreter's emulation of the FP8 conversion does not round to nearest even)."""
     env = _env(TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_cast_sweep.py"), "--smoke", "--tiles",
-                          "64x64x4", "--modes", "0,3", "--roundings", "sw"], cwd=tmp_path, env=env,
+                          "64x64x4", "--modes", "0,1", "--roundings", "sw"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "WRONG" not in res.stdout and "swiglu bwd llama" in res.stdout.splitlines()[-1], res.stdout[-3000:]
@@ -152,7 +152,7 @@ def test_fp8_store_check_smoke(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = [line.split() for line in res.stdout.splitlines() if line.startswith(("cast ", "swiglu "))]
-    assert len(rows) == 20, res.stdout[-3000:]
+    assert len(rows) == 16, res.stdout[-3000:]  # 2 formulations of 8 kernel variants
     counts = [r[:-1] if r[-1] == "yes" else r for r in rows]  # "yes": the formulation training runs
     assert all(r[-5:] == ["2", "0", "0", "None", "0"] for r in counts), res.stdout[-3000:]
     assert sum(r[-1] == "yes" for r in rows) == 8  # one per kernel variant

@@ -87,8 +87,8 @@ if triton is not None:
                    SW_ROUND: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         # v fp32 [BR, BC], the tile at (r0, c0) of an [R, C] tensor -> q[r0:, c0:] and q^T[c0:, r0:], cast with
         # `scale`. 64-bit tile origins, 32-bit offsets inside the tile (less index arithmetic per element); with
-        # EVEN (R % BR == C % BC == 0) no masks. Masks are built from the indices: a transposed boolean tile lost
-        # a quarter of its stores on an H200 (Triton 3.6) with fp32 sources. T_MODE: TRANSPOSE_MODES 0-2
+        # EVEN (R % BR == C % BC == 0) no masks. Masks are built from the indices (not a transposed boolean
+        # tile). T_MODE: one of TRANSPOSE_MODES
         lr = tl.arange(0, BR)
         lc = tl.arange(0, BC)
         if WANT_Q:
@@ -101,19 +101,14 @@ if triton is not None:
                 tl.store(q_tile + offs, q, mask=(r0 + lr[:, None] < R) & (c0 + lc[None, :] < C))
         if WANT_T:
             t_tile = t_ptr + c0.to(tl.int64) * ld_t + r0
-            if T_MODE == 2:  # stores through transposed addresses (the compiler picks the data movement)
-                yt = to_fp8(v, scale, t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
-                offs_t = lc[None, :] * ld_t + lr[:, None]
-                t_mask = (c0 + lc[None, :] < C) & (r0 + lr[:, None] < R)
+            if T_MODE == 0:  # transpose the fp32 tile, then convert
+                yt = to_fp8(tl.trans(v), scale, t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
+            elif WANT_Q:  # convert, then transpose the FP8 tile
+                yt = tl.trans(q)
             else:
-                if T_MODE == 0:  # transpose the fp32 tile, then convert
-                    yt = to_fp8(tl.trans(v), scale, t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
-                elif WANT_Q:  # convert, then transpose the FP8 tile
-                    yt = tl.trans(q)
-                else:
-                    yt = tl.trans(to_fp8(v, scale, t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND))
-                offs_t = lc[:, None] * ld_t + lr[None, :]
-                t_mask = (c0 + lc[:, None] < C) & (r0 + lr[None, :] < R)
+                yt = tl.trans(to_fp8(v, scale, t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND))
+            offs_t = lc[:, None] * ld_t + lr[None, :]
+            t_mask = (c0 + lc[:, None] < C) & (r0 + lr[None, :] < R)
             if EVEN:
                 tl.store(t_tile + offs_t, yt)
             else:
@@ -188,12 +183,10 @@ if triton is not None:
         return tl.where(tl.max((acc != acc).to(tl.int32), 0) > 0, float("nan"), m)
 
 
-# Formulations of the transposed store (`cast_transpose`'s t_mode): 0 transposes the fp32 tile and converts, 1
-# converts and transposes the FP8 tile, 2 stores through transposed addresses (the compiler picks the data
-# movement), 3 writes q and q^T in two launches, 4 writes q with the kernel and q^T as the transpose of q. They
-# compute the same bits; production runs one (`production_formulation`), the others are there for the study of code
-# generation across ptxas versions (benchmarks/fp8_store_check.py) and for the tests.
-TRANSPOSE_MODES = (0, 1, 2, 3, 4)
+# Formulations of the transposed store (`cast_transpose`'s t_mode, `store_q_qt`'s T_MODE): 0 transposes the fp32
+# tile and converts, 1 converts and transposes the FP8 tile. They compute the same bits; the cast runs 0
+# (`production_formulation`), the fused SwiGLU's forward 1 (`triton_swiglu.FORMULATIONS`).
+TRANSPOSE_MODES = (0, 1)
 # The roundings (`cast_transpose`'s sw_round): the conversion instruction's round-to-nearest-even (cvt.rn.satfinite;
 # fewer instructions per element), or rounding in fp32 arithmetic before the conversion (`quantize.round_to_fp8_grid`;
 # exact whatever the instruction does, e.g. in Triton's interpreter, whose emulated conversion does not round to
@@ -220,7 +213,7 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
     in place to max(amax_out, max |x|) (atomic), or None.
     q_out / t_out: where to write (q_out [R, C] with unit column stride, t_out [C, R] with unit column stride,
     e.g. row/column blocks of a larger buffer); allocated when None.
-    t_mode: the formulation of the transposed store (TRANSPOSE_MODES).
+    t_mode: the formulation of the transposed store (one of TRANSPOSE_MODES).
     tile: (rows, columns, warps) of one program; `tile_config` when None.
     sw_round: round to the FP8 grid in fp32 arithmetic before the conversion (ROUNDINGS) instead of relying on
     the conversion instruction's round-to-nearest-even.
@@ -229,28 +222,21 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
     amaxes = _amax_list(amax_out)
     if len(amaxes) > MAX_AMAX_OUTS:
         raise ValueError(f"cast_transpose takes at most {MAX_AMAX_OUTS} amax outputs, got {len(amaxes)}")
+    if t_mode not in TRANSPOSE_MODES:
+        raise ValueError(f"cast_transpose: t_mode={t_mode} is not one of the formulations {TRANSPOSE_MODES}")
     if want_q and q_out is None:
         q_out = torch.empty(r, c, dtype=fp8_dtype, device=x.device)
     if want_t and t_out is None:
         t_out = torch.empty(c, r, dtype=fp8_dtype, device=x.device)
-    if want_t and t_mode >= 3:
-        q_full = q_out if want_q else torch.empty(r, c, dtype=fp8_dtype, device=x.device)
-        _launch(x, scale, fp8_dtype, q_full, None, amaxes, 0, tile, sw_round)
-        if t_mode == 3:
-            _launch(x, scale, fp8_dtype, None, t_out, [], 0, tile, sw_round)
-        else:
-            assert t_out is not None and q_full is not None  # made above when q^T is wanted
-            t_out.copy_(q_full.t())
-    else:
-        _launch(x, scale, fp8_dtype, q_out if want_q else None, t_out if want_t else None, amaxes, t_mode, tile,
-                sw_round)
+    _launch(x, scale, fp8_dtype, q_out if want_q else None, t_out if want_t else None, amaxes, t_mode, tile,
+            sw_round)
     return (q_out if want_q else None), (t_out if want_t else None)
 
 
 def tile_config(x_dtype: torch.dtype, want_t: bool) -> tuple[int, int, int]:
-    """(rows, columns, warps) of one program of the cast kernel: from benchmarks/fp8_cast_sweep.py on an H200, the
-    tile fastest over the trainer's casts (qwen3-1.7b, llama3-8b) among those that passed their check."""
-    if x_dtype == torch.float32:  # the master weights (in two launches, formulation 3, where ptxas fails them)
+    """(rows, columns, warps) of one program of the cast kernel: the tile fastest over the trainer's casts among
+    those that pass their check (benchmarks/fp8_cast_sweep.py measures them)."""
+    if x_dtype == torch.float32:  # the master weights
         return 64, 128, 4
     return 128, 64, 8
 

@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from . import triton_cast
-from .kernels import transpose_fp8
 from .quantize import FP8_GRID
 from .recipe import FP8_MAX
 
@@ -174,12 +173,10 @@ if triton is not None:
                 tl.atomic_max(amax_ptr2, tile_amax)
 
 
-# How q^T can be made, per kernel: 1 and 0 store it from the kernel (two formulations of the transposed store, as in
-# triton_cast), HOST_TRANSPOSE writes q only and transposes it with `kernels.transpose_fp8` (one more pass over the
-# FP8 bytes; exact by construction). Production runs the first (`production_formulation`: the faster at the
-# kernel's tile in the sweep); the others are there for benchmarks/fp8_store_check.py and the tests.
-HOST_TRANSPOSE = 9
-FORMULATIONS = {"fwd": (1, 0, HOST_TRANSPOSE), "bwd": (0, 1, HOST_TRANSPOSE)}
+# How each kernel stores q^T (`triton_cast.TRANSPOSE_MODES`): production runs the first (`production_formulation`:
+# the faster at the kernel's tile, benchmarks/fp8_cast_sweep.py), the other computes the same bits (the tests and
+# benchmarks/fp8_store_check.py run both).
+FORMULATIONS = {"fwd": (1, 0), "bwd": (0, 1)}
 
 
 def production_formulation(kernel: str) -> tuple[int, bool]:
@@ -197,9 +194,11 @@ TILES = {"fwd": (32, 128, 4), "bwd": (64, 64, 8)}
 
 def _kwargs(fp8_dtype: torch.dtype, t_mode: int, tile: tuple[int, int, int], sw_round: bool, m: int, f: int
             ) -> dict[str, Any]:
+    if t_mode not in triton_cast.TRANSPOSE_MODES:
+        raise ValueError(f"swiglu casts: t_mode={t_mode} is not one of the formulations {triton_cast.TRANSPOSE_MODES}")
     br, bc, warps = tile
     kw = {"FMAX": FP8_MAX[fp8_dtype], "MBITS": FP8_GRID[fp8_dtype][0], "EMIN": FP8_GRID[fp8_dtype][1],
-          "T_MODE": 0 if t_mode == HOST_TRANSPOSE else t_mode, "SW_ROUND": sw_round,
+          "T_MODE": t_mode, "SW_ROUND": sw_round,
           "EVEN": m % br == 0 and f % bc == 0, "BR": br, "BC": bc}
     if os.environ.get("TRITON_INTERPRET") != "1":
         kw["num_warps"] = warps
@@ -239,15 +238,12 @@ def swiglu_cast(y: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, wa
     t_mode: one of FORMULATIONS["fwd"]; sw_round: as in `triton_cast.cast_transpose`."""
     m, f2 = y.shape
     f = f2 // 2
-    in_kernel = want_t and t_mode != HOST_TRANSPOSE
     q = _empty((m, f), fp8_dtype, y.device, marker)
-    t = _empty((f, m), fp8_dtype, y.device, marker) if in_kernel else None
+    t = _empty((f, m), fp8_dtype, y.device, marker) if want_t else None
     kw = _kwargs(fp8_dtype, t_mode, tile or TILES["fwd"], sw_round, m, f)
     swiglu_cast_kernel[_grid(m, f, kw)](
         y, y.stride(0), m, f, q, t if t is not None else q, f, m, scale,
-        amax_out if amax_out is not None else scale, WANT_T=in_kernel, HAS_AMAX=amax_out is not None, **kw)
-    if want_t and not in_kernel:
-        t = transpose_fp8(q)
+        amax_out if amax_out is not None else scale, WANT_T=want_t, HAS_AMAX=amax_out is not None, **kw)
     return q, t
 
 
@@ -263,10 +259,8 @@ def swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, scal
     m, f = dh.shape
     if len(amax_out) > MAX_AMAX_OUTS:
         raise ValueError(f"swiglu_bwd_cast takes at most {MAX_AMAX_OUTS} amax outputs, got {len(amax_out)}")
-    in_kernel = want_t and t_mode != HOST_TRANSPOSE
-    write_q = want_q or (want_t and not in_kernel)
-    q = _empty((m, 2 * f), fp8_dtype, dh.device, marker) if write_q else None
-    t = _empty((2 * f, m), fp8_dtype, dh.device, marker) if in_kernel else None
+    q = _empty((m, 2 * f), fp8_dtype, dh.device, marker) if want_q else None
+    t = _empty((2 * f, m), fp8_dtype, dh.device, marker) if want_t else None
     any_out = q if q is not None else t
     q1, q2 = (q[:, :f], q[:, f:]) if q is not None else (any_out, any_out)
     t1, t2 = (t[:f], t[f:]) if t is not None else (any_out, any_out)
@@ -275,11 +269,8 @@ def swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, scal
     kw = _kwargs(fp8_dtype, t_mode, tile or TILES["bwd"], sw_round, m, f)
     swiglu_bwd_cast_kernel[_grid(m, f, kw)](
         dh, dh.stride(0), gate, up, gate.stride(0), gs, us, m, f, q1, q2, t1, t2, 2 * f, m, scale, *amaxes,
-        WANT_Q=write_q, WANT_T=in_kernel, ROW_SCALES=row_scales is not None, N_AMAX=len(amax_out), **kw)
-    if want_t and not in_kernel:
-        assert q is not None  # written for the host transpose
-        t = transpose_fp8(q)
-    return (q if want_q else None), t
+        WANT_Q=want_q, WANT_T=want_t, ROW_SCALES=row_scales is not None, N_AMAX=len(amax_out), **kw)
+    return q, t
 
 
 # (rows, columns, warps, programs per SM) of the amax kernels of current scaling: benchmarks/fp8_cast_sweep.py
