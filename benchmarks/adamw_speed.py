@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from megadlms.fp8.weight_amax import KeptAmax
+from megadlms.fp8.integrations.weight_amax import KeptAmax
 from megadlms.model import TransformerLM
 from megadlms.presets import preset_config
 from megadlms.training.triton_adamw import StreamingAdamW, adamw_update_, available

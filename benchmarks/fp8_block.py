@@ -15,8 +15,8 @@ Variants (--variants, comma-separated):
   fp8-delayed-nomlp    fused projections, the MLP's layers one by one (fuse_mlp=False): the A/B of
                  the fused FP8 MLP
   fp8-tensorwise our FP8 engine, Float8CurrentScaling, HYBRID, as the trainer runs it: the weights' amaxes kept by
-                 the optimizer step (StreamingAdamW, `fp8.weight_amax`; its cost there: adamw_speed.py), so the
-                 weight casts make no amax pass (the weights do not change between the timed iterations)
+                 the optimizer step (StreamingAdamW, `fp8.integrations.weight_amax`; its cost there: adamw_speed.py), so
+                 the weight casts make no amax pass (the weights do not change between the timed iterations)
   fp8-tensorwise-amax  the same with an amax pass before each weight cast (no optimizer keeping them)
   fp8-tensorwise-nomlp fp8-tensorwise with the MLP's layers one by one (fuse_mlp=False): the A/B of the fused FP8
                  MLP under current scaling
@@ -552,7 +552,7 @@ def main() -> None:
         print("  forward alone, longest kernels:")
         for ms, cnt, c, key in p["fwd_top"][:10]:
             print(f"    {ms:8.3f} ms x{cnt:<3d} {c:16s} {key[:90]}")
-    from megadlms.fp8 import triton_cast
+    from megadlms.fp8.kernels import triton_cast
 
     env["fp8_triton_cast"] = triton_cast._state["ok"]
     print(f"\nblock {env['shape']} | torch {env['torch']} | {env['device']} | compile={compile_} | "

@@ -1,4 +1,4 @@
-"""The one-pass FP8 cast kernel (`megadlms.fp8.triton_cast`) on the training shapes, by tile configuration.
+"""The one-pass FP8 cast kernel (`megadlms.fp8.kernels.triton_cast`) on the training shapes, by tile configuration.
 
 For each cast the trainer makes per layer (the inputs, gradients and fp32 master weights of qwen3-1.7b at
 B=4 S=4096 and of llama3-8b at B=2 S=4096), every (rows, columns, warps) tile and transposed-store formulation
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megadlms.fp8 import triton_cast, triton_swiglu  # noqa: E402
+from megadlms.fp8.kernels import triton_cast, triton_swiglu  # noqa: E402
 
 TILES = [(64, 64, 4), (64, 64, 8), (64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (32, 128, 4),
          (32, 64, 2)]

@@ -35,7 +35,7 @@ from megadlms.fp8 import (  # noqa: E402
     fp8_autocast,
     fp8_step,
 )
-from megadlms.fp8.quantize import dequantize, quantize_rowwise, quantize_tensorwise  # noqa: E402
+from megadlms.fp8.kernels.primitives import dequantize, quantize_rowwise, quantize_tensorwise  # noqa: E402
 
 SHAPES = [  # (tokens M, in K, out N)
     (4095, 4096, 4096),    # a 2047/4095-token DLM batch: M not a multiple of 16

@@ -53,7 +53,7 @@ def ptxas_versions() -> dict[str, str]:
 def run_checks(calls: int, rows: int, hidden: int, ffn: int, smoke: bool = False) -> list[dict]:
     import torch
 
-    from megadlms.fp8 import triton_cast, triton_swiglu
+    from megadlms.fp8.kernels import triton_cast, triton_swiglu
 
     # smoke: Triton's interpreter on the CPU, whose emulated conversion does not round to nearest even: rounded in
     # fp32 arithmetic first (the kernels' other rounding)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megadlms.config import TransformerConfig  # noqa: E402
 from megadlms.fp8 import fp8_autocast  # noqa: E402
 from megadlms.fp8.grouped import Float8GroupedExperts, scaled_gmm, scaled_gmm_wgrad  # noqa: E402
-from megadlms.fp8.quantize import quantize  # noqa: E402
+from megadlms.fp8.kernels.primitives import quantize  # noqa: E402
 from megadlms.fp8.recipe import E4M3, Float8CurrentScaling, Float8RowwiseScaling, Format  # noqa: E402
 from megadlms.grouped_gemm import backend, gmm, gmm_wgrad  # noqa: E402
 from megadlms.model import moe_block  # noqa: E402

@@ -221,7 +221,7 @@ def worker(spec: dict) -> None:
 def fp8_kernel_choices() -> dict[str, str]:
     """Whether each FP8 Triton kernel variant passed its first-call check (in the one formulation training runs; a
     variant that failed runs the torch path, or the unfused MLP), why not, and the ptxas that compiled them."""
-    from megadlms.fp8 import triton_cast, triton_swiglu
+    from megadlms.fp8.kernels import triton_cast, triton_swiglu
 
     st = triton_swiglu._state
     out = {f"swiglu {k}": f"formulation {triton_swiglu.production_formulation(k[0])[0]}" if ok else "off"

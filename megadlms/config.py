@@ -36,8 +36,8 @@ class FP8Settings:
     fp8_amax_compute_algo: str = "most_recent"
     fp8_wgrad: bool = True
     activation_func_fp8_input_store: bool = False
-    fp8_fuse_projections: bool = True  # q/k/v and gate/up as one FP8 GEMM each (megadlms.fp8.fused_linear)
-    fp8_fuse_mlp: bool = True  # the MLP as one FP8 function, SwiGLU fused into its casts (megadlms.fp8.fused_mlp)
+    fp8_fuse_projections: bool = True  # q/k/v and gate/up as one FP8 GEMM each (megadlms.fp8.fusions.fused_linear)
+    fp8_fuse_mlp: bool = True  # the MLP as one FP8 function, SwiGLU fused into its casts (fp8.fusions.fused_mlp)
     fp8_fprop_fast_accum: bool = True  # Hopper fast accumulation in the forward GEMM (TE's and torchao's default)
     # the FP8 layers' attention in FP8 too (cuDNN; Megatron's --fp8-dot-product-attention); inert without fp8
     fp8_dot_product_attention: bool = False

@@ -124,9 +124,8 @@ class DotProductAttention(nn.Module):
         FlexAttention BlockMask (megadlms.attention_masks), which runs flex_attention."""
         if isinstance(attn_mask, BlockMask):
             return run_flex_attention(q, k, v, attn_mask)
-        # grouped K/V as they are: on torch 2.11 + H200 SDPA picks cuDNN attention for this call
-        # (measured: expanding K/V to every head was 0.2 ms slower per 8B-class layer,
-        # benchmarks/runs/2026-12-02a-h200-baseline.md)
+        # grouped K/V as they are (enable_gqa): SDPA picks its kernel without K/V expanded to every head, which
+        # would cost a copy of them per call (docs/performance.md)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
@@ -157,7 +156,7 @@ class Attention(nn.Module):
         self.core_attention = DotProductAttention()
         self.causal = cfg.causal
         # a module that runs q/k/v as one op, x -> (q, k, v), set by a transformation (the FP8 conversion: one FP8
-        # GEMM over the three weights, megadlms.fp8.fused_linear); it holds no parameters of its own
+        # GEMM over the three weights, megadlms.fp8.fusions.fused_linear); it holds no parameters of its own
         self.register_module("qkv_fusion", None)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -199,7 +198,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, cfg.hidden_size, bias=False)
         self.act_fn = SwiGLU()
-        # modules set by a transformation (the FP8 conversion, megadlms.fp8.fused_linear / fused_mlp), holding no
+        # modules set by a transformation (the FP8 conversion, fp8.fusions.fused_linear / fused_mlp), holding no
         # parameters of their own: `gate_up_fusion` runs gate/up as one op (x -> (gate, up)), `fusion` the whole MLP
         self.register_module("gate_up_fusion", None)
         self.register_module("fusion", None)
@@ -228,7 +227,7 @@ def moe_block(cfg: TransformerConfig, layer_idx: int) -> MoE:
 
 
 # The sibling projections that read the same input, per module type, and the hook that runs them: what the
-# fusing transformations (megadlms.fp8.fused_linear, megadlms.generate.fuse) replace with one GEMM.
+# fusing transformations (megadlms.fp8.fusions.fused_linear, megadlms.generate.fuse) replace with one GEMM.
 PROJECTION_GROUPS = ((Attention, ("q_proj", "k_proj", "v_proj"), "project_qkv"),
                      (MLP, ("gate_proj", "up_proj"), "project_gate_up"))
 

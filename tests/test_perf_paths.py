@@ -113,8 +113,8 @@ def test_model_loss_through_the_fused_head_equals_plain():
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_one_pass_fp8_cast_equals_quantize(src_dtype, fp8_dtype):
-    from megadlms.fp8.kernels import cast_fp8, transpose_fp8
-    from megadlms.fp8.quantize import FP8_MAX, amax_to_scale, quantize
+    from megadlms.fp8.kernels.ops import cast_fp8, transpose_fp8
+    from megadlms.fp8.kernels.primitives import FP8_MAX, amax_to_scale, quantize
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(48, 32, generator=g) * 5).to(src_dtype)

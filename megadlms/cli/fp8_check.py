@@ -16,7 +16,7 @@ import torch
 from ..fp8.attention import FP8AttentionUnsupportedError, check_fp8_attention_support
 from ..fp8.gemm import scaled_mm
 from ..fp8.hardware import FP8UnsupportedError, check_fp8_support, default_device, fp8_backend_note
-from ..fp8.quantize import E4M3, quantize_tensorwise
+from ..fp8.kernels.primitives import E4M3, quantize_tensorwise
 from ..fp8.quantizer import make_quantizer
 from ..fp8.recipe import RECIPE_CLASSES, RECIPE_NAMES, Recipe, names_with
 

@@ -72,14 +72,14 @@ def _meshes(ctx: ParallelContext, strategy: str) -> tuple[DeviceMesh | None, Dev
 
 def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig) -> int:
     """--fp8-param-gather: FSDP2 gathers the FP8 linears' weights in FP8, each rank casting its shard
-    (`megadlms.fp8.param_gather`); the members of each fused projection share the fused GEMM's scale. Call it
-    after the FP8 conversion and before `fully_shard`. Returns the number of weights gathered in FP8.
+    (`megadlms.fp8.integrations.param_gather`); the members of each fused projection share the fused GEMM's scale. Call
+    it after the FP8 conversion and before `fully_shard`. Returns the number of weights gathered in FP8.
 
     Raises ConfigError / ParamGatherError (one line) where there is nothing to gather in FP8 or the gather could
     not be exact: no FSDP2 sharding, one data-parallel rank, tensor parallelism, a recipe or a shape that cannot."""
     from ..fp8 import fp8_modules
-    from ..fp8.fused_mlp import fused_projections
-    from ..fp8.param_gather import check_gather_shardable, enable_fp8_param_gather
+    from ..fp8.fusions.fused_mlp import fused_projections
+    from ..fp8.integrations.param_gather import check_gather_shardable, enable_fp8_param_gather
 
     check_fp8_param_gather(bool(model.config.fp8), model.config.fp8_recipe, parallel)
     if ctx.dp_cp_size < 2:

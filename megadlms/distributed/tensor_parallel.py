@@ -246,7 +246,7 @@ def apply_tensor_parallel(model: TransformerLM, tp_mesh: DeviceMesh, sequence_pa
     """Shard `model` (a TransformerLM, possibly FP8-converted) over `tp_mesh` in place (see the module doc)."""
     check_tensor_parallel(model.config, tp_mesh.size())
     if model.config.fp8:  # the fused FP8 GEMMs take whole weights: their layers run one by one on the shards
-        from ..fp8.fusions import remove_fusions
+        from ..fp8.fusions.registry import remove_fusions
 
         remove_fusions(model, "tensor parallelism shards the members' weights")
     act = Shard(1) if sequence_parallel else Replicate()

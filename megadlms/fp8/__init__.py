@@ -6,23 +6,26 @@
     loss.backward(); optimizer.step()
     fp8_step(model)                                # amax reduction + scale update + weight recast
 
-Which code runs where:
-    recipe.py      the recipes (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Float8BlockwiseScaling,
-                   Float8MXScaling), each stating its capabilities, and every rule about recipes
+Which code runs where (the core at the top, the rest in four packages below it):
+    recipe.py      the five recipes (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling,
+                   Float8BlockwiseScaling, Float8MXScaling), each stating its capabilities; every rule about recipes
     tensor.py      FP8Tensor, the one type of FP8 data: data, scale_inv, the scaling it states and its axis
     quantizer.py   one quantizer per (tensor role, recipe): a recipe is a kind of quantizer
-    gemm.py        the FP8 GEMMs (fprop, dgrad, wgrad) dispatched on the operands' scaling, the only caller of
+    gemm.py        the FP8 GEMMs (fprop, dgrad, wgrad) dispatched on the operands' scaling; the only caller of
                    torch._scaled_mm
-    linear.py      Float8Linear: one autograd function over its quantizers and the GEMM helper, which also
-                   runs the fused groups' concatenated weights
-    fusions.py     the fusions conversion installs (a registry), as modules in the model's fusion slots:
-                   fused_linear.py (q/k/v and gate/up as one GEMM, with group quantizers), fused_mlp.py (the MLP
-                   as one function of the same GEMMs, the SwiGLU fused into its casts)
-    kernels.py     the cast / transpose / amax kernels (triton_cast.py, triton_swiglu.py) and their references
-    convert.py     convert_to_fp8, fp8_step; state.py: fp8_autocast; attention.py: FP8 attention (cuDNN, opt-in);
-                   swiglu.py: FP8 activation storage; monitor.py: telemetry; weight_amax.py: current scaling's
-                   weight amaxes kept by the optimizer step; graph_weights.py: FP8 weights of CUDA-graphed layers;
-                   export.py: FP8 inference export.
+    linear.py      Float8Linear and its state: one autograd function over its quantizers and the GEMM helper,
+                   which also runs the fused groups' concatenated weights
+    convert.py     convert_to_fp8, fp8_step; state.py: fp8_autocast; hardware.py: which devices run FP8
+    attention.py   FP8 attention (cuDNN, opt-in); grouped.py: FP8 MoE experts; frozen.py: frozen FP8 linears
+                   (LoRA bases); export.py: FP8 inference export
+    formats/       the finer scalings with their casts and GEMMs: blockwise.py (1x128 / 128x128), mx.py (MXFP8)
+    kernels/       ops.py (the cast / transpose / amax interface), primitives.py (the torch casts, the
+                   references), triton_cast.py and triton_swiglu.py (the Triton kernels)
+    fusions/       registry.py (the fusions conversion installs, as modules in the model's fusion slots),
+                   fused_linear.py (q/k/v and gate/up as one GEMM), fused_mlp.py (the MLP as one function, the
+                   SwiGLU fused into its casts), swiglu.py (FP8 activation storage)
+    integrations/  param_gather.py (FSDP2's FP8 all-gather), graph_weights.py (FP8 weights of CUDA-graphed layers),
+                   weight_amax.py / kept_amax.py (weight amaxes kept by the optimizer step), monitor.py (telemetry)
 """
 
 from ..triton_setup import use_torch_ptxas
@@ -36,9 +39,11 @@ from .convert import (
     invalidate_fp8_weight_caches,
     set_fp8_weight_caching,
 )
+from .fusions.swiglu import SwiGLUFP8InputStore
 from .hardware import FP8UnsupportedError, check_fp8_support, fp8_backend_note
+from .integrations.monitor import enable_fp8_stats, fp8_stats, fp8_stats_enabled
+from .integrations.weight_amax import attach_weight_amaxes, detach_weight_amaxes, refresh_weight_amaxes
 from .linear import Float8Linear
-from .monitor import enable_fp8_stats, fp8_stats, fp8_stats_enabled
 from .recipe import (
     DelayedScaling,
     Float8BlockwiseScaling,
@@ -49,8 +54,6 @@ from .recipe import (
     recipe_from_config,
 )
 from .state import FP8GlobalStateManager, fp8_autocast, fp8_checkpoint_context_fn
-from .swiglu import SwiGLUFP8InputStore
-from .weight_amax import attach_weight_amaxes, detach_weight_amaxes, refresh_weight_amaxes
 
 __all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Float8BlockwiseScaling",
            "Float8MXScaling", "recipe_from_config",

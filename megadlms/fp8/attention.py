@@ -28,9 +28,9 @@ import torch
 from ..errors import MegaDLMsError
 from ..model import DotProductAttention, compute_dtype
 from .gemm import aligned_scalars
-from .kernels import cast_fp8, compiled
+from .kernels.ops import cast_fp8, compiled
+from .kernels.primitives import FP8_MAX, amax_to_scale, quant_stats, quantize
 from .linear import DelayedScalingState, FP8Telemetry, apply_keeping_dtypes
-from .quantize import FP8_MAX, amax_to_scale, quant_stats, quantize
 from .recipe import DelayedScaling, Recipe, attention_problem, check_recipe
 from .state import FP8GlobalStateManager
 

@@ -15,15 +15,15 @@ from torch import nn
 
 from ..model import DotProductAttention, SwiGLU
 from .attention import Float8DotProductAttention, check_fp8_attention_support
-from .fused_mlp import fused_projections
-from .fusions import install_fusions, log_fusion_decisions
+from .fusions.fused_mlp import fused_projections
+from .fusions.registry import install_fusions, log_fusion_decisions
+from .fusions.swiglu import SwiGLUFP8InputStore
 from .grouped import Float8GroupedExperts, fp8_grouped_eligible
 from .hardware import check_fp8_support
 from .linear import DelayedScalingState, Float8Linear
 from .quantizer import make_quantizer
 from .recipe import DelayedScaling, Recipe, attention_problem, check_recipe, keeps_history
 from .state import FP8GlobalStateManager, fp8_autocast
-from .swiglu import SwiGLUFP8InputStore
 
 M = TypeVar("M", bound=nn.Module)
 log = logging.getLogger(__name__)

@@ -37,18 +37,18 @@ from torch import nn
 from ..config import TransformerConfig
 from ..errors import MegaDLMsError
 from ..model import RotaryEmbedding, TransformerLM, compute_dtype
-from .blockwise import (
+from .convert import fp8_eligible, fp8_layer_range
+from .formats.blockwise import (
     BLOCK,
     block_scale_buffer,
     check_blockwise_gemm_support,
     quantize_blocks,
     quantize_tiles,
 )
-from .convert import fp8_eligible, fp8_layer_range
 from .gemm import fp8_gemm, scaled_mm
 from .hardware import check_fp8_support
+from .kernels.primitives import E4M3, FP8_MAX, amax_to_scale, quantize, round_up16
 from .linear import Float8Linear, apply_keeping_dtypes
-from .quantize import E4M3, FP8_MAX, amax_to_scale, quantize, round_up16
 from .recipe import recipe_class
 from .tensor import FP8Tensor, Scaling
 

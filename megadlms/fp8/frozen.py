@@ -25,9 +25,9 @@ from torch import nn
 from ..model import compute_dtype
 from .gemm import fp8_gemm
 from .hardware import check_fp8_support
-from .kernels import cast_fp8, transpose_fp8
+from .kernels.ops import cast_fp8, transpose_fp8
+from .kernels.primitives import pad_2d, round_up16
 from .linear import apply_keeping_dtypes
-from .quantize import pad_2d, round_up16
 from .recipe import E4M3, E5M2
 from .tensor import FP8Tensor, Scaling
 

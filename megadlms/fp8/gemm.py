@@ -23,8 +23,8 @@ import warnings
 
 import torch
 
-from .blockwise import blockwise_gemm, dequantize_blocks, dequantize_tiles
-from .mx import dequantize_mx, mx_gemm
+from .formats.blockwise import blockwise_gemm, dequantize_blocks, dequantize_tiles
+from .formats.mx import dequantize_mx, mx_gemm
 from .recipe import E5M2
 from .tensor import FP8Tensor, Scaling
 

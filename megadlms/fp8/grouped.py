@@ -30,7 +30,7 @@ import torch
 from ..grouped_gemm import gmm, gmm_wgrad
 from ..model import compute_dtype
 from ..moe import GroupedExperts
-from .quantize import amax_to_scale, quantize
+from .kernels.primitives import amax_to_scale, quantize
 from .recipe import E4M3, FP8_MAX, Recipe, experts_problem
 from .state import FP8GlobalStateManager
 

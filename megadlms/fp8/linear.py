@@ -38,8 +38,8 @@ from torch import nn
 from ..model import compute_dtype
 from .gemm import bias_grad, dequant_scale, fp8_gemm, wgrad_high_precision
 from .hardware import check_fp8_support
-from .param_gather import gathered_fp8
-from .quantize import amax_to_scale, pad_2d, quant_stats, round_up16
+from .integrations.param_gather import gathered_fp8
+from .kernels.primitives import amax_to_scale, pad_2d, quant_stats, round_up16
 from .quantizer import FP8Copies, Quantizer, StepScales, make_quantizer
 from .recipe import DelayedScaling, Recipe, check_recipe, keeps_history
 from .state import FP8GlobalStateManager
@@ -51,7 +51,7 @@ INPUT, WEIGHT, GRAD = 0, 1, 2
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-    from .kept_amax import KeptAmax
+    from .integrations.kept_amax import KeptAmax
 
     _ModuleMixin = nn.Module  # the mixins below are mixed into nn.Modules: the checker sees their methods
 else:
@@ -123,7 +123,7 @@ class FP8WeightCache:
         self.dgrad: FP8Tensor | None = None
         self.stats_epoch = -1
         # whether a dgrad copy the backward makes is kept for later micro-batches; False for the caches CUDA graphs
-        # read (fp8.graph_weights), which hold rows only
+        # read (fp8.integrations.graph_weights), which hold rows only
         self.keep_dgrad = True
 
 
@@ -320,10 +320,10 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         self.quantizers = tuple(make_quantizer(self.recipe, fmt.bwd_dtype if role == GRAD else fmt.fwd_dtype, self,
                                                role) for role in (INPUT, WEIGHT, GRAD))
         self.weight_cache: FP8WeightCache | None = None
-        # set while a CUDA graph is captured (or emulated) reading `weight_cache` as it is (fp8.graph_weights)
+        # set while a CUDA graph is captured (or emulated) reading `weight_cache` as it is (integrations.graph_weights)
         self.weights_frozen = False
         self.num_weight_casts = 0  # how many times the FP8 weight was made (tests, debugging)
-        # current scaling: max |weight| kept by whoever writes the weight (fp8.kept_amax.KeptAmax), or None:
+        # current scaling: max |weight| kept by whoever writes the weight (integrations.kept_amax.KeptAmax), or None:
         # each weight cast computes it
         self.weight_amax: KeptAmax | None = None
 
@@ -332,7 +332,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe}, fp8_wgrad={self.fp8_wgrad}"
 
     def _apply(self, fn: Any, recurse: bool = True) -> Float8Linear:
-        # moved or cast, the weight is another tensor, which no optimizer keeps an amax of (fp8.weight_amax)
+        # moved or cast, the weight is another tensor, which no optimizer keeps an amax of (integrations.weight_amax)
         self.weight_amax = None
         # the FP8 metadata stays fp32 whatever dtype the parameters are cast to
         return apply_keeping_dtypes(self, fn, ("fp8_amax_history", "fp8_scale", "fp8_stats_buffer"), recurse)
@@ -382,7 +382,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
             self.weight_amax.refresh(self.local_params()[0])
 
     def kept_weight_amax(self) -> torch.Tensor | None:
-        """max |weight| as kept by its writer (fp8.weight_amax), or None: the cast computes it."""
+        """max |weight| as kept by its writer (fp8.integrations.weight_amax), or None: the cast computes it."""
         return self.weight_amax.of(self.local_params()[0]) if self.weight_amax is not None else None
 
     def local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -434,10 +434,10 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
         to the backward).
         """
         if self.weights_frozen and self.weight_cache is not None:
-            return self.weight_cache  # recast outside the graph, into this cache's tensors (fp8.graph_weights)
+            return self.weight_cache  # recast outside the graph, into this cache's tensors (integrations.graph_weights)
         w = self.local_params()[0]
         gathered = gathered_fp8(w)
-        if gathered is not None:  # FSDP2 gathered it in FP8, cast as this layer casts (fp8.param_gather)
+        if gathered is not None:  # FSDP2 gathered it in FP8, cast as this layer casts (fp8.integrations.param_gather)
             return FP8WeightCache(None, gathered, self.step_scales())
         key = self.weight_key()
         cache = self.weight_cache
@@ -471,7 +471,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
     # ------------------------------------------------------------------ forward
     # Outside torch.compile's graphs: a compiled model breaks its graph here and runs this layer
     # eagerly (its per-step weight cache and scale bookkeeping are Python state), while the FP8
-    # casts inside are compiled functions (`kernels.cast_fp8`) and the GEMMs cuBLASLt calls.
+    # casts inside are compiled functions (`kernels.ops.cast_fp8`) and the GEMMs cuBLASLt calls.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.local_params()

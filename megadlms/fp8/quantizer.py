@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from .blockwise import BLOCK, block_scale_buffer, check_blockwise_gemm_support, quantize_blocks, quantize_tiles
+from .formats.blockwise import BLOCK, block_scale_buffer, check_blockwise_gemm_support, quantize_blocks, quantize_tiles
+from .formats.mx import check_mx_gemm_support, quantize_mx
 from .gemm import aligned_scalars, dequant_scale
-from .kernels import amax_of, cast_fp8, cast_fp8_cat, cast_fp8_cols, current_scale, transpose_fp8
-from .mx import check_mx_gemm_support, quantize_mx
-from .quantize import quantize_rowwise
+from .kernels.ops import amax_of, cast_fp8, cast_fp8_cat, cast_fp8_cols, current_scale, transpose_fp8
+from .kernels.primitives import quantize_rowwise
 from .recipe import (
     DelayedScaling,
     Float8BlockwiseScaling,

@@ -70,7 +70,7 @@ class RecipeCapabilities:
     per_tensor: one scale per tensor for every role (the fused q/k/v, gate/up and MLP GEMMs, and the members of a
         parameter-gather scale group, share such a scale). keeps_history: delayed scaling's amax histories and
         scales, module buffers updated by `fp8_step`. current_weight_scale: the weight's scale is its current
-        per-tensor amax (which the optimizer can keep up to date: `weight_amax.py`).
+        per-tensor amax (which the optimizer can keep up to date: `integrations/weight_amax.py`).
     param_gather: its FP8 weight can be all-gathered exactly (one weight scale per tensor or per 128x128 block).
     attention: FP8 dot-product attention runs under it (it needs per-step scales kept across steps).
     experts: how the FP8 MoE expert GEMMs scale under it ("tensorwise", "rowwise"), None where they cannot.

@@ -212,7 +212,7 @@ class FP8Config(FP8Settings):
 
     fp8_format: str | None = None  # "e4m3" | "hybrid" (E4M3 forward, E5M2 gradients)
     fp8_stats: bool = False  # log amax / underflow / saturation per tensor role every log interval
-    fp8_param_gather: bool = False  # FSDP2 all-gathers the FP8 layers' weights in FP8 (megadlms.fp8.param_gather)
+    fp8_param_gather: bool = False  # FSDP2 all-gathers the FP8 layers' weights in FP8 (fp8.integrations.param_gather)
 
     def __post_init__(self) -> None:
         if self.fp8_format is not None:

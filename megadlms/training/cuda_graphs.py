@@ -8,7 +8,7 @@ launches. The embedding, final norm, LM head and loss stay eager (the masked-row
 data-dependent shape); the optimizer and `fp8_step` too (they update parameters and FP8 scales in place, at
 the addresses the graphs read). The FP8 weight casts are in the forward graph, or, with `fp8_weights_per_step`
 (the trainer's choice when it accumulates gradients), outside it: cast once per optimizer step into the cached
-FP8 weights the graph reads (`fp8.graph_weights`).
+FP8 weights the graph reads (`fp8.integrations.graph_weights`).
 
 `LayerGraphs(model)` replaces the model's `run_layers` hook on the instance; the model's code is unchanged.
 A call is replayed when it matches the captured one: training mode, gradients on, no KV cache, the same shapes
@@ -223,7 +223,7 @@ class _Captured:
         self.mask: Any = None  # the static attention mask (None: the model's own attention)
         self.params = params  # the trainable layer parameters, in the graphs' gradient order
         self.storage: tuple = ()  # LayerGraphs._storage() at capture
-        self.weights: Any = None  # fp8.graph_weights.StepFP8Weights when the FP8 weights are cast outside the graphs
+        self.weights: Any = None  # StepFP8Weights (fp8.integrations.graph_weights): FP8 weights cast outside the graphs
         self.out: torch.Tensor | None = None
         self.grad_out: torch.Tensor | None = None
         self.grads: tuple[torch.Tensor | None, ...] = ()
@@ -272,7 +272,8 @@ class LayerGraphs:
     initialisation, e.g. per-stream library workspaces, must not happen inside a capture). strict: a failed
     capture (out of memory, an operation a graph cannot hold) raises; otherwise it is logged and the layers run
     eagerly from then on. fp8_weights_per_step: cast the FP8 weights outside the graphs, once per optimizer step
-    (`fp8.graph_weights`; pays with gradient accumulation), instead of inside the forward graph on every replay.
+    (`fp8.integrations.graph_weights`; pays with gradient accumulation), instead of inside the forward graph on every
+    replay.
     """
 
     def __init__(self, model: TransformerLM, *, emulate: bool = False, warmup_iters: int = 2, strict: bool = False,
@@ -356,7 +357,7 @@ class LayerGraphs:
     def _capture(self, key: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  attn_mask: Any) -> _Captured:
         from ..fp8 import FP8GlobalStateManager, fp8_graph_capture
-        from ..fp8.graph_weights import StepFP8Weights
+        from ..fp8.integrations.graph_weights import StepFP8Weights
 
         t0 = time.perf_counter()
         weights = None

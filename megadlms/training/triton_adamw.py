@@ -1,17 +1,15 @@
 """AdamW whose update of each large fp32 parameter is one Triton pass at the memory's speed.
 
-torch's fused AdamW updates all parameters through `multi_tensor_apply` in chunks of 64K elements: on an H200 it
-moves an 8B-class model's 4.5B fp32 parameters at 3.0 TB/s (43 ms a step), where a device copy of the same bytes
-runs at 4.3 TB/s (benchmarks/adamw_speed.py, docs/performance.md). The update reads p, g, m, v and writes p, m, v
-(28 bytes per parameter), so its time is its traffic: `StreamingAdamW` runs one kernel per large parameter tensor
-with wide loads, within 3% of the copy's time. It is torch's AdamW in everything else: options, parameter groups,
-state (`step`, `exp_avg`, `exp_avg_sq`), checkpoints, the fused kernel's `grad_scale` divisor (the clipping
-factor of `optim.clip_grad_norm`) and its `found_inf` flag (a device scalar; nonzero: the step leaves parameters,
-moments and step counts as they were, decided on the device). Parameters the kernel does not take (small ones,
-DTensor shards, non-fp32 or non-contiguous ones, a group with a tensor learning rate) go through torch's fused
-kernel in the same step. The arithmetic is torch's, so the two agree to fp32 rounding; unlike torch's kernel
-this one leaves the gradients as they are (torch writes the unscaled gradient back).
-"""
+torch's fused AdamW updates all parameters through `multi_tensor_apply` in chunks of 64K elements, slower than a
+device copy of the same bytes (benchmarks/adamw_speed.py measures both; docs/performance.md). The update reads p, g,
+m, v and writes p, m, v (28 bytes per parameter), so its time is its traffic: `StreamingAdamW` runs one kernel per
+large parameter tensor with wide loads, near the copy's time. It is torch's AdamW in everything else: options,
+parameter groups, state (`step`, `exp_avg`, `exp_avg_sq`), checkpoints, the fused kernel's `grad_scale` divisor (the
+clipping factor of `optim.clip_grad_norm`) and its `found_inf` flag (a device scalar; nonzero: the step leaves
+parameters, moments and step counts as they were, decided on the device). Parameters the kernel does not take (small
+ones, DTensor shards, non-fp32 or non-contiguous ones, a group with a tensor learning rate) go through torch's fused
+kernel in the same step. The arithmetic is torch's, so the two agree to fp32 rounding; unlike torch's kernel this
+one leaves the gradients as they are (torch writes the unscaled gradient back)."""
 
 from __future__ import annotations
 
@@ -68,7 +66,7 @@ if triton is not None:
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
-        if HAS_AMAX:  # max |p| of the updated parameter, for its FP8 cast (fp8.weight_amax); amax_ptr starts at 0
+        if HAS_AMAX:  # max |p| of the updated parameter, for its FP8 cast (fp8 weight_amax); amax_ptr starts at 0
             tl.atomic_max(amax_ptr, tl.max(tl.where(mask, tl.abs(p), 0.0), axis=0))
 
 
@@ -80,8 +78,8 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     including this update; `grad_scale`: an fp32 scalar tensor the gradient is divided by; `amax_out`: an fp32
     scalar tensor, zero before the call, raised to max |param| of the updated values (for finite values the same as
     an amax pass after the update); `found_inf`: an fp32 scalar tensor, nonzero to keep param and moments as they
-    are (the caller keeps `step` too). The default tile is the fastest of those measured on the H200
-    (benchmarks/adamw_speed.py)."""
+    are (the caller keeps `step` too). The default tile is the fastest that benchmarks/adamw_speed.py
+    measured."""
     n = param.numel()
     _adamw_kernel[(triton.cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, step, grad_scale if grad_scale is not None else step,
@@ -94,7 +92,7 @@ class StreamingAdamW(torch.optim.AdamW):
     """torch.optim.AdamW (fused) whose large plain fp32 parameters are updated by `adamw_update_`.
 
     `publish_amaxes` asks it to keep max |p| of some parameters after every step (the weight amaxes of FP8 current
-    scaling: megadlms.fp8.weight_amax.KeptAmax), out of the update's own pass where the kernel updates the
+    scaling: megadlms.fp8.integrations.weight_amax.KeptAmax), out of the update's own pass where the kernel updates the
     parameter, by an amax pass where torch's kernel did.
     """
 
@@ -110,9 +108,9 @@ class StreamingAdamW(torch.optim.AdamW):
         self._amax_of: dict[torch.Tensor, Any] = {}  # parameter -> its KeptAmax
 
     def publish_amaxes(self, pairs: Iterable[tuple[torch.Tensor, Any]]) -> None:
-        """From now on keep each `kept` (a `megadlms.fp8.weight_amax.KeptAmax`: `value`, an fp32 scalar tensor on
-        the parameter's device, and `version`) equal to max |p| after every step, for the (p, kept) pairs whose p
-        this optimizer updates (others are ignored)."""
+        """From now on keep each `kept` (a `megadlms.fp8.integrations.weight_amax.KeptAmax`: `value`, an fp32 scalar
+        tensor on the parameter's device, and `version`) equal to max |p| after every step, for the (p, kept) pairs
+        whose p this optimizer updates (others are ignored)."""
         mine = {p for g in self.param_groups for p in g["params"]}
         for p, kept in pairs:
             if p in mine:

@@ -60,8 +60,8 @@ def test_fp8_attention_line_on_gpus(monkeypatch):
 def test_recipes_line_names_what_each_gpu_runs(monkeypatch, capsys):
     """CPU: every recipe (the finer-scaled GEMMs emulated); Hopper: all but mxfp8, whose line names the recipes that
     run there; Blackwell: all but blockwise."""
-    from megadlms.fp8.blockwise import check_blockwise_gemm_support
-    from megadlms.fp8.mx import check_mx_gemm_support
+    from megadlms.fp8.formats.blockwise import check_blockwise_gemm_support
+    from megadlms.fp8.formats.mx import check_mx_gemm_support
 
     assert check.describe_recipes(torch.device("cpu")).startswith(
         "FP8 recipes (--fp8-recipe): delayed, tensorwise, rowwise, blockwise, mxfp8 (blockwise and mxfp8 GEMMs "

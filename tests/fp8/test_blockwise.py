@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from megadlms.fp8 import blockwise as bw
+from megadlms.fp8.formats import blockwise as bw
 from megadlms.fp8.hardware import FP8UnsupportedError
 from megadlms.fp8.tensor import Scaling
 
@@ -169,7 +169,7 @@ def test_gemm_support_errors_name_what_is_needed(monkeypatch):
 
 INTERPRETED = textwrap.dedent("""
     import torch
-    from megadlms.fp8 import blockwise as bw
+    from megadlms.fp8.formats import blockwise as bw
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 384, generator=g) * 0.02

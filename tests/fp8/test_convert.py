@@ -188,8 +188,8 @@ def test_config_switches_fusion_and_forward_fast_accumulation():
     """fp8_fuse_projections / fp8_fuse_mlp / fp8_fprop_fast_accum (--no-fp8-fuse-projections, --no-fp8-fuse-mlp,
     --no-fp8-fprop-fast-accum) reach the converted layers; the defaults fuse and use fast accumulation in the
     forward GEMM only."""
-    from megadlms.fp8.fused_linear import FusedFloat8Projection
-    from megadlms.fp8.fused_mlp import FusedFloat8MLP
+    from megadlms.fp8.fusions.fused_linear import FusedFloat8Projection
+    from megadlms.fp8.fusions.fused_mlp import FusedFloat8MLP
     from megadlms.training.args import parse_train_args
     from megadlms.training.trainer import resolve_model_config
 
@@ -225,8 +225,8 @@ def test_finer_scaled_recipes_convert_to_unfused_linears(caplog):
 
 
 def test_mxfp8_on_a_hopper_gpu_is_one_line_naming_what_runs_there(monkeypatch):
+    from megadlms.fp8.formats.mx import check_mx_gemm_support
     from megadlms.fp8.hardware import FP8UnsupportedError
-    from megadlms.fp8.mx import check_mx_gemm_support
     from megadlms.fp8.quantizer import make_quantizer
     from megadlms.fp8.recipe import Float8MXScaling
 

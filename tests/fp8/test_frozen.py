@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from megadlms.fp8.frozen import FrozenFP8Linear
-from megadlms.fp8.quantize import quantize_tensorwise
+from megadlms.fp8.kernels.primitives import quantize_tensorwise
 from megadlms.fp8.recipe import E4M3, E5M2
 
 

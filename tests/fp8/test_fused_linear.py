@@ -1,4 +1,4 @@
-"""megadlms.fp8.fused_linear: q/k/v and gate/up as one FP8 GEMM each, against the unfused Float8Linears."""
+"""megadlms.fp8.fusions.fused_linear: q/k/v and gate/up as one FP8 GEMM each, against the unfused Float8Linears."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from megadlms.fp8 import (
     Float8RowwiseScaling,
     convert_to_fp8,
     fp8_step,
-    triton_cast,
 )
-from megadlms.fp8.fused_linear import FusedFloat8Projection
-from megadlms.fp8.kernels import cast_fp8, cast_fp8_cat
+from megadlms.fp8.fusions.fused_linear import FusedFloat8Projection
+from megadlms.fp8.kernels import triton_cast
+from megadlms.fp8.kernels.ops import cast_fp8, cast_fp8_cat
 from megadlms.model import TransformerLM
 
 from .helpers import sgd_step

@@ -1,4 +1,4 @@
-"""megadlms.fp8.fused_mlp / triton_swiglu: the FP8 MLP as one function with the SwiGLU fused into its casts.
+"""megadlms.fp8.fusions.fused_mlp / triton_swiglu: the FP8 MLP as one function with the SwiGLU fused into its casts.
 
 The kernels run in Triton's interpreter on the CPU (a subprocess: the interpreter must be on before Triton is
 imported). In fp32 (no autocast) the fused MLP computes exactly what the unfused FP8 layers compute, so training
@@ -27,10 +27,9 @@ from megadlms.fp8 import (
     enable_fp8_stats,
     fp8_autocast,
     fp8_step,
-    triton_cast,
-    triton_swiglu,
 )
-from megadlms.fp8.fused_mlp import FusedFloat8MLP
+from megadlms.fp8.fusions.fused_mlp import FusedFloat8MLP
+from megadlms.fp8.kernels import triton_cast, triton_swiglu
 from megadlms.model import TransformerLM
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -40,7 +39,7 @@ COMMON = textwrap.dedent("""
     import torch
     from megadlms.config import TransformerConfig
     from megadlms.fp8 import DelayedScaling, convert_to_fp8
-    from megadlms.fp8 import triton_swiglu as ts
+    from megadlms.fp8.kernels import triton_swiglu as ts
     from megadlms.model import TransformerLM
     from tests.fp8.helpers import sgd_step as step
 
@@ -51,7 +50,7 @@ COMMON = textwrap.dedent("""
 """)
 
 KERNELS = COMMON + textwrap.dedent("""
-    from megadlms.fp8 import triton_cast
+    from megadlms.fp8.kernels import triton_cast
     triton_cast.CHECK_ROWS = 16  # the first-call references built in several row blocks
     torch.manual_seed(0)
     cases = (((40, 48), torch.float8_e4m3fn), ((40, 48), torch.float8_e5m2), ((64, 128), torch.float8_e4m3fn))
@@ -74,7 +73,7 @@ KERNELS = COMMON + textwrap.dedent("""
         assert torch.equal(t.view(torch.uint8), q.view(torch.uint8).t())
         assert torch.allclose(slots[0], d.abs().amax(), rtol=1e-6) and slots[1] == 1e9
         # gate/up kept in E4M3 with row scales; only the transposed output
-        from megadlms.fp8.quantize import quantize_rowwise
+        from megadlms.fp8.kernels.primitives import quantize_rowwise
         gq, gs = quantize_rowwise(y[:, :f], torch.float8_e4m3fn)
         uq, us = quantize_rowwise(y[:, f:], torch.float8_e4m3fn)
         q2, t2 = ts.checked_swiglu_bwd_cast(dh, gq, uq, torch.tensor(4.0), fp8, False, True, (gs[:, 0], us[:, 0]))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megadlms.fp8.gemm import bias_grad, fp8_gemm, wgrad_high_precision
-from megadlms.fp8.quantize import E4M3, E5M2, quantize_rowwise, quantize_tensorwise
+from megadlms.fp8.kernels.primitives import E4M3, E5M2, quantize_rowwise, quantize_tensorwise
 from megadlms.fp8.tensor import FP8Tensor, Scaling
 
 

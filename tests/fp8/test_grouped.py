@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megadlms import TransformerConfig, build_model
 from megadlms.fp8 import Float8Linear, fp8_autocast
 from megadlms.fp8.grouped import Float8GroupedExperts, fp8_grouped_linear
-from megadlms.fp8.quantize import quantize
+from megadlms.fp8.kernels.primitives import quantize
 from megadlms.fp8.recipe import E4M3, FP8_MAX
 from megadlms.grouped_gemm import grouped_linear
 from megadlms.moe import Router, add_aux_losses

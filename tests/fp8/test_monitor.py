@@ -1,4 +1,4 @@
-"""megadlms.fp8.monitor: on-device FP8 numerics statistics."""
+"""megadlms.fp8.integrations.monitor: on-device FP8 numerics statistics."""
 
 from __future__ import annotations
 

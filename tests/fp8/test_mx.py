@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megadlms.fp8 import mx
+from megadlms.fp8.formats import mx
 from megadlms.fp8.hardware import FP8UnsupportedError
 
 CUDA = torch.cuda.is_available()

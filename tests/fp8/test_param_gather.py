@@ -16,8 +16,8 @@ from megadlms.distributed.config import ParallelConfig
 from megadlms.distributed.init import ParallelContext
 from megadlms.distributed.parallelize import apply_fp8_param_gather
 from megadlms.fp8 import fp8_step
-from megadlms.fp8.blockwise import dequantize_blocks, quantize_blocks
-from megadlms.fp8.param_gather import (
+from megadlms.fp8.formats.blockwise import dequantize_blocks, quantize_blocks
+from megadlms.fp8.integrations.param_gather import (
     Float8GatheredWeight,
     Float8GatherWeight,
     ParamGatherError,

@@ -1,4 +1,4 @@
-"""megadlms.fp8.quantize: casts against ml_dtypes, scale arithmetic, the scaled-GEMM operand rules."""
+"""megadlms.fp8.kernels.primitives: casts against ml_dtypes, scale arithmetic, the scaled-GEMM operand rules."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megadlms.fp8.gemm import scaled_mm
-from megadlms.fp8.quantize import (
+from megadlms.fp8.kernels.primitives import (
     E4M3,
     E5M2,
     amax_to_scale,

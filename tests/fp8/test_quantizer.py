@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from megadlms.fp8 import DelayedScaling, Float8CurrentScaling, Float8Linear, Float8RowwiseScaling, Format
-from megadlms.fp8.blockwise import dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
+from megadlms.fp8.formats.blockwise import dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
+from megadlms.fp8.formats.mx import dequantize_mx, quantize_mx
+from megadlms.fp8.kernels.primitives import E4M3, E5M2, amax_to_scale, quantize, quantize_rowwise
 from megadlms.fp8.linear import GRAD, INPUT, WEIGHT
-from megadlms.fp8.mx import dequantize_mx, quantize_mx
-from megadlms.fp8.quantize import E4M3, E5M2, amax_to_scale, quantize, quantize_rowwise
 from megadlms.fp8.quantizer import (
     QUANTIZER_KINDS,
     BlockwiseQuantizer,

@@ -1,4 +1,5 @@
-"""megadlms.fp8.fusions: the registry of fusions conversion installs, as modules in the model's fusion slots."""
+"""megadlms.fp8.fusions.registry: the registry of fusions conversion installs, as modules in the model's fusion
+slots."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import torch
 
 from megadlms.config import TransformerConfig
 from megadlms.fp8 import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, convert_to_fp8
-from megadlms.fp8.fused_linear import FusedFloat8Projection
-from megadlms.fp8.fused_mlp import FusedFloat8MLP, fused_projections
-from megadlms.fp8.fusions import FUSIONS, FusionError, install_fusions, remove_fusions
+from megadlms.fp8.fusions.fused_linear import FusedFloat8Projection
+from megadlms.fp8.fusions.fused_mlp import FusedFloat8MLP, fused_projections
+from megadlms.fp8.fusions.registry import FUSIONS, FusionError, install_fusions, remove_fusions
 from megadlms.model import TransformerLM
 
 

@@ -1,4 +1,4 @@
-"""megadlms.fp8.swiglu: the SwiGLU that keeps its inputs for backward in E4M3."""
+"""megadlms.fp8.fusions.swiglu: the SwiGLU that keeps its inputs for backward in E4M3."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""megadlms.fp8.triton_cast: the one-pass cast + transpose + amax kernel, run by Triton's interpreter on the CPU
+"""megadlms.fp8.kernels.triton_cast: the one-pass cast + transpose + amax kernel, run by Triton's interpreter on the CPU
 (in a subprocess, as the interpreter must be on before Triton is imported; skipped where Triton is not
 installed). The kernel rounds to the FP8 grid in fp32 arithmetic itself, so arbitrary inputs (ties, subnormals,
 -0.0, saturation) must give ATen's bits whatever the conversion instruction (or the interpreter's emulation of it)
@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megadlms.fp8 import triton_cast
+from megadlms.fp8.kernels import triton_cast
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from megadlms.fp8 import triton_cast
+    from megadlms.fp8.kernels import triton_cast
 
     torch.manual_seed(0)
     for src, shape in ((torch.float32, (80, 144)), (torch.bfloat16, (80, 144)), (torch.bfloat16, (128, 192))):
@@ -91,7 +91,7 @@ SCRIPT = textwrap.dedent("""
 
     # the current-scale kernel: amax_to_scale and its reciprocal bit for bit, over the max of up to four amaxes,
     # with margins, zero / inf / NaN amaxes (scale 1.0) and amaxes so small that the scale overflows
-    from megadlms.fp8.quantize import amax_to_scale
+    from megadlms.fp8.kernels.primitives import amax_to_scale
     amaxes = [3.3, 1.7e-3, 448.0, 1e-30, 1e-42, 0.0, float("inf"), float("nan"), 7.0e4, 0.1234567]
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         for margin in (0, 1, 3):
@@ -126,7 +126,7 @@ SCRIPT = textwrap.dedent("""
     assert triton_cast.checked_amax(torch.randn(8, 6).t()) is None  # not contiguous: ATen's
 
     # fused.transpose_fp8 through the kernel (scale 1): every finite FP8 byte, -0.0 and subnormals included
-    from megadlms.fp8.kernels import transpose_fp8
+    from megadlms.fp8.kernels.ops import transpose_fp8
     e5m2_nonfinite = set(range(0x7C, 0x80)) | set(range(0xFC, 0x100))
     for fp8, bad in ((torch.float8_e4m3fn, {0x7F, 0xFF}), (torch.float8_e5m2, e5m2_nonfinite)):
         finite = torch.tensor([b for b in range(256) if b not in bad], dtype=torch.uint8)
@@ -151,7 +151,7 @@ def test_the_production_formulation_is_checked_once_and_a_wrong_one_falls_back(m
     variant whose q^T or q is wrong is switched off with a warning and the amax outputs as they were."""
     import torch
 
-    from megadlms.fp8 import triton_cast
+    from megadlms.fp8.kernels import triton_cast
 
     calls, broken = [], {"t": False, "q": False}
 
@@ -200,7 +200,7 @@ def test_elements_a_kernel_leaves_unwritten_fail_the_first_call_check(monkeypatc
     even when the buffer already holds the right bytes (a reused allocation from an earlier call)."""
     import torch
 
-    from megadlms.fp8 import triton_cast
+    from megadlms.fp8.kernels import triton_cast
 
     def kernel(x, scale, fp8_dtype, want_q, want_t, amax_out=None, q_out=None, t_out=None, t_mode=0,
                tile=None, sw_round=False):
@@ -264,8 +264,8 @@ def test_the_first_call_reference_cast_is_built_in_row_blocks(monkeypatch):
 def test_cpu_amax_and_cast_equal_the_references(dtype):
     """On the CPU `amax_of` is abs + amax and the cast ATen's own: the bits of the inf-norm and of the grid
     rounding the compiled kernels use, NaN included."""
-    from megadlms.fp8 import kernels
-    from megadlms.fp8.quantize import round_to_fp8_grid
+    from megadlms.fp8.kernels import ops as kernels
+    from megadlms.fp8.kernels.primitives import round_to_fp8_grid
     torch.manual_seed(0)
     x = (torch.randn(48, 80) * 30).to(dtype)
     assert torch.equal(kernels.amax_of(x), torch.linalg.vector_norm(x, float("inf")).float())

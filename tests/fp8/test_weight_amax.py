@@ -1,5 +1,5 @@
-"""megadlms.fp8.weight_amax: current scaling's weight amaxes kept by the optimizer step instead of an amax pass per
-weight cast. On the CPU (torch's casts), and with StreamingAdamW and the FP8 kernels in Triton's interpreter (a
+"""megadlms.fp8.integrations.weight_amax: current scaling's weight amaxes kept by the optimizer step instead of an amax
+pass per weight cast. On the CPU (torch's casts), and with StreamingAdamW and the FP8 kernels in Triton's interpreter (a
 process of its own: the interpreter must be on before Triton is imported)."""
 
 from __future__ import annotations

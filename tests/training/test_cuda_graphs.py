@@ -50,8 +50,8 @@ def _step(model: TransformerLM, opt: torch.optim.Optimizer, batches: list[torch.
                                           ("current", True)])
 @pytest.mark.parametrize("accum", [1, 3])
 def test_replayed_training_matches_eager(fp8, per_step, accum):
-    """per_step: the FP8 weights cast outside the graphs once per step (fp8.graph_weights), the graphs reading the
-    caches; a weight the refresh missed would be a step stale and the losses would part."""
+    """per_step: the FP8 weights cast outside the graphs once per step (fp8.integrations.graph_weights), the graphs
+    reading the caches; a weight the refresh missed would be a step stale and the losses would part."""
     eager = _model(fp8)
     graphed = copy.deepcopy(eager)
     graphs = LayerGraphs(graphed, emulate=True, fp8_weights_per_step=per_step)
@@ -279,7 +279,7 @@ def test_replaced_or_frozen_parameters_are_captured_again():
 _FUSED_MLP_SCRIPT = """
 import copy, torch
 from tests.training.test_cuda_graphs import _model, _step
-from megadlms.fp8.fused_mlp import FusedFloat8MLP
+from megadlms.fp8.fusions.fused_mlp import FusedFloat8MLP
 from megadlms.training.cuda_graphs import LayerGraphs
 eager = _model("delayed")
 graphed = copy.deepcopy(eager)
@@ -337,7 +337,7 @@ def test_fp8_weight_refresh_frees_each_fresh_cast_before_the_next(monkeypatch):
     never holds a second copy of all the FP8 weights."""
     import weakref
 
-    from megadlms.fp8.graph_weights import StepFP8Weights
+    from megadlms.fp8.integrations.graph_weights import StepFP8Weights
 
     model = _model("delayed")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

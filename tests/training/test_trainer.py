@@ -172,7 +172,7 @@ def test_fp8_weights_uncached_in_training_and_cast_once_per_evaluation():
     after its backward); an evaluation turns it on for its batches (same weights: one cast per layer) and drops
     what it cached on the way out."""
     from megadlms.fp8 import fp8_modules
-    from megadlms.fp8.fused_mlp import fused_projections
+    from megadlms.fp8.fusions.fused_mlp import fused_projections
 
     trainer = setup(parse_train_args(SMALL + ["--train-iters", "2", "--fp8-format", "hybrid", "--eval-iters", "3",
                                               "--difflm-varilen-prob", "0"]))

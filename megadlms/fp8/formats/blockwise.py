@@ -39,9 +39,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .hardware import FP8UnsupportedError
-from .recipe import E4M3, E5M2, FP8_MAX, Float8BlockwiseScaling, alternatives_on_gpu
-from .tensor import FP8Tensor, Scaling
+from ..hardware import FP8UnsupportedError
+from ..recipe import E4M3, E5M2, FP8_MAX, Float8BlockwiseScaling, alternatives_on_gpu
+from ..tensor import FP8Tensor, Scaling
 
 try:  # the cast kernel exists where Triton does
     import triton
@@ -267,7 +267,7 @@ def _triton_enabled(device: torch.device) -> bool:
 
 
 if triton is not None:
-    from .triton_cast import fp8_round  # y fp32 -> the nearest FP8 value, still fp32
+    from ..kernels.triton_cast import fp8_round  # y fp32 -> the nearest FP8 value, still fp32
 
     @triton.jit
     def _scale_of(amax, FMAX: tl.constexpr, POW2: tl.constexpr):

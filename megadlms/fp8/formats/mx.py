@@ -20,8 +20,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .hardware import FP8UnsupportedError
-from .recipe import E4M3, FP8_MAX, Float8MXScaling, alternatives_on_gpu
+from ..hardware import FP8UnsupportedError
+from ..recipe import E4M3, FP8_MAX, Float8MXScaling, alternatives_on_gpu
 
 __all__ = ["MX_BLOCK", "E8M0", "quantize_mx", "dequantize_mx", "swizzle_scales", "mx_gemm", "check_mx_gemm_support"]
 

@@ -26,9 +26,9 @@ in FP8 (`param_gather`) arrive cast with that weight scale: their rows, concaten
 
 Whether the members can be fused is decided once, when the model is converted (`group_problem`: Float8Linears of a
 per-tensor recipe, the same input width, dimensions that are multiples of 16, equal settings, no hooks, no DTensor
-weights); conversion logs the decision (`fusions.install_fusions`). A forward checks that the decision still holds
+weights); conversion logs the decision (`registry.install_fusions`). A forward checks that the decision still holds
 and raises `FusionError` naming what changed where it does not (e.g. tensor parallelism applied after conversion
-without `fusions.remove_fusions`). Outside an enabled fp8_autocast (and for an empty input) the members run one by
+without `registry.remove_fusions`). Outside an enabled fp8_autocast (and for an empty input) the members run one by
 one, as their own modules do there. FP8 telemetry (`enable_fp8_stats`) is recorded on the fused path itself:
 each member gets the statistics of the shared input cast, of its rows of the weight cast and of its
 columns of the gradient cast.
@@ -42,9 +42,11 @@ from typing import cast
 import torch
 from torch import nn
 
-from ..errors import MegaDLMsError
-from ..model import compute_dtype
-from .linear import (
+from ...errors import MegaDLMsError
+from ...model import compute_dtype
+from ..integrations.param_gather import gathered_fp8, gathered_scale_group
+from ..kernels.primitives import quant_stats, round_up16
+from ..linear import (
     GRAD,
     INPUT,
     WEIGHT,
@@ -54,11 +56,9 @@ from .linear import (
     run_fp8_projection,
     weight_dgrad,
 )
-from .param_gather import gathered_fp8, gathered_scale_group
-from .quantize import quant_stats, round_up16
-from .quantizer import FP8Copies, GroupQuantizer, StepScales
-from .state import FP8GlobalStateManager
-from .tensor import FP8Tensor
+from ..quantizer import FP8Copies, GroupQuantizer, StepScales
+from ..state import FP8GlobalStateManager
+from ..tensor import FP8Tensor
 
 # what the members of a fusion share (decided at conversion, checked on every forward)
 SHARED_SETTINGS = ("recipe", "fp8_wgrad", "cache_weight", "fprop_fast_accum", "backward_fast_accum", "training")
@@ -129,7 +129,7 @@ class FusedFloat8Projection(nn.Module):
         if problem is not None:
             raise FusionError(f"FusedFloat8Projection({self.extra_repr()}): the fusion decided at conversion no "
                               f"longer holds: {problem}; convert without fuse_projections, or remove the fusions "
-                              "(megadlms.fp8.fusions.remove_fusions) before changing the members")
+                              "(megadlms.fp8.fusions.registry.remove_fusions) before changing the members")
 
     def extra_repr(self) -> str:
         return ", ".join(self.names)
@@ -157,6 +157,10 @@ class FusedFloat8Projection(nn.Module):
     def invalidate_fp8_weight_cache(self) -> None:
         """Drop the concatenated FP8 weight (the members drop theirs themselves)."""
         self.weight_cache = None
+
+    def restore_weight_cache(self, cache: FP8WeightCache) -> None:
+        """`cache` (a captured one, just recast in place: `graph_weights.StepFP8Weights`) is the current FP8 weight."""
+        self.weight_cache = cache
 
     def fusable(self, mods: list[Float8Linear], x: torch.Tensor) -> bool:
         """Whether this call runs fused: inside an enabled fp8_autocast of the members' recipe, for a non-empty x
@@ -204,9 +208,9 @@ class FusedFloat8Projection(nn.Module):
             want_t = grad_follows and any(m.weight.requires_grad for m in mods) and self.cache_weight
         c = self.weight_cache
         if mods[0].weights_frozen and c is not None:
-            return c  # recast outside the graph, into this cache's tensors (fp8.graph_weights)
+            return c  # recast outside the graph, into this cache's tensors (fp8.integrations.graph_weights)
         gathered = [gathered_fp8(m.weight) for m in mods]
-        if any(op is not None for op in gathered):  # FSDP2 gathered them in FP8 (fp8.param_gather)
+        if any(op is not None for op in gathered):  # FSDP2 gathered them in FP8 (fp8.integrations.param_gather)
             return self._gathered_weight(gathered)
         keys = [(m.weight._version, m.weight.data_ptr(), m.weight.dtype, m.weight.device) for m in mods]
         if c is not None and all(m.weight_cache is mc and mc.key == key for m, mc, key in zip(mods, c.members, keys)):

@@ -36,16 +36,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model import MLP, SwiGLU, compute_dtype
-from . import triton_swiglu
+from ...model import MLP, SwiGLU, compute_dtype
+from ..gemm import fp8_gemm
+from ..kernels import triton_swiglu
+from ..kernels.primitives import E4M3, pad_2d, quantize_rowwise, round_up16
+from ..linear import GRAD, INPUT, Float8Linear, FP8WeightCache, bprop, fprop, take_fp8_weights
+from ..quantizer import FP8Copies, Quantizer
+from ..state import FP8GlobalStateManager
+from ..tensor import FP8Tensor, Scaling
 from .fused_linear import SHARED_SETTINGS, FusedFloat8Projection, FusionError, group_problem
-from .gemm import fp8_gemm
-from .linear import GRAD, INPUT, Float8Linear, FP8WeightCache, bprop, fprop, take_fp8_weights
-from .quantize import E4M3, pad_2d, quantize_rowwise, round_up16
-from .quantizer import FP8Copies, Quantizer
-from .state import FP8GlobalStateManager
 from .swiglu import SwiGLUFP8InputStore
-from .tensor import FP8Tensor, Scaling
 
 
 class FusedFloat8MLP(nn.Module):
@@ -98,7 +98,8 @@ class FusedFloat8MLP(nn.Module):
         problem = mlp_problem(self.mlp)
         if problem is not None:
             raise FusionError(f"FusedFloat8MLP: the fusion decided at conversion no longer holds: {problem}; convert "
-                              "without fuse_mlp, or remove the fusions (megadlms.fp8.fusions.remove_fusions) before "
+                              "without fuse_mlp, or remove the fusions (megadlms.fp8.fusions.registry.remove_fusions) "
+                              "before "
                               "changing the MLP")
         down = self.down
         if any(m.collect_fp8_stats for m in (*gu, down)):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..model import MLP, Attention
+from ...model import MLP, Attention
 from .fused_linear import FusedFloat8Projection, FusionError
 from .fused_mlp import FusedFloat8MLP
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..model import SwiGLU
-from .quantize import E4M3, quantize_rowwise
-from .state import FP8GlobalStateManager
+from ...model import SwiGLU
+from ..kernels.primitives import E4M3, quantize_rowwise
+from ..state import FP8GlobalStateManager
 
 
 class _SwiGLUFP8StoreFn(torch.autograd.Function):

@@ -14,8 +14,8 @@ members' views, and the own cache of every other Float8Linear of the layers. Eve
 them (q, the scale inverses and the group scales of delayed scaling) exists before the capture, so that nothing
 in them is allocated inside the graph's memory pool. They hold q only: the transposed copy for the input
 gradient is made from q in the backward graph, each replay, and freed with the layer's backward. Held for the
-step it would take one more byte per weight for the whole step (3.25 GiB on llama3-8b-16L); made per
-micro-batch it costs one read and one write of that byte.
+step it would take one more byte per weight for the whole step; made per micro-batch it costs one read and one
+write of that byte.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .fused_linear import FusedFloat8Projection
-from .fused_mlp import fused_projections
-from .linear import WEIGHT, Float8Linear, FP8WeightCache
+from ..fusions.fused_linear import FusedFloat8Projection
+from ..fusions.fused_mlp import fused_projections
+from ..linear import WEIGHT, Float8Linear, FP8WeightCache
 
 
 def _copy_into(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
@@ -109,8 +109,8 @@ class StepFP8Weights:
         """Recast every weight and write the results into the captured caches, which become current again.
 
         One fused group or weight at a time: each fresh cast is freed once copied, so a refresh needs memory for one
-        group's FP8 copies beside the captured ones, not for a second copy of all of them (6.5 GiB on llama3-8b-16L,
-        which would have to be free at the start of every step)."""
+        group's FP8 copies beside the captured ones, not for a second copy of all of them (which would have to be
+        free at the start of every step)."""
         with torch.no_grad():
             self._invalidate()
             for g, old in zip(self.groups, self.captured_groups):
@@ -125,7 +125,7 @@ class StepFP8Weights:
         for m, om, nm in zip(g.members(), old.members, new.members):
             om.key = nm.key
             m.restore_weight_cache(om)
-        g.weight_cache = old
+        g.restore_weight_cache(old)
 
     def _refresh_single(self, m: Float8Linear, old: FP8WeightCache) -> None:
         new = self._cast_single(m)

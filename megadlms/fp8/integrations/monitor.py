@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .linear import FP8Telemetry
+from ..linear import FP8Telemetry
 
 
 def fp8_telemetry_modules(model: nn.Module) -> Iterator[FP8Telemetry]:

@@ -44,12 +44,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..errors import MegaDLMsError
-from .blockwise import BLOCK, block_scale_buffer
-from .kernels import amax_of, cast_fp8, current_scale, record_amax
-from .quantizer import WEIGHT_ROLE, FP8Copies, StepScales
-from .recipe import Recipe, param_gather_problem, recipe_class
-from .tensor import FP8Tensor, Scaling
+from ...errors import MegaDLMsError
+from ..formats.blockwise import BLOCK, block_scale_buffer
+from ..kernels.ops import amax_of, cast_fp8, current_scale, record_amax
+from ..quantizer import WEIGHT_ROLE, FP8Copies, StepScales
+from ..recipe import Recipe, param_gather_problem, recipe_class
+from ..tensor import FP8Tensor, Scaling
 
 # a Float8Linear, the layer whose weight is gathered (linear.py, which imports this module, defines it)
 FP8Layer = Any

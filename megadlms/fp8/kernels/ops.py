@@ -1,18 +1,18 @@
 """The FP8 kernels behind one small interface, each with its exact torch reference.
 
     kernel            call                         CUDA (Triton, one formulation)     torch reference
-    cast (+transpose) `cast_fp8`                   triton_cast.cast_transpose          quantize.quantize (compiled)
+    cast (+transpose) `cast_fp8`                   triton_cast.cast_transpose          primitives.quantize (compiled)
     cast of a concat  `cast_fp8_cat` (rows),       triton_cast.cast_transpose per part the same, over torch.cat
                       `cast_fp8_cols` (columns)
     transpose         `transpose_fp8`              triton_cast.cast_transpose (scale 1) q.t().contiguous()
     amax              `amax_of`                    triton_cast.amax                    ATen's inf-norm
-    current scale     `current_scale`              triton_cast.current_scale           quantize.amax_to_scale
+    current scale     `current_scale`              triton_cast.current_scale           primitives.amax_to_scale
     SwiGLU casts      triton_swiglu.checked_*      swiglu_cast, swiglu_bwd_cast, ...   swiglu_ref, swiglu_bwd_ref
 
 Each Triton kernel runs one formulation; its first call per variant is checked against the reference, and a
 variant that disagrees falls back to the reference (with a warning). The reference runs where Triton does not
 (the CPU, MEGADLMS_FP8_TRITON=0): compiled with torch.compile on CUDA (dynamic shapes; inductor emits one kernel
-per output layout), eagerly elsewhere; the generated kernels round like ATen's cast (`quantize.round_to_fp8_grid`).
+per output layout), eagerly elsewhere; the generated kernels round like ATen's cast (`primitives.round_to_fp8_grid`).
 
 A `_scaled_mm` operand must be K-major, so the weight-gradient GEMM (which contracts over tokens) needs the
 transposes of the FP8 input and gradient, and the input-gradient GEMM the transpose of the FP8 weight: `cast_fp8`
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import triton_cast
-from .quantize import FP8_MAX, amax_to_scale, pad_2d, round_to_fp8_grid
+from .primitives import FP8_MAX, amax_to_scale, pad_2d, round_to_fp8_grid
 
 
 def amax_of(x: torch.Tensor) -> torch.Tensor:
@@ -191,8 +191,8 @@ def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
 
     On CUDA the Triton cast-transpose kernel writes only q^T, with scale 1: an FP8 value cast to its own format
     is itself, so the result is the bytes of q transposed, at the kernel's near-copy speed (checked bitwise on the
-    first call like every variant of it). inductor's transpose of the 1-byte elements, the fallback, moved ~0.2 TB/s
-    on an H200 (14 ms a qwen3-1.7b step for the weights' transposes; benchmarks/RESULTS.md)."""
+    first call like every variant of it). inductor's transpose of the 1-byte elements, the fallback, is several
+    times slower (benchmarks/RESULTS.md)."""
     if triton_cast.available(q):
         one = _UNIT_SCALES.get(q.device)
         if one is None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):

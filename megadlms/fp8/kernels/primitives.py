@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .recipe import E4M3, E5M2, FP8_MAX
+from ..recipe import E4M3, E5M2, FP8_MAX
 
 __all__ = ["E4M3", "E5M2", "FP8_MAX", "amax_to_scale", "quantize", "quantize_tensorwise", "quantize_rowwise",
            "dequantize", "pad_2d", "round_up16", "quant_stats", "round_to_fp8_grid"]

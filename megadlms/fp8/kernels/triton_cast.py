@@ -4,8 +4,8 @@ with delayed scaling the scale is known before the cast, so the amax of this ste
 the members of a fused projection get it in their history slots directly).
 
 Each element is cast(clamp(x * scale, -fp8_max, fp8_max)) in fp32 with round-to-nearest-even, i.e. what
-`quantize.quantize` computes: by the conversion instruction, or (ROUNDINGS) rounded to the FP8 grid in fp32
-arithmetic first (`quantize.round_to_fp8_grid`), which does not depend on how the instruction rounds.
+`primitives.quantize` computes: by the conversion instruction, or (ROUNDINGS) rounded to the FP8 grid in fp32
+arithmetic first (`primitives.round_to_fp8_grid`), which does not depend on how the instruction rounds.
 `available()` is False without Triton, off CUDA, or with MEGADLMS_FP8_TRITON=0. Production runs one formulation
 (`production_formulation`); the first call of each variant (input dtype, FP8 format, outputs) is checked bitwise
 against the ATen cast (its torch reference), and a variant that differs falls back to the torch cast, with a
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .quantize import FP8_GRID, amax_to_scale
-from .recipe import E4M3, E5M2, FP8_MAX
+from ..recipe import E4M3, E5M2, FP8_MAX
+from .primitives import FP8_GRID, amax_to_scale
 
 try:  # the kernel exists where Triton does; `available` says whether it can run
     import triton
@@ -61,7 +61,7 @@ def _interpret() -> bool:
 if triton is not None:
     @triton.jit
     def fp8_round(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
-        # y fp32 within +-fp8_max -> the nearest FP8 value (ties to even), still fp32 (quantize.round_to_fp8_grid):
+        # y fp32 within +-fp8_max -> the nearest FP8 value (ties to even), still fp32 (primitives.round_to_fp8_grid):
         # |y| scaled so the FP8 spacing at its exponent is 1, rounded half-to-even by the 1.5 * 2**23 trick
         # (|v| <= 16; fp32 adds round to nearest even), scaled back, sign bit restored
         bits = y.to(tl.int32, bitcast=True)
@@ -144,7 +144,7 @@ if triton is not None:
     def current_scale_kernel(a0, a1, a2, a3, out_ptr, N_IN: tl.constexpr, FMAX: tl.constexpr,
                              MARGIN_DIV: tl.constexpr):
         # the largest of N_IN amaxes -> scale = (fp8_max / amax) / 2**margin (1.0 where amax is 0 or not finite or
-        # the scale overflows) at out_ptr[0] and 1 / scale at out_ptr[4]: `quantize.amax_to_scale` and ATen's
+        # the scale overflows) at out_ptr[0] and 1 / scale at out_ptr[4]: `primitives.amax_to_scale` and ATen's
         # reciprocal, with correctly rounded divisions as theirs are; NaN wins the max as in torch.maximum
         amax = tl.load(a0)
         if N_IN > 1:
@@ -188,7 +188,7 @@ if triton is not None:
 # (`production_formulation`), the fused SwiGLU's forward 1 (`triton_swiglu.FORMULATIONS`).
 TRANSPOSE_MODES = (0, 1)
 # The roundings (`cast_transpose`'s sw_round): the conversion instruction's round-to-nearest-even (cvt.rn.satfinite;
-# fewer instructions per element), or rounding in fp32 arithmetic before the conversion (`quantize.round_to_fp8_grid`;
+# fewer instructions per element), or rounding in fp32 arithmetic before the conversion (`primitives.round_to_fp8_grid`;
 # exact whatever the instruction does, e.g. in Triton's interpreter, whose emulated conversion does not round to
 # nearest even).
 ROUNDINGS = (False, True)
@@ -361,7 +361,7 @@ _sm_count: dict[torch.device, int] = {}
 
 def amax(x: torch.Tensor, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """max |x| of a contiguous x of 1 to 2**31 - 65536 elements (any float dtype) as an fp32 scalar tensor: one read
-    of x at the memory's speed (ATen's inf-norm reduction ran at ~2.5 TB/s on the activations of an H200).
+    of x at the memory's speed (ATen's inf-norm reduction is slower: benchmarks/fp8_cast_sweep.py --kinds amax).
     tile: (elements per block, warps, programs per SM), AMAX_TILE when None."""
     n = x.numel()
     block, warps, per_sm = tile or AMAX_TILE

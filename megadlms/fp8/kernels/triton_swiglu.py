@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..recipe import FP8_MAX
 from . import triton_cast
-from .quantize import FP8_GRID
-from .recipe import FP8_MAX
+from .primitives import FP8_GRID
 
 try:  # the kernels exist where Triton does; `available` says whether they can run
     import triton
@@ -186,9 +186,9 @@ def production_formulation(kernel: str) -> tuple[int, bool]:
     return FORMULATIONS[kernel][0], triton_cast.production_formulation()[1]
 
 
-# (rows, columns, warps) of one program, from benchmarks/fp8_cast_sweep.py on an H200: the fastest tile whose
-# transposed store passed its check at the trainer's shapes (qwen3-1.7b, llama3-8b). The backward kernel holds five
-# fp32 tiles: with 4 warps a 64x64 tile takes 128 registers a thread, with 8 warps 59 (twice the warps in flight)
+# (rows, columns, warps) of one program: the fastest tile whose transposed store passes its check at the trainer's
+# shapes (benchmarks/fp8_cast_sweep.py measures them). The backward kernel holds five fp32 tiles, hence 8 warps for
+# its 64x64 tile (fewer registers a thread, more warps in flight)
 TILES = {"fwd": (32, 128, 4), "bwd": (64, 64, 8)}
 
 
@@ -273,8 +273,8 @@ def swiglu_bwd_cast(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, scal
     return q, t
 
 
-# (rows, columns, warps, programs per SM) of the amax kernels of current scaling: benchmarks/fp8_cast_sweep.py
-# --kinds swiglu_amax on an H200
+# (rows, columns, warps, programs per SM) of the amax kernels of current scaling (benchmarks/fp8_cast_sweep.py
+# --kinds swiglu_amax measures them)
 AMAX_TILES = {"fwd": (32, 256, 4, 4), "bwd": (16, 512, 4, 8)}
 
 
