@@ -17,7 +17,11 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
                         "--seq-length must be divisible by 2 x this size")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="split the layers into this many consecutive stages, one per rank (torch.distributed."
-                        "pipelining); must divide --num-layers; for now without other parallelism")
+                        "pipelining); must divide --num-layers; composes with DDP and FSDP2, not yet with TP or CP")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="with --pipeline-model-parallel-size: cut each rank's layers into stages of this many and "
+                        "run the interleaved 1F1B schedule (rank r holds stages r, r + pp, ...); micro-batches per "
+                        "step must be a multiple of the pipeline size")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
                    help="1f1b: one forward, one backward in turn (micro-batches >= stages); gpipe: all forwards first")
     g.add_argument("--sequence-parallel", action="store_true",

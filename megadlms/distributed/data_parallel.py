@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
     from ..model import TransformerLM
+    from .pipeline_parallel import PipelineStageModule
 
 FSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 
@@ -46,9 +47,10 @@ def mixed_precision_policy(param_dtype: torch.dtype | None):
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
-def apply_fsdp(model: TransformerLM, mesh: DeviceMesh, *, reshard_after_forward: bool,
+def apply_fsdp(model: TransformerLM | PipelineStageModule, mesh: DeviceMesh, *, reshard_after_forward: bool,
                param_dtype: torch.dtype | None = None, prefetch: bool = False) -> None:
-    """fully_shard each transformer layer, then the root (embedding, final norm, LM head), in place.
+    """fully_shard each transformer layer, then the root (embedding, final norm, LM head), in place. The root is a
+    whole model or one pipeline stage.
 
     mesh: 1-D (sharding) or 2-D (replicate, shard) data-parallel mesh. With tensor parallelism it must
     come from the same root mesh as the TP mesh. The root is not resharded after forward: backward
@@ -59,8 +61,9 @@ def apply_fsdp(model: TransformerLM, mesh: DeviceMesh, *, reshard_after_forward:
     from torch.distributed.fsdp import fully_shard
 
     mp = mixed_precision_policy(param_dtype)
+    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     layers = [fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-              for layer in model.layers]
+              for layer in blocks]
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     if prefetch and len(layers) > 1:
         for prev, nxt in zip(layers[:-1], layers[1:]):

@@ -4,6 +4,9 @@
     -> [FP8 parameter all-gather] -> tensor parallel -> context parallel -> activation checkpointing
     -> torch.compile -> FSDP2 / DDP (over the data- x context-parallel ranks)
 
+or, with pipeline parallelism, ... -> activation checkpointing -> torch.compile -> the rank's pipeline stages
+-> FSDP2 / DDP per stage (over the data-parallel ranks). `check_parallel_plan` checks the layout first.
+
 Each step is a function of its own. (The trainer captures the layers in CUDA graphs afterwards, once its
 optimizer exists: `megadlms.training.cuda_graphs`.)
 """
@@ -98,6 +101,25 @@ def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel:
     return n
 
 
+def check_parallel_plan(cfg: TransformerConfig, ctx: ParallelContext, parallel: ParallelConfig) -> None:
+    """Every rule joining the model to the (pp, dp, cp, tp) layout, in one place; each broken one is a one-line
+    ConfigError naming the values and the fix. (The flags' own rules are `ParallelConfig`'s; the world's split,
+    `init.build_mesh`'s; CUDA graphs, the trainer's.)"""
+    from .context_parallel import check_context_parallel
+    from .pipeline_parallel import check_pipeline_parallel, virtual_stages
+
+    if ctx.tp_size > 1 and cfg.is_moe:
+        raise ConfigError(f"--tensor-model-parallel-size {ctx.tp_size} with an MoE model: tensor parallelism does "
+                          "not shard the experts; use --tensor-model-parallel-size 1 (data parallelism) instead")
+    check_context_parallel(cfg, ctx.cp_size)
+    if ctx.pp_size > 1:
+        if cfg.is_moe:
+            raise ConfigError(f"--pipeline-model-parallel-size {ctx.pp_size} with an MoE model: the router's "
+                              "statistics are reduced per model; use --pipeline-model-parallel-size 1")
+        virtual = virtual_stages(cfg.num_layers, ctx.pp_size, parallel.num_layers_per_virtual_pipeline_stage)
+        check_pipeline_parallel(cfg, ctx.pp_size, virtual)
+
+
 def build_parallel_model(cfg: TransformerConfig, ctx: ParallelContext, parallel: ParallelConfig, *,
                          activation_checkpointing: bool = False, compile: bool = False,
                          param_dtype: torch.dtype | None = None, fp8_param_gather: bool = False,
@@ -132,14 +154,13 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
     Returns the model to train (a DDP wrapper for no_shard without TP, else `model` itself) and records
     the strategy in ctx.dp_strategy / ctx.sequence_parallel for the trainer.
     """
+    check_parallel_plan(model.config, ctx, parallel)
     if ctx.pp_size > 1:
-        return _pipeline_stage(model, ctx, activation_checkpointing=activation_checkpointing, compile=compile)
+        return _pipeline_stages(model, ctx, parallel, activation_checkpointing=activation_checkpointing,
+                                compile=compile, param_dtype=param_dtype)
     strategy = parallel.sharding_strategy
     sequence_parallel = parallel.sequence_parallel and ctx.tp_size > 1
     tp_mesh, dp_mesh = _meshes(ctx, strategy)
-    if ctx.tp_size > 1 and model.config.is_moe:
-        raise ConfigError(f"--tensor-model-parallel-size {ctx.tp_size} with an MoE model: tensor parallelism does "
-                          "not shard the experts; use --tensor-model-parallel-size 1 (data parallelism) instead")
     if ctx.tp_size > 1:
         assert tp_mesh is not None  # ctx has a mesh when it has more than one rank
         apply_tensor_parallel(model, tp_mesh, sequence_parallel)
@@ -175,30 +196,40 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
     return trained
 
 
-def _pipeline_stage(model: TransformerLM, ctx: ParallelContext, *, activation_checkpointing: bool,
-                    compile: bool) -> nn.Module:
-    """This rank's pipeline stage of `model` (`megadlms.distributed.pipeline_parallel`), under DDP over the
-    data-parallel ranks when there are several (the schedule reduces gradients on the last micro-batch only).
-    Pipeline parallelism runs without tensor or context parallelism and FSDP2 for now, nor FP8 or MoE layers."""
-    from .pipeline_parallel import PipelineStageModule, check_pipeline_parallel
+def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig, *,
+                     activation_checkpointing: bool, compile: bool, param_dtype: torch.dtype | None) -> nn.Module:
+    """This rank's pipeline stages of `model` (`megadlms.distributed.pipeline_parallel.RankStages`): one, or
+    several with virtual stages (interleaved 1F1B). Each stage module is put under DDP, or sharded by FSDP2, over
+    the data-parallel ranks holding the same stage; the schedule reduces gradients on the last micro-batch."""
+    from .pipeline_parallel import PipelineStageModule, RankStages, rank_stages, virtual_stages
 
-    pp = ctx.pp_size
-    check_pipeline_parallel(model.config, pp)
-    if model.config.fp8 or model.config.is_moe:
-        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not yet take FP8 (amaxes are reduced per "
-                          "model) or MoE layers; drop one of them")
+    pp, cfg = ctx.pp_size, model.config
+    virtual = virtual_stages(cfg.num_layers, pp, parallel.num_layers_per_virtual_pipeline_stage)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
-    stage: nn.Module = PipelineStageModule(model, ctx.pp_rank, pp)
-    ctx.dp_strategy = "no_shard" if ctx.dp_size > 1 else "none"
-    if ctx.dp_size > 1:
-        stage = apply_ddp(stage, ctx.dp_group, ctx.device)
+    num_stages = pp * virtual
+    stages = RankStages([PipelineStageModule(model, i, num_stages) for i in rank_stages(ctx.pp_rank, pp, virtual)])
+    strategy = parallel.sharding_strategy
+    ctx.dp_strategy = strategy if ctx.dp_size > 1 else "none"
+    if ctx.dp_size > 1 and strategy == "no_shard":
+        stages.runners = [apply_ddp(s, ctx.dp_group, ctx.device) for s in stages.stages]
+    elif ctx.dp_size > 1:
+        assert ctx.mesh is not None  # several ranks
+        for s in stages.stages:
+            apply_fsdp(s, ctx.mesh["dp"], reshard_after_forward=strategy == "optim_grads_params",
+                       param_dtype=param_dtype, prefetch=parallel.overlap_param_gather)
+        stages.activation_dtype = param_dtype
+        if cfg.fp8:  # the schedule frees gathered weights between micro-batches: an FP8 weight cache would keep them
+            from ..fp8 import set_fp8_weight_caching
+
+            set_fp8_weight_caching(model, False)
     if ctx.is_main:
-        dp = f" | data parallel: DDP over {ctx.dp_size} ranks" if ctx.dp_size > 1 else ""
-        log.info("pipeline parallel: %d stages of %d layers%s", pp, model.config.num_layers // pp, dp)
-    return stage
+        shape = f"{pp} stages" if virtual == 1 else f"{pp} ranks x {virtual} virtual stages (interleaved 1F1B)"
+        dp = f" | data parallel: {_describe(strategy, 1)} over {ctx.dp_size} ranks" if ctx.dp_size > 1 else ""
+        log.info("pipeline parallel: %s of %d layers%s", shape, cfg.num_layers // num_stages, dp)
+    return stages
 
 
 def _describe(strategy: str, tp_size: int) -> str:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from ..config import ConfigError, TransformerConfig
 from ..diffusion import bd3lm
 from ..diffusion.objective import MaskSampler
-from ..distributed.data_parallel import grad_sync_context
+from ..distributed.data_parallel import FSDP_STRATEGIES, grad_sync_context
 from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
 from ..distributed.parallelize import build_parallel_model
 from ..lora import describe_memory
@@ -53,6 +53,7 @@ from .preemption import RunControl
 from .triton_adamw import StreamingAdamW
 
 if TYPE_CHECKING:
+    from ..distributed.pipeline_parallel import RankStages
     from ..fp8.linear import Float8Linear
     from ..model import TransformerLM
 
@@ -327,9 +328,11 @@ class Trainer:
             raise ConfigError(f"--pipeline-model-parallel-size {pp}: the model is split over ranks, so it cannot "
                               "sample at the end; add --no-generate-sample")
         assert self.ctx.pp_group is not None  # a mesh with a pp dimension
-        return PipelineRunner(self.model, self.objective, self.ctx.pp_group,
+        sharded = self.ctx.dp_strategy in FSDP_STRATEGIES  # each rank holds a shard of its stages' gradients
+        return PipelineRunner(cast("RankStages", self.model), self.objective, self.ctx.pp_group,
                               self.device, self.accum, self.run_config.parallel.pipeline_schedule,
-                              self.autocast_dtype or torch.float32)
+                              self.autocast_dtype or torch.float32,
+                              shard_group=self.ctx.dp_group if sharded else None)
 
     # ----------------------------------------------------------------- precision
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -426,6 +429,8 @@ class Trainer:
             return None
         if self.run_config.parallel.tp_only_amax_red:
             return self.ctx.tp_group
+        if self.ctx.pp_size > 1:  # each stage's layers are on its data-parallel ranks alone
+            return self.ctx.dp_group
         return dist.group.WORLD  # data-parallel x tensor-parallel: every rank uses the same scales
 
     # ----------------------------------------------------------------- eval
@@ -720,17 +725,18 @@ def setup(config: RunConfig) -> Trainer:
     if ctx.distributed and ctx.is_main:
         dist.barrier()
     trainer = Trainer(config, ctx, cfg, model, loaders, tokenizer)
+    n_params = _count_parameters(model, ctx)
     if ctx.is_main:
-        n_params = sum(p.numel() for p in model.parameters())
         log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention (%s)%s | device %s%s | "
-                 "world %d (dp %d x cp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
+                 "world %d (pp %d x dp %d x cp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
                  config.checkpoint.load if config.checkpoint.use_checkpoint_args else config.model.model_path,
                  n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
                  cfg.attn_mask_type + (f" block-diffusion (blocks of {cfg.block_size})" if cfg.block_size else ""),
                  trainer.objective.attention_kernel(ctx.device),
                  f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
                  ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
-                 ctx.dp_size, ctx.cp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
+                 ctx.pp_size, ctx.dp_size, ctx.cp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum,
+                 ctx.dp_size)
         if lora is not None:
             log.info("%s | base %s", describe_memory(trainer.base_model, lora.config), lora.base)
     ck = config.checkpoint
@@ -740,6 +746,17 @@ def setup(config: RunConfig) -> Trainer:
     if load is not None:  # None also where --load is the --save folder without a checkpoint yet (a requeued job)
         trainer.load(str(load), ck.ckpt_step, finetune=ck.finetune)
     return trainer
+
+
+def _count_parameters(model: nn.Module, ctx: ParallelContext) -> int:
+    """The whole model's parameters (a sharded one counted whole); under pipeline parallelism the sum over the
+    stages, a tied embedding once (collective over the pipeline's ranks)."""
+    if ctx.pp_size == 1:
+        return sum(p.numel() for p in model.parameters())
+    from ..distributed.pipeline_parallel import count_stage_parameters
+
+    assert ctx.pp_group is not None  # a mesh with a pp dimension
+    return count_stage_parameters(cast("RankStages", model), ctx.pp_group)
 
 
 def train(config: RunConfig) -> TrainState:

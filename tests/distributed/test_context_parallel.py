@@ -47,7 +47,7 @@ def runs(tmp_path_factory):
 
 def test_training_matches_one_process(runs):
     root, out = runs
-    assert "world 2 (dp 1 x cp 2 x tp 1)" in out
+    assert "world 2 (pp 1 x dp 1 x cp 2 x tp 1)" in out
     reference = train_losses(root / "one")
     assert len(reference) == 4
     assert train_losses(root / "cp2") == pytest.approx(reference, rel=RTOL)
