@@ -116,8 +116,8 @@ def check_parallel_plan(cfg: TransformerConfig, ctx: ParallelContext, parallel: 
         if cfg.is_moe:
             raise ConfigError(f"--pipeline-model-parallel-size {ctx.pp_size} with an MoE model: the router's "
                               "statistics are reduced per model; use --pipeline-model-parallel-size 1")
-        virtual = virtual_stages(cfg.num_layers, ctx.pp_size, parallel.num_layers_per_virtual_pipeline_stage)
-        check_pipeline_parallel(cfg, ctx.pp_size, virtual)
+        check_pipeline_parallel(cfg, ctx.pp_size)
+        virtual_stages(cfg.num_layers, ctx.pp_size, parallel.num_layers_per_virtual_pipeline_stage)
 
 
 def build_parallel_model(cfg: TransformerConfig, ctx: ParallelContext, parallel: ParallelConfig, *,
@@ -199,12 +199,16 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
 def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig, *,
                      activation_checkpointing: bool, compile: bool, param_dtype: torch.dtype | None) -> nn.Module:
     """This rank's pipeline stages of `model` (`megadlms.distributed.pipeline_parallel.RankStages`): one, or
-    several with virtual stages (interleaved 1F1B). Each stage module is put under DDP, or sharded by FSDP2, over
-    the data-parallel ranks holding the same stage; the schedule reduces gradients on the last micro-batch."""
+    several with virtual stages (interleaved 1F1B), with context-parallel attention where cp > 1. Each stage module
+    is put under DDP, or sharded by FSDP2, over the data- x context-parallel ranks holding the same stages; the
+    schedule reduces gradients on the last micro-batch."""
     from .pipeline_parallel import PipelineStageModule, RankStages, rank_stages, virtual_stages
 
     pp, cfg = ctx.pp_size, model.config
     virtual = virtual_stages(cfg.num_layers, pp, parallel.num_layers_per_virtual_pipeline_stage)
+    if ctx.cp_size > 1:
+        assert ctx.cp_group is not None  # a mesh with a cp dimension
+        apply_context_parallel(model, ctx.cp_group)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
@@ -212,13 +216,13 @@ def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: Paral
     num_stages = pp * virtual
     stages = RankStages([PipelineStageModule(model, i, num_stages) for i in rank_stages(ctx.pp_rank, pp, virtual)])
     strategy = parallel.sharding_strategy
-    ctx.dp_strategy = strategy if ctx.dp_size > 1 else "none"
-    if ctx.dp_size > 1 and strategy == "no_shard":
-        stages.runners = [apply_ddp(s, ctx.dp_group, ctx.device) for s in stages.stages]
-    elif ctx.dp_size > 1:
-        assert ctx.mesh is not None  # several ranks
+    ctx.dp_strategy = strategy if ctx.dp_cp_size > 1 else "none"
+    if ctx.dp_cp_size > 1 and strategy == "no_shard":
+        stages.runners = [apply_ddp(s, ctx.dp_cp_group, ctx.device) for s in stages.stages]
+    elif ctx.dp_cp_size > 1:
+        assert ctx.dp_cp_mesh is not None  # several ranks
         for s in stages.stages:
-            apply_fsdp(s, ctx.mesh["dp"], reshard_after_forward=strategy == "optim_grads_params",
+            apply_fsdp(s, ctx.dp_cp_mesh, reshard_after_forward=strategy == "optim_grads_params",
                        param_dtype=param_dtype, prefetch=parallel.overlap_param_gather)
         stages.activation_dtype = param_dtype
         if cfg.fp8:  # the schedule frees gathered weights between micro-batches: an FP8 weight cache would keep them
@@ -227,7 +231,9 @@ def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: Paral
             set_fp8_weight_caching(model, False)
     if ctx.is_main:
         shape = f"{pp} stages" if virtual == 1 else f"{pp} ranks x {virtual} virtual stages (interleaved 1F1B)"
-        dp = f" | data parallel: {_describe(strategy, 1)} over {ctx.dp_size} ranks" if ctx.dp_size > 1 else ""
+        dp = f" | data parallel: {_describe(strategy, 1)} over {ctx.dp_cp_size} ranks" if ctx.dp_cp_size > 1 else ""
+        if ctx.cp_size > 1:
+            dp += f" ({ctx.dp_size} data x {ctx.cp_size} context parallel, K/V all-gathered)"
         log.info("pipeline parallel: %s of %d layers%s", shape, cfg.num_layers // num_stages, dp)
     return stages
 

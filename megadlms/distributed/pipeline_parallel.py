@@ -53,8 +53,8 @@ def virtual_stages(num_layers: int, pp_size: int, layers_per_virtual_stage: int 
     per_rank, rest = divmod(num_layers, pp_size)
     if rest or per_rank % layers_per_virtual_stage:
         raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} does not divide the "
-                          f"{num_layers / pp_size:g} layers of each of the --pipeline-model-parallel-size {pp_size} "
-                          "ranks; pick a divisor of num_layers / pp")
+                          f"--num-layers {num_layers} / --pipeline-model-parallel-size {pp_size} layers of each rank; "
+                          "pick a divisor of num_layers / pp")
     return per_rank // layers_per_virtual_stage
 
 

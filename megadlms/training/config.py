@@ -355,6 +355,13 @@ class RunConfig:
                               "add --lora-rank R (the frozen base is the reference) or use no_shard (DDP)")
         if self.fp8.fp8_param_gather:
             check_fp8_param_gather(self.fp8.enabled, self.fp8.fp8_recipe, self.parallel)
+        pp = self.parallel.pipeline_model_parallel_size
+        if pp > 1 and self.rl.rl is not None:
+            raise ConfigError(f"--rl {self.rl.rl} samples rollouts from the whole model, which "
+                              f"--pipeline-model-parallel-size {pp} splits over ranks; use data parallelism")
+        if pp > 1 and self.lora.enabled:
+            raise ConfigError(f"--lora-rank {self.lora.lora_rank} does not yet run under --pipeline-model-parallel-"
+                              f"size {pp}; use data parallelism (DDP / FSDP2)")
         if self.fp8.fp8_dot_product_attention and not self.fp8.enabled:
             raise ConfigError("--fp8-dot-product-attention runs attention in FP8 inside the FP8 layers; add "
                               "--fp8-format hybrid (or e4m3), or drop it")

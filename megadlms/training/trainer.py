@@ -332,7 +332,7 @@ class Trainer:
         return PipelineRunner(cast("RankStages", self.model), self.objective, self.ctx.pp_group,
                               self.device, self.accum, self.run_config.parallel.pipeline_schedule,
                               self.autocast_dtype or torch.float32,
-                              shard_group=self.ctx.dp_group if sharded else None)
+                              shard_group=self.ctx.dp_cp_group if sharded else None)
 
     # ----------------------------------------------------------------- precision
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -429,8 +429,8 @@ class Trainer:
             return None
         if self.run_config.parallel.tp_only_amax_red:
             return self.ctx.tp_group
-        if self.ctx.pp_size > 1:  # each stage's layers are on its data-parallel ranks alone
-            return self.ctx.dp_group
+        if self.ctx.pp_size > 1:  # each stage's layers are on its data- x context-parallel ranks alone
+            return self.ctx.dp_cp_group
         return dist.group.WORLD  # data-parallel x tensor-parallel: every rank uses the same scales
 
     # ----------------------------------------------------------------- eval

@@ -68,8 +68,8 @@ def test_virtual_stages_interleave_the_layers_over_the_ranks():
 
 
 def test_bad_virtual_stages_are_refused():
-    with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage 3 does not divide the 4 layers of "
-                                         "each of the --pipeline-model-parallel-size 2 ranks"):
+    with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage 3 does not divide the --num-layers 8 "
+                                         "/ --pipeline-model-parallel-size 2 layers of each rank"):
         virtual_stages(8, 2, 3)
     with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage 2 interleaves the stages of a "
                                          "pipeline; add --pipeline-model-parallel-size 2"):
@@ -123,6 +123,17 @@ def test_resume_from_pp2_on_one_process(runs):
                       str(root / "pp2"), "--ckpt-step", "2"])
     assert train_iterations(resumed) == [3, 4]
     assert train_losses(resumed) == pytest.approx(train_losses(root / "one")[2:], rel=RTOL)
+
+
+def test_pipeline_with_context_parallel_matches_one_process(runs, tmp_path):
+    """4 ranks: 2 pipelines' stages x 2 context-parallel ranks each (K/V all-gathered), DDP over the cp pairs."""
+    root, _ = runs
+    save = tmp_path / "pp2_cp2"
+    out = launch(4, COMMON + ["--micro-batch-size", "1", "--save", str(save), "--pipeline-model-parallel-size", "2",
+                              "--context-parallel-size", "2"], rerun_after_native_crash=True, clean_before_rerun=[save])
+    assert "world 4 (pp 2 x dp 1 x cp 2 x tp 1)" in out
+    assert train_losses(save) == pytest.approx(train_losses(root / "one"), rel=RTOL)
+    assert eval_losses(save) == pytest.approx(eval_losses(root / "one"), rel=RTOL)
 
 
 def test_pipeline_with_other_parallelism_is_refused():
