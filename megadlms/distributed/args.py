@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import BACKENDS, PIPELINE_SCHEDULES, SHARDING_STRATEGIES
+from .config import BACKENDS, CP_COMM_TYPES, PIPELINE_SCHEDULES, SHARDING_STRATEGIES
 
 
 def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,6 +15,10 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence's positions over this many ranks (attention all-gathers K/V); "
                         "--seq-length must be divisible by 2 x this size")
+    g.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="all_gather",
+                   help="context parallelism's K/V exchange: all_gather (each layer gathers the whole sequence's "
+                        "K/V) or p2p (ring attention: K/V blocks passed around the cp ranks, partial results merged "
+                        "by their log-sum-exp; fp32 block products, no fused kernel)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="split the layers into this many consecutive stages, one per rank (torch.distributed."
                         "pipelining); must divide --num-layers; composes with DDP and FSDP2, not yet with TP or CP")

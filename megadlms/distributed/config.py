@@ -10,12 +10,14 @@ from ..fp8.recipe import param_gather_problem
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 BACKENDS = ("nccl", "gloo")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+CP_COMM_TYPES = ("all_gather", "p2p")  # Megatron's names (its a2a is not implemented)
 
 
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     context_parallel_size: int = 1  # each sequence's positions split over this many ranks
+    cp_comm_type: str = "all_gather"  # how attention exchanges K/V: all_gather | p2p (ring attention)
     pipeline_model_parallel_size: int = 1  # the layers split into this many consecutive stages
     pipeline_schedule: str = "1f1b"  # 1f1b | gpipe (torch.distributed.pipelining)
     num_layers_per_virtual_pipeline_stage: int | None = None  # several stages per rank: interleaved 1F1B
@@ -31,6 +33,7 @@ class ParallelConfig:
         check_at_least(self, {"tensor_model_parallel_size": 1, "context_parallel_size": 1,
                               "pipeline_model_parallel_size": 1})
         check_choice(self, "pipeline_schedule", PIPELINE_SCHEDULES)
+        check_choice(self, "cp_comm_type", CP_COMM_TYPES)
         pp, virtual = self.pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage
         if virtual is not None:
             check_at_least(self, {"num_layers_per_virtual_pipeline_stage": 1})

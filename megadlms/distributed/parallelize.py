@@ -166,7 +166,7 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
         apply_tensor_parallel(model, tp_mesh, sequence_parallel)
     if ctx.cp_size > 1:
         assert ctx.cp_group is not None  # a mesh with a cp dimension
-        apply_context_parallel(model, ctx.cp_group)
+        apply_context_parallel(model, ctx.cp_group, parallel.cp_comm_type)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
@@ -190,7 +190,7 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
         dp = f"data parallel: {_describe(strategy, ctx.tp_size)} over {ctx.dp_cp_size} ranks"
         if ctx.cp_size > 1:
             dp += f" ({ctx.dp_size} data x {ctx.cp_size} context parallel)"
-        cp = f"context parallel over {ctx.cp_size} ranks (K/V all-gathered)"
+        cp = f"context parallel over {ctx.cp_size} ranks ({_cp_exchange(parallel)})"
         log.info("%s", " | ".join(x for x, on in ((dp, ctx.dp_cp_size > 1), (cp, ctx.cp_size > 1),
                                                   (tp, ctx.tp_size > 1)) if on))
     return trained
@@ -208,7 +208,7 @@ def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: Paral
     virtual = virtual_stages(cfg.num_layers, pp, parallel.num_layers_per_virtual_pipeline_stage)
     if ctx.cp_size > 1:
         assert ctx.cp_group is not None  # a mesh with a cp dimension
-        apply_context_parallel(model, ctx.cp_group)
+        apply_context_parallel(model, ctx.cp_group, parallel.cp_comm_type)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
@@ -233,9 +233,13 @@ def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: Paral
         shape = f"{pp} stages" if virtual == 1 else f"{pp} ranks x {virtual} virtual stages (interleaved 1F1B)"
         dp = f" | data parallel: {_describe(strategy, 1)} over {ctx.dp_cp_size} ranks" if ctx.dp_cp_size > 1 else ""
         if ctx.cp_size > 1:
-            dp += f" ({ctx.dp_size} data x {ctx.cp_size} context parallel, K/V all-gathered)"
+            dp += f" ({ctx.dp_size} data x {ctx.cp_size} context parallel, {_cp_exchange(parallel)})"
         log.info("pipeline parallel: %s of %d layers%s", shape, cfg.num_layers // num_stages, dp)
     return stages
+
+
+def _cp_exchange(parallel: ParallelConfig) -> str:
+    return "ring attention, K/V passed by p2p" if parallel.cp_comm_type == "p2p" else "K/V all-gathered"
 
 
 def _describe(strategy: str, tp_size: int) -> str:

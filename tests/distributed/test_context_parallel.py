@@ -1,6 +1,7 @@
 """Context parallelism on 2 processes: every objective's loss and gradients equal the whole-sequence model's; a
-CP=2 training run gives one process's loss curve, and its checkpoint resumes on one process; bad sizes and
-combinations are refused in one line."""
+CP=2 training run gives one process's loss curve, with either K/V exchange, and its checkpoint resumes on one
+process; ring attention equals the all-gather path on 4 ranks; bad sizes and combinations are refused in one
+line."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from megadlms.distributed.init import init_parallel
 
 from .cp_worker import CASES
 from .launch import TINY, launch, train_iterations, train_losses
+from .ring_worker import CASES as RING_CASES
 
 RTOL = 1e-5  # fp32: only the order of floating-point sums differs
 
@@ -59,6 +61,30 @@ def test_resume_from_cp2_on_one_process(runs):
     launch(1, COMMON + ["--save", str(resumed), "--load", str(root / "cp2"), "--ckpt-step", "2"])
     assert train_iterations(resumed) == [3, 4]
     assert train_losses(resumed) == pytest.approx(train_losses(root / "one")[2:], rel=RTOL)
+
+
+def test_ring_attention_trains_as_one_process(runs, tmp_path):
+    root, _ = runs
+    out = launch(2, COMMON + ["--save", str(tmp_path / "ring"), "--context-parallel-size", "2",
+                              "--cp-comm-type", "p2p"], rerun_after_native_crash=True,
+                 clean_before_rerun=[tmp_path / "ring"])
+    assert "context parallel over 2 ranks (ring attention, K/V passed by p2p)" in out
+    assert train_losses(tmp_path / "ring") == pytest.approx(train_losses(root / "one"), rel=RTOL)
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ring") / "results.json"
+    launch(4, [str(out)], script="tests/distributed/ring_worker.py", rerun_after_native_crash=True)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", RING_CASES)
+def test_ring_attention_equals_the_all_gather_path(ring, case):
+    """4 cp ranks (a ring whose next and previous ranks differ): outputs and q, k, v gradients."""
+    r = ring[case]
+    assert r["finite"], r
+    assert max(r["out"], r["dq"], r["dk"], r["dv"]) < RTOL, r
 
 
 def test_zigzag_layout():
