@@ -34,6 +34,8 @@ class ParallelContext:
     mesh: DeviceMesh | None = None  # dims ("pp", "dp", "cp", "tp") when distributed (`build_mesh`)
     # the ranks that reduce gradients and losses: "dp", or "dp" x "cp" flattened with context parallelism
     dp_cp_mesh: DeviceMesh | None = None
+    # pipeline parallelism: the ranks holding the same stages (dp x cp x tp flattened), which reduce FP8 amaxes
+    stage_mesh: DeviceMesh | None = None
     # set by `parallelize_model`: how the data-parallel ranks share the model ("none" with one dp rank,
     # else one of the --data-parallel-sharding-strategy values) and whether activations are sequence-sharded
     dp_strategy: str = "none"
@@ -50,6 +52,10 @@ class ParallelContext:
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
         return self.mesh["pp"].get_group() if self.mesh is not None and self.pp_size > 1 else None
+
+    @property
+    def stage_group(self) -> dist.ProcessGroup | None:
+        return self.stage_mesh.get_group() if self.stage_mesh is not None else None
 
     @property
     def dp_cp_size(self) -> int:
@@ -149,8 +155,10 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
     world = dist.get_world_size()
     mesh, dp_cp = build_mesh(dev.type, world, pp_size=pp_size, cp_size=cp_size, tp_size=tp_size)
+    stage = mesh["dp", "cp", "tp"]._flatten("dp_cp_tp") if pp_size > 1 else None
     return ParallelContext(rank=dist.get_rank(), world_size=world, local_rank=local_rank, device=dev,
-                           tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, mesh=mesh, dp_cp_mesh=dp_cp)
+                           tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, mesh=mesh, dp_cp_mesh=dp_cp,
+                           stage_mesh=stage)
 
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")

@@ -116,6 +116,10 @@ def check_parallel_plan(cfg: TransformerConfig, ctx: ParallelContext, parallel: 
         if cfg.is_moe:
             raise ConfigError(f"--pipeline-model-parallel-size {ctx.pp_size} with an MoE model: the router's "
                               "statistics are reduced per model; use --pipeline-model-parallel-size 1")
+        if ctx.tp_size > 1 and ctx.dp_cp_size > 1 and parallel.sharding_strategy == "no_shard":
+            raise ConfigError(f"--pipeline-model-parallel-size {ctx.pp_size} x --tensor-model-parallel-size "
+                              f"{ctx.tp_size} over {ctx.dp_cp_size} data-parallel ranks: DDP takes no tensor-parallel "
+                              "parameters; add --use-distributed-optimizer (FSDP2) or another sharded strategy")
         check_pipeline_parallel(cfg, ctx.pp_size)
         virtual_stages(cfg.num_layers, ctx.pp_size, parallel.num_layers_per_virtual_pipeline_stage)
 
@@ -199,13 +203,17 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
 def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig, *,
                      activation_checkpointing: bool, compile: bool, param_dtype: torch.dtype | None) -> nn.Module:
     """This rank's pipeline stages of `model` (`megadlms.distributed.pipeline_parallel.RankStages`): one, or
-    several with virtual stages (interleaved 1F1B), with context-parallel attention where cp > 1. Each stage module
+    several with virtual stages (interleaved 1F1B), with tensor parallelism (no sequence parallelism) and
+    context-parallel attention where tp, cp > 1. Each stage module
     is put under DDP, or sharded by FSDP2, over the data- x context-parallel ranks holding the same stages; the
     schedule reduces gradients on the last micro-batch."""
     from .pipeline_parallel import PipelineStageModule, RankStages, rank_stages, virtual_stages
 
     pp, cfg = ctx.pp_size, model.config
     virtual = virtual_stages(cfg.num_layers, pp, parallel.num_layers_per_virtual_pipeline_stage)
+    if ctx.tp_size > 1:
+        assert ctx.mesh is not None  # several ranks
+        apply_tensor_parallel(model, ctx.mesh["tp"], sequence_parallel=False)
     if ctx.cp_size > 1:
         assert ctx.cp_group is not None  # a mesh with a cp dimension
         apply_context_parallel(model, ctx.cp_group, parallel.cp_comm_type)
@@ -221,7 +229,7 @@ def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: Paral
         stages.runners = [apply_ddp(s, ctx.dp_cp_group, ctx.device) for s in stages.stages]
     elif ctx.dp_cp_size > 1:
         assert ctx.dp_cp_mesh is not None  # several ranks
-        for s in stages.stages:
+        for s in stages.stages:  # with TP, FSDP2 shards the DTensors of the tp mesh over dp x cp (one root mesh)
             apply_fsdp(s, ctx.dp_cp_mesh, reshard_after_forward=strategy == "optim_grads_params",
                        param_dtype=param_dtype, prefetch=parallel.overlap_param_gather)
         stages.activation_dtype = param_dtype
@@ -234,7 +242,8 @@ def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: Paral
         dp = f" | data parallel: {_describe(strategy, 1)} over {ctx.dp_cp_size} ranks" if ctx.dp_cp_size > 1 else ""
         if ctx.cp_size > 1:
             dp += f" ({ctx.dp_size} data x {ctx.cp_size} context parallel, {_cp_exchange(parallel)})"
-        log.info("pipeline parallel: %s of %d layers%s", shape, cfg.num_layers // num_stages, dp)
+        tp = f" | tensor parallel over {ctx.tp_size} ranks" if ctx.tp_size > 1 else ""
+        log.info("pipeline parallel: %s of %d layers%s%s", shape, cfg.num_layers // num_stages, dp, tp)
     return stages
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError, TransformerConfig
 from ..model import TransformerLM
@@ -134,6 +135,8 @@ class PipelineStageModule(nn.Module):
         if self.is_last:
             assert self.norm is not None
             x = self.norm(x)
+            if isinstance(x, DTensor):  # tensor parallel: the final norm's replicated output, as a plain tensor
+                x = x.to_local()
         return x
 
 
@@ -240,7 +243,7 @@ def sync_tied_gradients(stage_modules: Sequence[PipelineStageModule], group: dis
     """Tied embeddings: sum the embedding weight's gradient of the first and the last stage (one weight, used at
     both ends), so that both copies take the same step. A no-op with untied weights, one stage, or on a rank
     holding neither end. `group` holds exactly the ranks of the first and the last stage. A sharded gradient
-    (FSDP2) is summed shard by shard: both ends shard the weight alike over the same data-parallel ranks."""
+    (FSDP2, tensor parallelism) is summed shard by shard: both ends shard the weight alike over the same ranks."""
     tied = [m.tied_weight for m in stage_modules if m.tied_weight is not None]
     if not tied:
         return
@@ -248,5 +251,9 @@ def sync_tied_gradients(stage_modules: Sequence[PipelineStageModule], group: dis
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     grad = weight.grad
-    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    if isinstance(grad, DTensor) and isinstance(weight, DTensor) and grad.placements != weight.placements:
+        # tensor parallelism: the embedding's backward may leave a replicated gradient; both ends are made to
+        # hold the weight's layout, so that their shards add up
+        grad = weight.grad = grad.redistribute(placements=weight.placements)
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
     dist.all_reduce(local, group=group)

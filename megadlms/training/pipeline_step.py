@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..distributed.pipeline_parallel import RankStages, build_schedule, run_schedule, sync_tied_gradients
@@ -16,17 +17,13 @@ from .objectives import Batch, Objective
 
 
 class PipelineRunner:
-    """One rank's side of the step. group: the pipeline's ranks (stage i on rank i mod pp of the group).
-    shard_group: the data-parallel ranks that shard each gradient (FSDP2), whose norms add up; None when each
-    rank holds whole gradients."""
+    """One rank's side of the step. group: the pipeline's ranks (stage i on rank i mod pp of the group)."""
 
     def __init__(self, model: RankStages, objective: Objective, group: dist.ProcessGroup,
-                 device: torch.device, micro_batches: int, schedule: str, output_dtype: torch.dtype,
-                 shard_group: dist.ProcessGroup | None = None):
+                 device: torch.device, micro_batches: int, schedule: str, output_dtype: torch.dtype):
         self.model, self.stages = model, model.stages
         self.objective, self.group, self.device = objective, group, device
         self.micro_batches, self.schedule_name, self.output_dtype = micro_batches, schedule, output_dtype
-        self.shard_group = shard_group
         self._batches: list[Batch] = []
         self._schedule: Any = None
         self._tied_group = self._first_and_last(group)
@@ -51,7 +48,12 @@ class PipelineRunner:
     def _loss_fn(self, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         assert self._last is not None  # the schedule calls it on the last stage's rank only
         last = self._last
-        return self.objective.loss_from_hidden(hidden, self._batches[int(index)], lambda: last.output_weight)
+
+        def weight() -> torch.Tensor:  # tensor parallel: vocabulary-sharded, gathered (every TP rank has all logits)
+            w = last.output_weight
+            return w.full_tensor() if isinstance(w, DTensor) else w
+
+        return self.objective.loss_from_hidden(hidden, self._batches[int(index)], weight)
 
     def _run(self, batches: list[Batch], train: bool) -> torch.Tensor:
         """The sum of the micro-batches' losses (fp32 scalar), on every stage."""
@@ -83,28 +85,21 @@ class PipelineRunner:
         return self._run(batches, train=False)
 
     def clip_grads(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """The L2 norm of the whole model's gradients (the tied embedding counted once), the gradients clipped to
-        `max_norm` (min(1, max_norm / (norm + 1e-6)), as `optim.clip_grad_norm`)."""
+        """The L2 norm of the whole model's gradients (the tied embedding counted once; sharded gradients, FSDP2's
+        or tensor parallelism's, whole), the gradients clipped to `max_norm` (min(1, max_norm / (norm + 1e-6)), as
+        `optim.clip_grad_norm`)."""
         tied_copy = next((s.tied_weight for s in self.stages if s.is_last and s.tied_weight is not None), None)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grads = [_local(p.grad) for p in params]  # type: ignore[arg-type]
-        sq = torch.zeros((), device=self.device)
-        for p, g in zip(params, grads):
-            if p is not tied_copy:
-                sq += g.float().square().sum()
-        if self.shard_group is not None:
-            dist.all_reduce(sq, group=self.shard_group)
-        dist.all_reduce(sq, group=self.group)
+        grads = [p.grad for p in params if p.grad is not None and p is not tied_copy]
+        norm = nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # this rank's stages
+        sq = norm.float().square()
+        dist.all_reduce(sq, group=self.group)  # over the stages
         norm = sq.sqrt()
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # read by torch's fused Adam kernels
         if not math.isinf(max_norm):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for g in grads:
-                g.mul_(coef)
+            for p in params:  # each rank scales its shard of a sharded gradient
+                g = p.grad.detach()  # type: ignore[union-attr]
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
         return norm
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded (DTensor) gradient, else the gradient; in place edits reach the gradient."""
-    grad = grad.detach()
-    return grad.to_local() if isinstance(grad, DTensor) else grad

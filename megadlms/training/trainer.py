@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from ..config import ConfigError, TransformerConfig
 from ..diffusion import bd3lm
 from ..diffusion.objective import MaskSampler
-from ..distributed.data_parallel import FSDP_STRATEGIES, grad_sync_context
+from ..distributed.data_parallel import grad_sync_context
 from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
 from ..distributed.parallelize import build_parallel_model
 from ..lora import describe_memory
@@ -328,11 +328,9 @@ class Trainer:
             raise ConfigError(f"--pipeline-model-parallel-size {pp}: the model is split over ranks, so it cannot "
                               "sample at the end; add --no-generate-sample")
         assert self.ctx.pp_group is not None  # a mesh with a pp dimension
-        sharded = self.ctx.dp_strategy in FSDP_STRATEGIES  # each rank holds a shard of its stages' gradients
         return PipelineRunner(cast("RankStages", self.model), self.objective, self.ctx.pp_group,
                               self.device, self.accum, self.run_config.parallel.pipeline_schedule,
-                              self.autocast_dtype or torch.float32,
-                              shard_group=self.ctx.dp_cp_group if sharded else None)
+                              self.autocast_dtype or torch.float32)
 
     # ----------------------------------------------------------------- precision
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -429,8 +427,8 @@ class Trainer:
             return None
         if self.run_config.parallel.tp_only_amax_red:
             return self.ctx.tp_group
-        if self.ctx.pp_size > 1:  # each stage's layers are on its data- x context-parallel ranks alone
-            return self.ctx.dp_cp_group
+        if self.ctx.pp_size > 1:  # each stage's layers are on the ranks of its pipeline rank alone
+            return self.ctx.stage_group
         return dist.group.WORLD  # data-parallel x tensor-parallel: every rank uses the same scales
 
     # ----------------------------------------------------------------- eval

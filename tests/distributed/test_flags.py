@@ -38,8 +38,8 @@ def test_one_data_parallel_rank_needs_no_sync_control():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"),
-     "--pipeline-model-parallel-size 2 does not yet compose with --tensor-model-parallel-size 2; drop one of them"),
+    (("--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"),
+     "--pipeline-model-parallel-size 2 does not yet take --sequence-parallel"),
     (("--num-layers-per-virtual-pipeline-stage", "1"),
      "--num-layers-per-virtual-pipeline-stage 1 interleaves the stages of a pipeline; add "
      "--pipeline-model-parallel-size 2 or more"),
@@ -71,6 +71,10 @@ def test_parallel_plan_refusals():
     with pytest.raises(ValueError, match="--num-layers 7 is not divisible by --pipeline-model-parallel-size 2"):
         check_parallel_plan(TransformerConfig(num_layers=7), ParallelContext(world_size=2, pp_size=2),
                             ParallelConfig(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1))
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2 x --tensor-model-parallel-size 2 over 2 "
+                                         "data-parallel ranks: DDP takes no tensor-parallel parameters"):
+        check_parallel_plan(TransformerConfig(num_layers=4), ParallelContext(world_size=8, pp_size=2, tp_size=2),
+                            ParallelConfig())
     with pytest.raises(ValueError, match="world size 6 is not divisible by --pipeline-model-parallel-size 2 x "
                                          "--context-parallel-size 2 = 4; launch a multiple of 4 processes"):
         build_mesh("cpu", 6, pp_size=2, cp_size=2)
