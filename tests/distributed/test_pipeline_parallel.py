@@ -126,12 +126,15 @@ def test_resume_from_pp2_on_one_process(runs):
 
 
 def test_pipeline_with_context_parallel_matches_one_process(runs, tmp_path):
-    """4 ranks: 2 pipelines' stages x 2 context-parallel ranks each (K/V all-gathered), DDP over the cp pairs."""
+    """4 ranks: 2 stages x 2 context-parallel ranks each, whose attention passes K/V around the ring
+    (--cp-comm-type p2p), DDP over the cp pairs."""
     root, _ = runs
     save = tmp_path / "pp2_cp2"
     out = launch(4, COMMON + ["--micro-batch-size", "1", "--save", str(save), "--pipeline-model-parallel-size", "2",
-                              "--context-parallel-size", "2"], rerun_after_native_crash=True, clean_before_rerun=[save])
+                              "--context-parallel-size", "2", "--cp-comm-type", "p2p"], rerun_after_native_crash=True,
+                 clean_before_rerun=[save])
     assert "world 4 (pp 2 x dp 1 x cp 2 x tp 1)" in out
+    assert "2 context parallel, ring attention, K/V passed by p2p" in out
     assert train_losses(save) == pytest.approx(train_losses(root / "one"), rel=RTOL)
     assert eval_losses(save) == pytest.approx(eval_losses(root / "one"), rel=RTOL)
 
