@@ -21,8 +21,7 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
                         "by their log-sum-exp; fp32 block products, no fused kernel)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="split the layers into this many consecutive stages, one per rank (torch.distributed."
-                        "pipelining); must divide --num-layers; composes with DDP, FSDP2, CP and TP (without "
-                        "--sequence-parallel)")
+                        "pipelining); must divide --num-layers; composes with DDP, FSDP2, CP and TP")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="with --pipeline-model-parallel-size: cut each rank's layers into stages of this many and "
                         "run the interleaved 1F1B schedule (rank r holds stages r, r + pp, ...); micro-batches per "

@@ -43,9 +43,6 @@ class ParallelConfig:
             if self.pipeline_schedule != "1f1b":
                 raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {virtual} runs the interleaved 1F1B "
                                   f"schedule, not --pipeline-schedule {self.pipeline_schedule}; use 1f1b")
-        if pp > 1 and self.sequence_parallel and self.tensor_model_parallel_size > 1:
-            raise ConfigError(f"--pipeline-model-parallel-size {pp} does not yet take --sequence-parallel (the stages "
-                              "would send sequence shards); drop --sequence-parallel")
         check_choice(self, "data_parallel_sharding_strategy", SHARDING_STRATEGIES)
         if self.distributed_backend is not None:
             check_choice(self, "distributed_backend", BACKENDS)

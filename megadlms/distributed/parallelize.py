@@ -120,6 +120,11 @@ def check_parallel_plan(cfg: TransformerConfig, ctx: ParallelContext, parallel: 
             raise ConfigError(f"--pipeline-model-parallel-size {ctx.pp_size} x --tensor-model-parallel-size "
                               f"{ctx.tp_size} over {ctx.dp_cp_size} data-parallel ranks: DDP takes no tensor-parallel "
                               "parameters; add --use-distributed-optimizer (FSDP2) or another sharded strategy")
+        local = cfg.seq_length // ctx.cp_size
+        if parallel.sequence_parallel and ctx.tp_size > 1 and local % ctx.tp_size:
+            raise ConfigError(f"--sequence-parallel with --pipeline-model-parallel-size {ctx.pp_size}: the stages "
+                              f"send equal sequence shards, and the {local} positions per context-parallel rank do not "
+                              f"split over --tensor-model-parallel-size {ctx.tp_size}; pick a --seq-length that does")
         check_pipeline_parallel(cfg, ctx.pp_size)
         virtual_stages(cfg.num_layers, ctx.pp_size, parallel.num_layers_per_virtual_pipeline_stage)
 
@@ -203,17 +208,20 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
 def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig, *,
                      activation_checkpointing: bool, compile: bool, param_dtype: torch.dtype | None) -> nn.Module:
     """This rank's pipeline stages of `model` (`megadlms.distributed.pipeline_parallel.RankStages`): one, or
-    several with virtual stages (interleaved 1F1B), with tensor parallelism (no sequence parallelism) and
-    context-parallel attention where tp, cp > 1. Each stage module
+    several with virtual stages (interleaved 1F1B), with tensor (and sequence) parallelism and context-parallel
+    attention where tp, cp > 1. Each stage module
     is put under DDP, or sharded by FSDP2, over the data- x context-parallel ranks holding the same stages; the
     schedule reduces gradients on the last micro-batch."""
     from .pipeline_parallel import PipelineStageModule, RankStages, rank_stages, virtual_stages
 
     pp, cfg = ctx.pp_size, model.config
     virtual = virtual_stages(cfg.num_layers, pp, parallel.num_layers_per_virtual_pipeline_stage)
+    sequence_parallel = parallel.sequence_parallel and ctx.tp_size > 1
+    sequence = None
     if ctx.tp_size > 1:
         assert ctx.mesh is not None  # several ranks
-        apply_tensor_parallel(model, ctx.mesh["tp"], sequence_parallel=False)
+        sequence = apply_tensor_parallel(model, ctx.mesh["tp"], sequence_parallel)
+    ctx.sequence_parallel = sequence_parallel
     if ctx.cp_size > 1:
         assert ctx.cp_group is not None  # a mesh with a cp dimension
         apply_context_parallel(model, ctx.cp_group, parallel.cp_comm_type)
@@ -222,7 +230,9 @@ def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: Paral
     if compile:
         apply_compile(model)
     num_stages = pp * virtual
-    stages = RankStages([PipelineStageModule(model, i, num_stages) for i in rank_stages(ctx.pp_rank, pp, virtual)])
+    stages = RankStages([PipelineStageModule(model, i, num_stages, sequence=sequence)
+                         for i in rank_stages(ctx.pp_rank, pp, virtual)])
+    stages.sequence_shards = ctx.tp_size if sequence_parallel else 1
     strategy = parallel.sharding_strategy
     ctx.dp_strategy = strategy if ctx.dp_cp_size > 1 else "none"
     if ctx.dp_cp_size > 1 and strategy == "no_shard":
@@ -242,7 +252,8 @@ def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: Paral
         dp = f" | data parallel: {_describe(strategy, 1)} over {ctx.dp_cp_size} ranks" if ctx.dp_cp_size > 1 else ""
         if ctx.cp_size > 1:
             dp += f" ({ctx.dp_size} data x {ctx.cp_size} context parallel, {_cp_exchange(parallel)})"
-        tp = f" | tensor parallel over {ctx.tp_size} ranks" if ctx.tp_size > 1 else ""
+        tp = (f" | tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if sequence_parallel else ''}"
+              if ctx.tp_size > 1 else "")
         log.info("pipeline parallel: %s of %d layers%s%s", shape, cfg.num_layers // num_stages, dp, tp)
     return stages
 

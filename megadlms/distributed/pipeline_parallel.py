@@ -75,7 +75,7 @@ class PipelineStageModule(nn.Module):
     hidden [B, S, H] -> hidden [B, S, H] (the last stage's after the final norm). Shares the model's modules.
     stage: its index among num_stages (pp x virtual stages)."""
 
-    def __init__(self, model: TransformerLM, stage: int, num_stages: int):
+    def __init__(self, model: TransformerLM, stage: int, num_stages: int, sequence: Any = None):
         super().__init__()
         cfg = model.config
         if cfg.num_layers % num_stages:
@@ -93,6 +93,10 @@ class PipelineStageModule(nn.Module):
         self._mask_of = model._attention_mask  # a bound method: the model's mask preparation, not a submodule
         self._kwargs: list[dict[str, Any]] = []
         self._next = 0
+        # tensor parallelism's sequence-length source (`tensor_parallel.SequenceLength`), which its norms read:
+        # with sequence parallelism a stage's input is a shard [B, S / tp, H], so the length comes from here
+        self.sequence = sequence
+        self._length: int | None = None
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -111,14 +115,17 @@ class PipelineStageModule(nn.Module):
             return None
         return self.embed_tokens.weight
 
-    def set_micro_batch_kwargs(self, kwargs: Sequence[dict[str, Any]]) -> None:
-        """Each micro-batch's model keyword arguments (attention_mask, position_ids), read in order by forward."""
-        self._kwargs, self._next = list(kwargs), 0
+    def set_micro_batch_kwargs(self, kwargs: Sequence[dict[str, Any]], length: int | None = None) -> None:
+        """Each micro-batch's model keyword arguments (attention_mask, position_ids), read in order by forward, and
+        their sequence length S (when a stage's input may be a sequence shard)."""
+        self._kwargs, self._next, self._length = list(kwargs), 0, length
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kwargs = self._kwargs[self._next] if self._kwargs else {}
         self._next += 1
-        s = x.shape[1]
+        s = self._length or x.shape[1]
+        if self.sequence is not None:
+            self.sequence.value = s
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(s, device=x.device)
@@ -156,6 +163,7 @@ class RankStages(nn.Module):
         self.lm_head = last[0].lm_head if last else None
         self.stages: list[PipelineStageModule] = list(stages)  # a plain list: their modules are registered above
         self.runners: list[nn.Module] = list(stages)
+        self.sequence_shards = 1  # sequence parallelism: the activations between stages are [B, S / tp, H]
         # the dtype of the activations between stages when it is not the residual stream's fp32: FSDP2's compute
         # dtype (its mixed precision casts the parameters, so the stages compute and send in it)
         self.activation_dtype: torch.dtype | None = None
@@ -183,7 +191,8 @@ def count_stage_parameters(model: RankStages, group: dist.ProcessGroup) -> int:
 def build_schedule(stage_modules: Sequence[PipelineStageModule], group: dist.ProcessGroup, device: torch.device,
                    n_microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
                    micro_batch: tuple[int, int], schedule: str = "1f1b", activation_dtype: torch.dtype = torch.float32,
-                   output_dtype: torch.dtype = torch.float32, submodules: Sequence[nn.Module] | None = None) -> Any:
+                   output_dtype: torch.dtype = torch.float32, submodules: Sequence[nn.Module] | None = None,
+                   sequence_shards: int = 1) -> Any:
     """A torch.distributed.pipelining schedule of this rank's stages (`rank_stages`' order) over `group`.
     loss_fn(hidden, index) is called on the last stage with the micro-batch's final hidden states and its index
     (long [1]) in the step. Several stages per rank run the interleaved 1F1B schedule.
@@ -191,7 +200,8 @@ def build_schedule(stage_modules: Sequence[PipelineStageModule], group: dist.Pro
     micro_batch: (B, S) of every micro-batch; the activations sent between stages are [B, S, H] in
     `activation_dtype` (the residual stream's), the last stage's output in `output_dtype` (the final norm's). Given
     up front, no forward runs to infer them (which would read a micro-batch's masks out of turn). submodules: what
-    the stages run, when not the stage modules themselves (their DDP wrappers)."""
+    the stages run, when not the stage modules themselves (their DDP wrappers). sequence_shards: sequence
+    parallelism's tp, whose ranks send [B, S / tp, H] between stages (the last stage's output stays [B, S, H])."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     if schedule not in SCHEDULES:
@@ -208,13 +218,14 @@ def build_schedule(stage_modules: Sequence[PipelineStageModule], group: dist.Pro
         raise ConfigError(f"the 1F1B schedule needs at least --pipeline-model-parallel-size {pp_size} micro-batches "
                           f"per step, got {n_microbatches}; raise --global-batch-size or use --pipeline-schedule gpipe")
     b, s = micro_batch
+    shard = s // sequence_shards
     stages: list[Any] = []
     for module, run in zip(stage_modules, submodules or stage_modules):
         hidden = module.config.hidden_size
         inputs = (torch.zeros(b, s, dtype=torch.long, device=device) if module.is_first
-                  else torch.empty(b, s, hidden, dtype=activation_dtype, device=device, requires_grad=True))
-        outputs = torch.empty(b, s, hidden, dtype=output_dtype if module.is_last else activation_dtype,
-                              device=device, requires_grad=True)
+                  else torch.empty(b, shard, hidden, dtype=activation_dtype, device=device, requires_grad=True))
+        outputs = (torch.empty(b, s, hidden, dtype=output_dtype, device=device, requires_grad=True) if module.is_last
+                   else torch.empty(b, shard, hidden, dtype=activation_dtype, device=device, requires_grad=True))
         stages.append(PipelineStage(run, module.stage, module.num_stages, device, input_args=inputs,
                                     output_args=outputs, group=group))
     if virtual > 1:
@@ -230,7 +241,7 @@ def run_schedule(schedule: Any, stage_modules: Sequence[PipelineStageModule], in
     accumulated, scaled by 1 / M (the mean over micro-batches). Returns the M micro-batch losses on the rank of the
     last stage, else []."""
     for module in stage_modules:
-        module.set_micro_batch_kwargs(kwargs)
+        module.set_micro_batch_kwargs(kwargs, inputs.shape[1])
     losses: list[torch.Tensor] = []
     last = any(m.is_last for m in stage_modules)
     target = torch.arange(len(kwargs), device=inputs.device) if last else None

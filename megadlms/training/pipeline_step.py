@@ -64,7 +64,8 @@ class PipelineRunner:
                                             schedule=self.schedule_name,
                                             activation_dtype=self.model.activation_dtype or torch.float32,
                                             output_dtype=self.model.activation_dtype or self.output_dtype,
-                                            submodules=self.model.runners)
+                                            submodules=self.model.runners,
+                                            sequence_shards=self.model.sequence_shards)
         inputs = torch.cat([b.inputs for b in batches])
         losses = run_schedule(self._schedule, self.stages, inputs, [b.model_kwargs() for b in batches], train=train)
         total = torch.zeros((), device=self.device)

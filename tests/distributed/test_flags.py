@@ -38,8 +38,6 @@ def test_one_data_parallel_rank_needs_no_sync_control():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"),
-     "--pipeline-model-parallel-size 2 does not yet take --sequence-parallel"),
     (("--num-layers-per-virtual-pipeline-stage", "1"),
      "--num-layers-per-virtual-pipeline-stage 1 interleaves the stages of a pipeline; add "
      "--pipeline-model-parallel-size 2 or more"),
@@ -75,6 +73,11 @@ def test_parallel_plan_refusals():
                                          "data-parallel ranks: DDP takes no tensor-parallel parameters"):
         check_parallel_plan(TransformerConfig(num_layers=4), ParallelContext(world_size=8, pp_size=2, tp_size=2),
                             ParallelConfig())
+    with pytest.raises(ValueError, match="--sequence-parallel with --pipeline-model-parallel-size 2: the stages send "
+                                         "equal sequence shards, and the 30 positions per context-parallel rank do "
+                                         "not split over --tensor-model-parallel-size 4"):
+        check_parallel_plan(TransformerConfig(num_layers=4, seq_length=30),
+                            ParallelContext(world_size=8, pp_size=2, tp_size=4), ParallelConfig(sequence_parallel=True))
     with pytest.raises(ValueError, match="world size 6 is not divisible by --pipeline-model-parallel-size 2 x "
                                          "--context-parallel-size 2 = 4; launch a multiple of 4 processes"):
         build_mesh("cpu", 6, pp_size=2, cp_size=2)

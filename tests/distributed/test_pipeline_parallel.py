@@ -140,20 +140,16 @@ def test_pipeline_with_context_parallel_matches_one_process(runs, tmp_path):
 
 
 def test_pipeline_with_tensor_parallel_matches_one_process(runs, tmp_path):
-    """4 ranks: 2 stages x 2 tensor-parallel ranks each (the tied embedding vocabulary-sharded on both ends)."""
+    """4 ranks: 2 stages x 2 tensor-parallel ranks each (the tied embedding vocabulary-sharded on both ends), with
+    sequence parallelism: the stages send sequence shards [B, S / 2, H]."""
     root, _ = runs
     save = tmp_path / "pp2_tp2"
     out = launch(4, COMMON + ["--micro-batch-size", "1", "--save", str(save), "--pipeline-model-parallel-size", "2",
-                              "--tensor-model-parallel-size", "2"], rerun_after_native_crash=True,
-                 clean_before_rerun=[save])
-    assert "pipeline parallel: 2 stages of 1 layers | tensor parallel over 2 ranks" in out
+                              "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                 rerun_after_native_crash=True, clean_before_rerun=[save])
+    assert "pipeline parallel: 2 stages of 1 layers | tensor parallel over 2 ranks + sequence parallel" in out
     assert train_losses(save) == pytest.approx(train_losses(root / "one"), rel=RTOL)
     assert eval_losses(save) == pytest.approx(eval_losses(root / "one"), rel=RTOL)
-
-
-def test_pipeline_with_sequence_parallel_is_refused():
-    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2 does not yet take --sequence-parallel"):
-        ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
 
 
 def test_pipeline_needs_that_many_processes(monkeypatch):
