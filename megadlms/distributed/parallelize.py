@@ -4,8 +4,8 @@
     -> [FP8 parameter all-gather] -> tensor parallel -> context parallel -> activation checkpointing
     -> torch.compile -> FSDP2 / DDP (over the data- x context-parallel ranks)
 
-or, with pipeline parallelism, ... -> activation checkpointing -> torch.compile -> the rank's pipeline stages
--> FSDP2 / DDP per stage (over the data-parallel ranks). `check_parallel_plan` checks the layout first.
+or, with pipeline parallelism, the same up to torch.compile -> the rank's pipeline stages -> FSDP2 / DDP per stage
+(over the data- x context-parallel ranks). `check_parallel_plan` checks the layout first.
 
 Each step is a function of its own. (The trainer captures the layers in CUDA graphs afterwards, once its
 optimizer exists: `megadlms.training.cuda_graphs`.)
@@ -209,9 +209,8 @@ def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: Paral
                      activation_checkpointing: bool, compile: bool, param_dtype: torch.dtype | None) -> nn.Module:
     """This rank's pipeline stages of `model` (`megadlms.distributed.pipeline_parallel.RankStages`): one, or
     several with virtual stages (interleaved 1F1B), with tensor (and sequence) parallelism and context-parallel
-    attention where tp, cp > 1. Each stage module
-    is put under DDP, or sharded by FSDP2, over the data- x context-parallel ranks holding the same stages; the
-    schedule reduces gradients on the last micro-batch."""
+    attention where tp, cp > 1. Each stage module is put under DDP, or sharded by FSDP2, over the data- x
+    context-parallel ranks holding the same stages; the schedule reduces gradients on the last micro-batch."""
     from .pipeline_parallel import PipelineStageModule, RankStages, rank_stages, virtual_stages
 
     pp, cfg = ctx.pp_size, model.config

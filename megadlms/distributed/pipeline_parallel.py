@@ -180,7 +180,7 @@ class RankStages(nn.Module):
 
 def count_stage_parameters(model: RankStages, group: dist.ProcessGroup) -> int:
     """The whole model's parameter count from every pipeline rank's stages (collective over `group`): each
-    parameter once, a sharded one (FSDP2) whole, the tied embedding's last-stage copy left out."""
+    parameter once, a sharded one (FSDP2, TP) whole, the tied embedding's last-stage copy left out."""
     copy = next((s.tied_weight for s in model.stages if s.is_last and s.tied_weight is not None), None)
     device = next(model.parameters()).device  # NCCL reduces GPU tensors only
     n = torch.tensor(sum(p.numel() for p in model.parameters() if p is not copy), dtype=torch.float64, device=device)
