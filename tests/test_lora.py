@@ -109,3 +109,22 @@ def test_bad_settings_are_one_line_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match) as e:
         LoraConfig(**kwargs)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("base", ["bf16", "fp8"])
+def test_compiled_layers_break_only_where_the_fp8_layers_do(base):
+    """`--compile` compiles each transformer layer: the adapters (dropout on) add no graph break. A BF16 base
+    layer is one graph; an FP8 base breaks at each frozen FP8 GEMM alone (`FrozenFP8Linear.forward` runs eager,
+    as every FP8 linear's does), so 7 breaks for the 7 linears."""
+    model = apply_lora(_model(), LoraConfig(rank=4, dropout=0.1, base=base))
+    layer = model.layers[0]
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    torch._dynamo.reset()
+    with torch.autocast("cpu", torch.bfloat16):
+        e = torch._dynamo.explain(layer)(x, model.rotary(torch.arange(16)))
+    reasons = [str(r.reason) for r in e.break_reasons]
+    if base == "bf16":
+        assert (e.graph_count, e.graph_break_count) == (1, 0), reasons
+    else:
+        assert e.graph_break_count == 7 and all("FrozenFP8Linear.forward" in r for r in reasons), reasons
+    torch._dynamo.reset()
