@@ -14,8 +14,13 @@ import torch
 
 from . import dlm_formats
 from .config import ConfigError, TransformerConfig
-from .dlm_formats import (DREAM_ARCHITECTURE, LLADA_ARCHITECTURE, LLADA_MOE_ARCHITECTURE, LLADA_MOE_MASK_TOKEN_ID,
-                          FormatError)
+from .dlm_formats import (
+    DREAM_ARCHITECTURE,
+    LLADA_ARCHITECTURE,
+    LLADA_MOE_ARCHITECTURE,
+    LLADA_MOE_MASK_TOKEN_ID,
+    FormatError,
+)
 from .errors import MegaDLMsError
 
 BUNDLED_VOCAB_SIZE = 4096  # the bundled demo tokenizer's; a preset without a vocab_size takes the tokenizer's

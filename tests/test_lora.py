@@ -128,3 +128,28 @@ def test_compiled_layers_break_only_where_the_fp8_layers_do(base):
     else:
         assert e.graph_break_count == 7 and all("FrozenFP8Linear.forward" in r for r in reasons), reasons
     torch._dynamo.reset()
+
+
+def test_targets_that_match_no_linear_are_a_one_line_error():
+    """An all-MoE model (LLaDA-MoE's layout) has no gate/up/down linears: its experts take no adapters."""
+    model = _model(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[1, 1])
+    with pytest.raises(ConfigError, match=r"--lora-targets gate,up matches no linear .*add q,k,v,o") as e:
+        apply_lora(model, LoraConfig(rank=4, targets="gate,up"))
+    assert "\n" not in str(e.value) and all(p.requires_grad for p in model.parameters())  # left untouched
+    apply_lora(model, LoraConfig(rank=4, targets="q,v,gate"))  # attention adapters; the experts stay frozen
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert len(trained) == 2 * 2 * 2 and all("self_attn" in n for n in trained)
+
+
+def test_a_frozen_router_keeps_its_expert_bias():
+    """A LoRA run's MoE base: the step that moves DeepSeek-V3's expert bias leaves a frozen router's alone."""
+    from megadlms.moe import moe_layers, moe_step
+
+    model = apply_lora(_model(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1],
+                              moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                              moe_router_bias_update_rate=0.1), LoraConfig(rank=4, base="keep"))
+    (layer,) = moe_layers(model)
+    layer.step_tokens.copy_(torch.tensor([10.0, 0.0, 6.0, 0.0]))
+    moe_step(model)
+    assert layer.gate.e_score_correction_bias.tolist() == [0.0] * 4
+    assert layer.idle_steps.tolist() == [0, 1, 0, 1]  # the telemetry still advances

@@ -97,6 +97,22 @@ def test_lora_flags_need_a_base_and_refuse_base_training_flags():
         parse_train_args(SMALL + ["--lora-targets", "q"])
 
 
+@pytest.mark.parametrize("flags, match", [
+    (["--fp8-format", "hybrid", "--fp8-param-gather", "--data-parallel-sharding-strategy", "optim_grads_params"],
+     "--lora-rank 4 freezes the base, so --fp8-param-gather has no trained FP8 weights to gather; drop"),
+    (["--tensor-model-parallel-size", "2"], "--lora-rank 4 with --tensor-model-parallel-size 2: .* drop tensor"),
+    (["--pipeline-model-parallel-size", "2"], "--lora-rank 4 with --pipeline-model-parallel-size 2: .* drop pipeline"),
+    (["--lora-rank", "0"], "--lora-rank 0 must be an integer >= 1"),
+    (["--lora-alpha", "-1"], "--lora-alpha -1.0 must be > 0"),
+    (["--lora-dropout", "1"], "--lora-dropout 1.0 must be in"),
+    (["--lora-targets", "q,,v"], "--lora-targets: unknown target ''"),
+])
+def test_lora_with_flags_that_train_the_base_or_bad_values_is_one_line(flags, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        parse_train_args(SMALL + ["--lora-rank", "4", "--load", "x", *flags])
+    assert "\n" not in str(e.value)
+
+
 def test_fsdp2_and_ddp_train_the_adapters_as_one_process(tmp_path):
     """LoRA under FSDP2 (two gloo ranks, parameters sharded, the frozen base included) and under DDP (two gloo
     ranks, the adapters' gradients all-reduced): the losses of one process."""
