@@ -234,7 +234,7 @@ def add_aux_losses(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
 def moe_step(model: nn.Module, group: Any = None) -> None:
     """After each optimizer step: sum the step's pairs per expert (and auxiliary losses) over `group`'s ranks in one
     collective, move the expert biases (DeepSeek-V3: bias += rate * sign(mean load - load), which every rank
-    computes alike), and advance the telemetry counters."""
+    computes alike; a frozen router, a LoRA run's base, keeps its bias), and advance the telemetry counters."""
     layers = moe_layers(model)
     if not layers:
         return
@@ -244,7 +244,7 @@ def moe_step(model: nn.Module, group: Any = None) -> None:
     for m, row in zip(layers, stacked):
         tokens = row[:m.num_experts]
         bias = m.gate.e_score_correction_bias
-        if bias is not None:
+        if bias is not None and m.gate.weight.requires_grad:
             bias.add_(m.bias_update_rate * torch.sign(tokens.mean() - tokens))
         m.window_tokens.add_(tokens)
         m.window_aux.add_(row[m.num_experts:])

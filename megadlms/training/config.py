@@ -373,6 +373,10 @@ class RunConfig:
         if self.parallel.tensor_model_parallel_size > 1:
             raise ConfigError(f"{rank} with --tensor-model-parallel-size {self.parallel.tensor_model_parallel_size}"
                               ": LoRA runs with data parallelism only (DDP / FSDP2); drop tensor parallelism")
+        if self.parallel.pipeline_model_parallel_size > 1:
+            raise ConfigError(f"{rank} with --pipeline-model-parallel-size "
+                              f"{self.parallel.pipeline_model_parallel_size}: LoRA runs with data parallelism only "
+                              "(DDP / FSDP2); drop pipeline parallelism")
         if self.lora.lora_base == "fp8" and self.fp8.enabled and self.fp8.fp8_format not in ("hybrid", "e4m3"):
             raise ConfigError(f"--lora-base fp8 takes --fp8-format hybrid or e4m3, got {self.fp8.fp8_format}")
         if not self.checkpoint.load:
