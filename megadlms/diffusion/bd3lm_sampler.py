@@ -83,6 +83,8 @@ def context_window_of(model: nn.Module, block: int, context_window: int | None) 
     (None: no window, for a model that does not say)."""
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if context_window is None:
+        if max_pos is not None and max_pos < block:
+            raise ConfigError(f"the model's max_position_embeddings={max_pos} holds no whole block of {block}")
         return None if max_pos is None else max_pos // block * block
     if not isinstance(context_window, int) or context_window < block or context_window % block:
         raise ConfigError(f"context_window={context_window!r} must be a multiple of the block size {block} (at least "
