@@ -26,6 +26,7 @@ from ..config import (
     flag_name,
 )
 from ..data.args import DataSourceConfig
+from ..diffusion.clip_search import CLIP_SEARCH_DELTA, CLIP_SEARCH_WIDTHS
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES, ObjectiveConfig
 from ..distributed.config import ParallelConfig, check_fp8_param_gather
 from ..lora import TARGETS as LORA_TARGETS
@@ -96,6 +97,10 @@ class DiffusionConfig:
     bd3lm_antithetic: bool = True  # bd3lm: t stratified over the global batch x blocks (the paper's)
     ignore_bos: bool = False  # difflm-noshift / bd3lm: never mask position 0; validation leaves it out
     bd3lm_resample: bool = False  # bd3lm: redraw blocks whose masked fraction falls outside the clip
+    bd3lm_clip_search: bool = False  # bd3lm: validation adopts the clip interval of lowest loss variance
+    # bd3lm: the candidate intervals' widths
+    bd3lm_clip_search_widths: list[float] = field(default_factory=lambda: list(CLIP_SEARCH_WIDTHS))
+    bd3lm_clip_search_delta: float = CLIP_SEARCH_DELTA  # bd3lm: the step between one width's interval starts
 
     def __post_init__(self) -> None:
         if self.model_running_mode is not None:
