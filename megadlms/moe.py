@@ -8,7 +8,9 @@ expert. Plain single-device PyTorch, like `model.py`; FP8 swaps the experts for 
              -> combine: sum over the k rows of each token, times its routing weight, in fp32
              (+ the shared expert's output)
 
-Dropless: every routed pair is computed (no capacity factor). Parameter names are Hugging Face's (Qwen2/3-MoE,
+Dropless: every routed pair is computed (no capacity factor). Dispatch and combine are the block's `dispatcher`
+(`TokenDispatcher`, one device); expert parallelism swaps it for an all-to-all one over the ranks that hold the experts
+(`megadlms.distributed.expert_parallel`), which leaves this file single-device. Parameter names are Hugging Face's (Qwen2/3-MoE,
 LLaDA-MoE) with the experts stacked: `mlp.gate.weight` [E, H] (the router), `mlp.experts.{gate,up,down}_proj`
 [E, F, H] / [E, H, F] (HF: `mlp.experts.N.gate_proj.weight`, ...: `split_expert_weights` / `stack_expert_weights`),
 `mlp.shared_expert.{gate,up,down}_proj.weight`, and with the aux-loss-free balancing the router's
@@ -26,8 +28,9 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -112,9 +115,17 @@ class GroupedExperts(nn.Module):
         return grouped_linear(x, w, offs)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """x [M, H] sorted by expert -> [M, H]."""
-        h = self.act_fn(self.linear(x, self.gate_proj, offs), self.linear(x, self.up_proj, offs))
-        return self.linear(h, self.down_proj, offs)
+        """x [M, H] sorted by expert -> [M, H]. Under expert parallelism the weights are DTensors sharded over the
+        experts, and this rank's experts (their local shards) are the ones `offs` groups the rows for."""
+        gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        h = self.act_fn(self.linear(x, gate, offs), self.linear(x, up, offs))
+        return self.linear(h, down, offs)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (differentiable), else `w` itself."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: no DTensor exists (and no import cost)
+    return w.to_local() if dtensor is not None and isinstance(w, dtensor.DTensor) else w
 
 
 def dispatch_plan(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -139,6 +150,43 @@ def dispatch_plan(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     return pos, offs.to(torch.int32), counts.float(), rows
 
 
+class Dispatched(NamedTuple):
+    """What a dispatcher's `dispatch` returns: rows [M, H] grouped by expert for the experts; offs int32 [E_local]:
+    each group's end; counts fp32 [E]: this rank's routed pairs per expert (all E, for the losses and telemetry);
+    handle: what its `combine` needs to bring the rows back."""
+
+    rows: torch.Tensor
+    offs: torch.Tensor
+    counts: torch.Tensor
+    handle: Any
+
+
+class TokenDispatcher(nn.Module):
+    """One device: the T*k (token, expert) pairs into one padded [M, H] grouped by expert (`dispatch_plan`), and the
+    experts' rows back into tokens (`combine`)."""
+
+    def __init__(self, num_experts: int, topk: int):
+        super().__init__()
+        self.num_experts, self.topk = num_experts, topk
+
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor) -> Dispatched:
+        """x [T, H], experts [T, k] int64 -> rows [M, H]: row pos[t*k + j] holds token t (zeros in the padding)."""
+        pos, offs, counts, rows = dispatch_plan(experts, self.num_experts)
+        src = x.repeat_interleave(self.topk, dim=0) if self.topk > 1 else x
+        return Dispatched(x.new_zeros(rows, x.shape[1]).index_copy(0, pos, src), offs, counts, pos)
+
+    def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: Any) -> torch.Tensor:
+        """y [M, H] (the experts' rows), weights [T, k] -> [T, H] fp32: the sum over each token's k rows times its
+        routing weights."""
+        return combine_pairs(y[handle], weights)
+
+
+def combine_pairs(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T*k, H] (token-major pairs), weights [T, k] -> [T, H] fp32: sum_j y[t*k + j] * weights[t, j]."""
+    t, k = weights.shape
+    return (y.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1)
+
+
 class MoE(nn.Module):
     """The MoE block in place of a layer's MLP: x [B, S, H] -> [B, S, H] (see the module docstring)."""
 
@@ -161,6 +209,7 @@ class MoE(nn.Module):
         self.bias_update_rate = cfg.moe_router_bias_update_rate
         self.gate = Router(cfg)
         self.experts = GroupedExperts(self.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size, act_fn)
+        self.dispatcher = TokenDispatcher(self.num_experts, self.topk)
         self.shared_expert = shared_expert
         e = self.num_experts
         # device-side counters (not saved): this optimizer step's pairs per expert, the auxiliary loss of the step
@@ -177,25 +226,15 @@ class MoE(nn.Module):
         xt = x.reshape(-1, shape[-1])  # [T, H]
         logits = self.gate(xt)
         weights, experts, probs = self.gate.route(logits)
-        pos, offs, counts, rows = dispatch_plan(experts, self.num_experts)
+        d = self.dispatcher.dispatch(xt, experts)
         if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             # a training forward (not an activation-checkpointing recompute in backward): its losses and counts
-            self._record(logits, probs, counts)
-        y = self.experts(self._dispatch(xt, pos, rows), offs)  # [M, H]
-        out = self._combine(y, pos, weights).to(y.dtype)  # the experts' compute dtype
+            self._record(logits, probs, d.counts)
+        y = self.experts(d.rows, d.offs)  # [M, H]
+        out = self.dispatcher.combine(y, weights, d.handle).to(y.dtype)  # the experts' compute dtype
         if self.shared_expert is not None:
             out = out + self.shared_expert(xt)
         return out.view(shape)
-
-    def _dispatch(self, x: torch.Tensor, pos: torch.Tensor, rows: int) -> torch.Tensor:
-        """x [T, H] -> [M, H]: row pos[t*k + j] holds token t (zeros in the padding)."""
-        src = x.repeat_interleave(self.topk, dim=0) if self.topk > 1 else x
-        return x.new_zeros(rows, x.shape[1]).index_copy(0, pos, src)
-
-    def _combine(self, y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """y [M, H] -> [T, H] fp32: the sum over each token's k rows times its routing weights."""
-        t = weights.shape[0]
-        return (y[pos].view(t, self.topk, -1).float() * weights.unsqueeze(-1)).sum(1)
 
     def _record(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> None:
         with torch.no_grad():
@@ -333,5 +372,5 @@ def stack_expert_weights(state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-__all__ = ["Router", "GroupedExperts", "MoE", "dispatch_plan", "moe_layers", "add_aux_losses", "moe_step",
+__all__ = ["Router", "GroupedExperts", "MoE", "Dispatched", "TokenDispatcher", "dispatch_plan", "combine_pairs", "moe_layers", "add_aux_losses", "moe_step",
            "moe_metrics", "split_expert_weights", "stack_expert_weights", "IDLE_WARN_STEPS"]
