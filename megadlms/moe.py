@@ -3,7 +3,7 @@ expert. Plain single-device PyTorch, like `model.py`; FP8 swaps the experts for 
 
     x [T, H] -> router (fp32): logits [T, E] -> top-k experts per token, weights [T, k]
              -> dispatch: the T*k (token, expert) pairs sorted by expert into [M, H], each expert's rows padded to
-                a multiple of 16 (M = T*k + 16*E, a static size: no host sync)
+                a multiple of 16 (M = T*k rounded up to 16, + 16*E: a static size, no host sync)
              -> experts: silu(x W_gate^T) * (x W_up^T) W_down^T per row group (`grouped_gemm.grouped_linear`)
              -> combine: sum over the k rows of each token, times its routing weight, in fp32
              (+ the shared expert's output)
@@ -131,8 +131,9 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 def dispatch_plan(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """experts [T, k] int64 -> (pos [T*k]: the dispatched row of each (token, slot) pair, token-major; offs int32 [E]:
     each expert's row group end; counts fp32 [E]: pairs per expert; M: the rows). Each group is padded to a multiple
-    of ALIGN rows and the last group runs to M = T*k + ALIGN*E, so that M does not depend on the routing (no host
-    sync); the padding rows are zeros. All on the device."""
+    of ALIGN rows and the last group runs to M = T*k rounded up to ALIGN, + ALIGN*E, so that M does not depend on the
+    routing (no host sync) and the transposed [*, M] operands of the weight gradients keep aligned rows; the padding
+    rows are zeros. All on the device."""
     flat = experts.reshape(-1)
     n = flat.numel()
     counts = torch.zeros(num_experts, device=flat.device, dtype=torch.int64).scatter_add_(
@@ -144,7 +145,7 @@ def dispatch_plan(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     sorted_e = flat[order]
     rank = torch.arange(n, device=flat.device) - start[sorted_e]
     pos = torch.empty_like(flat).index_copy_(0, order, pstart[sorted_e] + rank)
-    rows = n + ALIGN * num_experts
+    rows = (n + ALIGN - 1) // ALIGN * ALIGN + ALIGN * num_experts
     offs = torch.cumsum(padded, 0)
     offs[-1] = rows  # the last group takes the tail of zero rows: every row is computed, none left undefined
     return pos, offs.to(torch.int32), counts.float(), rows
