@@ -177,15 +177,15 @@ class TokenDispatcher(nn.Module):
         return Dispatched(x.new_zeros(rows, x.shape[1]).index_copy(0, pos, src), offs, counts, pos)
 
     def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: Any) -> torch.Tensor:
-        """y [M, H] (the experts' rows), weights [T, k] -> [T, H] fp32: the sum over each token's k rows times its
-        routing weights."""
+        """y [M, H] (the experts' rows), weights [..., k] (T tokens) -> [..., H] fp32: the sum over each token's k rows
+        times its routing weights."""
         return combine_pairs(y[handle], weights)
 
 
 def combine_pairs(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y [T*k, H] (token-major pairs), weights [T, k] -> [T, H] fp32: sum_j y[t*k + j] * weights[t, j]."""
-    t, k = weights.shape
-    return (y.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1)
+    """y [T*k, H] (token-major pairs), weights [..., k] (T tokens) -> [..., H] fp32: sum_j y[t*k + j] * weights[t, j].
+    """
+    return (y.view(*weights.shape, -1).float() * weights.unsqueeze(-1)).sum(-2)
 
 
 class MoE(nn.Module):
@@ -232,10 +232,11 @@ class MoE(nn.Module):
             # a training forward (not an activation-checkpointing recompute in backward): its losses and counts
             self._record(logits, probs, d.counts)
         y = self.experts(d.rows, d.offs)  # [M, H]
-        out = self.dispatcher.combine(y, weights, d.handle).to(y.dtype)  # the experts' compute dtype
+        # [B, S, H] in the experts' compute dtype (made in that shape: no view returned, which FSDP2 warns about)
+        out = self.dispatcher.combine(y, weights.view(*shape[:-1], self.topk), d.handle).to(y.dtype)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(xt)
-        return out.view(shape)
+            out = out + self.shared_expert(xt).view(shape)
+        return out
 
     def _record(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> None:
         with torch.no_grad():
