@@ -9,13 +9,14 @@ expert. Plain single-device PyTorch, like `model.py`; FP8 swaps the experts for 
              (+ the shared expert's output)
 
 Dropless: every routed pair is computed (no capacity factor). Dispatch and combine are the block's `dispatcher`
-(`TokenDispatcher`, one device); expert parallelism swaps it for an all-to-all one over the ranks that hold the experts
-(`megadlms.distributed.expert_parallel`), which leaves this file single-device. Parameter names are Hugging Face's (Qwen2/3-MoE,
-LLaDA-MoE) with the experts stacked: `mlp.gate.weight` [E, H] (the router), `mlp.experts.{gate,up,down}_proj`
-[E, F, H] / [E, H, F] (HF: `mlp.experts.N.gate_proj.weight`, ...: `split_expert_weights` / `stack_expert_weights`),
-`mlp.shared_expert.{gate,up,down}_proj.weight`, and with the aux-loss-free balancing the router's
-`e_score_correction_bias` [E] (DeepSeek-V3's name), updated once per optimizer step by `moe_step`, outside
-autograd.
+(`TokenDispatcher`, one device); expert parallelism swaps it for an all-to-all one over the ranks that hold the
+experts (`megadlms.distributed.expert_parallel`), which leaves this file single-device.
+
+Parameter names are Hugging Face's (Qwen2/3-MoE, LLaDA-MoE) with the experts stacked: `mlp.gate.weight` [E, H] (the
+router), `mlp.experts.{gate,up,down}_proj` [E, F, H] / [E, H, F] (HF: `mlp.experts.N.gate_proj.weight`, ...:
+`split_expert_weights` / `stack_expert_weights`), `mlp.shared_expert.{gate,up,down}_proj.weight`, and with the
+aux-loss-free balancing the router's `e_score_correction_bias` [E] (DeepSeek-V3's name), updated once per optimizer
+step by `moe_step`, outside autograd.
 
 The training-only side of the block: the auxiliary losses (load balancing, z-loss) of each forward wait in the block
 (`aux_loss`) until the objective adds them to the loss (`add_aux_losses`); the tokens each expert received are
@@ -228,9 +229,12 @@ class MoE(nn.Module):
         logits = self.gate(xt)
         weights, experts, probs = self.gate.route(logits)
         d = self.dispatcher.dispatch(xt, experts)
-        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            # a training forward (not an activation-checkpointing recompute in backward): its losses and counts
-            self._record(logits, probs, d.counts)
+        if self.training and torch.is_grad_enabled():
+            # the losses are computed in an activation-checkpointing recompute too (it must save what the forward
+            # saved), but recorded, with the counts, only by the training forward itself
+            aux = self._aux_losses(logits, probs, d.counts)
+            if torch._C._current_graph_task_id() == -1:
+                self._record(aux, d.counts)
         y = self.experts(d.rows, d.offs)  # [M, H]
         # [B, S, H] in the experts' compute dtype (made in that shape: no view returned, which FSDP2 warns about)
         out = self.dispatcher.combine(y, weights.view(*shape[:-1], self.topk), d.handle).to(y.dtype)
@@ -238,9 +242,8 @@ class MoE(nn.Module):
             out = out + self.shared_expert(xt).view(shape)
         return out
 
-    def _record(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.step_tokens.add_(counts)
+    def _aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """The load-balancing loss plus the z-loss of one forward (a scalar), None with both coefficients 0."""
         aux = None
         if self.aux_loss_coeff > 0:
             # Switch/GShard: E * sum_e (mean router probability of e) * (share of the pairs routed to e); 1 x coeff
@@ -250,6 +253,11 @@ class MoE(nn.Module):
         if self.z_loss_coeff > 0:
             z = torch.logsumexp(logits, dim=-1).square().mean() * self.z_loss_coeff
             aux = z if aux is None else aux + z
+        return aux
+
+    def _record(self, aux: torch.Tensor | None, counts: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.step_tokens.add_(counts)
         if aux is not None:
             self.aux_loss = aux if self.aux_loss is None else self.aux_loss + aux
             with torch.no_grad():
@@ -374,5 +382,6 @@ def stack_expert_weights(state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-__all__ = ["Router", "GroupedExperts", "MoE", "Dispatched", "TokenDispatcher", "dispatch_plan", "combine_pairs", "moe_layers", "add_aux_losses", "moe_step",
-           "moe_metrics", "split_expert_weights", "stack_expert_weights", "IDLE_WARN_STEPS"]
+__all__ = ["Router", "GroupedExperts", "MoE", "Dispatched", "TokenDispatcher", "dispatch_plan", "combine_pairs",
+           "moe_layers", "add_aux_losses", "moe_step", "moe_metrics", "split_expert_weights", "stack_expert_weights",
+           "IDLE_WARN_STEPS"]
