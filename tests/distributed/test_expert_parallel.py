@@ -24,6 +24,11 @@ TINY_MOE = ["--model-path", "tiny-moe", *TINY[2:], "--moe-layer-freq", "0,1", "-
             "--moe-ffn-hidden-size", "32", "--train-iters", "4", "--save-interval", "2"]
 
 
+def grad_norms(save) -> list[float]:
+    lines = (save / "metrics.jsonl").read_text().splitlines()
+    return [r["grad_norm"] for r in map(json.loads, lines) if r["split"] == "train"]
+
+
 @pytest.fixture(scope="module")
 def blocks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep") / "results.json"
@@ -56,6 +61,8 @@ def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path):
     assert len(reference) == 4
     ep2 = run("ep2", 2, "--micro-batch-size", "2", "--expert-model-parallel-size", "2")
     assert train_losses(ep2) == pytest.approx(reference, rel=RTOL)
+    # the gradient norm over the dense and the expert meshes, clipped (to 1.0) as on one process
+    assert grad_norms(ep2) == pytest.approx(grad_norms(single), rel=RTOL) and min(grad_norms(single)) > 1.0
     # the checkpoint holds every expert under one name and its global shape: it loads at any EP size
     from megadlms.training import checkpoint as ckpt
 
