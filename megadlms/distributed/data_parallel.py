@@ -70,6 +70,10 @@ def apply_fsdp(model: TransformerLM, mesh: DeviceMesh, *, reshard_after_forward:
             experts = fully_shard(block.experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,
                                   mp_policy=mp)
             experts.set_gradient_divide_factor(float(mesh.size()))
+            if expert_mesh.size(expert_mesh.ndim - 1) > 1:
+                # a reduce-scatter: a sum, then the division (gloo has no pre-scaled sum). Not with shard groups of
+                # one rank, where FSDP2 divides before its (skipped) reduce-scatter and would divide again after it
+                experts.set_force_sum_reduction_for_comms(True)
     layers = [fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
               for layer in model.layers]
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)

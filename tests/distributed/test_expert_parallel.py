@@ -1,6 +1,6 @@
-"""Expert parallelism: MoE blocks with their experts split over 2 ranks compute what one rank computes (BF16-path
-fp32 and FP8 experts); a run with --expert-model-parallel-size 2 trains the curve of one process, and its
-checkpoints resume at another EP size (2 -> 1, 1 -> 2 under ZeRO-3). Bad sizes are refused in one line."""
+"""Expert parallelism: MoE blocks with their experts split over 2 ranks compute what one rank computes (fp32 and FP8
+experts); a run with --expert-model-parallel-size 2 trains the curve of one process, and checkpoints resume at another
+EP size (2 -> 1; 1 -> 2 on 4 ranks under ZeRO-3, each expert sharded over 2). Bad sizes are refused in one line."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from .ep_worker import CASES
 from .launch import TINY, launch, train_iterations, train_losses
 
 RTOL = 1e-5  # fp32: only the order of floating-point sums differs between the runs
-# tiny-moe at TINY's shapes: a dense first layer, then 4 experts (top-2) of width 32
+# tiny-moe at TINY's shapes: a dense first layer, then 4 experts (top-2) of width 32. Micro-batches of one sequence
+# in every run: the auxiliary loss is a statistic of the micro-batch
 TINY_MOE = ["--model-path", "tiny-moe", *TINY[2:], "--moe-layer-freq", "0,1", "--num-moe-experts", "4",
-            "--moe-ffn-hidden-size", "32", "--train-iters", "4", "--save-interval", "2"]
+            "--moe-ffn-hidden-size", "32", "--train-iters", "4", "--save-interval", "2", "--micro-batch-size", "1"]
 
 
 def grad_norms(save) -> list[float]:
@@ -56,10 +57,10 @@ def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path):
                clean_before_rerun=[save])
         return save
 
-    single = run("single", 1, "--micro-batch-size", "2")
+    single = run("single", 1)
     reference = train_losses(single)
     assert len(reference) == 4
-    ep2 = run("ep2", 2, "--micro-batch-size", "2", "--expert-model-parallel-size", "2")
+    ep2 = run("ep2", 2, "--expert-model-parallel-size", "2")
     assert train_losses(ep2) == pytest.approx(reference, rel=RTOL)
     # the gradient norm over the dense and the expert meshes, clipped (to 1.0) as on one process
     assert grad_norms(ep2) == pytest.approx(grad_norms(single), rel=RTOL) and min(grad_norms(single)) > 1.0
@@ -68,9 +69,10 @@ def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path):
 
     state = ckpt.load_model_from_checkpoint(ep2 / "iter_0000002")[0].state_dict()
     assert state["layers.1.mlp.experts.gate_proj"].shape == (4, 32, 64)
-    on_1 = run("ep2_on_1", 1, "--micro-batch-size", "4", "--load", str(ep2), "--ckpt-step", "2")
-    on_zero3 = run("single_on_ep2_zero3", 2, "--micro-batch-size", "1", "--expert-model-parallel-size", "2",
-                   "--data-parallel-sharding-strategy", "optim_grads_params", "--load", str(single), "--ckpt-step", "2")
+    on_1 = run("ep2_on_1", 1, "--load", str(ep2), "--ckpt-step", "2")
+    # 4 ranks: 2 copies of the experts, each sharded over 2 ranks (their gradients reduced over the copies)
+    on_zero3 = run("single_on_ep2_x_zero3", 4, "--expert-model-parallel-size", "2", "--data-parallel-sharding-strategy",
+                   "optim_grads_params", "--load", str(single), "--ckpt-step", "2")
     for save in (on_1, on_zero3):
         assert train_iterations(save) == [3, 4]
         assert train_losses(save) == pytest.approx(reference[2:], rel=RTOL)
