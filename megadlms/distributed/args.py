@@ -18,6 +18,9 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="split the layers into this many consecutive stages, one per rank (torch.distributed."
                         "pipelining); must divide --num-layers; for now without other parallelism")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="split each MoE block's experts over this many ranks (tokens sent to their experts by "
+                        "all-to-all); must divide --num-moe-experts and the world size; with data parallelism only")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
                    help="1f1b: one forward, one backward in turn (micro-batches >= stages); gpipe: all forwards first")
     g.add_argument("--sequence-parallel", action="store_true",

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..moe import moe_layers
+
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
@@ -47,7 +49,8 @@ def mixed_precision_policy(param_dtype: torch.dtype | None):
 
 
 def apply_fsdp(model: TransformerLM, mesh: DeviceMesh, *, reshard_after_forward: bool,
-               param_dtype: torch.dtype | None = None, prefetch: bool = False) -> None:
+               param_dtype: torch.dtype | None = None, prefetch: bool = False,
+               expert_mesh: DeviceMesh | None = None) -> None:
     """fully_shard each transformer layer, then the root (embedding, final norm, LM head), in place.
 
     mesh: 1-D (sharding) or 2-D (replicate, shard) data-parallel mesh. With tensor parallelism it must
@@ -55,10 +58,22 @@ def apply_fsdp(model: TransformerLM, mesh: DeviceMesh, *, reshard_after_forward:
     starts with it, and a chunked LM head + loss uses its output weight after the forward.
     prefetch: also issue the next layer's all-gather before the current layer runs, in forward and
     backward (--overlap-param-gather), instead of when the CPU reaches it.
+    expert_mesh: expert parallelism's "edp" mesh (`expert_parallel`): each MoE block's experts are sharded (or
+    replicated, 2-D) over it first, as a unit of their own; their gradients, each a sum over an ep group's tokens,
+    are divided by the size of `mesh` (every data-parallel rank), as the dense ones are.
     """
     from torch.distributed.fsdp import fully_shard
 
     mp = mixed_precision_policy(param_dtype)
+    if expert_mesh is not None:
+        for block in moe_layers(model):
+            experts = fully_shard(block.experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,
+                                  mp_policy=mp)
+            experts.set_gradient_divide_factor(float(mesh.size()))
+            if expert_mesh.size(expert_mesh.ndim - 1) > 1:
+                # a reduce-scatter: a sum, then the division (gloo has no pre-scaled sum). Not with shard groups of
+                # one rank, where FSDP2 divides before its (skipped) reduce-scatter and would divide again after it
+                experts.set_force_sum_reduction_for_comms(True)
     layers = [fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
               for layer in model.layers]
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)

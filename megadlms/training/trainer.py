@@ -306,6 +306,8 @@ class Trainer:
             blockers.append("context parallelism (attention all-gathers K/V)")
         if self.ctx.pp_size > 1:
             blockers.append("pipeline parallelism (the schedule runs the layers)")
+        if self.ctx.ep_size > 1:
+            blockers.append("expert parallelism (each all-to-all's split sizes are read on the host)")
         if self.ctx.dp_strategy not in ("none", "no_shard"):
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
         if self.run_config.train.recompute_granularity:
@@ -684,7 +686,8 @@ def setup(config: RunConfig) -> Trainer:
     train_cfg, data = config.train, config.data
     ctx = init_parallel(train_cfg.device, config.parallel.tensor_model_parallel_size,
                         config.parallel.distributed_backend, cp_size=config.parallel.context_parallel_size,
-                        pp_size=config.parallel.pipeline_model_parallel_size)
+                        pp_size=config.parallel.pipeline_model_parallel_size,
+                        ep_size=config.parallel.expert_model_parallel_size)
     if not ctx.is_main:
         logging.getLogger("megadlms").setLevel(logging.WARNING)
     _seed_all(train_cfg.seed)
