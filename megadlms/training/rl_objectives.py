@@ -24,6 +24,7 @@ from torch import nn
 from ..config import ConfigError, TransformerConfig
 from ..diffusion.objective import BatchNoise, MaskSampler
 from ..diffusion.sampler import position_ids_from_mask, prepare_prompts, trim_at_eos
+from ..distributed.data_parallel import gathered_parameters
 from ..fp8.frozen import frozen_copy, frozen_state_dict, load_frozen_state_dict
 from ..lora import adapters_disabled, lora_modules
 from ..rl import RL_KINDS
@@ -341,7 +342,7 @@ class DiffuGRPO(RLObjective):
         policy.eval()
         t0 = time.perf_counter()
         try:
-            with self._autocast():
+            with self._autocast(), gathered_parameters(policy):  # ranks' sampler steps differ in number
                 out, _ = fast_generate_tokens(policy, ids, attn, mask_id=self.mask_id, gen_length=rl.rl_gen_length,
                                               block_length=rl.rl_block_length, threshold=rl.rl_threshold,
                                               cache="dual", temperature=rl.rl_temperature, eos_id=self.eos_id,
