@@ -358,7 +358,8 @@ class DiffuGRPO(RLObjective):
         texts = [self.tokenizer.decode(row) for row in trim_at_eos(completions, self.eos_id)]
         fields = [r.fields for r in records for _ in range(g_size)]
         failures = self.rewards.failures
-        rewards = torch.tensor(self.rewards(texts, fields), dtype=torch.float32, device=device)
+        wheres = [r.where for r in records for _ in range(g_size)]
+        rewards = torch.tensor(self.rewards(texts, fields, wheres), dtype=torch.float32, device=device)
         self._record("reward_mean", rewards.mean().item())
         self._record("reward_std", rewards.std().item() if rewards.numel() > 1 else 0.0)
         self._record("reward_failures", self.rewards.failures - failures)
