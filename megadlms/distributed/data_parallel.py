@@ -118,3 +118,33 @@ def grad_sync_context(model: nn.Module, strategy: str, last: bool) -> contextlib
     if hasattr(model, "no_sync"):  # DDP
         return cast("DistributedDataParallel", model).no_sync()
     return _fsdp_accumulate(model, keep_unsharded=strategy in ("no_shard", "optim"))
+
+
+@contextlib.contextmanager
+def gathered_parameters(model: nn.Module) -> Iterator[None]:
+    """Under FSDP2: every sharded module of `model` all-gathered once on entry and kept for the block, resharded on
+    exit (as TRL's unwrap_model_for_generation does under ZeRO-3). For forwards whose number differs between ranks,
+    such as sampling with a confidence threshold: per-forward all-gathers would not match across ranks. The block
+    holds the unsharded weights. Without FSDP2, nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [cast("FSDPModule", m) for m in model.modules() if isinstance(m, FSDPModule)]
+    if not mods:
+        yield
+        return
+    reshards = [_reshards_after_forward(m) for m in mods]
+    for m in mods:  # the same modules in the same order on every rank
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m, reshard in zip(mods, reshards):
+            m.set_reshard_after_forward(reshard, recurse=False)
+            m.reshard()
+
+
+def _reshards_after_forward(module: FSDPModule) -> bool:
+    """Whether fully_shard reshards `module` after its forward (FSDP2 keeps it in its parameter groups only)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return any(g.post_forward_mesh_info is not None for g in groups)
