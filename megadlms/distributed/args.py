@@ -26,6 +26,9 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --pipeline-model-parallel-size: cut each rank's layers into stages of this many and "
                         "run the interleaved 1F1B schedule (rank r holds stages r, r + pp, ...); micro-batches per "
                         "step must be a multiple of the pipeline size")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="split each MoE block's experts over this many ranks (tokens sent to their experts by "
+                        "all-to-all); must divide --num-moe-experts and the world size; with data parallelism only")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
                    help="1f1b: one forward, one backward in turn (micro-batches >= stages); gpipe: all forwards first")
     g.add_argument("--sequence-parallel", action="store_true",

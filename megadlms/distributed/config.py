@@ -19,6 +19,7 @@ class ParallelConfig:
     context_parallel_size: int = 1  # each sequence's positions split over this many ranks
     cp_comm_type: str = "all_gather"  # how attention exchanges K/V: all_gather | p2p (ring attention)
     pipeline_model_parallel_size: int = 1  # the layers split into this many consecutive stages
+    expert_model_parallel_size: int = 1  # each MoE block's experts split over this many ranks (all-to-all)
     pipeline_schedule: str = "1f1b"  # 1f1b | gpipe (torch.distributed.pipelining)
     num_layers_per_virtual_pipeline_stage: int | None = None  # several stages per rank: interleaved 1F1B
     sequence_parallel: bool = False  # with TP: norms on seq_length / tp positions per rank
@@ -31,7 +32,15 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_at_least(self, {"tensor_model_parallel_size": 1, "context_parallel_size": 1,
-                              "pipeline_model_parallel_size": 1})
+                              "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1})
+        ep = self.expert_model_parallel_size
+        if ep > 1:
+            for flag, size in (("--tensor-model-parallel-size", self.tensor_model_parallel_size),
+                               ("--context-parallel-size", self.context_parallel_size),
+                               ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size)):
+                if size > 1:
+                    raise ConfigError(f"--expert-model-parallel-size {ep} takes data parallelism alone for now, not "
+                                      f"{flag} {size}; drop one of them")
         check_choice(self, "pipeline_schedule", PIPELINE_SCHEDULES)
         check_choice(self, "cp_comm_type", CP_COMM_TYPES)
         pp, virtual = self.pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage

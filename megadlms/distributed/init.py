@@ -2,7 +2,8 @@
 
 `torchrun --nproc_per_node=N [--nnodes M --rdzv-endpoint HOST:PORT] pretrain_difflm.py ...` sets
 RANK / WORLD_SIZE / LOCAL_RANK; `init_parallel` turns them into a process group (NCCL on GPUs,
-gloo on CPU) and one ("pp", "dp", "cp", "tp") DeviceMesh (`build_mesh`). A world of
+gloo on CPU) and one ("pp", "dp", "cp", "tp") DeviceMesh (`build_mesh`); with expert parallelism also an
+("edp", "ep") mesh of the same ranks for the experts. A world of
 one process (plain `python`, or torchrun with one process) creates no process group at all, so the
 single-device path has no overhead.
 """
@@ -32,6 +33,10 @@ class ParallelContext:
     cp_size: int = 1  # context parallelism: ranks sharing each sequence's positions
     pp_size: int = 1  # pipeline parallelism: consecutive stages of the layers
     mesh: DeviceMesh | None = None  # dims ("pp", "dp", "cp", "tp") when distributed (`build_mesh`)
+    ep_size: int = 1  # expert parallelism: ranks sharing each MoE block's experts (within the data-parallel ranks)
+    # with ep_size > 1: dims ("edp", "ep") of sizes (world / ep, ep): "ep" holds one copy of the experts, "edp" the
+    # ranks that hold the same experts
+    expert_mesh: DeviceMesh | None = None
     # the ranks that reduce gradients and losses: "dp", or "dp" x "cp" flattened with context parallelism
     dp_cp_mesh: DeviceMesh | None = None
     # pipeline parallelism: the ranks holding the same stages (dp x cp x tp flattened), which reduce FP8 amaxes
@@ -121,11 +126,13 @@ def _env_int(name: str, default: int) -> int:
 
 
 def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | None = None,
-                  timeout_minutes: float = 30.0, cp_size: int = 1, pp_size: int = 1) -> ParallelContext:
+                  timeout_minutes: float = 30.0, cp_size: int = 1, pp_size: int = 1,
+                  ep_size: int = 1) -> ParallelContext:
     """Initialise torch.distributed when launched by torchrun (NCCL on GPUs, gloo on CPU).
 
     Returns the ParallelContext of this process; its mesh is `build_mesh`'s: dims ("pp", "dp", "cp", "tp"), tp
-    innermost so that a TP group stays within a node.
+    innermost so that a TP group stays within a node. With ep_size > 1 (data parallelism alone:
+    `ParallelConfig` checks) also the expert mesh ("edp", "ep"), ep innermost (an EP group within a node).
     """
     world = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -133,6 +140,8 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
         raise ConfigError(f"--tensor-model-parallel-size {tp_size} must be >= 1")
     if cp_size < 1:
         raise ConfigError(f"--context-parallel-size {cp_size} must be >= 1")
+    if ep_size < 1:
+        raise ConfigError(f"--expert-model-parallel-size {ep_size} must be >= 1")
     dev = pick_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -146,6 +155,9 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
         if tp_size != 1:
             raise ConfigError(f"--tensor-model-parallel-size {tp_size} needs at least {tp_size} processes; launch "
                              f"with torchrun --nproc_per_node={tp_size} (or a multiple of it)")
+        if ep_size != 1:
+            raise ConfigError(f"--expert-model-parallel-size {ep_size} needs at least {ep_size} processes; launch "
+                              f"with torchrun --nproc_per_node={ep_size} (or a multiple of it)")
         return ParallelContext(device=dev)
     if not dist.is_initialized():
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
@@ -156,9 +168,14 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
     world = dist.get_world_size()
     mesh, dp_cp = build_mesh(dev.type, world, pp_size=pp_size, cp_size=cp_size, tp_size=tp_size)
     stage = mesh["dp", "cp", "tp"]._flatten("dp_cp_tp") if pp_size > 1 else None
+    if world % ep_size:
+        raise ConfigError(f"world size {world} is not divisible by --expert-model-parallel-size {ep_size}; launch a "
+                          f"multiple of {ep_size} processes")
+    experts = (init_device_mesh(dev.type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
+               if ep_size > 1 else None)
     return ParallelContext(rank=dist.get_rank(), world_size=world, local_rank=local_rank, device=dev,
-                           tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, mesh=mesh, dp_cp_mesh=dp_cp,
-                           stage_mesh=stage)
+                           tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, ep_size=ep_size, mesh=mesh,
+                           dp_cp_mesh=dp_cp, stage_mesh=stage, expert_mesh=experts)
 
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")

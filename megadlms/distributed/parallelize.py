@@ -1,8 +1,9 @@
 """The model-transformation pipeline, in one fixed order (`build_parallel_model`):
 
     construct (plain single-device model) -> [load the frozen base] -> FP8 conversion -> [LoRA]
-    -> [FP8 parameter all-gather] -> tensor parallel -> context parallel -> activation checkpointing
-    -> torch.compile -> FSDP2 / DDP (over the data- x context-parallel ranks)
+    -> [FP8 parameter all-gather] -> tensor parallel -> context parallel -> expert parallel
+    -> activation checkpointing -> torch.compile -> FSDP2 / DDP (over the data- x context-parallel ranks; the
+    experts of expert parallelism over the ranks that hold the same experts)
 
 or, with pipeline parallelism, the same up to torch.compile -> the rank's pipeline stages -> FSDP2 / DDP per stage
 (over the data- x context-parallel ranks). `check_parallel_plan` checks the layout first.
@@ -26,6 +27,7 @@ from ..model import TransformerLM
 from .config import ParallelConfig, check_fp8_param_gather
 from .context_parallel import apply_context_parallel
 from .data_parallel import apply_ddp, apply_fsdp
+from .expert_parallel import apply_expert_parallel
 from .init import ParallelContext
 from .tensor_parallel import apply_tensor_parallel
 
@@ -64,13 +66,26 @@ def _meshes(ctx: ParallelContext, strategy: str) -> tuple[DeviceMesh | None, Dev
     mesh spans the context-parallel ranks too: they hold the same weights and reduce their gradients together."""
     if ctx.mesh is None:
         return None, None
-    if strategy == "no_shard" and ctx.tp_size > 1 and ctx.dp_cp_size > 1:
-        # DDP takes no DTensor parameters: replicate with FSDP2 over a (dp, 1) mesh instead (HSDP whose shard
-        # groups have one rank). Same rank layout as ctx.mesh, so dp ranks and groups are unchanged.
+    if strategy == "no_shard" and (ctx.tp_size > 1 or ctx.ep_size > 1) and ctx.dp_cp_size > 1:
+        # DDP takes no DTensor parameters (TP's, or the experts' under EP): replicate with FSDP2 over a (dp, 1) mesh
+        # instead (HSDP whose shard groups have one rank). Same rank layout as ctx.mesh, so dp ranks and groups are
+        # unchanged.
         mesh = init_device_mesh(ctx.device.type, (ctx.dp_cp_size, 1, ctx.tp_size),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         return mesh["tp"], mesh["dp_replicate", "dp_shard"]
     return ctx.mesh["tp"], ctx.dp_cp_mesh
+
+
+def _expert_meshes(ctx: ParallelContext, strategy: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """(ep mesh, the experts' data-parallel mesh) of expert parallelism, sub-meshes of one root mesh as FSDP2 over
+    DTensor parameters requires: the "edp" ranks hold the same experts. no_shard replicates them over a (edp, 1) mesh,
+    as `_meshes` does the dense part."""
+    assert ctx.expert_mesh is not None  # ep_size > 1
+    if strategy != "no_shard":
+        return ctx.expert_mesh["ep"], ctx.expert_mesh["edp"]
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size // ctx.ep_size, 1, ctx.ep_size),
+                            mesh_dim_names=("edp_replicate", "edp_shard", "ep"))
+    return mesh["ep"], mesh["edp_replicate", "edp_shard"]
 
 
 def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig) -> int:
@@ -176,6 +191,10 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
     if ctx.cp_size > 1:
         assert ctx.cp_group is not None  # a mesh with a cp dimension
         apply_context_parallel(model, ctx.cp_group, parallel.cp_comm_type)
+    expert_dp_mesh = None
+    if ctx.ep_size > 1:
+        ep_mesh, expert_dp_mesh = _expert_meshes(ctx, strategy)
+        apply_expert_parallel(model, ep_mesh)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
@@ -183,12 +202,12 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
     ctx.sequence_parallel = sequence_parallel
     ctx.dp_strategy = strategy if ctx.dp_cp_size > 1 else "none"
     trained: nn.Module = model
-    if ctx.dp_cp_size > 1 and strategy == "no_shard" and ctx.tp_size == 1:
+    if ctx.dp_cp_size > 1 and strategy == "no_shard" and ctx.tp_size == 1 and ctx.ep_size == 1:
         trained = apply_ddp(model, ctx.dp_cp_group, ctx.device)
     elif ctx.dp_cp_size > 1:
         assert dp_mesh is not None  # ctx has a mesh when it has more than one rank
         apply_fsdp(model, dp_mesh, reshard_after_forward=strategy == "optim_grads_params", param_dtype=param_dtype,
-                   prefetch=parallel.overlap_param_gather)
+                   prefetch=parallel.overlap_param_gather, expert_mesh=expert_dp_mesh)
         if strategy in ("optim_grads", "optim_grads_params") and model.config.fp8:
             # these strategies free gathered weights between micro-batches; an FP8 weight cache would keep them
             from ..fp8 import set_fp8_weight_caching
@@ -196,12 +215,15 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
             set_fp8_weight_caching(model, False)
     if ctx.distributed and ctx.is_main:
         tp = f"tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if sequence_parallel else ''}"
-        dp = f"data parallel: {_describe(strategy, ctx.tp_size)} over {ctx.dp_cp_size} ranks"
+        dp = f"data parallel: {_describe(strategy, ctx.tp_size * ctx.ep_size)} over {ctx.dp_cp_size} ranks"
         if ctx.cp_size > 1:
             dp += f" ({ctx.dp_size} data x {ctx.cp_size} context parallel)"
         cp = f"context parallel over {ctx.cp_size} ranks ({_cp_exchange(parallel)})"
+        e = model.config.num_moe_experts or 0
+        ep = (f"expert parallel over {ctx.ep_size} ranks ({e // ctx.ep_size} of {e} experts each, all-to-all; "
+              f"each expert data parallel over {ctx.world_size // ctx.ep_size})")
         log.info("%s", " | ".join(x for x, on in ((dp, ctx.dp_cp_size > 1), (cp, ctx.cp_size > 1),
-                                                  (tp, ctx.tp_size > 1)) if on))
+                                                  (tp, ctx.tp_size > 1), (ep, ctx.ep_size > 1)) if on))
     return trained
 
 
@@ -261,8 +283,9 @@ def _cp_exchange(parallel: ParallelConfig) -> str:
     return "ring attention, K/V passed by p2p" if parallel.cp_comm_type == "p2p" else "K/V all-gathered"
 
 
-def _describe(strategy: str, tp_size: int) -> str:
-    return {"no_shard": "DDP" if tp_size == 1 else "replicated (FSDP2, shard groups of 1)",
+def _describe(strategy: str, dtensor_parallel: int) -> str:
+    """dtensor_parallel: the product of the sizes that make DTensor parameters (TP, EP), which DDP does not take."""
+    return {"no_shard": "DDP" if dtensor_parallel == 1 else "replicated (FSDP2, shard groups of 1)",
             "optim": "FSDP2 ZeRO-1 (sharded optimizer state)",
             "optim_grads": "FSDP2 ZeRO-2 (sharded optimizer state and gradients)",
             "optim_grads_params": "FSDP2 ZeRO-3 (sharded optimizer state, gradients and parameters)"}[strategy]
