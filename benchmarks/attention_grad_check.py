@@ -8,8 +8,10 @@ shows up. Needs a GPU.
 
 What passes: BF16 rounding alone puts the smallest gradients (the q/k norms' weights) at cosines of ~0.993-0.999
 against fp32, so a BF16 path passes when its worst per-parameter cosine against fp32 is within --margin of eager
-dense BF16's on the same batch (a wrong mask or a stale graph drops it far below); an FP8 path when its worst
-cosine against FP8 eager dense (the same casts) is at least --min-cosine-fp8.
+dense BF16's on the same batch (a wrong mask or a stale graph drops it far below). An FP8 path is judged the same
+way against FP8 eager dense (the same casts): within --margin-fp8 of FP8 eager dense's worst cosine against fp32.
+FP8 paths are not compared with each other directly: a BF16-rounding difference in the attention output moves
+gradient elements across E5M2 steps, so two correct FP8 paths differ by FP8 rounding (cosines ~0.97).
 
     python benchmarks/attention_grad_check.py [--layers 4] [--seq-length 4096] [--batch 2] [--plans documents,bd3lm]
 """
@@ -122,7 +124,8 @@ def main() -> int:
     ap.add_argument("--variants", default="eager-flex,compiled-flex,compiled-dense,fp8-compiled-flex")
     ap.add_argument("--margin", type=float, default=0.003,
                     help="BF16: how far below eager dense BF16's worst cosine against fp32 a path may be")
-    ap.add_argument("--min-cosine-fp8", type=float, default=0.99)
+    ap.add_argument("--margin-fp8", type=float, default=0.02,
+                    help="how far below FP8 eager dense's worst cosine against fp32 an FP8 path may fall")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     device = args.device
@@ -142,13 +145,18 @@ def main() -> int:
             c, _ = cosines(g32, g16)
             floor.append(c)
             rows.append((plan, "eager-dense-bf16", i, l16, l32, c, c))
-        fp8_ref = None
+        fp8_ref, fp8_floor = None, []
         for variant in args.variants.split(","):
             if plan == "pretrain" and "flex" in variant:
                 continue
             fp8 = variant.startswith("fp8")
             if fp8 and fp8_ref is None:  # FP8 against FP8 eager dense: the same casts, only attention differs
                 fp8_ref = [grads(to_fp8(reference, base), b, flex=False, dtype=torch.bfloat16) for b in batches]
+                fp8_floor = []  # per batch: FP8 eager dense's worst cosine against fp32 (FP8 rounding alone)
+                for i, (l8, g8) in enumerate(fp8_ref):
+                    c, _ = cosines(ref_fp32[i][1], g8)
+                    fp8_floor.append(c)
+                    rows.append((plan, "fp8-eager-dense", i, l8, ref_fp32[i][0], 1.0, c))
             model = to_fp8(reference, base) if fp8 else copy.deepcopy(reference)
             if "compiled" in variant:
                 for layer in model.layers:
@@ -165,7 +173,7 @@ def main() -> int:
                 c16, worst = cosines(same, g)
                 c32, _ = cosines(ref_fp32[i][1], g)
                 rows.append((plan, variant, i, loss, ref_fp32[i][0], c16, c32))
-                ok = c16 >= args.min_cosine_fp8 if fp8 else c32 >= floor[i] - args.margin
+                ok = c32 >= (fp8_floor[i] - args.margin_fp8 if fp8 else floor[i] - args.margin)
                 if not ok:
                     failed = True
                     print(f"{plan} {variant} batch {i}: worst cosine {c16:.5f} (same precision) / {c32:.5f} (fp32) "
@@ -177,9 +185,9 @@ def main() -> int:
     for plan, variant, i, loss, l32, c16, c32 in rows:
         print(f"{plan:<10} {variant:<20} {i:>5} {loss:>9.4f} {l32:>9.4f} {c16:>9.5f} {c32:>9.5f}")
     print("attention gradients:", "FAIL" if failed else "ok",
-          f"(cos same: the worst per-parameter cosine against eager dense attention in the same precision, at "
-          f"least {args.min_cosine_fp8} for FP8; cos fp32: against eager dense fp32, for BF16 within {args.margin} "
-          "of eager dense BF16's)")
+          "(cos same: the worst per-parameter cosine against eager dense attention in the same precision; cos fp32: "
+          f"against eager dense fp32, within {args.margin} of eager dense BF16's for BF16 and within "
+          f"{args.margin_fp8} of FP8 eager dense's for FP8)")
     return 1 if failed else 0
 
 

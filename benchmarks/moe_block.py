@@ -137,9 +137,8 @@ def run_variant(name: str, device, args) -> dict[str, float]:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp), torch.no_grad():
             logits = block.gate(xb)
             weights, experts, _ = block.gate.route(logits)
-            pos, _, _, rows = dispatch_plan(experts, block.num_experts)
-            buf = block._dispatch(xb, pos, rows)
-            block._combine(buf, pos, weights)
+            d = block.dispatcher.dispatch(xb, experts)
+            block.dispatcher.combine(d.rows, weights, d.handle)
 
     route_ms = timed(routing, device, args.iters, args.warmup)
     # one grouped GEMM (gate projection fprop) and a dense GEMM of the same FLOPs

@@ -16,7 +16,9 @@ Both are read and written without their modeling code (which ships with the mode
   head, dense layers where `moe_layer_freq[i]` is 0. Its router is a softmax over all experts whose top-k
   probabilities are the weights, not renormalised (`moe_router_pre_softmax`); its forward ignores
   `norm_topk_prob`, `routed_scaling_factor`, `moe_router_score_function` and the router groups, and so does the
-  import (they are kept for the export).
+  import (they are kept for the export). The released config.json says `model_type: "llada"` (the class of its
+  `configuration_lladamoe.py` is `LLaDAConfig`) and names no mask token: the import takes 156895, the export
+  writes `model_type` as the source had it.
 
 An import keeps the source's config.json in `cfg.extra['hf_config']`, so an export writes back the fields this
 module does not interpret (`init_fn`, `precision`, ...) as the original had them.
@@ -41,6 +43,7 @@ LLADA_MOE_AUTO_MAP = {"AutoConfig": "configuration_lladamoe.LLaDAMoEConfig",
                       "AutoModelForCausalLM": "modeling_lladamoe.LLaDAMoEModelLM"}
 LLADA_MASK_TOKEN_ID = 126336
 DREAM_MASK_TOKEN_ID = 151666
+LLADA_MOE_MASK_TOKEN_ID = 156895  # `<|mask|>` of its tokenizer; its config.json does not record it
 LLADA_BLOCK_TYPES = ("llama", "sequential")
 
 # LLaDA's config.json as GSAI-ML/LLaDA-8B-Base writes it, less the shapes (filled from the model): what an export
@@ -84,6 +87,8 @@ def dlm_format(hf: Mapping[str, Any]) -> str | None:
     if archs:
         return {LLADA_ARCHITECTURE: "llada", DREAM_ARCHITECTURE: "dream", LLADA_MOE_ARCHITECTURE: "lladamoe"}.get(
             archs[0])
+    if hf.get("model_type") == "llada" and "num_experts" in hf:  # LLaDA-MoE's released config.json
+        return "lladamoe"
     return {"llada": "llada", "Dream": "dream", "lladamoe": "lladamoe"}.get(str(hf.get("model_type")))
 
 
@@ -225,6 +230,11 @@ def lladamoe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     prf = hf.get("partial_rotary_factor", 1.0)
     if prf not in (1, 1.0):
         raise FormatError(f"partial_rotary_factor={prf} is not supported; RoPE covers the whole head (1.0)")
+    rope = hf.get("rope_scaling")
+    if rope:
+        kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, Mapping) else rope
+        raise FormatError(f"rope_scaling {kind!r} is not supported; only plain RoPE (rope_scaling null) is "
+                          "implemented")
     if hf.get("moe_router_enable_expert_bias"):
         raise FormatError("moe_router_enable_expert_bias=true is not supported: LLaDA-MoE adds that bias to the "
                           "routing weights too, which the MoE layer here does not")
@@ -249,7 +259,8 @@ def lladamoe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         init_method_std=hf.get("initializer_range", 0.02), num_moe_experts=hf["num_experts"],
         moe_router_topk=hf["num_experts_per_tok"], moe_ffn_hidden_size=hf["expert_intermediate_size"],
         moe_shared_expert_intermediate_size=shared if shared and shared > 0 else None, moe_layer_freq=list(freq),
-        moe_router_score_function="softmax", moe_router_pre_softmax=True)
+        moe_router_score_function="softmax", moe_router_pre_softmax=True,
+        mask_token_id=hf.get("mask_token_id", LLADA_MOE_MASK_TOKEN_ID))
 
 
 # LLaDAMoEConfig's fields that an export of a model not imported from LLaDA-MoE writes as the class defaults them
@@ -286,7 +297,7 @@ def lladamoe_config(fields: Mapping[str, Any], *, source: Mapping[str, Any] | No
     src = dict(source) if source is not None and dlm_format(source) == "lladamoe" else {}
     out = {**_LLADA_MOE_TEMPLATE, **src}
     out.update(
-        architectures=[LLADA_MOE_ARCHITECTURE], model_type="lladamoe",
+        architectures=[LLADA_MOE_ARCHITECTURE], model_type=src.get("model_type", "lladamoe"),
         auto_map=out.get("auto_map") or LLADA_MOE_AUTO_MAP,
         vocab_size=fields["vocab_size"], hidden_size=d, num_hidden_layers=n, num_attention_heads=heads,
         num_key_value_heads=fields["num_query_groups"], dense_intermediate_size=fields["ffn_hidden_size"],

@@ -193,8 +193,11 @@ def apply_lora(model: M, config: LoraConfig) -> M:
                         f"{type(model).__name__}")
     if any(isinstance(m, LoraLinear) for m in model.modules()):
         raise ValueError("apply_lora: the model has LoRA adapters already")
-    model.requires_grad_(False)
     targets = {TARGETS[t] for t in config.targets}
+    if not any(n in targets and _is_linear(m) for layer in layers for n, m in layer.named_modules()):
+        raise ConfigError(f"--lora-targets {','.join(config.targets)} matches no linear of the model's layers (the "
+                          "experts of an MoE layer take no adapters): add q,k,v,o, or gate,up,down of a dense MLP")
+    model.requires_grad_(False)
     dropped = 0
     for layer in layers:
         linears = [n for n, m in layer.named_modules() if _is_linear(m)]

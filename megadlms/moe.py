@@ -3,17 +3,20 @@ expert. Plain single-device PyTorch, like `model.py`; FP8 swaps the experts for 
 
     x [T, H] -> router (fp32): logits [T, E] -> top-k experts per token, weights [T, k]
              -> dispatch: the T*k (token, expert) pairs sorted by expert into [M, H], each expert's rows padded to
-                a multiple of 16 (M = T*k + 16*E, a static size: no host sync)
+                a multiple of 16 (M = T*k rounded up to 16, + 16*E: a static size, no host sync)
              -> experts: silu(x W_gate^T) * (x W_up^T) W_down^T per row group (`grouped_gemm.grouped_linear`)
              -> combine: sum over the k rows of each token, times its routing weight, in fp32
              (+ the shared expert's output)
 
-Dropless: every routed pair is computed (no capacity factor). Parameter names are Hugging Face's (Qwen2/3-MoE,
-LLaDA-MoE) with the experts stacked: `mlp.gate.weight` [E, H] (the router), `mlp.experts.{gate,up,down}_proj`
-[E, F, H] / [E, H, F] (HF: `mlp.experts.N.gate_proj.weight`, ...: `split_expert_weights` / `stack_expert_weights`),
-`mlp.shared_expert.{gate,up,down}_proj.weight`, and with the aux-loss-free balancing the router's
-`e_score_correction_bias` [E] (DeepSeek-V3's name), updated once per optimizer step by `moe_step`, outside
-autograd.
+Dropless: every routed pair is computed (no capacity factor). Dispatch and combine are the block's `dispatcher`
+(`TokenDispatcher`, one device); expert parallelism swaps it for an all-to-all one over the ranks that hold the
+experts (`megadlms.distributed.expert_parallel`), which leaves this file single-device.
+
+Parameter names are Hugging Face's (Qwen2/3-MoE, LLaDA-MoE) with the experts stacked: `mlp.gate.weight` [E, H] (the
+router), `mlp.experts.{gate,up,down}_proj` [E, F, H] / [E, H, F] (HF: `mlp.experts.N.gate_proj.weight`, ...:
+`split_expert_weights` / `stack_expert_weights`), `mlp.shared_expert.{gate,up,down}_proj.weight`, and with the
+aux-loss-free balancing the router's `e_score_correction_bias` [E] (DeepSeek-V3's name), updated once per optimizer
+step by `moe_step`, outside autograd.
 
 The training-only side of the block: the auxiliary losses (load balancing, z-loss) of each forward wait in the block
 (`aux_loss`) until the objective adds them to the loss (`add_aux_losses`); the tokens each expert received are
@@ -26,8 +29,9 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -112,16 +116,25 @@ class GroupedExperts(nn.Module):
         return grouped_linear(x, w, offs)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """x [M, H] sorted by expert -> [M, H]."""
-        h = self.act_fn(self.linear(x, self.gate_proj, offs), self.linear(x, self.up_proj, offs))
-        return self.linear(h, self.down_proj, offs)
+        """x [M, H] sorted by expert -> [M, H]. Under expert parallelism the weights are DTensors sharded over the
+        experts, and this rank's experts (their local shards) are the ones `offs` groups the rows for."""
+        gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        h = self.act_fn(self.linear(x, gate, offs), self.linear(x, up, offs))
+        return self.linear(h, down, offs)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (differentiable), else `w` itself."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: no DTensor exists (and no import cost)
+    return w.to_local() if dtensor is not None and isinstance(w, dtensor.DTensor) else w
 
 
 def dispatch_plan(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """experts [T, k] int64 -> (pos [T*k]: the dispatched row of each (token, slot) pair, token-major; offs int32 [E]:
     each expert's row group end; counts fp32 [E]: pairs per expert; M: the rows). Each group is padded to a multiple
-    of ALIGN rows and the last group runs to M = T*k + ALIGN*E, so that M does not depend on the routing (no host
-    sync); the padding rows are zeros. All on the device."""
+    of ALIGN rows and the last group runs to M = T*k rounded up to ALIGN, + ALIGN*E, so that M does not depend on the
+    routing (no host sync) and the transposed [*, M] operands of the weight gradients keep aligned rows; the padding
+    rows are zeros. All on the device."""
     flat = experts.reshape(-1)
     n = flat.numel()
     counts = torch.zeros(num_experts, device=flat.device, dtype=torch.int64).scatter_add_(
@@ -133,10 +146,47 @@ def dispatch_plan(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     sorted_e = flat[order]
     rank = torch.arange(n, device=flat.device) - start[sorted_e]
     pos = torch.empty_like(flat).index_copy_(0, order, pstart[sorted_e] + rank)
-    rows = n + ALIGN * num_experts
+    rows = (n + ALIGN - 1) // ALIGN * ALIGN + ALIGN * num_experts
     offs = torch.cumsum(padded, 0)
     offs[-1] = rows  # the last group takes the tail of zero rows: every row is computed, none left undefined
     return pos, offs.to(torch.int32), counts.float(), rows
+
+
+class Dispatched(NamedTuple):
+    """What a dispatcher's `dispatch` returns: rows [M, H] grouped by expert for the experts; offs int32 [E_local]:
+    each group's end; counts fp32 [E]: this rank's routed pairs per expert (all E, for the losses and telemetry);
+    handle: what its `combine` needs to bring the rows back."""
+
+    rows: torch.Tensor
+    offs: torch.Tensor
+    counts: torch.Tensor
+    handle: Any
+
+
+class TokenDispatcher(nn.Module):
+    """One device: the T*k (token, expert) pairs into one padded [M, H] grouped by expert (`dispatch_plan`), and the
+    experts' rows back into tokens (`combine`)."""
+
+    def __init__(self, num_experts: int, topk: int):
+        super().__init__()
+        self.num_experts, self.topk = num_experts, topk
+
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor) -> Dispatched:
+        """x [T, H], experts [T, k] int64 -> rows [M, H]: row pos[t*k + j] holds token t (zeros in the padding)."""
+        pos, offs, counts, rows = dispatch_plan(experts, self.num_experts)
+        src = x.repeat_interleave(self.topk, dim=0) if self.topk > 1 else x
+        return Dispatched(x.new_zeros(rows, x.shape[1]).index_copy(0, pos, src), offs, counts, pos)
+
+    def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: Any) -> torch.Tensor:
+        """y [M, H] (the experts' rows), weights [..., k] (T tokens) -> [..., H] fp32: the sum over each token's k rows
+        times its routing weights."""
+        return combine_pairs(y[handle], weights)
+
+
+def combine_pairs(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T*k, H] (token-major pairs), weights [..., k] (T tokens) -> [..., H] fp32: sum_j y[t*k + j] * weights[t, j].
+    """
+    return (y.view(*weights.shape, -1).float() * weights.unsqueeze(-1)).sum(-2)
 
 
 class MoE(nn.Module):
@@ -161,6 +211,7 @@ class MoE(nn.Module):
         self.bias_update_rate = cfg.moe_router_bias_update_rate
         self.gate = Router(cfg)
         self.experts = GroupedExperts(self.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size, act_fn)
+        self.dispatcher = TokenDispatcher(self.num_experts, self.topk)
         self.shared_expert = shared_expert
         e = self.num_experts
         # device-side counters (not saved): this optimizer step's pairs per expert, the auxiliary loss of the step
@@ -177,29 +228,22 @@ class MoE(nn.Module):
         xt = x.reshape(-1, shape[-1])  # [T, H]
         logits = self.gate(xt)
         weights, experts, probs = self.gate.route(logits)
-        pos, offs, counts, rows = dispatch_plan(experts, self.num_experts)
-        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            # a training forward (not an activation-checkpointing recompute in backward): its losses and counts
-            self._record(logits, probs, counts)
-        y = self.experts(self._dispatch(xt, pos, rows), offs)  # [M, H]
-        out = self._combine(y, pos, weights).to(y.dtype)  # the experts' compute dtype
+        d = self.dispatcher.dispatch(xt, experts)
+        if self.training and torch.is_grad_enabled():
+            # the losses are computed in an activation-checkpointing recompute too (it must save what the forward
+            # saved), but recorded, with the counts, only by the training forward itself
+            aux = self._aux_losses(logits, probs, d.counts)
+            if torch._C._current_graph_task_id() == -1:
+                self._record(aux, d.counts)
+        y = self.experts(d.rows, d.offs)  # [M, H]
+        # [B, S, H] in the experts' compute dtype (made in that shape: no view returned, which FSDP2 warns about)
+        out = self.dispatcher.combine(y, weights.view(*shape[:-1], self.topk), d.handle).to(y.dtype)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(xt)
-        return out.view(shape)
+            out = out + self.shared_expert(xt).view(shape)
+        return out
 
-    def _dispatch(self, x: torch.Tensor, pos: torch.Tensor, rows: int) -> torch.Tensor:
-        """x [T, H] -> [M, H]: row pos[t*k + j] holds token t (zeros in the padding)."""
-        src = x.repeat_interleave(self.topk, dim=0) if self.topk > 1 else x
-        return x.new_zeros(rows, x.shape[1]).index_copy(0, pos, src)
-
-    def _combine(self, y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """y [M, H] -> [T, H] fp32: the sum over each token's k rows times its routing weights."""
-        t = weights.shape[0]
-        return (y[pos].view(t, self.topk, -1).float() * weights.unsqueeze(-1)).sum(1)
-
-    def _record(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.step_tokens.add_(counts)
+    def _aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """The load-balancing loss plus the z-loss of one forward (a scalar), None with both coefficients 0."""
         aux = None
         if self.aux_loss_coeff > 0:
             # Switch/GShard: E * sum_e (mean router probability of e) * (share of the pairs routed to e); 1 x coeff
@@ -209,6 +253,11 @@ class MoE(nn.Module):
         if self.z_loss_coeff > 0:
             z = torch.logsumexp(logits, dim=-1).square().mean() * self.z_loss_coeff
             aux = z if aux is None else aux + z
+        return aux
+
+    def _record(self, aux: torch.Tensor | None, counts: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.step_tokens.add_(counts)
         if aux is not None:
             self.aux_loss = aux if self.aux_loss is None else self.aux_loss + aux
             with torch.no_grad():
@@ -234,7 +283,7 @@ def add_aux_losses(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
 def moe_step(model: nn.Module, group: Any = None) -> None:
     """After each optimizer step: sum the step's pairs per expert (and auxiliary losses) over `group`'s ranks in one
     collective, move the expert biases (DeepSeek-V3: bias += rate * sign(mean load - load), which every rank
-    computes alike), and advance the telemetry counters."""
+    computes alike; a frozen router, a LoRA run's base, keeps its bias), and advance the telemetry counters."""
     layers = moe_layers(model)
     if not layers:
         return
@@ -244,7 +293,7 @@ def moe_step(model: nn.Module, group: Any = None) -> None:
     for m, row in zip(layers, stacked):
         tokens = row[:m.num_experts]
         bias = m.gate.e_score_correction_bias
-        if bias is not None:
+        if bias is not None and m.gate.weight.requires_grad:
             bias.add_(m.bias_update_rate * torch.sign(tokens.mean() - tokens))
         m.window_tokens.add_(tokens)
         m.window_aux.add_(row[m.num_experts:])
@@ -333,5 +382,6 @@ def stack_expert_weights(state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-__all__ = ["Router", "GroupedExperts", "MoE", "dispatch_plan", "moe_layers", "add_aux_losses", "moe_step",
-           "moe_metrics", "split_expert_weights", "stack_expert_weights", "IDLE_WARN_STEPS"]
+__all__ = ["Router", "GroupedExperts", "MoE", "Dispatched", "TokenDispatcher", "dispatch_plan", "combine_pairs",
+           "moe_layers", "add_aux_losses", "moe_step", "moe_metrics", "split_expert_weights", "stack_expert_weights",
+           "IDLE_WARN_STEPS"]

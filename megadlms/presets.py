@@ -14,7 +14,13 @@ import torch
 
 from . import dlm_formats
 from .config import ConfigError, TransformerConfig
-from .dlm_formats import DREAM_ARCHITECTURE, LLADA_ARCHITECTURE, LLADA_MOE_ARCHITECTURE, FormatError
+from .dlm_formats import (
+    DREAM_ARCHITECTURE,
+    LLADA_ARCHITECTURE,
+    LLADA_MOE_ARCHITECTURE,
+    LLADA_MOE_MASK_TOKEN_ID,
+    FormatError,
+)
 from .errors import MegaDLMsError
 
 BUNDLED_VOCAB_SIZE = 4096  # the bundled demo tokenizer's; a preset without a vocab_size takes the tokenizer's
@@ -58,6 +64,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                      ffn_hidden_size=18944, vocab_size=152064, rotary_base=1e6, norm_epsilon=1e-6,
                      max_position_embeddings=131072, seq_length=4096, add_qkv_bias=True,
                      untie_embeddings_and_output_weights=True, mask_token_id=151666, diffusion_shift=True),
+    # LLaDA-MoE-7B-A1B (Base, Instruct): OLMoE-like, 16 layers all MoE (64 experts of FFN 1024, top-8, no shared
+    # expert, no dense layer), QK norm, untied head; 7.36B parameters, 1.40B active without the input embedding.
+    # The sources of each value are in docs/interop.md ("LLaDA-MoE-7B-A1B: the released shapes").
+    "llada-moe-7b-a1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=16,
+                             ffn_hidden_size=8192, vocab_size=157184, rotary_base=50000.0, norm_epsilon=1e-5,
+                             max_position_embeddings=8192, seq_length=4096, qk_layernorm=True,
+                             untie_embeddings_and_output_weights=True, mask_token_id=LLADA_MOE_MASK_TOKEN_ID,
+                             num_moe_experts=64, moe_router_topk=8, moe_ffn_hidden_size=1024, moe_layer_freq=[1] * 16,
+                             moe_router_score_function="softmax", moe_router_pre_softmax=True,
+                             moe_aux_loss_coeff=0.01),
     # GPT-3 13B shapes (40 layers, hidden 5120, 40 heads) with a SwiGLU MLP of the same width budget
     "megatron-13b": dict(num_layers=40, hidden_size=5120, num_attention_heads=40, num_query_groups=40,
                          ffn_hidden_size=13824, vocab_size=151936, rotary_base=10000.0, norm_epsilon=1e-5,
@@ -151,6 +167,8 @@ def hf_family(hf: Mapping[str, Any]) -> str:
                                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         return SUPPORTED_ARCHITECTURES[arch]
     model_type = hf.get("model_type")
+    if model_type == "llada" and "num_experts" in hf:  # LLaDA-MoE's released config.json says "llada"
+        return "lladamoe"
     if model_type not in _MODEL_TYPES:
         raise InteropError(f"unsupported Hugging Face model_type {model_type!r} and no 'architectures' in "
                            f"config.json; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
@@ -254,10 +272,11 @@ def _llada_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None,
         raise InteropError(f"{name} config.json has no {e.args[0]!r} field, which the format requires") from e
     extra = {"hf_architecture": LLADA_MOE_ARCHITECTURE if moe else LLADA_ARCHITECTURE, "hf_token_ids": _token_ids(hf),
              "hf_config": dict(hf)}
+    fields.setdefault("mask_token_id", hf.get("mask_token_id"))
+    if mask_token_id is not None:
+        fields["mask_token_id"] = mask_token_id
     try:
-        return TransformerConfig(**fields, attn_mask_type=attn_mask_type or "bidirectional",
-                                 mask_token_id=hf.get("mask_token_id") if mask_token_id is None else mask_token_id,
-                                 extra=extra)
+        return TransformerConfig(**fields, attn_mask_type=attn_mask_type or "bidirectional", extra=extra)
     except ConfigError as e:
         raise InteropError(f"config.json does not give a valid model: {e}") from e
 

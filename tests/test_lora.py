@@ -109,3 +109,47 @@ def test_bad_settings_are_one_line_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match) as e:
         LoraConfig(**kwargs)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("base", ["bf16", "fp8"])
+def test_compiled_layers_break_only_where_the_fp8_layers_do(base):
+    """`--compile` compiles each transformer layer: the adapters (dropout on) add no graph break. A BF16 base
+    layer is one graph; an FP8 base breaks at each frozen FP8 GEMM alone (`FrozenFP8Linear.forward` runs eager,
+    as every FP8 linear's does), so 7 breaks for the 7 linears."""
+    model = apply_lora(_model(), LoraConfig(rank=4, dropout=0.1, base=base))
+    layer = model.layers[0]
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    torch._dynamo.reset()
+    with torch.autocast("cpu", torch.bfloat16):
+        e = torch._dynamo.explain(layer)(x, model.rotary(torch.arange(16)))
+    reasons = [str(r.reason) for r in e.break_reasons]
+    if base == "bf16":
+        assert (e.graph_count, e.graph_break_count) == (1, 0), reasons
+    else:
+        assert e.graph_break_count == 7 and all("FrozenFP8Linear.forward" in r for r in reasons), reasons
+    torch._dynamo.reset()
+
+
+def test_targets_that_match_no_linear_are_a_one_line_error():
+    """An all-MoE model (LLaDA-MoE's layout) has no gate/up/down linears: its experts take no adapters."""
+    model = _model(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[1, 1])
+    with pytest.raises(ConfigError, match=r"--lora-targets gate,up matches no linear .*add q,k,v,o") as e:
+        apply_lora(model, LoraConfig(rank=4, targets="gate,up"))
+    assert "\n" not in str(e.value) and all(p.requires_grad for p in model.parameters())  # left untouched
+    apply_lora(model, LoraConfig(rank=4, targets="q,v,gate"))  # attention adapters; the experts stay frozen
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert len(trained) == 2 * 2 * 2 and all("self_attn" in n for n in trained)
+
+
+def test_a_frozen_router_keeps_its_expert_bias():
+    """A LoRA run's MoE base: the step that moves DeepSeek-V3's expert bias leaves a frozen router's alone."""
+    from megadlms.moe import moe_layers, moe_step
+
+    model = apply_lora(_model(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1],
+                              moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                              moe_router_bias_update_rate=0.1), LoraConfig(rank=4, base="keep"))
+    (layer,) = moe_layers(model)
+    layer.step_tokens.copy_(torch.tensor([10.0, 0.0, 6.0, 0.0]))
+    moe_step(model)
+    assert layer.gate.e_score_correction_bias.tolist() == [0.0] * 4
+    assert layer.idle_steps.tolist() == [0, 1, 0, 1]  # the telemetry still advances

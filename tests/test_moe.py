@@ -62,7 +62,7 @@ def test_block_matches_token_by_token_reference(kw):
 def test_dispatch_is_dropless_and_padded():
     experts = torch.tensor([[0, 3], [3, 0], [3, 2], [0, 3]])  # expert 1 gets nothing
     pos, offs, counts, rows = dispatch_plan(experts, 4)
-    assert counts.tolist() == [3, 0, 1, 4] and rows == 8 + 16 * 4
+    assert counts.tolist() == [3, 0, 1, 4] and rows == 16 + 16 * 4  # 8 pairs rounded up to 16, + 16 per expert
     assert offs.tolist() == [16, 16, 32, rows]  # groups padded to 16 rows; the last one takes the tail
     assert sorted(pos.tolist()) == pos.unique().tolist()  # every pair has a row of its own
     groups = torch.bucketize(pos, offs.long(), right=True)
@@ -106,11 +106,29 @@ def test_aux_losses_recorded_added_once_and_only_in_training():
     assert m.aux_loss is None
 
 
+def test_activation_checkpointing_recomputes_the_block_and_records_once():
+    m = _block(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    x = torch.randn(2, 8, 32)
+    grads, counts = [], []
+    for recompute in (False, True):
+        m.zero_grad()
+        m.step_tokens.zero_()
+        out = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False) if recompute else m(x)
+        add_aux_losses(m, out.square().mean()).backward()  # the recompute saves what the forward saved
+        grads.append([p.grad.clone() for p in m.parameters()])
+        counts.append(m.step_tokens.clone())
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.equal(counts[0], counts[1]) and counts[1].sum() == 2 * 8 * 2  # recorded once: T x k pairs
+    assert m.aux_loss is None
+
+
 def test_uniform_routing_gives_the_coefficient():
     m = _block(moe_aux_loss_coeff=0.5)
     with torch.no_grad():
         m.gate.weight.zero_()  # uniform probabilities; ties pick experts 0 and 1 ...
-    m._record(torch.zeros(8, 4), torch.full((8, 4), 0.25), torch.full((4,), 4.0))  # ... a uniform load: 1 x coeff
+    load = torch.full((4,), 4.0)  # ... a uniform load: 1 x coeff
+    m._record(m._aux_losses(torch.zeros(8, 4), torch.full((8, 4), 0.25), load), load)
     torch.testing.assert_close(m.aux_loss, torch.tensor(0.5))
 
 

@@ -101,6 +101,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling (with --temperature > 0): AR, bd3lm and dream; BD3-LM's paper samples with "
                         "--remasking random --temperature 1 --top-p 0.9 (one token a step, the first-hitting order)")
+    g.add_argument("--context-window", type=int, default=None,
+                   help="bd3lm: the sliding window in tokens (whole blocks) each block sees, so generation goes past "
+                        "the model's positions (default: the model's max_position_embeddings)")
+    g.add_argument("--var-length", action="store_true",
+                   help="bd3lm: the reference's variable-length rule: a row stops at the second EOS of its text "
+                        "(prompt included; the paper's samples open with BOS = EOS) and keeps it")
+    g.add_argument("--entropy-floor", type=float, default=None,
+                   help="bd3lm: stop a row whose last --entropy-window tokens have a unigram entropy below this "
+                        "(nats; degenerate repetition) and cut them off (the reference: 4; default off)")
+    g.add_argument("--entropy-window", type=int, default=256, help="bd3lm: the tokens --entropy-floor looks at")
     return p
 
 
@@ -239,6 +249,14 @@ def _run(args: argparse.Namespace) -> int:
     if dream_flags and sampler != "dream":
         raise ConfigError(f"{' and '.join(dream_flags)} apply to Dream's sampler, not the {sampler} sampler; "
                           "add --sampler dream")
+    bd3lm_flags = [f for f, on in (("--context-window", args.context_window is not None),
+                                   ("--var-length", args.var_length),
+                                   ("--entropy-floor", args.entropy_floor is not None)) if on]
+    if bd3lm_flags and sampler != "bd3lm":
+        raise ConfigError(f"{' and '.join(bd3lm_flags)} apply to the bd3lm sampler, not the {sampler} sampler; use a "
+                          "block-diffusion model (or --sampler bd3lm)")
+    if args.var_length and eos is None:
+        raise ConfigError("--var-length stops at the second EOS: drop --ignore-eos")
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
     pad_id = getattr(tokenizer, "pad_id", None)
     pad_id = pad_id if pad_id is not None else (eos if eos is not None else 0)
@@ -268,12 +286,16 @@ def _run(args: argparse.Namespace) -> int:
             x, start, nfe = bd3lm_generate_tokens(model, ids, attn, mask_id=mask_id, max_new_tokens=args.max_new_tokens,
                                                   steps=args.block_steps, threshold=args.threshold,
                                                   temperature=args.temperature, remasking=args.remasking, eos_id=eos,
-                                                  top_p=args.top_p,
+                                                  top_p=args.top_p, context_window=args.context_window,
+                                                  var_length=args.var_length, entropy_floor=args.entropy_floor,
+                                                  entropy_window=args.entropy_window,
                                                   generator=generator, progress=progress)
             forwards += nfe
             for row in generated_rows(x, start, args.max_new_tokens, eos_id=None, mask_id=mask_id):
-                produced += len(row) if eos is None or eos not in row else row.index(eos) + 1
-                row = row[:row.index(eos)] if eos is not None and eos in row else row
+                if eos is not None and eos in row and not args.var_length:  # var-length keeps its second EOS
+                    produced += 1  # the EOS was decoded too
+                    row = row[:row.index(eos)]
+                produced += len(row)
                 completions.append((tokenizer.decode(row), len(row)))
             continue
         elif sampler == "dream":

@@ -21,6 +21,7 @@ the whole global batch, as the other objectives do.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from .clip_search import CLIP_SEARCH_DELTA, CLIP_SEARCH_WIDTHS, clip_grid
 from .objective import DIFFUSION_LOSSES, BatchNoise, MaskSampler, subs_logits
 
 NOISE_PER = ("block", "sequence")
@@ -47,6 +49,9 @@ class Bd3lmConfig:
     antithetic: bool = True  # t stratified over the global batch x blocks (the paper's); False: independent
     ignore_bos: bool = False  # never mask position 0; validation divides by the other L - 1 tokens (the paper's)
     resample: bool = False  # training: redraw a block's noise while its masked fraction is outside the clip
+    clip_search: bool = False  # validation picks [clip_min, clip_max] of lowest loss variance (the paper's search)
+    search_widths: tuple[float, ...] = CLIP_SEARCH_WIDTHS  # the candidate intervals' widths
+    search_delta: float = CLIP_SEARCH_DELTA  # the step between the starts of one width's intervals
 
     def __post_init__(self) -> None:
         b, n = self.block_size, self.seq_length
@@ -63,10 +68,15 @@ class Bd3lmConfig:
             raise ConfigError(f"--bd3lm-noise-per {self.noise_per!r} is not one of {list(NOISE_PER)}")
         if self.loss not in DIFFUSION_LOSSES:
             raise ConfigError(f"--diffusion-loss {self.loss!r} is not one of {list(DIFFUSION_LOSSES)}")
-        if self.resample:
-            lo, hi = self.resample_bounds
-            if not any(lo <= k / b <= hi for k in range(b + 1)):
-                raise ConfigError(f"--bd3lm-resample: no masked fraction k/{b} of a block of {b} lies in "
+        if self.clip_search:
+            bad = [w for w in self.search_widths if not 0.0 < w <= 1.0]
+            if bad or not self.search_widths:
+                raise ConfigError(f"--bd3lm-clip-search-widths {list(self.search_widths)}: give widths in (0, 1], "
+                                  "e.g. 0.5 0.6 0.7 0.8 0.9 (the paper's)")
+            if not 0.0 < self.search_delta < 1.0:
+                raise ConfigError(f"--bd3lm-clip-search-delta {self.search_delta} must be in (0, 1), e.g. 0.05")
+        if not self.reachable:
+            raise ConfigError(f"--bd3lm-resample: no masked fraction k/{b} of a block of {b} lies in "
                                   f"[--bd3lm-clip-min {self.clip_min}, --bd3lm-clip-max {self.clip_max}]; widen "
                                   "the interval or use larger blocks")
 
@@ -84,6 +94,23 @@ class Bd3lmConfig:
         """The masked fractions a block may have under --bd3lm-resample. As the reference: a bound at the linear
         schedule's own end (clip_min = 1e-3, clip_max = 1) is not enforced."""
         return (self.clip_min if self.clip_min != 1e-3 else 0.0, self.clip_max if self.clip_max != 1.0 else 1.0)
+
+    @property
+    def reachable(self) -> bool:
+        """Whether some masked fraction k/B of a block lies within `resample_bounds` (always, without resample)."""
+        lo, hi = self.resample_bounds
+        return not self.resample or any(lo <= k / self.block_size <= hi for k in range(self.block_size + 1))
+
+    def search_candidates(self) -> list[Bd3lmConfig]:
+        """The clip search's candidates (`clip_search.clip_grid` from eval_eps), as configs of this one; with
+        resample, the intervals no masked fraction k/B reaches are left out (they cannot be trained)."""
+        out = []
+        for lo, hi in clip_grid(self.search_widths, self.search_delta, self.eval_eps):
+            cand = dataclasses.replace(self, clip_min=lo, clip_max=hi, resample=False, clip_search=False)
+            cand.resample = self.resample  # set after the checks: an unreachable candidate is left out, no error
+            if cand.reachable:
+                out.append(cand)
+        return out
 
     @property
     def unit_weight(self) -> bool:

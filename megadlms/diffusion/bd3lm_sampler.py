@@ -17,6 +17,17 @@ tokens, for checking the cache).
 Generation is variable-length: blocks are generated until every row holds an EOS (a block is final once
 done, so nothing before that EOS changes later) or `max_new_tokens` are reached. Batches of prompts of any
 lengths are left-padded by whole blocks, so every row's block boundaries fall on the same columns.
+
+The reference's stopping rules (Arriola et al.'s sampler), checked per row after each block: `var_length` stops a
+row at the second EOS of its text (the prompt's count: the paper's samples open with BOS = EOS, so one whole
+document) and keeps that EOS; `entropy_floor` stops a row whose last `entropy_window` tokens have a unigram
+entropy below it (nats; degenerate repetition) and drops those tokens.
+
+Sliding context window (`context_window` W tokens, whole blocks; default the model's positions): the block at
+columns [c, c + B) sees the window [max(0, c + B - W), c + B), at positions 0.. from the window's start (or the
+row's first real token), so generation goes past the model's positions. When the window moves, the first step of
+the block recomputes it whole (its clean blocks are cached by that forward): the tokens are those of recomputing
+the window at every step, exactly.
 """
 
 from __future__ import annotations
@@ -42,7 +53,8 @@ from .sampler import (
 
 
 def check_bd3lm_args(*, block_size: int, max_new_tokens: int, steps: int | None, threshold: float | None,
-                     temperature: float, remasking: str, top_p: float = 1.0) -> None:
+                     temperature: float, remasking: str, top_p: float = 1.0, entropy_floor: float | None = None,
+                     entropy_window: int = 256) -> None:
     if not isinstance(block_size, int) or block_size <= 0:
         raise ConfigError(f"block_size={block_size!r} must be a positive integer (the model's, from training)")
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -60,6 +72,42 @@ def check_bd3lm_args(*, block_size: int, max_new_tokens: int, steps: int | None,
         raise ConfigError(f"remasking={remasking!r} is not one of {list(REMASKING)}")
     if not 0.0 < top_p <= 1.0:
         raise ConfigError(f"top_p={top_p} must be in (0, 1] (1 disables nucleus sampling; BD3-LM samples at 0.9)")
+    if entropy_floor is not None and not (math.isfinite(entropy_floor) and entropy_floor > 0):
+        raise ConfigError(f"entropy_floor={entropy_floor} must be > 0 nats (the reference stops below 4), or None")
+    if not isinstance(entropy_window, int) or entropy_window < 2:
+        raise ConfigError(f"entropy_window={entropy_window!r} must be an integer >= 2 (the reference's is 256)")
+
+
+def context_window_of(model: nn.Module, block: int, context_window: int | None) -> int | None:
+    """The sliding window in tokens: `context_window`, else the model's max_position_embeddings in whole blocks
+    (None: no window, for a model that does not say)."""
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if context_window is None:
+        if max_pos is not None and max_pos < block:
+            raise ConfigError(f"the model's max_position_embeddings={max_pos} holds no whole block of {block}")
+        return None if max_pos is None else max_pos // block * block
+    if not isinstance(context_window, int) or context_window < block or context_window % block:
+        raise ConfigError(f"context_window={context_window!r} must be a multiple of the block size {block} (at least "
+                          "one block)")
+    if max_pos is not None and context_window > max_pos:
+        raise ConfigError(f"context_window={context_window} is more than the model's max_position_embeddings="
+                          f"{max_pos}; use at most {max_pos // block * block}")
+    return context_window
+
+
+def unigram_entropy(tokens: torch.Tensor) -> torch.Tensor:
+    """long [B, n] -> fp64 [B]: each row's entropy (nats) of its token frequencies, -sum_v p_v ln p_v."""
+    counts = torch.zeros(tokens.shape[0], int(tokens.max()) + 1, dtype=torch.float64, device=tokens.device)
+    counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float64))
+    return torch.special.entr(counts / tokens.shape[1]).sum(1)
+
+
+def second_eos_end(x: torch.Tensor, real: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """long [B]: the column after each row's second EOS among its real columns (prompt and generation), or -1
+    where the row holds fewer than two."""
+    seen = ((x == eos_id) & real).long().cumsum(1)
+    second = (seen == 2) & (x == eos_id)
+    return torch.where(second.any(1), second.int().argmax(1) + 1, -1)
 
 
 def _block_size_of(model: nn.Module, block_size: int | None) -> int:
@@ -93,14 +141,19 @@ def bd3lm_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_m
                           steps: int | None = None, threshold: float | None = None, temperature: float = 0.0,
                           remasking: str = "low_confidence", eos_id: int | None = None,
                           generator: torch.Generator | None = None, use_cache: bool = True,
-                          progress: Progress = None, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, int]:
+                          progress: Progress = None, top_p: float = 1.0, context_window: int | None = None,
+                          var_length: bool = False, entropy_floor: float | None = None,
+                          entropy_window: int = 256) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Block-diffusion decoding of left-padded prompts.
 
     input_ids long [B, P], attention_mask bool [B, P] (True = real) or None. block_size: the model's by
     default. steps: denoising steps per block (default: the block size, one token per step) unless
     `threshold` is given. Returns (x long [B, W]: each row's prompt right-aligned to block boundaries, then
     the generated blocks; start long [B]: the column where each row's generation begins; forwards run).
-    Columns never generated (after an EOS stop) hold mask_id.
+    Columns never generated (after an EOS stop) or cut by a stopping rule hold mask_id.
+    context_window: the sliding window in tokens (default the model's positions); var_length: stop a row after
+    the second EOS of its text (needs eos_id); entropy_floor: stop a row whose last entropy_window tokens have a
+    lower unigram entropy (nats) and cut them (the reference's 4 and 256). See the module docstring.
     The paper's sampling: `remasking="random"` with one token a step (steps = block size), temperature 1 and
     top_p 0.9: each step unmasks one position drawn uniformly among the masked ones (the first-hitting order of a
     time-agnostic model) with a token drawn from the nucleus of its predicted distribution.
@@ -109,7 +162,11 @@ def bd3lm_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_m
     if steps is None and threshold is None:
         steps = block
     check_bd3lm_args(block_size=block, max_new_tokens=max_new_tokens, steps=steps, threshold=threshold,
-                     temperature=temperature, remasking=remasking, top_p=top_p)
+                     temperature=temperature, remasking=remasking, top_p=top_p, entropy_floor=entropy_floor,
+                     entropy_window=entropy_window)
+    if var_length and eos_id is None:
+        raise ConfigError("var_length stops at the second EOS: give eos_id (megadlms generate: drop --ignore-eos)")
+    window = context_window_of(model, block, context_window)
     device = input_ids.device
     b, p = input_ids.shape
     real_in = (torch.ones(b, p, dtype=torch.bool, device=device) if attention_mask is None
@@ -120,58 +177,65 @@ def bd3lm_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_m
     num_blocks = -(-(max_new_tokens + int(tail.max())) // block)
     width = (prefix_blocks + num_blocks) * block
     pad = (prefix_blocks - full) * block  # whole blocks of left padding: block boundaries on shared columns
-    cfg = getattr(model, "config", None)
-    max_pos = getattr(cfg, "max_position_embeddings", None)
-    last_pos = int((width - 1 - pad).max())
-    if max_pos is not None and last_pos >= max_pos:
-        raise ConfigError(f"the longest prompt ({int(lengths.max())} tokens) plus {max_new_tokens} new tokens in "
-                          f"blocks of {block} needs {last_pos + 1} positions, more than the model's "
-                          f"max_position_embeddings={max_pos}; shorten the prompt or lower max_new_tokens")
     cols = torch.arange(width, device=device)
     start = pad + lengths
     x = torch.full((b, width), mask_id, dtype=torch.long, device=device)
     real = cols[None] >= pad[:, None]
     prompt_cols = real & (cols[None] < start[:, None])
     x[prompt_cols] = input_ids[real_in]
-    pos = (cols[None] - pad[:, None]).clamp(min=0)
     fixed = ~real | prompt_cols  # never decoded: pads and prompt tokens
     padded = not bool(real.all())
 
-    cache = BlockCache(width) if use_cache else None
+    cache = BlockCache(width if window is None else min(width, window)) if use_cache else None
     pre = prefix_blocks * block
     forwards = 0
 
-    def run(c0: int, c1: int, keep: int) -> torch.Tensor:
-        """Forward over columns [c0, c1) (the cache holds [0, c0)); returns the last block's logits."""
+    def window_start(c: int) -> int:
+        """The first column the block at [c, c + block) sees."""
+        return 0 if window is None else max(0, c + block - window)
+
+    def run(c0: int, c1: int, keep: int, s: int) -> torch.Tensor:
+        """Forward over columns [c0, c1) of the window that starts at column s (the cache holds [s, c0)); returns
+        the last block's logits."""
         nonlocal forwards
         queries = c1 - c0
         mask = None
         if queries > block or padded:  # several blocks (block-causal) or pads among the keys
-            mask = block_causal_mask(real[:, :c1], block, queries=queries)
+            mask = block_causal_mask(real[:, s:c1], block, queries=queries)
         if cache is not None:
             cache.keep = keep
-        hidden = model(x[:, c0:c1], attention_mask=mask, position_ids=pos[:, c0:c1], kv_cache=cache,
-                       output_hidden=True)
+        pos = (cols[None, c0:c1] - pad.clamp(min=s)[:, None]).clamp(min=0)  # from the window's first real token
+        hidden = model(x[:, c0:c1], attention_mask=mask, position_ids=pos, kv_cache=cache, output_hidden=True)
         forwards += 1
         return model.logits(hidden[:, -block:])  # type: ignore[operator]  # a TransformerLM method
 
-    if cache is not None and pre:
-        run(0, pre, pre)  # the prompt's whole blocks, cached once
+    cached_from = None  # the window start the cache's contents belong to
+    if cache is not None and window_start(pre) == 0:
+        if pre:
+            run(0, pre, pre, 0)  # the prompt's whole blocks, cached once
+        cached_from = 0
+    done = torch.zeros(b, dtype=torch.bool, device=device)  # rows stopped by EOS or a stopping rule
+    end = torch.full((b,), width, dtype=torch.long, device=device)  # where a stopping rule cut each row
     bar = ProgressBar(progress, num_blocks * (steps or block), "step")
     try:
         for j in range(num_blocks):
             c = pre + j * block
+            s = window_start(c)
             blk = x[:, c:c + block]
             open_ = ~fixed[:, c:c + block]
             schedule = None if steps is None else get_num_transfer_tokens(open_, steps)
             step = 0
             while bool(open_.any()):
                 if cache is None:
-                    logits = run(0, c + block, 0)
+                    logits = run(s, c + block, 0, s)
+                elif step == 0 and cached_from != s:  # the window moved: recompute it whole, caching its context
+                    cache.reset()
+                    logits = run(s, c + block, c - s, s)
+                    cached_from = s
                 elif step == 0 and j > 0:  # cache the finished block and denoise this one in one forward
-                    logits = run(c - block, c + block, block)
+                    logits = run(c - block, c + block, block, s)
                 else:
-                    logits = run(c, c + block, 0)
+                    logits = run(c, c + block, 0, s)
                 noise = rand = None
                 if temperature > 0:
                     noise = torch.rand(logits.shape, dtype=torch.float64, device=device, generator=generator)
@@ -184,22 +248,48 @@ def bd3lm_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_m
                 step += 1
                 bar.update(1)
             fixed[:, c:c + block] = True
-            if eos_id is not None and bool(((x[:, :c + block] == eos_id) & (cols[:c + block] >= start[:, None])
-                                            ).any(1).all()):
+            stop = _stops(x[:, :c + block], real[:, :c + block], start, eos_id, var_length, entropy_floor,
+                          entropy_window)
+            end = torch.where(~done & (stop >= 0), stop, end)
+            done |= stop != -1
+            if bool(done.all()):
                 break
     finally:
         bar.close()
+    x[cols[None] >= end[:, None]] = mask_id
     return x, start, forwards
+
+
+def _stops(x: torch.Tensor, real: torch.Tensor, start: torch.Tensor, eos_id: int | None, var_length: bool,
+           entropy_floor: float | None, entropy_window: int) -> torch.Tensor:
+    """After a block, over the columns so far: long [B], -1 where the row goes on, -2 where it stopped at its first
+    generated EOS (the output is cut before it later), else the column where the row's output ends."""
+    out = torch.full_like(start, -1)
+    if eos_id is not None:
+        if var_length:
+            out = second_eos_end(x, real, eos_id)
+        else:
+            cols = torch.arange(x.shape[1], device=x.device)
+            out = torch.where(((x == eos_id) & (cols[None] >= start[:, None])).any(1), -2, out)
+    n = x.shape[1]
+    if entropy_floor is not None and n > entropy_window:
+        tail = x[:, n - entropy_window:]
+        low = (real.sum(1) > entropy_window) & (unigram_entropy(tail) < entropy_floor)
+        out = torch.where(low, start.clamp(min=n - entropy_window), out)  # cut the window off
+    return out
 
 
 def bd3lm_generate(model: nn.Module, prompts: Prompts, *, mask_id: int | None = None, block_size: int | None = None,
                    max_new_tokens: int = 128, steps: int | None = None, threshold: float | None = None,
                    temperature: float = 0.0, remasking: str = "low_confidence", eos_id: int | None = None,
                    pad_id: int = 0, generator: torch.Generator | None = None, use_cache: bool = True,
-                   progress: Progress = None, top_p: float = 1.0) -> list[list[int]]:
+                   progress: Progress = None, top_p: float = 1.0, context_window: int | None = None,
+                   var_length: bool = False, entropy_floor: float | None = None,
+                   entropy_window: int = 256) -> list[list[int]]:
     """Generate from a block-diffusion model; returns each prompt's new tokens (at most max_new_tokens), cut
-    before the first EOS. prompts: token-id lists of any lengths, or a long tensor [B, P]. mask_id and
-    block_size default to the model config's. See `bd3lm_generate_tokens`."""
+    before the first EOS (var_length: after the second EOS of the text, kept) and where a stopping rule cut.
+    prompts: token-id lists of any lengths, or a long tensor [B, P]. mask_id and block_size default to the model
+    config's. See `bd3lm_generate_tokens`."""
     cfg = getattr(model, "config", None)
     mask_id = mask_id if mask_id is not None else getattr(cfg, "mask_token_id", None)
     if mask_id is None:
@@ -209,8 +299,10 @@ def bd3lm_generate(model: nn.Module, prompts: Prompts, *, mask_id: int | None = 
     x, start, _ = bd3lm_generate_tokens(model, ids, attn, mask_id=mask_id, block_size=block_size,
                                         max_new_tokens=max_new_tokens, steps=steps, threshold=threshold,
                                         temperature=temperature, remasking=remasking, eos_id=eos_id,
-                                        generator=generator, use_cache=use_cache, progress=progress, top_p=top_p)
-    return generated_rows(x, start, max_new_tokens, eos_id=eos_id, mask_id=mask_id)
+                                        generator=generator, use_cache=use_cache, progress=progress, top_p=top_p,
+                                        context_window=context_window, var_length=var_length,
+                                        entropy_floor=entropy_floor, entropy_window=entropy_window)
+    return generated_rows(x, start, max_new_tokens, eos_id=None if var_length else eos_id, mask_id=mask_id)
 
 
 def generated_rows(x: torch.Tensor, start: torch.Tensor, max_new_tokens: int, *, eos_id: int | None,

@@ -307,6 +307,29 @@ def chunked_weighted_cross_entropy(hidden: torch.Tensor, output_weight: torch.Te
     return total / (targets.numel() if denominator is None else denominator)
 
 
+@torch.no_grad()
+def token_losses(hidden: torch.Tensor, output_weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, *,
+                 mask_id: int | None = None, chunk_tokens: int = 8192) -> torch.Tensor:
+    """Per-token weighted losses without gradients: fp32 [B, L], w_i * CE(hidden_i @ output_weight.T, targets_i)
+    where w_i != 0, else 0. hidden [B, L, H]; output_weight [V, H]; targets long [B, L]; weights [B, L].
+    Logits only for the weighted tokens, `chunk_tokens` at a time (the [B*L, V] logits never exist at once); the
+    head GEMM in the autocast dtype when autocast is on, the softmax in fp32. mask_id: SUBS ([MASK] logit -inf)."""
+    h, y, w = hidden.flatten(0, 1), targets.flatten(), weights.flatten().float()
+    rows = w.nonzero().squeeze(1)
+    dev = hidden.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+    wt = output_weight.to(dtype)
+    out = torch.zeros_like(w)
+    with torch.autocast(dev, enabled=False):
+        for start in range(0, rows.numel(), chunk_tokens):
+            idx = rows[start:start + chunk_tokens]
+            logits = (h.index_select(0, idx).to(dtype) @ wt.t()).float()
+            if mask_id is not None:
+                logits = subs_logits(logits, mask_id, inplace=True)
+            out[idx] = F.cross_entropy(logits, y[idx], reduction="none") * w[idx]
+    return out.view(targets.shape)
+
+
 def _mask_column(mask_id: int | None, weight: torch.Tensor) -> torch.Tensor | None:
     """bool [V], True at the [MASK] id (SUBS), or None (the full vocabulary)."""
     if mask_id is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import BACKENDS, PIPELINE_SCHEDULES, SHARDING_STRATEGIES
+from .config import BACKENDS, CP_COMM_TYPES, PIPELINE_SCHEDULES, SHARDING_STRATEGIES
 
 
 def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,9 +15,20 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence's positions over this many ranks (attention all-gathers K/V); "
                         "--seq-length must be divisible by 2 x this size")
+    g.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="all_gather",
+                   help="context parallelism's K/V exchange: all_gather (each layer gathers the whole sequence's "
+                        "K/V) or p2p (ring attention: K/V blocks passed around the cp ranks, partial results merged "
+                        "by their log-sum-exp; fp32 block products, no fused kernel)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="split the layers into this many consecutive stages, one per rank (torch.distributed."
-                        "pipelining); must divide --num-layers; for now without other parallelism")
+                        "pipelining); must divide --num-layers; composes with DDP, FSDP2, CP and TP")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="with --pipeline-model-parallel-size: cut each rank's layers into stages of this many and "
+                        "run the interleaved 1F1B schedule (rank r holds stages r, r + pp, ...); micro-batches per "
+                        "step must be a multiple of the pipeline size")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="split each MoE block's experts over this many ranks (tokens sent to their experts by "
+                        "all-to-all); must divide --num-moe-experts and the world size; with data parallelism only")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
                    help="1f1b: one forward, one backward in turn (micro-batches >= stages); gpipe: all forwards first")
     g.add_argument("--sequence-parallel", action="store_true",

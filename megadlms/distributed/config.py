@@ -10,14 +10,18 @@ from ..fp8.recipe import param_gather_problem
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 BACKENDS = ("nccl", "gloo")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+CP_COMM_TYPES = ("all_gather", "p2p")  # Megatron's names (its a2a is not implemented)
 
 
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     context_parallel_size: int = 1  # each sequence's positions split over this many ranks
+    cp_comm_type: str = "all_gather"  # how attention exchanges K/V: all_gather | p2p (ring attention)
     pipeline_model_parallel_size: int = 1  # the layers split into this many consecutive stages
+    expert_model_parallel_size: int = 1  # each MoE block's experts split over this many ranks (all-to-all)
     pipeline_schedule: str = "1f1b"  # 1f1b | gpipe (torch.distributed.pipelining)
+    num_layers_per_virtual_pipeline_stage: int | None = None  # several stages per rank: interleaved 1F1B
     sequence_parallel: bool = False  # with TP: norms on seq_length / tp positions per rank
     data_parallel_sharding_strategy: str = "no_shard"  # DDP | FSDP2 ZeRO-1 / -2 / -3 (`data_parallel`)
     use_distributed_optimizer: bool = False  # Megatron's spelling of no_shard -> optim
@@ -28,14 +32,26 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_at_least(self, {"tensor_model_parallel_size": 1, "context_parallel_size": 1,
-                              "pipeline_model_parallel_size": 1})
+                              "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1})
+        ep = self.expert_model_parallel_size
+        if ep > 1:
+            for flag, size in (("--tensor-model-parallel-size", self.tensor_model_parallel_size),
+                               ("--context-parallel-size", self.context_parallel_size),
+                               ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size)):
+                if size > 1:
+                    raise ConfigError(f"--expert-model-parallel-size {ep} takes data parallelism alone for now, not "
+                                      f"{flag} {size}; drop one of them")
         check_choice(self, "pipeline_schedule", PIPELINE_SCHEDULES)
-        pp = self.pipeline_model_parallel_size
-        if pp > 1 and (self.tensor_model_parallel_size > 1 or self.context_parallel_size > 1
-                       or self.sharding_strategy != "no_shard"):
-            raise ConfigError(f"--pipeline-model-parallel-size {pp} takes DDP alone for now: drop "
-                              "--tensor-model-parallel-size, --context-parallel-size and the sharded data-parallel "
-                              "strategies")
+        check_choice(self, "cp_comm_type", CP_COMM_TYPES)
+        pp, virtual = self.pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage
+        if virtual is not None:
+            check_at_least(self, {"num_layers_per_virtual_pipeline_stage": 1})
+            if pp == 1:
+                raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {virtual} interleaves the stages of a "
+                                  "pipeline; add --pipeline-model-parallel-size 2 or more, or drop it")
+            if self.pipeline_schedule != "1f1b":
+                raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {virtual} runs the interleaved 1F1B "
+                                  f"schedule, not --pipeline-schedule {self.pipeline_schedule}; use 1f1b")
         check_choice(self, "data_parallel_sharding_strategy", SHARDING_STRATEGIES)
         if self.distributed_backend is not None:
             check_choice(self, "distributed_backend", BACKENDS)

@@ -7,9 +7,11 @@ all-gathers the keys and values of the whole sequence (`ContextParallelAttention
 queries to every key, under a mask whose rows are the rank's queries and whose columns are the gathered keys in
 gathered order (`key_positions`). Gradients of the gathered K/V are reduced back to their owners in backward.
 
-All-gathering K/V is exact and simple; its memory is one layer's whole-sequence K/V (G x D per token, a fraction
-of the activations a rank no longer holds). The batch's noise, loss weights, masks and normaliser are made for the
-whole sequence first and sliced afterwards (`megadlms.training.objectives`), so the loss is the one-rank loss.
+All-gathering K/V (--cp-comm-type all_gather, the default) is exact and simple; its memory is one layer's
+whole-sequence K/V (G x D per token, a fraction of the activations a rank no longer holds). --cp-comm-type p2p passes
+the K/V blocks around the ring instead (`megadlms.distributed.ring_attention`), one block in flight at a time.
+The batch's noise, loss weights, masks and normaliser are made for the whole sequence first and sliced afterwards
+(`megadlms.training.objectives`), so the loss is the one-rank loss.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 
 from ..config import ConfigError, TransformerConfig
 from ..model import Attention, DotProductAttention, TransformerLM
+from .ring_attention import ring_attention
 
 
 def check_context_parallel(cfg: TransformerConfig, cp_size: int) -> None:
@@ -118,19 +121,36 @@ class ContextParallelAttention(DotProductAttention):
     bidirectional attention; causal attention without a mask runs per chunk on the keys before it (no mask is
     materialised)."""
 
-    def __init__(self, inner: nn.Module, group: dist.ProcessGroup, cp_size: int, cp_rank: int):
+    def __init__(self, inner: nn.Module, group: dist.ProcessGroup, cp_size: int, cp_rank: int,
+                 comm_type: str = "all_gather"):
         super().__init__()
         self.inner, self.group, self.cp_size, self.cp_rank = inner, group, cp_size, cp_rank
+        self.comm_type = comm_type  # all_gather | p2p (`megadlms.distributed.ring_attention`)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any,
                 is_causal: bool) -> torch.Tensor:
         """q [B, N, S/cp, D], k and v [B, G, S/cp, D] (this rank's positions) -> [B, N, S/cp, D]."""
+        if is_causal and attn_mask is not None:
+            raise ValueError("context parallelism: is_causal with a mask; pass the causal rows in the mask")
+        if self.comm_type == "p2p":
+            return ring_attention(q, k, v, self._block_masks(attn_mask, is_causal, q.shape[2], q.device), self.group)
         k, v = gather_sequence(k, self.group), gather_sequence(v, self.group)
         if not is_causal:
             return self.inner(q, k, v, attn_mask, False)
-        if attn_mask is not None:
-            raise ValueError("context parallelism: is_causal with a mask; pass the causal rows in the mask")
         return self._causal(q, k, v)
+
+    def _block_masks(self, attn_mask: torch.Tensor | None, is_causal: bool, local: int,
+                     device: torch.device) -> list[torch.Tensor | None]:
+        """Ring attention's masks: this rank's queries over each cp rank's keys, [B or 1, 1, S/cp, S/cp] bool
+        (the gathered mask's column blocks, or causal by global position), or None where all keys are attended."""
+        if attn_mask is not None:
+            return list(attn_mask.bool().split(local, dim=-1))
+        if not is_causal:
+            return [None] * self.cp_size
+        seq = local * self.cp_size
+        queries = rank_positions(seq, self.cp_size, self.cp_rank, device)
+        return [(rank_positions(seq, self.cp_size, j, device)[None, :] <= queries[:, None])[None, None]
+                for j in range(self.cp_size)]
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention without a materialised mask: each of the rank's two chunks (global chunk c of n
@@ -158,11 +178,12 @@ def _natural_order(seq: int, cp_size: int, device: str) -> torch.Tensor:
     return torch.argsort(_key_positions(seq, cp_size, device))
 
 
-def apply_context_parallel(model: TransformerLM, group: dist.ProcessGroup) -> None:
-    """Wrap every layer's core attention in `ContextParallelAttention` over `group` (in place). Call it after the
-    FP8 conversion (which may swap the core attention) and before compile / data parallelism."""
+def apply_context_parallel(model: TransformerLM, group: dist.ProcessGroup, comm_type: str = "all_gather") -> None:
+    """Wrap every layer's core attention in `ContextParallelAttention` over `group` (in place), exchanging K/V by
+    `comm_type`: all_gather or p2p (ring attention). Call it after the FP8 conversion (which may swap the core
+    attention) and before compile / data parallelism."""
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     check_context_parallel(model.config, cp_size)
     for layer in model.layers:
         attn = cast(Attention, layer.self_attn)
-        attn.core_attention = ContextParallelAttention(attn.core_attention, group, cp_size, cp_rank)
+        attn.core_attention = ContextParallelAttention(attn.core_attention, group, cp_size, cp_rank, comm_type)

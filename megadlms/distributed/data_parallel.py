@@ -28,11 +28,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..moe import moe_layers
+
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
     from ..model import TransformerLM
+    from .pipeline_parallel import PipelineStageModule
 
 FSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 
@@ -46,21 +49,36 @@ def mixed_precision_policy(param_dtype: torch.dtype | None):
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
-def apply_fsdp(model: TransformerLM, mesh: DeviceMesh, *, reshard_after_forward: bool,
-               param_dtype: torch.dtype | None = None, prefetch: bool = False) -> None:
-    """fully_shard each transformer layer, then the root (embedding, final norm, LM head), in place.
+def apply_fsdp(model: TransformerLM | PipelineStageModule, mesh: DeviceMesh, *, reshard_after_forward: bool,
+               param_dtype: torch.dtype | None = None, prefetch: bool = False,
+               expert_mesh: DeviceMesh | None = None) -> None:
+    """fully_shard each transformer layer, then the root (embedding, final norm, LM head), in place. The root is a
+    whole model or one pipeline stage.
 
     mesh: 1-D (sharding) or 2-D (replicate, shard) data-parallel mesh. With tensor parallelism it must
     come from the same root mesh as the TP mesh. The root is not resharded after forward: backward
     starts with it, and a chunked LM head + loss uses its output weight after the forward.
     prefetch: also issue the next layer's all-gather before the current layer runs, in forward and
     backward (--overlap-param-gather), instead of when the CPU reaches it.
+    expert_mesh: expert parallelism's "edp" mesh (`expert_parallel`): each MoE block's experts are sharded (or
+    replicated, 2-D) over it first, as a unit of their own; their gradients, each a sum over an ep group's tokens,
+    are divided by the size of `mesh` (every data-parallel rank), as the dense ones are.
     """
     from torch.distributed.fsdp import fully_shard
 
     mp = mixed_precision_policy(param_dtype)
+    if expert_mesh is not None:
+        for block in moe_layers(model):
+            experts = fully_shard(block.experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,
+                                  mp_policy=mp)
+            experts.set_gradient_divide_factor(float(mesh.size()))
+            if expert_mesh.size(expert_mesh.ndim - 1) > 1:
+                # a reduce-scatter: a sum, then the division (gloo has no pre-scaled sum). Not with shard groups of
+                # one rank, where FSDP2 divides before its (skipped) reduce-scatter and would divide again after it
+                experts.set_force_sum_reduction_for_comms(True)
+    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     layers = [fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-              for layer in model.layers]
+              for layer in blocks]
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     if prefetch and len(layers) > 1:
         for prev, nxt in zip(layers[:-1], layers[1:]):
@@ -103,3 +121,33 @@ def grad_sync_context(model: nn.Module, strategy: str, last: bool) -> contextlib
     if hasattr(model, "no_sync"):  # DDP
         return cast("DistributedDataParallel", model).no_sync()
     return _fsdp_accumulate(model, keep_unsharded=strategy in ("no_shard", "optim"))
+
+
+@contextlib.contextmanager
+def gathered_parameters(model: nn.Module) -> Iterator[None]:
+    """Under FSDP2: every sharded module of `model` all-gathered once on entry and kept for the block, resharded on
+    exit (as TRL's unwrap_model_for_generation does under ZeRO-3). For forwards whose number differs between ranks,
+    such as sampling with a confidence threshold: per-forward all-gathers would not match across ranks. The block
+    holds the unsharded weights. Without FSDP2, nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [cast("FSDPModule", m) for m in model.modules() if isinstance(m, FSDPModule)]
+    if not mods:
+        yield
+        return
+    reshards = [_reshards_after_forward(m) for m in mods]
+    for m in mods:  # the same modules in the same order on every rank
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m, reshard in zip(mods, reshards):
+            m.set_reshard_after_forward(reshard, recurse=False)
+            m.reshard()
+
+
+def _reshards_after_forward(module: FSDPModule) -> bool:
+    """Whether fully_shard reshards `module` after its forward (FSDP2 keeps it in its parameter groups only)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return any(g.post_forward_mesh_info is not None for g in groups)

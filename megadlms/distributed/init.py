@@ -2,7 +2,8 @@
 
 `torchrun --nproc_per_node=N [--nnodes M --rdzv-endpoint HOST:PORT] pretrain_difflm.py ...` sets
 RANK / WORLD_SIZE / LOCAL_RANK; `init_parallel` turns them into a process group (NCCL on GPUs,
-gloo on CPU) and a ("dp", "tp") DeviceMesh (("dp", "cp", "tp") with context parallelism). A world of
+gloo on CPU) and one ("pp", "dp", "cp", "tp") DeviceMesh (`build_mesh`); with expert parallelism also an
+("edp", "ep") mesh of the same ranks for the experts. A world of
 one process (plain `python`, or torchrun with one process) creates no process group at all, so the
 single-device path has no overhead.
 """
@@ -31,9 +32,15 @@ class ParallelContext:
     tp_size: int = 1
     cp_size: int = 1  # context parallelism: ranks sharing each sequence's positions
     pp_size: int = 1  # pipeline parallelism: consecutive stages of the layers
-    mesh: DeviceMesh | None = None  # dims ("dp", "tp") when distributed; ("dp", "cp", "tp") with cp_size > 1
+    mesh: DeviceMesh | None = None  # dims ("pp", "dp", "cp", "tp") when distributed (`build_mesh`)
+    ep_size: int = 1  # expert parallelism: ranks sharing each MoE block's experts (within the data-parallel ranks)
+    # with ep_size > 1: dims ("edp", "ep") of sizes (world / ep, ep): "ep" holds one copy of the experts, "edp" the
+    # ranks that hold the same experts
+    expert_mesh: DeviceMesh | None = None
     # the ranks that reduce gradients and losses: "dp", or "dp" x "cp" flattened with context parallelism
     dp_cp_mesh: DeviceMesh | None = None
+    # pipeline parallelism: the ranks holding the same stages (dp x cp x tp flattened), which reduce FP8 amaxes
+    stage_mesh: DeviceMesh | None = None
     # set by `parallelize_model`: how the data-parallel ranks share the model ("none" with one dp rank,
     # else one of the --data-parallel-sharding-strategy values) and whether activations are sequence-sharded
     dp_strategy: str = "none"
@@ -50,6 +57,10 @@ class ParallelContext:
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
         return self.mesh["pp"].get_group() if self.mesh is not None and self.pp_size > 1 else None
+
+    @property
+    def stage_group(self) -> dist.ProcessGroup | None:
+        return self.stage_mesh.get_group() if self.stage_mesh is not None else None
 
     @property
     def dp_cp_size(self) -> int:
@@ -115,12 +126,13 @@ def _env_int(name: str, default: int) -> int:
 
 
 def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | None = None,
-                  timeout_minutes: float = 30.0, cp_size: int = 1, pp_size: int = 1) -> ParallelContext:
+                  timeout_minutes: float = 30.0, cp_size: int = 1, pp_size: int = 1,
+                  ep_size: int = 1) -> ParallelContext:
     """Initialise torch.distributed when launched by torchrun (NCCL on GPUs, gloo on CPU).
 
-    Returns the ParallelContext of this process; its mesh has dims ("dp", "tp") of sizes
-    (world_size // tp_size, tp_size), tp innermost so that a TP group stays within a node; with cp_size > 1,
-    ("dp", "cp", "tp") of sizes (world_size // (cp_size * tp_size), cp_size, tp_size).
+    Returns the ParallelContext of this process; its mesh is `build_mesh`'s: dims ("pp", "dp", "cp", "tp"), tp
+    innermost so that a TP group stays within a node. With ep_size > 1 (data parallelism alone:
+    `ParallelConfig` checks) also the expert mesh ("edp", "ep"), ep innermost (an EP group within a node).
     """
     world = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -128,6 +140,8 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
         raise ConfigError(f"--tensor-model-parallel-size {tp_size} must be >= 1")
     if cp_size < 1:
         raise ConfigError(f"--context-parallel-size {cp_size} must be >= 1")
+    if ep_size < 1:
+        raise ConfigError(f"--expert-model-parallel-size {ep_size} must be >= 1")
     dev = pick_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -141,6 +155,9 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
         if tp_size != 1:
             raise ConfigError(f"--tensor-model-parallel-size {tp_size} needs at least {tp_size} processes; launch "
                              f"with torchrun --nproc_per_node={tp_size} (or a multiple of it)")
+        if ep_size != 1:
+            raise ConfigError(f"--expert-model-parallel-size {ep_size} needs at least {ep_size} processes; launch "
+                              f"with torchrun --nproc_per_node={ep_size} (or a multiple of it)")
         return ParallelContext(device=dev)
     if not dist.is_initialized():
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
@@ -149,28 +166,38 @@ def init_parallel(device: str | None = None, tp_size: int = 1, backend: str | No
         kwargs: dict[str, Any] = {"device_id": dev} if backend == "nccl" else {}  # eager NCCL init, bound to this GPU
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
     world = dist.get_world_size()
-    if world % tp_size:
-        raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp_size}; "
-                         f"launch a multiple of {tp_size} processes")
-    if world % (tp_size * cp_size):
-        raise ConfigError(f"world size {world} is not divisible by --context-parallel-size {cp_size} x "
-                          f"--tensor-model-parallel-size {tp_size}; launch a multiple of {cp_size * tp_size} processes")
-    if pp_size > 1:
-        if world % (pp_size * cp_size * tp_size):
-            raise ConfigError(f"world size {world} is not divisible by --pipeline-model-parallel-size {pp_size}; "
-                              f"launch a multiple of {pp_size} processes")
-        mesh = init_device_mesh(dev.type, (pp_size, world // (pp_size * tp_size), tp_size),
-                                mesh_dim_names=("pp", "dp", "tp"))
-        dp_cp = mesh["dp"]
-    elif cp_size > 1:
-        mesh = init_device_mesh(dev.type, (world // (cp_size * tp_size), cp_size, tp_size),
-                                mesh_dim_names=("dp", "cp", "tp"))
-        dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
-    else:
-        mesh = init_device_mesh(dev.type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
-        dp_cp = mesh["dp"]
+    mesh, dp_cp = build_mesh(dev.type, world, pp_size=pp_size, cp_size=cp_size, tp_size=tp_size)
+    stage = mesh["dp", "cp", "tp"]._flatten("dp_cp_tp") if pp_size > 1 else None
+    if world % ep_size:
+        raise ConfigError(f"world size {world} is not divisible by --expert-model-parallel-size {ep_size}; launch a "
+                          f"multiple of {ep_size} processes")
+    experts = (init_device_mesh(dev.type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
+               if ep_size > 1 else None)
     return ParallelContext(rank=dist.get_rank(), world_size=world, local_rank=local_rank, device=dev,
-                           tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, mesh=mesh, dp_cp_mesh=dp_cp)
+                           tp_size=tp_size, cp_size=cp_size, pp_size=pp_size, ep_size=ep_size, mesh=mesh,
+                           dp_cp_mesh=dp_cp, stage_mesh=stage, expert_mesh=experts)
+
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+
+
+def build_mesh(device_type: str, world: int, *, pp_size: int = 1, cp_size: int = 1,
+               tp_size: int = 1) -> tuple[DeviceMesh, DeviceMesh]:
+    """The run's one device mesh, dims ("pp", "dp", "cp", "tp") outermost first, of sizes (pp, world / (pp x cp x
+    tp), cp, tp): a TP group holds neighbouring ranks (one node), a pipeline's stages the farthest apart. Returns it
+    and the mesh of the ranks that average gradients and losses: "dp", or "dp" x "cp" flattened to "dp_cp" with
+    context parallelism. Raises ConfigError (one line) where the world does not split so. Size-1 dims are kept, so
+    every dim can be named whatever the sizes."""
+    model = pp_size * cp_size * tp_size
+    if world % model:
+        sizes = " x ".join(f"{flag} {n}" for flag, n in (("--pipeline-model-parallel-size", pp_size),
+                                                           ("--context-parallel-size", cp_size),
+                                                           ("--tensor-model-parallel-size", tp_size)) if n > 1)
+        raise ConfigError(f"world size {world} is not divisible by {sizes} = {model}; launch a multiple of {model} "
+                          "processes")
+    mesh = init_device_mesh(device_type, (pp_size, world // model, cp_size, tp_size), mesh_dim_names=MESH_DIMS)
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp") if cp_size > 1 else mesh["dp"]
+    return mesh, dp_cp
 
 
 def destroy_parallel() -> None:

@@ -1,8 +1,12 @@
 """The model-transformation pipeline, in one fixed order (`build_parallel_model`):
 
     construct (plain single-device model) -> [load the frozen base] -> FP8 conversion -> [LoRA]
-    -> [FP8 parameter all-gather] -> tensor parallel -> context parallel -> activation checkpointing
-    -> torch.compile -> FSDP2 / DDP (over the data- x context-parallel ranks)
+    -> [FP8 parameter all-gather] -> tensor parallel -> context parallel -> expert parallel
+    -> activation checkpointing -> torch.compile -> FSDP2 / DDP (over the data- x context-parallel ranks; the
+    experts of expert parallelism over the ranks that hold the same experts)
+
+or, with pipeline parallelism, the same up to torch.compile -> the rank's pipeline stages -> FSDP2 / DDP per stage
+(over the data- x context-parallel ranks). `check_parallel_plan` checks the layout first.
 
 Each step is a function of its own. (The trainer captures the layers in CUDA graphs afterwards, once its
 optimizer exists: `megadlms.training.cuda_graphs`.)
@@ -23,6 +27,7 @@ from ..model import TransformerLM
 from .config import ParallelConfig, check_fp8_param_gather
 from .context_parallel import apply_context_parallel
 from .data_parallel import apply_ddp, apply_fsdp
+from .expert_parallel import apply_expert_parallel
 from .init import ParallelContext
 from .tensor_parallel import apply_tensor_parallel
 
@@ -61,13 +66,26 @@ def _meshes(ctx: ParallelContext, strategy: str) -> tuple[DeviceMesh | None, Dev
     mesh spans the context-parallel ranks too: they hold the same weights and reduce their gradients together."""
     if ctx.mesh is None:
         return None, None
-    if strategy == "no_shard" and ctx.tp_size > 1 and ctx.dp_cp_size > 1:
-        # DDP takes no DTensor parameters: replicate with FSDP2 over a (dp, 1) mesh instead (HSDP whose shard
-        # groups have one rank). Same rank layout as ctx.mesh, so dp ranks and groups are unchanged.
+    if strategy == "no_shard" and (ctx.tp_size > 1 or ctx.ep_size > 1) and ctx.dp_cp_size > 1:
+        # DDP takes no DTensor parameters (TP's, or the experts' under EP): replicate with FSDP2 over a (dp, 1) mesh
+        # instead (HSDP whose shard groups have one rank). Same rank layout as ctx.mesh, so dp ranks and groups are
+        # unchanged.
         mesh = init_device_mesh(ctx.device.type, (ctx.dp_cp_size, 1, ctx.tp_size),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         return mesh["tp"], mesh["dp_replicate", "dp_shard"]
     return ctx.mesh["tp"], ctx.dp_cp_mesh
+
+
+def _expert_meshes(ctx: ParallelContext, strategy: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """(ep mesh, the experts' data-parallel mesh) of expert parallelism, sub-meshes of one root mesh as FSDP2 over
+    DTensor parameters requires: the "edp" ranks hold the same experts. no_shard replicates them over a (edp, 1) mesh,
+    as `_meshes` does the dense part."""
+    assert ctx.expert_mesh is not None  # ep_size > 1
+    if strategy != "no_shard":
+        return ctx.expert_mesh["ep"], ctx.expert_mesh["edp"]
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size // ctx.ep_size, 1, ctx.ep_size),
+                            mesh_dim_names=("edp_replicate", "edp_shard", "ep"))
+    return mesh["ep"], mesh["edp_replicate", "edp_shard"]
 
 
 def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig) -> int:
@@ -96,6 +114,34 @@ def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel:
     if ctx.is_main:
         log.info("FP8 parameter all-gather: %d weights gathered as FP8 (%s scaling)", n, model.config.fp8_recipe)
     return n
+
+
+def check_parallel_plan(cfg: TransformerConfig, ctx: ParallelContext, parallel: ParallelConfig) -> None:
+    """Every rule joining the model to the (pp, dp, cp, tp) layout, in one place; each broken one is a one-line
+    ConfigError naming the values and the fix. (The flags' own rules are `ParallelConfig`'s; the world's split,
+    `init.build_mesh`'s; CUDA graphs, the trainer's.)"""
+    from .context_parallel import check_context_parallel
+    from .pipeline_parallel import check_pipeline_parallel, virtual_stages
+
+    if ctx.tp_size > 1 and cfg.is_moe:
+        raise ConfigError(f"--tensor-model-parallel-size {ctx.tp_size} with an MoE model: tensor parallelism does "
+                          "not shard the experts; use --tensor-model-parallel-size 1 (data parallelism) instead")
+    check_context_parallel(cfg, ctx.cp_size)
+    if ctx.pp_size > 1:
+        if cfg.is_moe:
+            raise ConfigError(f"--pipeline-model-parallel-size {ctx.pp_size} with an MoE model: the router's "
+                              "statistics are reduced per model; use --pipeline-model-parallel-size 1")
+        if ctx.tp_size > 1 and ctx.dp_cp_size > 1 and parallel.sharding_strategy == "no_shard":
+            raise ConfigError(f"--pipeline-model-parallel-size {ctx.pp_size} x --tensor-model-parallel-size "
+                              f"{ctx.tp_size} over {ctx.dp_cp_size} data-parallel ranks: DDP takes no tensor-parallel "
+                              "parameters; add --use-distributed-optimizer (FSDP2) or another sharded strategy")
+        local = cfg.seq_length // ctx.cp_size
+        if parallel.sequence_parallel and ctx.tp_size > 1 and local % ctx.tp_size:
+            raise ConfigError(f"--sequence-parallel with --pipeline-model-parallel-size {ctx.pp_size}: the stages "
+                              f"send equal sequence shards, and the {local} positions per context-parallel rank do not "
+                              f"split over --tensor-model-parallel-size {ctx.tp_size}; pick a --seq-length that does")
+        check_pipeline_parallel(cfg, ctx.pp_size)
+        virtual_stages(cfg.num_layers, ctx.pp_size, parallel.num_layers_per_virtual_pipeline_stage)
 
 
 def build_parallel_model(cfg: TransformerConfig, ctx: ParallelContext, parallel: ParallelConfig, *,
@@ -132,20 +178,23 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
     Returns the model to train (a DDP wrapper for no_shard without TP, else `model` itself) and records
     the strategy in ctx.dp_strategy / ctx.sequence_parallel for the trainer.
     """
+    check_parallel_plan(model.config, ctx, parallel)
     if ctx.pp_size > 1:
-        return _pipeline_stage(model, ctx, activation_checkpointing=activation_checkpointing, compile=compile)
+        return _pipeline_stages(model, ctx, parallel, activation_checkpointing=activation_checkpointing,
+                                compile=compile, param_dtype=param_dtype)
     strategy = parallel.sharding_strategy
     sequence_parallel = parallel.sequence_parallel and ctx.tp_size > 1
     tp_mesh, dp_mesh = _meshes(ctx, strategy)
-    if ctx.tp_size > 1 and model.config.is_moe:
-        raise ConfigError(f"--tensor-model-parallel-size {ctx.tp_size} with an MoE model: tensor parallelism does "
-                          "not shard the experts; use --tensor-model-parallel-size 1 (data parallelism) instead")
     if ctx.tp_size > 1:
         assert tp_mesh is not None  # ctx has a mesh when it has more than one rank
         apply_tensor_parallel(model, tp_mesh, sequence_parallel)
     if ctx.cp_size > 1:
         assert ctx.cp_group is not None  # a mesh with a cp dimension
-        apply_context_parallel(model, ctx.cp_group)
+        apply_context_parallel(model, ctx.cp_group, parallel.cp_comm_type)
+    expert_dp_mesh = None
+    if ctx.ep_size > 1:
+        ep_mesh, expert_dp_mesh = _expert_meshes(ctx, strategy)
+        apply_expert_parallel(model, ep_mesh)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
@@ -153,12 +202,12 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
     ctx.sequence_parallel = sequence_parallel
     ctx.dp_strategy = strategy if ctx.dp_cp_size > 1 else "none"
     trained: nn.Module = model
-    if ctx.dp_cp_size > 1 and strategy == "no_shard" and ctx.tp_size == 1:
+    if ctx.dp_cp_size > 1 and strategy == "no_shard" and ctx.tp_size == 1 and ctx.ep_size == 1:
         trained = apply_ddp(model, ctx.dp_cp_group, ctx.device)
     elif ctx.dp_cp_size > 1:
         assert dp_mesh is not None  # ctx has a mesh when it has more than one rank
         apply_fsdp(model, dp_mesh, reshard_after_forward=strategy == "optim_grads_params", param_dtype=param_dtype,
-                   prefetch=parallel.overlap_param_gather)
+                   prefetch=parallel.overlap_param_gather, expert_mesh=expert_dp_mesh)
         if strategy in ("optim_grads", "optim_grads_params") and model.config.fp8:
             # these strategies free gathered weights between micro-batches; an FP8 weight cache would keep them
             from ..fp8 import set_fp8_weight_caching
@@ -166,43 +215,77 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
             set_fp8_weight_caching(model, False)
     if ctx.distributed and ctx.is_main:
         tp = f"tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if sequence_parallel else ''}"
-        dp = f"data parallel: {_describe(strategy, ctx.tp_size)} over {ctx.dp_cp_size} ranks"
+        dp = f"data parallel: {_describe(strategy, ctx.tp_size * ctx.ep_size)} over {ctx.dp_cp_size} ranks"
         if ctx.cp_size > 1:
             dp += f" ({ctx.dp_size} data x {ctx.cp_size} context parallel)"
-        cp = f"context parallel over {ctx.cp_size} ranks (K/V all-gathered)"
+        cp = f"context parallel over {ctx.cp_size} ranks ({_cp_exchange(parallel)})"
+        e = model.config.num_moe_experts or 0
+        ep = (f"expert parallel over {ctx.ep_size} ranks ({e // ctx.ep_size} of {e} experts each, all-to-all; "
+              f"each expert data parallel over {ctx.world_size // ctx.ep_size})")
         log.info("%s", " | ".join(x for x, on in ((dp, ctx.dp_cp_size > 1), (cp, ctx.cp_size > 1),
-                                                  (tp, ctx.tp_size > 1)) if on))
+                                                  (tp, ctx.tp_size > 1), (ep, ctx.ep_size > 1)) if on))
     return trained
 
 
-def _pipeline_stage(model: TransformerLM, ctx: ParallelContext, *, activation_checkpointing: bool,
-                    compile: bool) -> nn.Module:
-    """This rank's pipeline stage of `model` (`megadlms.distributed.pipeline_parallel`), under DDP over the
-    data-parallel ranks when there are several (the schedule reduces gradients on the last micro-batch only).
-    Pipeline parallelism runs without tensor or context parallelism and FSDP2 for now, nor FP8 or MoE layers."""
-    from .pipeline_parallel import PipelineStageModule, check_pipeline_parallel
+def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig, *,
+                     activation_checkpointing: bool, compile: bool, param_dtype: torch.dtype | None) -> nn.Module:
+    """This rank's pipeline stages of `model` (`megadlms.distributed.pipeline_parallel.RankStages`): one, or
+    several with virtual stages (interleaved 1F1B), with tensor (and sequence) parallelism and context-parallel
+    attention where tp, cp > 1. Each stage module is put under DDP, or sharded by FSDP2, over the data- x
+    context-parallel ranks holding the same stages; the schedule reduces gradients on the last micro-batch."""
+    from .pipeline_parallel import PipelineStageModule, RankStages, rank_stages, virtual_stages
 
-    pp = ctx.pp_size
-    check_pipeline_parallel(model.config, pp)
-    if model.config.fp8 or model.config.is_moe:
-        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not yet take FP8 (amaxes are reduced per "
-                          "model) or MoE layers; drop one of them")
+    pp, cfg = ctx.pp_size, model.config
+    virtual = virtual_stages(cfg.num_layers, pp, parallel.num_layers_per_virtual_pipeline_stage)
+    sequence_parallel = parallel.sequence_parallel and ctx.tp_size > 1
+    sequence = None
+    if ctx.tp_size > 1:
+        assert ctx.mesh is not None  # several ranks
+        sequence = apply_tensor_parallel(model, ctx.mesh["tp"], sequence_parallel)
+    ctx.sequence_parallel = sequence_parallel
+    if ctx.cp_size > 1:
+        assert ctx.cp_group is not None  # a mesh with a cp dimension
+        apply_context_parallel(model, ctx.cp_group, parallel.cp_comm_type)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
-    stage: nn.Module = PipelineStageModule(model, ctx.pp_rank, pp)
-    ctx.dp_strategy = "no_shard" if ctx.dp_size > 1 else "none"
-    if ctx.dp_size > 1:
-        stage = apply_ddp(stage, ctx.dp_group, ctx.device)
+    num_stages = pp * virtual
+    stages = RankStages([PipelineStageModule(model, i, num_stages, sequence=sequence)
+                         for i in rank_stages(ctx.pp_rank, pp, virtual)])
+    stages.sequence_shards = ctx.tp_size if sequence_parallel else 1
+    strategy = parallel.sharding_strategy
+    ctx.dp_strategy = strategy if ctx.dp_cp_size > 1 else "none"
+    if ctx.dp_cp_size > 1 and strategy == "no_shard":
+        stages.runners = [apply_ddp(s, ctx.dp_cp_group, ctx.device) for s in stages.stages]
+    elif ctx.dp_cp_size > 1:
+        assert ctx.dp_cp_mesh is not None  # several ranks
+        for s in stages.stages:  # with TP, FSDP2 shards the DTensors of the tp mesh over dp x cp (one root mesh)
+            apply_fsdp(s, ctx.dp_cp_mesh, reshard_after_forward=strategy == "optim_grads_params",
+                       param_dtype=param_dtype, prefetch=parallel.overlap_param_gather)
+        stages.activation_dtype = param_dtype
+        if cfg.fp8:  # the schedule frees gathered weights between micro-batches: an FP8 weight cache would keep them
+            from ..fp8 import set_fp8_weight_caching
+
+            set_fp8_weight_caching(model, False)
     if ctx.is_main:
-        dp = f" | data parallel: DDP over {ctx.dp_size} ranks" if ctx.dp_size > 1 else ""
-        log.info("pipeline parallel: %d stages of %d layers%s", pp, model.config.num_layers // pp, dp)
-    return stage
+        shape = f"{pp} stages" if virtual == 1 else f"{pp} ranks x {virtual} virtual stages (interleaved 1F1B)"
+        dp = f" | data parallel: {_describe(strategy, 1)} over {ctx.dp_cp_size} ranks" if ctx.dp_cp_size > 1 else ""
+        if ctx.cp_size > 1:
+            dp += f" ({ctx.dp_size} data x {ctx.cp_size} context parallel, {_cp_exchange(parallel)})"
+        tp = (f" | tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if sequence_parallel else ''}"
+              if ctx.tp_size > 1 else "")
+        log.info("pipeline parallel: %s of %d layers%s%s", shape, cfg.num_layers // num_stages, dp, tp)
+    return stages
 
 
-def _describe(strategy: str, tp_size: int) -> str:
-    return {"no_shard": "DDP" if tp_size == 1 else "replicated (FSDP2, shard groups of 1)",
+def _cp_exchange(parallel: ParallelConfig) -> str:
+    return "ring attention, K/V passed by p2p" if parallel.cp_comm_type == "p2p" else "K/V all-gathered"
+
+
+def _describe(strategy: str, dtensor_parallel: int) -> str:
+    """dtensor_parallel: the product of the sizes that make DTensor parameters (TP, EP), which DDP does not take."""
+    return {"no_shard": "DDP" if dtensor_parallel == 1 else "replicated (FSDP2, shard groups of 1)",
             "optim": "FSDP2 ZeRO-1 (sharded optimizer state)",
             "optim_grads": "FSDP2 ZeRO-2 (sharded optimizer state and gradients)",
             "optim_grads_params": "FSDP2 ZeRO-3 (sharded optimizer state, gradients and parameters)"}[strategy]

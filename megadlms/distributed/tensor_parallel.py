@@ -242,8 +242,11 @@ def layer_plan(layer: TransformerLayer, sequence_parallel: bool, seq: SequenceLe
     return plan
 
 
-def apply_tensor_parallel(model: TransformerLM, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
-    """Shard `model` (a TransformerLM, possibly FP8-converted) over `tp_mesh` in place (see the module doc)."""
+def apply_tensor_parallel(model: TransformerLM, tp_mesh: DeviceMesh, sequence_parallel: bool = False
+                          ) -> SequenceLength:
+    """Shard `model` (a TransformerLM, possibly FP8-converted) over `tp_mesh` in place (see the module doc).
+    Returns the sequence-length source the norms read, set by a pre-hook on the model's forward (a pipeline stage,
+    which does not run that forward, sets it itself)."""
     check_tensor_parallel(model.config, tp_mesh.size())
     if model.config.fp8:  # the fused FP8 GEMMs take whole weights: their layers run one by one on the shards
         from ..fp8.fusions.registry import remove_fusions
@@ -267,3 +270,4 @@ def apply_tensor_parallel(model: TransformerLM, tp_mesh: DeviceMesh, sequence_pa
     if plain:
         raise RuntimeError(f"the tensor-parallel plan does not cover parameters {plain}; add them to "
                            "megadlms.distributed.tensor_parallel.layer_plan")
+    return seq

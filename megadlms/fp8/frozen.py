@@ -1,4 +1,5 @@
-"""`FrozenFP8Linear`: a linear whose weight never changes, stored once in FP8 (the frozen base of LoRA).
+"""`FrozenFP8Linear`: a linear whose weight never changes, stored once in FP8 (the frozen base of LoRA, the layers
+of RL's frozen reference model: `frozen_copy`).
 
 A frozen weight is a `Float8Linear` weight cache that never refreshes, with the high-precision weight dropped:
 
@@ -17,7 +18,8 @@ There is no weight gradient, so nothing of the input is saved for the backward. 
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -25,13 +27,14 @@ from torch import nn
 from ..model import compute_dtype
 from .gemm import fp8_gemm
 from .hardware import check_fp8_support
-from .kernels.ops import cast_fp8, transpose_fp8
+from .kernels.ops import amax_of, cast_fp8, transpose_fp8
 from .kernels.primitives import pad_2d, round_up16
 from .linear import apply_keeping_dtypes
 from .recipe import E4M3, E5M2
 from .tensor import FP8Tensor, Scaling
 
 BUFFERS = ("weight_fp8", "weight_scale_inv")
+M = TypeVar("M", bound=nn.Module)
 
 
 class FrozenFP8Linear(nn.Module):
@@ -62,13 +65,13 @@ class FrozenFP8Linear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> FrozenFP8Linear:
-        """The frozen FP8 copy of `linear`'s weight [out, in] (and bias). The caller drops `linear` to free its
-        high-precision weight."""
+    def from_linear(cls, linear: nn.Linear, amax: torch.Tensor | None = None, **kwargs: Any) -> FrozenFP8Linear:
+        """The frozen FP8 copy of `linear`'s weight [out, in] (and bias), scaled from `amax` (fp32 scalar; default
+        max |weight|, e.g. a fused group's largest). The caller drops `linear` to free its high-precision weight."""
         w = linear.weight.detach()
         check_fp8_support(w.device)
         n, k = w.shape
-        q, _, scale_inv, _ = cast_fp8(pad_2d(w, round_up16(n), round_up16(k)), None, None, E4M3)
+        q, _, scale_inv, _ = cast_fp8(pad_2d(w, round_up16(n), round_up16(k)), None, None, E4M3, amax=amax)
         assert q is not None  # asked for
         new = cls(q, scale_inv, k, n, linear.bias, **kwargs)
         return new.train(linear.training)
@@ -129,3 +132,64 @@ class _FrozenFP8Fn(torch.autograd.Function):
         w_t = FP8Tensor(transpose_fp8(mod.weight_fp8), mod.weight_scale_inv, Scaling.TENSOR, transposed=True)
         dx = fp8_gemm(FP8Tensor(gq, g_si, Scaling.TENSOR), w_t, ctx.x_dtype, False)[:ctx.m, :mod.in_features]
         return dx, None, None
+
+
+def frozen_copy(model: M) -> M:
+    """A copy of `model` to read, never train (e.g. RL's frozen reference model): each `Float8Linear` becomes a
+    `FrozenFP8Linear` cast from its weight now (E4M3 + a tensorwise scale: 1 byte a weight, no high-precision copy of
+    it), the fused FP8 modules are left out (their members run one by one) and everything else is deep-copied in its
+    dtype; in eval mode, so its forwards record no FP8 amaxes, and without gradients. A model without FP8 linears
+    gives a plain frozen deep copy.
+
+    Its FP8 layers compute as a tensorwise-scaled policy does (x cast with its own amax, the weight with its own), so
+    against a delayed-scaling policy they differ by FP8 rounding alone."""
+    from .fused_linear import FusedFloat8Projection
+    from .fused_mlp import FusedFloat8MLP
+    from .linear import Float8Linear
+
+    memo: dict[int, Any] = {}
+    group_amax: dict[int, torch.Tensor] = {}  # a fused group's members share one weight scale, as in the group
+    for m in model.modules():
+        if isinstance(m, FusedFloat8Projection):
+            members = m.members()
+            amax = torch.stack([amax_of(w.weight.detach()) for w in members]).amax()
+            group_amax.update({id(w): amax for w in members})
+    for name, m in model.named_modules():
+        if isinstance(m, (FusedFloat8Projection, FusedFloat8MLP)):
+            memo[id(m)] = None  # the slot stays empty in the copy
+        elif isinstance(m, Float8Linear):
+            if m.local_params()[0] is not m.weight:
+                raise ValueError(f"frozen_copy: {name} holds a sharded (DTensor) weight; copy the model before "
+                                 "tensor parallelism or FSDP2 shards it")
+            memo[id(m)] = FrozenFP8Linear.from_linear(m, group_amax.get(id(m)), fprop_fast_accum=m.fprop_fast_accum,
+                                                      grad_dtype=m.recipe.fp8_format.bwd_dtype)
+    ref = copy.deepcopy(model, memo)
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+def frozen_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with the weight and scale of each `FrozenFP8Linear` (which its own state_dict leaves out):
+    what restores a `frozen_copy` exactly (`load_frozen_state_dict`)."""
+    state = dict(model.state_dict())
+    state.update(_frozen_buffers(model))
+    return state
+
+
+@torch.no_grad()
+def load_frozen_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a `frozen_state_dict` into `model`, a copy of the same structure (strict: every key on both sides)."""
+    frozen = _frozen_buffers(model)
+    missing = sorted(set(frozen) - set(state))
+    if missing:
+        raise KeyError(f"load_frozen_state_dict: the state has no {missing[0]} (and {len(missing) - 1} more FP8 "
+                       "weights): it was not saved from a frozen copy of this model")
+    model.load_state_dict({k: v for k, v in state.items() if k not in frozen}, strict=True)
+    for k, t in frozen.items():
+        t.copy_(state[k])
+
+
+def _frozen_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weight and scale of each `FrozenFP8Linear` of `model`, by their state_dict-style names."""
+    return {f"{name}.{b}" if name else b: getattr(m, b) for name, m in model.named_modules()
+            if isinstance(m, FrozenFP8Linear) for b in BUFFERS}

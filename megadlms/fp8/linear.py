@@ -112,10 +112,13 @@ class FP8WeightCache:
     unless the cast made it. key: the weight version it was cast from (`Float8Linear.weight_key`). step: delayed
     scaling's scales of this step (`StepScales`), for the input and gradient casts of every micro-batch; None before
     the first `fp8_step` and for other recipes. members: a group's per-member caches (views of rows' row blocks,
-    which a member called on its own uses); () for one weight.
+    which a member called on its own uses); () for one weight. recorded: whether the cast put the weight's amax into
+    the delayed-scaling history (False for a cast in eval mode, which a training forward then does not reuse: an eval
+    forward before the step's first training forward, e.g. an RL rollout, would otherwise leave the weight's amax
+    unrecorded and its scale stale).
     """
 
-    __slots__ = ("key", "rows", "dgrad", "stats_epoch", "step", "keep_dgrad", "members")
+    __slots__ = ("key", "rows", "dgrad", "stats_epoch", "step", "keep_dgrad", "members", "recorded")
 
     def __init__(self, key: Any, rows: FP8Tensor, step: StepScales | None = None,
                  members: tuple[FP8WeightCache, ...] = ()):
@@ -125,6 +128,7 @@ class FP8WeightCache:
         # whether a dgrad copy the backward makes is kept for later micro-batches; False for the caches CUDA graphs
         # read (fp8.integrations.graph_weights), which hold rows only
         self.keep_dgrad = True
+        self.recorded = True
 
 
 class DelayedScalingState(_ModuleMixin):
@@ -441,7 +445,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
             return FP8WeightCache(None, gathered, self.step_scales())
         key = self.weight_key()
         cache = self.weight_cache
-        if cache is None or (key is not None and cache.key != key):
+        if cache is None or (key is not None and cache.key != key) or (self.training and not cache.recorded):
             n, k = w.shape
             wp = pad_2d(w.detach(), round_up16(n), round_up16(k))
             quantizer = self.quantizers[WEIGHT]
@@ -452,6 +456,7 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
             t = quantizer.quantize(wp, True, want_t, record=self.training, amax=self.kept_weight_amax(), step=step)
             cache = FP8WeightCache(key, t.row_copy(), step)
             cache.dgrad = t.cols  # the input-gradient GEMM's operand, when made in the same pass
+            cache.recorded = self.training or not quantizer.keeps_history
             self.num_weight_casts += 1
             if self.cache_weight:
                 self.weight_cache = cache

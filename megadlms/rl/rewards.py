@@ -108,18 +108,22 @@ class RewardSet:
         """The record fields the rewards read."""
         return tuple(dict.fromkeys(f for name, _, _ in self.terms for f in REWARDS[name][1]))
 
-    def __call__(self, completions: Sequence[str], records: Sequence[dict[str, Any]]) -> list[float]:
+    def __call__(self, completions: Sequence[str], records: Sequence[dict[str, Any]],
+                 where: Sequence[str] | None = None) -> list[float]:
+        """The weighted sum per completion of its record's fields; where: each record's "FILE:LINE", for the
+        warning of a reward that raises."""
         out = []
         sums = dict.fromkeys((name for name, _, _ in self.terms), 0.0)
-        for text, rec in zip(completions, records):
+        for i, (text, rec) in enumerate(zip(completions, records)):
             total = 0.0
             for name, fn, w in self.terms:
                 try:
                     score = float(fn(text, rec))
                 except Exception as e:  # noqa: BLE001 (any user reward may fail; it scores 0 and is counted)
                     self.failures += 1
-                    log.warning("reward %s raised %s: %s (scored 0; %d failures so far)", name, type(e).__name__, e,
-                                self.failures)
+                    log.warning("reward %s raised %s: %s on a completion of %s (scored 0; %d failures so far); fix "
+                                "the reward or the record", name, type(e).__name__, e,
+                                where[i] if where is not None else f"record {i} of the batch", self.failures)
                     continue
                 total += w * score
                 sums[name] += score

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import yaml
 
 from ..config import FP8_AMAX_ALGOS, FP8_FORMATS, ConfigError, FP8Settings
+from ..diffusion.clip_search import CLIP_SEARCH_DELTA, CLIP_SEARCH_WIDTHS
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES
 from ..fp8.recipe import RECIPE_NAMES
 from ..lora import TARGETS as LORA_TARGETS
@@ -117,6 +118,15 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="bd3lm training: redraw a block's mask while its masked fraction is outside [--bd3lm-clip-min, "
                         "--bd3lm-clip-max] (the reference's training.resample; a bound left at 1e-3 or 1 is not "
                         "enforced)")
+    g.add_argument("--bd3lm-clip-search", action="store_true", default=False,
+                   help="bd3lm: at every validation, score each candidate clip interval (the linear schedule and "
+                        "the intervals of --bd3lm-clip-search-widths) by the variance of its per-block training "
+                        "loss on the validation batches, and train on the lowest (the paper's search; costs one "
+                        "forward per candidate and validation micro-batch, on up to 100 batches)")
+    g.add_argument("--bd3lm-clip-search-widths", type=float, nargs="+", default=list(CLIP_SEARCH_WIDTHS),
+                   metavar="W", help="bd3lm clip search: the candidate widths (the paper's 0.5 0.6 0.7 0.8 0.9)")
+    g.add_argument("--bd3lm-clip-search-delta", type=float, default=CLIP_SEARCH_DELTA,
+                   help="bd3lm clip search: the step between the starts of one width's intervals")
     g.add_argument("--ignore-bos", action="store_true", default=False,
                    help="difflm-noshift and bd3lm: never mask the first token of a window and leave it out of the "
                         "validation loss's denominator (MDLM / BD3-LM's ignore_bos, for data whose windows start "

@@ -26,6 +26,7 @@ from ..config import (
     flag_name,
 )
 from ..data.args import DataSourceConfig
+from ..diffusion.clip_search import CLIP_SEARCH_DELTA, CLIP_SEARCH_WIDTHS
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES, ObjectiveConfig
 from ..distributed.config import ParallelConfig, check_fp8_param_gather
 from ..lora import TARGETS as LORA_TARGETS
@@ -96,6 +97,10 @@ class DiffusionConfig:
     bd3lm_antithetic: bool = True  # bd3lm: t stratified over the global batch x blocks (the paper's)
     ignore_bos: bool = False  # difflm-noshift / bd3lm: never mask position 0; validation leaves it out
     bd3lm_resample: bool = False  # bd3lm: redraw blocks whose masked fraction falls outside the clip
+    bd3lm_clip_search: bool = False  # bd3lm: validation adopts the clip interval of lowest loss variance
+    # bd3lm: the candidate intervals' widths
+    bd3lm_clip_search_widths: list[float] = field(default_factory=lambda: list(CLIP_SEARCH_WIDTHS))
+    bd3lm_clip_search_delta: float = CLIP_SEARCH_DELTA  # bd3lm: the step between one width's interval starts
 
     def __post_init__(self) -> None:
         if self.model_running_mode is not None:
@@ -355,6 +360,13 @@ class RunConfig:
                               "add --lora-rank R (the frozen base is the reference) or use no_shard (DDP)")
         if self.fp8.fp8_param_gather:
             check_fp8_param_gather(self.fp8.enabled, self.fp8.fp8_recipe, self.parallel)
+        pp = self.parallel.pipeline_model_parallel_size
+        if pp > 1 and self.rl.rl is not None:
+            raise ConfigError(f"--rl {self.rl.rl} samples rollouts from the whole model, which "
+                              f"--pipeline-model-parallel-size {pp} splits over ranks; use data parallelism")
+        if pp > 1 and self.lora.enabled:
+            raise ConfigError(f"--lora-rank {self.lora.lora_rank} does not yet run under --pipeline-model-parallel-"
+                              f"size {pp}; use data parallelism (DDP / FSDP2)")
         if self.fp8.fp8_dot_product_attention and not self.fp8.enabled:
             raise ConfigError("--fp8-dot-product-attention runs attention in FP8 inside the FP8 layers; add "
                               "--fp8-format hybrid (or e4m3), or drop it")
@@ -373,6 +385,10 @@ class RunConfig:
         if self.parallel.tensor_model_parallel_size > 1:
             raise ConfigError(f"{rank} with --tensor-model-parallel-size {self.parallel.tensor_model_parallel_size}"
                               ": LoRA runs with data parallelism only (DDP / FSDP2); drop tensor parallelism")
+        if self.parallel.pipeline_model_parallel_size > 1:
+            raise ConfigError(f"{rank} with --pipeline-model-parallel-size "
+                              f"{self.parallel.pipeline_model_parallel_size}: LoRA runs with data parallelism only "
+                              "(DDP / FSDP2); drop pipeline parallelism")
         if self.lora.lora_base == "fp8" and self.fp8.enabled and self.fp8.fp8_format not in ("hybrid", "e4m3"):
             raise ConfigError(f"--lora-base fp8 takes --fp8-format hybrid or e4m3, got {self.fp8.fp8_format}")
         if not self.checkpoint.load:

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..config import ConfigError, TransformerConfig
 from ..diffusion import bd3lm
+from ..diffusion.clip_search import ClipSearch, block_means, lowest_variance
 from ..diffusion.objective import (
     BatchNoise,
     MaskSampler,
@@ -36,6 +37,7 @@ from ..diffusion.objective import (
     chunked_weighted_cross_entropy,
     prepare_batch,
     prepare_sft_batch,
+    token_losses,
     weighted_cross_entropy,
 )
 from ..distributed.context_parallel import shard_mask, shard_sequence
@@ -153,6 +155,18 @@ class Objective(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    # -- what validation also measures and adopts (BD3-LM's clip search); nothing for the others
+    searches_validation = False  # True: the trainer hands `observe_validation` each validation batch's samples
+
+    def observe_validation(self, model: nn.Module, samples: list[torch.Tensor], batch: int,
+                           output_weight: Callable[[], torch.Tensor], seed: int) -> None:
+        """Validation batch `batch`: this rank's loader samples (one per micro-step, on the device), under the
+        caller's autocast and no_grad; `seed` seeds whatever noise it draws (the same at every validation)."""
+
+    def end_validation(self) -> dict[str, float]:
+        """After the validation batches: adopt what they showed; returns the metrics to log beside the loss."""
+        return {}
 
     # -- the step
     @abstractmethod
@@ -311,6 +325,66 @@ class BlockDiffusion(Objective):
         self.config = config
         self.subs_mask_id = config.subs_mask_id
         self.ignore_bos = config.ignore_bos
+        self.candidates = config.search_candidates() if config.clip_search else []
+        self.search = ClipSearch([(c.clip_min, c.clip_max) for c in self.candidates]) if self.candidates else None
+        self.searches_validation = self.search is not None
+
+    def validation_note(self) -> str:
+        note = super().validation_note()
+        if self.search is None:
+            return note
+        return (f"{note} | training t ~ U[{self.config.clip_min:g}, {self.config.clip_max:g}] "
+                f"(clip search, {len(self.candidates)} intervals)")
+
+    def state_dict(self) -> dict[str, Any]:
+        """With the clip search, the interval it adopted (training uses it until the next validation)."""
+        return {"bd3lm_clip": [self.config.clip_min, self.config.clip_max]} if self.search is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.search is not None and "bd3lm_clip" in state:
+            self.config.clip_min, self.config.clip_max = (float(v) for v in state["bd3lm_clip"])
+
+    def observe_validation(self, model: nn.Module, samples: list[torch.Tensor], batch: int,
+                           output_weight: Callable[[], torch.Tensor], seed: int) -> None:
+        """Each candidate interval's per-block training losses on this validation batch: noise drawn for the global
+        batch under the training rules of that interval, from a generator seeded by (seed, batch), the same for
+        every candidate (common random numbers: the candidates differ by their interval, not by their draws)."""
+        search = self.search
+        if search is None or not search.wants(batch):
+            return
+        sh, n, block = self.sharding, self.config.seq_length, self.config.block_size
+        device = samples[0].device
+        kwargs = bd3lm.forward_kwargs(self.config, device, self.flex)
+        global_batch = sh.micro_batch_size * sh.dp_size * len(samples)
+        for c, cand in enumerate(self.candidates):
+            noise = bd3lm.draw_noise(MaskSampler(seed * 1_000_003 + batch, device=device), global_batch,
+                                     len(samples), cand)
+            for m, sample in enumerate(samples):
+                rows = sh.rows(m)
+                inputs, targets, weights = bd3lm.prepare_batch(sample.to(device), (noise.t[rows], noise.u[rows]),
+                                                               cand)
+                hidden = model(inputs, output_hidden=True, **kwargs)[:, :n]
+                losses = token_losses(hidden, output_weight(), targets, weights, mask_id=self.subs_mask_id,
+                                      chunk_tokens=self.loss_chunk_tokens or 8192)
+                search.observe(batch, c, block_means(losses, block))
+
+    def end_validation(self) -> dict[str, float]:
+        """Adopt the interval of lowest summed batch variance (the same on every rank: the moments are summed over
+        the data-parallel ranks first); the metrics: the adopted interval, its variance and every candidate's."""
+        search = self.search
+        stats = None if search is None else search.stacked()
+        if search is None or stats is None:
+            return {}
+        if self.sharding.dp_size > 1:
+            dist.all_reduce(stats, group=self.sharding.dp_group)
+        best, total = lowest_variance(stats)
+        search.reset()
+        self.config.clip_min, self.config.clip_max = search.candidates[best]
+        out = {"bd3lm_clip_min": self.config.clip_min, "bd3lm_clip_max": self.config.clip_max,
+               "bd3lm_clip_variance": float(total[best])}
+        for (lo, hi), v in zip(search.candidates, total.tolist()):
+            out[f"bd3lm_clip_variance/{lo:g}-{hi:g}"] = v
+        return out
 
     def flops_per_token(self) -> float:
         return bd3lm.flops_per_token(self.model_config, self.config.block_size)
@@ -394,6 +468,9 @@ def build_objective(objective: ObjectiveConfig, model_config: TransformerConfig,
         if sft:
             raise ConfigError("--model-running-mode bd3lm trains on token windows under its own block-diffusion "
                               "mask: drop --sft")
+        if bd3lm_config.clip_search and sharding.cp_size > 1:
+            raise ConfigError(f"--bd3lm-clip-search scores whole windows per block; --context-parallel-size "
+                              f"{sharding.cp_size} splits them: drop one of the two")
         return BlockDiffusion(bd3lm_config, model_config, attention, sharding, **common)
     if sft:
         if objective.ignore_bos:

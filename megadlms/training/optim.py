@@ -80,6 +80,9 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
     """
     grads = [p.grad for p in params if p.grad is not None]
     fused = bool(optimizer.defaults.get("fused")) and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    if len({g.device_mesh for g in grads if isinstance(g, DTensor)}) > 1:
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        return _clip_across_meshes(params, max_norm)
     if not fused or not grads or any(isinstance(g, DTensor) for g in grads):
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # read by torch's fused Adam kernels
         return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
@@ -89,6 +92,39 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
     else:  # the kernel divides each gradient by this: 1 / min(1, max_norm / (norm + 1e-6))
         optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).to(torch.float32)  # type: ignore[attr-defined]
     return norm
+
+
+def _clip_across_meshes(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm` for DTensor gradients of several meshes (expert parallelism: the experts' mesh beside the
+    dense one), which one DTensor norm cannot mix. Every mesh spans all ranks: the total is the sum over all ranks of
+    each local shard's squares divided by its copies (the sizes of its mesh's replicated dimensions); then each
+    mesh's gradients are clipped with it."""
+    import torch.distributed as dist
+
+    with_grad = [p for p in params if p.grad is not None]
+    locals_: list[torch.Tensor] = []
+    copies: list[int] = []
+    for p in with_grad:
+        g = p.grad
+        assert g is not None  # filtered above
+        if isinstance(g, DTensor):
+            locals_.append(g.to_local())
+            copies.append(math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate()))
+        else:  # a plain gradient is the same on every rank
+            locals_.append(g)
+            copies.append(dist.get_world_size())
+    norms = torch._foreach_norm(locals_)
+    total_sq = sum(n.float().square() / c for n, c in zip(norms, copies))
+    assert isinstance(total_sq, torch.Tensor)  # a gradient exists: several meshes were seen
+    dist.all_reduce(total_sq)
+    total = total_sq.sqrt()
+    if not math.isinf(max_norm):
+        by_mesh: dict[object, list[torch.Tensor]] = {}
+        for p in with_grad:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        for group in by_mesh.values():
+            nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return total
 
 
 @dataclass

@@ -5,29 +5,29 @@ stage, the tied embedding's two copies synchronised and the gradient norm taken 
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from ..distributed.pipeline_parallel import PipelineStageModule, build_schedule, run_schedule, sync_tied_gradients
+from ..distributed.pipeline_parallel import RankStages, build_schedule, run_schedule, sync_tied_gradients
 from .objectives import Batch, Objective
 
 
 class PipelineRunner:
-    """One stage's side of the step. group: the pipeline's ranks (stage i on rank i of the group)."""
+    """One rank's side of the step. group: the pipeline's ranks (stage i on rank i mod pp of the group)."""
 
-    def __init__(self, model: nn.Module, objective: Objective, group: dist.ProcessGroup,
+    def __init__(self, model: RankStages, objective: Objective, group: dist.ProcessGroup,
                  device: torch.device, micro_batches: int, schedule: str, output_dtype: torch.dtype):
-        """model: this rank's PipelineStageModule, or its DDP wrapper (data parallelism between pipelines)."""
-        self.model = model
-        self.stage = cast(PipelineStageModule, getattr(model, "module", model))
+        self.model, self.stages = model, model.stages
         self.objective, self.group, self.device = objective, group, device
         self.micro_batches, self.schedule_name, self.output_dtype = micro_batches, schedule, output_dtype
         self._batches: list[Batch] = []
         self._schedule: Any = None
         self._tied_group = self._first_and_last(group)
+        self._last = next((s for s in self.stages if s.is_last), None)
 
     @staticmethod
     def _first_and_last(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -46,26 +46,28 @@ class PipelineRunner:
         return mine
 
     def _loss_fn(self, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return self.objective.loss_from_hidden(hidden, self._batches[int(index)], lambda: self.stage.output_weight)
+        assert self._last is not None  # the schedule calls it on the last stage's rank only
+        last = self._last
+
+        def weight() -> torch.Tensor:  # tensor parallel: vocabulary-sharded, gathered (every TP rank has all logits)
+            w = last.output_weight
+            return w.full_tensor() if isinstance(w, DTensor) else w
+
+        return self.objective.loss_from_hidden(hidden, self._batches[int(index)], weight)
 
     def _run(self, batches: list[Batch], train: bool) -> torch.Tensor:
         """The sum of the micro-batches' losses (fp32 scalar), on every stage."""
         self._batches = batches
         if self._schedule is None:
-            self._schedule = build_schedule(self.stage, self.group, self.device, self.micro_batches, self._loss_fn,
+            self._schedule = build_schedule(self.stages, self.group, self.device, self.micro_batches, self._loss_fn,
                                             micro_batch=tuple(batches[0].inputs.shape),  # type: ignore[arg-type]
-                                            schedule=self.schedule_name, output_dtype=self.output_dtype,
-                                            submodule=self.model)
+                                            schedule=self.schedule_name,
+                                            activation_dtype=self.model.activation_dtype or torch.float32,
+                                            output_dtype=self.model.activation_dtype or self.output_dtype,
+                                            submodules=self.model.runners,
+                                            sequence_shards=self.model.sequence_shards)
         inputs = torch.cat([b.inputs for b in batches])
-        kwargs = [b.model_kwargs() for b in batches]
-        if train:
-            losses = run_schedule(self._schedule, self.stage, inputs, kwargs)
-        else:
-            self.stage.set_micro_batch_kwargs(kwargs)
-            losses = []
-            target = torch.arange(len(batches), device=self.device) if self.stage.is_last else None
-            args = (inputs,) if self.stage.is_first else ()
-            self._schedule.eval(*args, target=target, losses=losses)
+        losses = run_schedule(self._schedule, self.stages, inputs, [b.model_kwargs() for b in batches], train=train)
         total = torch.zeros((), device=self.device)
         for x in losses:
             total += x.detach().float()
@@ -77,29 +79,28 @@ class PipelineRunner:
         """Forward and backward of the step's micro-batches (gradients accumulated, divided by their number);
         returns the sum of their losses on every stage."""
         total = self._run(batches, train=True)
-        sync_tied_gradients(self.stage, self._tied_group)
+        sync_tied_gradients(self.stages, self._tied_group)
         return total
 
     def evaluate(self, batches: list[Batch]) -> torch.Tensor:
         return self._run(batches, train=False)
 
     def clip_grads(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """The L2 norm of the whole model's gradients (the tied embedding counted once), the gradients clipped to
-        `max_norm` (min(1, max_norm / (norm + 1e-6)), as `optim.clip_grad_norm`)."""
-        stage = self.stage
-        tied_copy = (stage.is_last and not stage.is_first and stage.embed_tokens is not None
-                     and not stage.config.untie_embeddings_and_output_weights)
-        params = [p for p in stage.parameters() if p.grad is not None]
-        counted = [p for p in params if not (tied_copy and p is stage.embed_tokens.weight)]  # type: ignore[union-attr]
-        sq = torch.zeros((), device=self.device)
-        for p in counted:
-            sq += p.grad.detach().float().square().sum()  # type: ignore[union-attr]
-        dist.all_reduce(sq, group=self.group)
+        """The L2 norm of the whole model's gradients (the tied embedding counted once; sharded gradients, FSDP2's
+        or tensor parallelism's, whole), the gradients clipped to `max_norm` (min(1, max_norm / (norm + 1e-6)), as
+        `optim.clip_grad_norm`)."""
+        tied_copy = next((s.tied_weight for s in self.stages if s.is_last and s.tied_weight is not None), None)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None and p is not tied_copy]
+        norm = nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # this rank's stages
+        sq = norm.float().square()
+        dist.all_reduce(sq, group=self.group)  # over the stages
         norm = sq.sqrt()
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # read by torch's fused Adam kernels
         if not math.isinf(max_norm):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for p in params:
-                p.grad.detach().mul_(coef)  # type: ignore[union-attr]
+            for p in params:  # each rank scales its shard of a sharded gradient
+                g = p.grad.detach()  # type: ignore[union-attr]
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
         return norm
-

@@ -3,8 +3,10 @@
 - `PreferenceOptimisation` (`--rl vrpo`): LLaDA 1.5's VRPO on (prompt, chosen, rejected) pairs;
 - `DiffuGRPO` (`--rl grpo`): d1's diffu-GRPO on prompts with verifiable rewards (rollouts from the fast sampler).
 
-Both hold a frozen reference model: with LoRA the model itself with its adapters off, else a copy of the model
-taken when training starts (saved with the checkpoints, so a resumed run keeps the first one). Their noise is
+Both hold a frozen reference model: with LoRA the model itself with its adapters off, else a frozen copy of the
+model taken when training starts (`fp8.frozen.frozen_copy`: its FP8 linears stored in FP8, 1 byte a weight; saved
+with the checkpoints, so a resumed run keeps the first one). Every reference forward runs in eval mode, as the
+rollouts do: none records FP8 amaxes. Their noise is
 one seed per step drawn from the trainer's `MaskSampler` (checkpointed), from which every rollout, timestep and
 mask of the step derives per record: a resumed run redraws exactly what the uninterrupted one drew.
 """
@@ -12,7 +14,6 @@ mask of the step derives per record: a resumed run redraws exactly what the unin
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -23,6 +24,8 @@ from torch import nn
 from ..config import ConfigError, TransformerConfig
 from ..diffusion.objective import BatchNoise, MaskSampler
 from ..diffusion.sampler import position_ids_from_mask, prepare_prompts, trim_at_eos
+from ..distributed.data_parallel import gathered_parameters
+from ..fp8.frozen import frozen_copy, frozen_state_dict, load_frozen_state_dict
 from ..lora import adapters_disabled, lora_modules
 from ..rl import RL_KINDS
 from ..rl.data import Record
@@ -58,7 +61,7 @@ class RLObjective(Objective):
             raise ConfigError("RL trains a masked-diffusion model: pass --mask-token ID")
         self.mask_id: int = self.model_config.mask_token_id
         self._policy: nn.Module | None = None
-        self._reference: nn.Module | None = None  # a frozen copy (None with LoRA: the adapters are switched off)
+        self._reference: nn.Module | None = None  # a frozen_copy (None with LoRA: the adapters are switched off)
         self._reference_state: dict[str, torch.Tensor] | None = None  # from a checkpoint, before the copy exists
         self._window: dict[str, list[float]] = {}
         self._step_micro = 0  # global index of this step's first micro-batch for this rank
@@ -76,7 +79,9 @@ class RLObjective(Objective):
 
     def state_dict(self) -> dict[str, Any]:
         ref = self._reference
-        return {"reference": None if ref is None else {k: v.detach().clone() for k, v in ref.state_dict().items()}}
+        if ref is None:
+            return {"reference": None}
+        return {"reference": {k: v.detach().clone() for k, v in frozen_state_dict(ref).items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._reference_state = state.get("reference")
@@ -102,21 +107,32 @@ class RLObjective(Objective):
         return self._policy is not None and bool(lora_modules(self._policy))
 
     def reference(self) -> contextlib.AbstractContextManager[nn.Module]:
-        """The frozen reference model for a `with` block (no gradients flow into it)."""
+        """The frozen reference model for a `with` block, in eval mode (no gradients flow into it; its FP8 layers
+        record no amaxes)."""
         policy = self._policy
         if policy is None:
             raise RuntimeError("the RL objective has no model: the trainer calls bind(model) first")
         if self._uses_lora():
-            return adapters_disabled(policy)
+            return _base_in_eval(policy)
         if self._reference is None:  # at the first step: the loaded (or resumed) weights are in place
-            ref = copy.deepcopy(policy)
+            ref = frozen_copy(policy)
             if self._reference_state is not None:
-                ref.load_state_dict(self._reference_state)
+                load_frozen_state_dict(ref, self._reference_state)
                 self._reference_state = None
-            for p in ref.parameters():
-                p.requires_grad_(False)
-            self._reference = ref.eval()
+            self._reference = ref
         return contextlib.nullcontext(self._reference)
+
+
+@contextlib.contextmanager
+def _base_in_eval(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` with its adapters off and in eval mode inside the block (LoRA's reference model), then as it was."""
+    was_training = model.training
+    model.eval()
+    try:
+        with adapters_disabled(model):
+            yield model
+    finally:
+        model.train(was_training)
 
 
 @dataclass
@@ -326,7 +342,7 @@ class DiffuGRPO(RLObjective):
         policy.eval()
         t0 = time.perf_counter()
         try:
-            with self._autocast():
+            with self._autocast(), gathered_parameters(policy):  # ranks' sampler steps differ in number
                 out, _ = fast_generate_tokens(policy, ids, attn, mask_id=self.mask_id, gen_length=rl.rl_gen_length,
                                               block_length=rl.rl_block_length, threshold=rl.rl_threshold,
                                               cache="dual", temperature=rl.rl_temperature, eos_id=self.eos_id,
@@ -342,7 +358,8 @@ class DiffuGRPO(RLObjective):
         texts = [self.tokenizer.decode(row) for row in trim_at_eos(completions, self.eos_id)]
         fields = [r.fields for r in records for _ in range(g_size)]
         failures = self.rewards.failures
-        rewards = torch.tensor(self.rewards(texts, fields), dtype=torch.float32, device=device)
+        wheres = [r.where for r in records for _ in range(g_size)]
+        rewards = torch.tensor(self.rewards(texts, fields, wheres), dtype=torch.float32, device=device)
         self._record("reward_mean", rewards.mean().item())
         self._record("reward_std", rewards.std().item() if rewards.numel() > 1 else 0.0)
         self._record("reward_failures", self.rewards.failures - failures)

@@ -53,6 +53,7 @@ from .preemption import RunControl
 from .triton_adamw import StreamingAdamW
 
 if TYPE_CHECKING:
+    from ..distributed.pipeline_parallel import RankStages
     from ..fp8.linear import Float8Linear
     from ..model import TransformerLM
 
@@ -162,7 +163,14 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
             mask_token_id=model_config.mask_token_id,  # type: ignore[arg-type]
             clip_min=obj.bd3lm_clip_min, clip_max=obj.bd3lm_clip_max, noise_per=obj.bd3lm_noise_per,
             eval_eps=obj.difflm_eps, loss=obj.diffusion_loss, antithetic=obj.bd3lm_antithetic,
-            ignore_bos=obj.ignore_bos, resample=obj.bd3lm_resample)
+            ignore_bos=obj.ignore_bos, resample=obj.bd3lm_resample, clip_search=obj.bd3lm_clip_search,
+            search_widths=tuple(obj.bd3lm_clip_search_widths), search_delta=obj.bd3lm_clip_search_delta)
+        if obj.bd3lm_clip_search and (config.train.eval_iters <= 0 or not config.train.eval_interval):
+            raise ConfigError("--bd3lm-clip-search chooses the interval during validation: give --eval-interval and "
+                              f"--eval-iters > 0 (now {config.train.eval_interval} and {config.train.eval_iters})")
+        if obj.bd3lm_clip_search and ctx.pp_size > 1:
+            raise ConfigError(f"--bd3lm-clip-search runs whole-model forwards; --pipeline-model-parallel-size "
+                              f"{ctx.pp_size} splits the model: drop one of the two")
     sharding = Sharding(config.train.micro_batch_size, ctx.dp_rank, ctx.dp_size,
                         ctx.dp_group if ctx.distributed else None, cp_rank=ctx.cp_rank, cp_size=ctx.cp_size)
     # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
@@ -276,6 +284,7 @@ class Trainer:
                                   handle_signals=train_cfg.exit_signal_handler,
                                   exit_duration_mins=train_cfg.exit_duration_in_mins, guard=self.guard)
         self.save_failures = 0
+        self.validation_metrics: dict[str, float] = {}  # what the last validation adopted (objective's own)
 
     @property
     def base_model(self) -> TransformerLM:
@@ -298,6 +307,8 @@ class Trainer:
             blockers.append("context parallelism (attention all-gathers K/V)")
         if self.ctx.pp_size > 1:
             blockers.append("pipeline parallelism (the schedule runs the layers)")
+        if self.ctx.ep_size > 1:
+            blockers.append("expert parallelism (each all-to-all's split sizes are read on the host)")
         if self.ctx.dp_strategy not in ("none", "no_shard"):
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
         if self.run_config.train.recompute_granularity:
@@ -327,7 +338,7 @@ class Trainer:
             raise ConfigError(f"--pipeline-model-parallel-size {pp}: the model is split over ranks, so it cannot "
                               "sample at the end; add --no-generate-sample")
         assert self.ctx.pp_group is not None  # a mesh with a pp dimension
-        return PipelineRunner(self.model, self.objective, self.ctx.pp_group,
+        return PipelineRunner(cast("RankStages", self.model), self.objective, self.ctx.pp_group,
                               self.device, self.accum, self.run_config.parallel.pipeline_schedule,
                               self.autocast_dtype or torch.float32)
 
@@ -426,6 +437,8 @@ class Trainer:
             return None
         if self.run_config.parallel.tp_only_amax_red:
             return self.ctx.tp_group
+        if self.ctx.pp_size > 1:  # each stage's layers are on the ranks of its pipeline rank alone
+            return self.ctx.stage_group
         return dist.group.WORLD  # data-parallel x tensor-parallel: every rank uses the same scales
 
     # ----------------------------------------------------------------- eval
@@ -443,11 +456,14 @@ class Trainer:
         sampler = MaskSampler(self.run_config.train.seed + 2, device=self.device)  # the same masks every evaluation
         total = torch.zeros((), device=self.device)
         n = 0
+        search = self.objective.searches_validation  # BD3-LM's clip search: it sees each batch's samples too
         with self._fp8_eval_weights():  # every batch sees the same weights: cast them once
-            for _ in range(eval_iters):
+            for i in range(eval_iters):
                 noise = self.objective.draw_noise(sampler, self.global_batch, self.accum, evaluation=True)
                 self.attention.begin_step(self.run_config.train.train_iters, self.model_config.seq_length)
-                batches = self.objective.micro_batches(it, noise, self.accum, self.device)
+                samples = [next(it).to(self.device) for _ in range(self.accum)] if search else None
+                batches = self.objective.micro_batches(it if samples is None else iter(samples), noise, self.accum,
+                                                       self.device)
                 if self.pipeline is not None:
                     staged = list(batches)
                     with self._autocast():
@@ -456,9 +472,14 @@ class Trainer:
                 for batch in batches:
                     total += self._loss(batch)
                     n += 1
+                if samples is not None:
+                    with self._autocast():
+                        self.objective.observe_validation(self.model, samples, i, self._output_weight,
+                                                          seed=self.run_config.train.seed + 5)
         if self.ctx.distributed:
             dist.all_reduce(total, group=self.ctx.dp_cp_group)
             n *= self.ctx.dp_cp_size
+        self.validation_metrics = self.objective.end_validation()  # e.g. the clip interval adopted for training
         self.model.train()
         return (total / max(n, 1)).item()
 
@@ -651,8 +672,8 @@ class Trainer:
         loss = self.evaluate()
         if loss is None:
             return
-        m = {"iteration": self.state.iteration, "loss": loss}
-        self.state.history.append({"eval_loss": loss, "iteration": self.state.iteration})
+        m = {"iteration": self.state.iteration, "loss": loss, **self.validation_metrics}
+        self.state.history.append({"eval_loss": loss, "iteration": self.state.iteration, **self.validation_metrics})
         if self.ctx.is_main:
             # AR: the exact NLL and perplexity; diffusion: the bound, and which loss and first-token rule make it
             line = (format_eval_line(self.state.iteration, loss, bound=self.objective.bound)
@@ -668,7 +689,8 @@ def setup(config: RunConfig) -> Trainer:
     train_cfg, data = config.train, config.data
     ctx = init_parallel(train_cfg.device, config.parallel.tensor_model_parallel_size,
                         config.parallel.distributed_backend, cp_size=config.parallel.context_parallel_size,
-                        pp_size=config.parallel.pipeline_model_parallel_size)
+                        pp_size=config.parallel.pipeline_model_parallel_size,
+                        ep_size=config.parallel.expert_model_parallel_size)
     if not ctx.is_main:
         logging.getLogger("megadlms").setLevel(logging.WARNING)
     _seed_all(train_cfg.seed)
@@ -720,17 +742,18 @@ def setup(config: RunConfig) -> Trainer:
     if ctx.distributed and ctx.is_main:
         dist.barrier()
     trainer = Trainer(config, ctx, cfg, model, loaders, tokenizer)
+    n_params = _count_parameters(model, ctx)
     if ctx.is_main:
-        n_params = sum(p.numel() for p in model.parameters())
         log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention (%s)%s | device %s%s | "
-                 "world %d (dp %d x cp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
+                 "world %d (pp %d x dp %d x cp %d x tp %d) | global batch %d (micro %d x accum %d x dp %d)",
                  config.checkpoint.load if config.checkpoint.use_checkpoint_args else config.model.model_path,
                  n_params / 1e6, cfg.num_layers, cfg.hidden_size, cfg.seq_length,
                  cfg.attn_mask_type + (f" block-diffusion (blocks of {cfg.block_size})" if cfg.block_size else ""),
                  trainer.objective.attention_kernel(ctx.device),
                  f" | FP8 {cfg.fp8_format}/{cfg.fp8_recipe}" if cfg.fp8 else "",
                  ctx.device, ", CUDA graphs" if trainer.layer_graphs is not None else "", ctx.world_size,
-                 ctx.dp_size, ctx.cp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum, ctx.dp_size)
+                 ctx.pp_size, ctx.dp_size, ctx.cp_size, ctx.tp_size, trainer.global_batch, trainer.mbs, trainer.accum,
+                 ctx.dp_size)
         if lora is not None:
             log.info("%s | base %s", describe_memory(trainer.base_model, lora.config), lora.base)
     ck = config.checkpoint
@@ -740,6 +763,17 @@ def setup(config: RunConfig) -> Trainer:
     if load is not None:  # None also where --load is the --save folder without a checkpoint yet (a requeued job)
         trainer.load(str(load), ck.ckpt_step, finetune=ck.finetune)
     return trainer
+
+
+def _count_parameters(model: nn.Module, ctx: ParallelContext) -> int:
+    """The whole model's parameters (a sharded one counted whole); under pipeline parallelism the sum over the
+    stages, a tied embedding once (collective over the pipeline's ranks)."""
+    if ctx.pp_size == 1:
+        return sum(p.numel() for p in model.parameters())
+    from ..distributed.pipeline_parallel import count_stage_parameters
+
+    assert ctx.pp_group is not None  # a mesh with a pp dimension
+    return count_stage_parameters(cast("RankStages", model), ctx.pp_group)
 
 
 def train(config: RunConfig) -> TrainState:

@@ -1,5 +1,6 @@
-"""Launched by test_pipeline_parallel.py under torchrun: a step's losses and gradients of a 2-stage pipeline
-(torch.distributed.pipelining, 1F1B and GPipe) against the same model running the micro-batches one after another.
+"""Launched by test_pipeline_parallel.py under torchrun: a step's losses and gradients of a 2-rank pipeline
+(torch.distributed.pipelining: 1F1B, GPipe, and interleaved 1F1B with 2 virtual stages per rank) against the same
+model running the micro-batches one after another.
 
 For each case the reference (the whole model; every micro-batch's loss / M backpropagated, as the trainer
 accumulates) and the pipeline (a deep copy split into `PipelineStageModule`s) run the same M micro-batches of an
@@ -23,7 +24,9 @@ from megadlms.diffusion.objective import MaskSampler, ObjectiveConfig
 from megadlms.distributed.init import destroy_parallel
 from megadlms.distributed.pipeline_parallel import (
     PipelineStageModule,
+    RankStages,
     build_schedule,
+    rank_stages,
     run_schedule,
     sync_tied_gradients,
 )
@@ -32,11 +35,13 @@ from megadlms.training.objectives import Sharding, build_objective
 
 SEQ, VOCAB, MASK, EOD, MICRO = 16, 96, 95, 7, 4
 CASES = {
-    # name: (running mode, schedule, tied embeddings, document masks)
-    "masked_diffusion_1f1b": ("difflm-noshift", "1f1b", True, False),
-    "masked_diffusion_gpipe_untied": ("difflm-noshift", "gpipe", False, False),
-    "autoregressive_documents_1f1b": ("vanilla", "1f1b", True, True),
-    "bd3lm_1f1b": ("bd3lm", "1f1b", False, False),
+    # name: (running mode, schedule, tied embeddings, document masks, virtual stages per rank)
+    "masked_diffusion_1f1b": ("difflm-noshift", "1f1b", True, False, 1),
+    "masked_diffusion_gpipe_untied": ("difflm-noshift", "gpipe", False, False, 1),
+    "autoregressive_documents_1f1b": ("vanilla", "1f1b", True, True, 1),
+    "bd3lm_1f1b": ("bd3lm", "1f1b", False, False, 1),
+    "masked_diffusion_interleaved": ("difflm-noshift", "1f1b", True, False, 2),
+    "autoregressive_documents_interleaved_untied": ("vanilla", "1f1b", False, True, 2),
 }
 
 
@@ -61,7 +66,7 @@ def micro_batches(cfg: TransformerConfig, mode: str, documents: bool) -> tuple[o
     return objective, list(objective.micro_batches(iter(samples), noise, MICRO, torch.device("cpu")))
 
 
-def run_case(group, mode: str, schedule: str, tied: bool, documents: bool) -> dict:
+def run_case(group, mode: str, schedule: str, tied: bool, documents: bool, virtual: int) -> dict:
     torch.manual_seed(0)
     cfg = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=128, vocab_size=VOCAB, seq_length=SEQ, mask_token_id=MASK,
@@ -76,18 +81,21 @@ def run_case(group, mode: str, schedule: str, tied: bool, documents: bool) -> di
         loss = objective.loss(ref, b, lambda: ref.output_weight)
         (loss / MICRO).backward()
         ref_losses.append(loss.detach())
-    stage_module = PipelineStageModule(model, dist.get_rank(group), dist.get_world_size(group))
+    pp = dist.get_world_size(group)
+    stages = RankStages([PipelineStageModule(model, i, pp * virtual)
+                         for i in rank_stages(dist.get_rank(group), pp, virtual)])
+    last = [s for s in stages.stages if s.is_last]
 
     def loss_fn(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return objective.loss_from_hidden(hidden, batches[int(index)], lambda: stage_module.output_weight)
+        return objective.loss_from_hidden(hidden, batches[int(index)], lambda: last[0].output_weight)
 
-    sched = build_schedule(stage_module, group, torch.device("cpu"), MICRO, loss_fn,
+    sched = build_schedule(stages.stages, group, torch.device("cpu"), MICRO, loss_fn,
                            micro_batch=tuple(batches[0].inputs.shape), schedule=schedule)
-    losses = run_schedule(sched, stage_module, torch.cat([b.inputs for b in batches]),
+    losses = run_schedule(sched, stages.stages, torch.cat([b.inputs for b in batches]),
                           [b.model_kwargs() for b in batches])
-    sync_tied_gradients(stage_module, group)
+    sync_tied_gradients(stages.stages, group)
     ref_grads = dict(ref.named_parameters())
-    diffs = {n: rel(p.grad, ref_grads[n].grad) for n, p in stage_module.named_parameters()}
+    diffs = {n: rel(p.grad, ref_grads[n].grad) for n, p in stages.named_parameters()}
     out = torch.tensor([max(diffs.values()), rel(torch.stack(losses), torch.stack(ref_losses)) if losses else 0.0,
                         float(len(diffs))])
     gathered = [torch.zeros(3) for _ in range(dist.get_world_size(group))]

@@ -1,6 +1,7 @@
 """Context parallelism on 2 processes: every objective's loss and gradients equal the whole-sequence model's; a
-CP=2 training run gives one process's loss curve, and its checkpoint resumes on one process; bad sizes and
-combinations are refused in one line."""
+CP=2 training run gives one process's loss curve, and its checkpoint resumes on one process; ring attention equals
+the all-gather path on 4 ranks (a ring training run: test_pipeline_parallel's PP x CP); bad sizes and combinations
+are refused in one line."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from megadlms.distributed.init import init_parallel
 
 from .cp_worker import CASES
 from .launch import TINY, launch, train_iterations, train_losses
+from .ring_worker import CASES as RING_CASES
 
 RTOL = 1e-5  # fp32: only the order of floating-point sums differs
 
@@ -47,7 +49,7 @@ def runs(tmp_path_factory):
 
 def test_training_matches_one_process(runs):
     root, out = runs
-    assert "world 2 (dp 1 x cp 2 x tp 1)" in out
+    assert "world 2 (pp 1 x dp 1 x cp 2 x tp 1)" in out
     reference = train_losses(root / "one")
     assert len(reference) == 4
     assert train_losses(root / "cp2") == pytest.approx(reference, rel=RTOL)
@@ -59,6 +61,21 @@ def test_resume_from_cp2_on_one_process(runs):
     launch(1, COMMON + ["--save", str(resumed), "--load", str(root / "cp2"), "--ckpt-step", "2"])
     assert train_iterations(resumed) == [3, 4]
     assert train_losses(resumed) == pytest.approx(train_losses(root / "one")[2:], rel=RTOL)
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ring") / "results.json"
+    launch(4, [str(out)], script="tests/distributed/ring_worker.py", rerun_after_native_crash=True)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", RING_CASES)
+def test_ring_attention_equals_the_all_gather_path(ring, case):
+    """4 cp ranks (a ring whose next and previous ranks differ): outputs and q, k, v gradients."""
+    r = ring[case]
+    assert r["finite"], r
+    assert max(r["out"], r["dq"], r["dk"], r["dv"]) < RTOL, r
 
 
 def test_zigzag_layout():

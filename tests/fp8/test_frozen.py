@@ -48,3 +48,27 @@ def test_rejects_a_wrong_input_width():
     frozen = FrozenFP8Linear.from_linear(nn.Linear(32, 16))
     with pytest.raises(ValueError, match=r"expects input \[\.\.\., 32\]"):
         frozen(torch.randn(2, 16))
+
+
+def test_frozen_copy_stores_the_fp8_layers_in_fp8_and_computes_as_the_fresh_model():
+    from megadlms.build import build_model
+    from megadlms.config import TransformerConfig
+    from megadlms.fp8 import Float8Linear
+    from megadlms.fp8.frozen import frozen_copy
+
+    torch.manual_seed(0)
+    model = build_model(TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                          ffn_hidden_size=128, vocab_size=40, seq_length=16, fp8=True))
+    copy = frozen_copy(model)
+    attn = copy.layers[0].self_attn
+    assert model.layers[0].self_attn.qkv_fusion is not None and attn.qkv_fusion is None  # members one by one
+    assert not any(isinstance(m, Float8Linear) for m in copy.modules())
+    # q/k/v share the fused group's weight scale: the largest amax of the three
+    w = model.layers[0].self_attn
+    amax = max(m.weight.abs().max() for m in (w.q_proj, w.k_proj, w.v_proj))
+    assert all(m.weight_scale_inv.item() == pytest.approx(amax.item() / 448, rel=1e-6)
+               for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert not copy.training and not any(p.requires_grad for p in copy.parameters())
+    ids = torch.randint(0, 40, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(copy(ids), model(ids))

@@ -185,6 +185,26 @@ def test_amax_slot_is_max_over_micro_batches_and_eval_does_not_record():
     assert layer.fp8_amax_history[0, 0].item() == x2.abs().max().item()
 
 
+def test_an_eval_forward_before_the_step_leaves_the_weight_amax_recorded():
+    """An eval forward (an RL rollout) casts the weight without recording it; the step's training forward casts it
+    again, so the weight's amax reaches the history and its delayed scale follows the weight."""
+    torch.manual_seed(0)
+    layer = Float8Linear(16, 16, recipe=DelayedScaling())
+    x = torch.randn(7, 16)
+    for step in range(3):
+        layer.eval()
+        with fp8_autocast(), torch.no_grad():
+            layer(x)
+        assert layer.fp8_amax_history[0, 1].item() == 0  # nothing recorded in eval
+        layer.train()
+        _run(layer, x, torch.ones(7, 16))
+        assert layer.fp8_amax_history[0, 1].item() == layer.weight.abs().max().item()
+        with torch.no_grad():
+            layer.weight.mul_(2.0)
+        fp8_step(layer)
+        assert layer.fp8_scale[1].item() == pytest.approx(448 / (layer.weight.abs().max().item() / 2), rel=1e-6)
+
+
 def _saved(layer: Float8Linear, x: torch.Tensor) -> list[torch.Tensor]:
     saved = []
 

@@ -77,3 +77,29 @@ def test_a_decision_that_stops_holding_fails_loudly_and_remove_fusions_undoes_th
     other.layers[1].mlp.down_proj.fp8_wgrad = False
     with pytest.raises(FusionError, match="FusedFloat8MLP.*fp8_wgrad=False"):
         other(ids)
+
+
+def test_an_eval_forward_before_the_step_changes_no_amax_of_the_fused_paths():
+    """An eval forward (an RL rollout) before each step's training forward leaves every amax history as without it:
+    the fused q/k/v, gate/up and MLP paths record their weights' amaxes from the training forward's cast."""
+    from megadlms.fp8 import fp8_autocast, fp8_step
+
+    models = [convert_to_fp8(_model(), DelayedScaling()) for _ in range(2)]
+    ids = torch.randint(0, 128, (2, 16))
+    for _ in range(2):
+        for rollout, model in zip((False, True), models):
+            if rollout:
+                model.eval()
+                with torch.no_grad(), fp8_autocast():
+                    model(ids)
+                model.train()
+            with fp8_autocast():
+                model(ids).float().pow(2).mean().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.5 * p.grad)
+                    p.grad = None
+            fp8_step(model)
+        hists = [{n: b.clone() for n, b in m.named_buffers() if n.endswith("fp8_amax_history")} for m in models]
+        assert len(hists[0]) == 14 and all(torch.equal(hists[0][n], hists[1][n]) for n in hists[0])
+        assert all(bool((h[1, 1] > 0).all()) for h in hists[0].values())  # every weight's amax was recorded

@@ -209,6 +209,7 @@ def test_moe_export_refuses_what_lladamoe_cannot_compute(changes, fmt, match, tm
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ({"moe_layer_freq": [0, 1]}, "moe_layer_freq=\\[0, 1\\] must list"),
     ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling 'linear' is not supported"),
 ])
 def test_lladamoe_options_it_does_not_compute_are_refused(folder, changes, match):
     d = folder("lladamoe")
@@ -343,3 +344,82 @@ def test_model_from_state_dict_of_a_llada_import_round_trips():
     ids = _reference("llada_sequential")["input_ids"]
     with torch.no_grad():
         assert torch.equal(again(ids), model(ids))
+
+
+# ------------------------------------------------------------------------------------- LLaDA-MoE-7B-A1B
+
+# The config.json fields of inclusionAI/LLaDA-MoE-7B-A1B-Base / -Instruct: the field set is the one its
+# `LLaDAConfig` (configuration_lladamoe.py) writes; the values and where each comes from are listed in
+# docs/interop.md ("LLaDA-MoE-7B-A1B: the released shapes"). rms_norm_eps and shared_expert_intermediate_size are
+# the class defaults / "no shared expert": their released values were not found in a public source.
+RELEASED_LLADA_MOE = {
+    "architectures": ["LLaDAMoEModelLM"], "model_type": "llada",
+    "auto_map": {"AutoConfig": "configuration_lladamoe.LLaDAConfig", "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM",
+                 "AutoModelForCausalLM": "modeling_lladamoe.LLaDAMoEModelLM"},
+    "vocab_size": 157184, "hidden_size": 2048, "dense_intermediate_size": 8192, "expert_intermediate_size": 1024,
+    "shared_expert_intermediate_size": 0, "num_hidden_layers": 16, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "hidden_act": "silu", "max_position_embeddings": 8192, "initializer_range": 0.02,
+    "rms_norm_eps": 1e-05, "use_cache": False, "pad_token_id": 156892, "bos_token_id": None, "eos_token_id": 156892,
+    "tie_word_embeddings": False, "rope_theta": 50000, "partial_rotary_factor": 1.0, "rope_scaling": None,
+    "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None, "num_experts_per_tok": 8, "num_experts": 64,
+    "output_router_logits": False, "router_aux_loss_coef": 0.01, "norm_topk_prob": False, "qk_layernorm": True,
+    "moe_layer_freq": [1] * 16, "moe_router_enable_expert_bias": False, "moe_router_score_function": "softmax",
+    "routed_scaling_factor": 1, "router_num_group": None, "router_topk_group": None, "torch_dtype": "bfloat16",
+    "transformers_version": "4.46.3",
+}
+ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
+               "rotary_base", "norm_epsilon", "max_position_embeddings", "qk_layernorm", "add_qkv_bias",
+               "untie_embeddings_and_output_weights", "mask_token_id", "num_moe_experts", "moe_router_topk",
+               "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+               "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+               "moe_router_enable_expert_bias", "attn_mask_type", "diffusion_shift")
+
+
+def test_llada_moe_preset_has_the_released_shapes():
+    """7B total, 1.4B active (the model card's numbers: 16 layers of 64 experts, top-8), built on the meta device."""
+    from megadlms.build import construct_model
+
+    cfg = preset_config("llada-moe-7b-a1b")
+    model = construct_model(cfg, device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    h, vocab, layers, experts, ffn = 2048, 157184, 16, 64, 1024
+    per_layer = 4 * h * h + experts * h + experts * 3 * h * ffn + 2 * h + 2 * 128  # attention, router, experts, norms
+    assert total == 2 * vocab * h + layers * per_layer + h == 7_356_880_896
+    active = cfg.num_matmul_params()  # the top-8 experts, attention, router and head; the input embedding is a lookup
+    assert active == layers * (4 * h * h + experts * h + 8 * 3 * h * ffn) + vocab * h
+    assert abs(active - 1.4e9) / 1.4e9 < 0.005
+    assert (cfg.mask_token_id, cfg.running_mode, cfg.attn_mask_type) == (156895, "difflm-noshift", "bidirectional")
+
+
+def test_the_released_llada_moe_config_imports_as_the_preset(tmp_path):
+    """The released field set (model_type "llada", no mask token) gives the preset's model; its export keeps the
+    original's model_type and auto_map."""
+    from megadlms.presets import hf_config_to_megadlms, load_model_config, megadlms_config_to_hf
+
+    cfg = hf_config_to_megadlms(RELEASED_LLADA_MOE)
+    preset = preset_config("llada-moe-7b-a1b")
+    assert {f: getattr(cfg, f) for f in ARCH_FIELDS} == {f: getattr(preset, f) for f in ARCH_FIELDS}
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in RELEASED_LLADA_MOE.items()
+                                                      if k != "architectures"}))  # told apart by its experts
+    assert load_model_config(str(tmp_path)).num_moe_experts == 64
+    out = megadlms_config_to_hf(cfg)
+    assert (out["model_type"], out["auto_map"], out["mask_token_id"]) == ("llada", RELEASED_LLADA_MOE["auto_map"],
+                                                                          156895)
+    again = hf_config_to_megadlms(out)
+    assert {f: getattr(again, f) for f in ARCH_FIELDS} == {f: getattr(cfg, f) for f in ARCH_FIELDS}
+
+
+def test_a_small_model_with_the_released_field_set_matches_the_reference(folder):
+    """The reference folder rewritten with the released config's field set and model_type "llada" imports as
+    before (the same logits)."""
+    d = folder("lladamoe")
+    conf = json.loads((d / "config.json").read_text())
+    small = ("vocab_size", "hidden_size", "dense_intermediate_size", "expert_intermediate_size",
+             "shared_expert_intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "max_position_embeddings", "num_experts_per_tok", "num_experts", "moe_layer_freq", "mask_token_id",
+             "eos_token_id", "pad_token_id", "rope_theta", "torch_dtype")
+    (d / "config.json").write_text(json.dumps({**RELEASED_LLADA_MOE, **{k: conf[k] for k in small}}))
+    model, cfg = load_hf_model(d)
+    diff, scale = _max_diff(model, _reference("lladamoe"), padded=False)
+    assert diff <= TOL * max(1.0, scale)
+    assert cfg.moe_layer_freq == [0, 1, 1] and cfg.extra["hf_config"]["model_type"] == "llada"

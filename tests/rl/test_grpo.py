@@ -4,6 +4,7 @@ input, rewards); a run resumes exactly, rollouts included."""
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -184,3 +185,47 @@ def test_grpo_raises_a_learnable_reward(tmp_path, monkeypatch):
     rewards = [m["rl/reward_mean"] for m in state.history if "rl/reward_mean" in m]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.1 and last > 0.4, (first, last)
+
+
+@pytest.mark.parametrize("record, flags, message", [
+    ({"prompt": "Q: 1 2\nA: "}, [], r"p.jsonl:1 has no 'answer' field, which its reward reads \(--rl-reward\); add "
+                                    "it to every record or pick a reward that does not need it"),
+    ({"prompt": "Q: 1 2\nA: ", "answer": "2 1"}, ["--rl-reward", "f1"],
+     "--rl-reward 'f1': unknown reward 'f1'; known rewards: code_tests, exact_match, format, position_match"),
+    ({"prompt": "Q: 1 2\nA: ", "answer": "2 1"}, ["--grpo-group-size", "1"], "--grpo-group-size 1: group-normalised"),
+])
+def test_bad_input_is_one_line_on_the_command_line(tmp_path, capsys, record, flags, message):
+    from megadlms.cli import train_main
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    assert train_main(SMALL + ["--rl", "grpo", "--rl-data", str(data), "--train-iters", "1", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("megadlms train: error: "), err
+    assert re.search(message, err[0]), err[0]
+
+
+def test_a_reward_that_raises_is_logged_with_its_record_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    """A reward that raises on some records scores 0 there, each failure a warning naming FILE:LINE and counted
+    (`rl/reward_failures`); the others score as usual and training goes on."""
+    from megadlms.training.trainer import train
+
+    def picky(text, record):
+        if record["answer"] == "boom":
+            raise ValueError("cannot parse")
+        return 1.0
+
+    monkeypatch.setitem(REWARDS, "picky", (picky, ("answer",)))
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q: {i}\nA: ", "answer": "boom" if i == 1 else str(i)}) + "\n"
+                            for i in range(2)))
+    args = SMALL + ["--rl", "grpo", "--rl-data", str(data), "--rl-reward", "picky", "--micro-batch-size", "2",
+                    "--grpo-group-size", "2", "--rl-gen-length", "2", "--rl-block-length", "2", "--train-iters", "2"]
+    with caplog.at_level("WARNING", logger="megadlms"):
+        state = train(parse_train_args(args))
+    logged = [m for m in state.history if "rl/reward_failures" in m]
+    assert [m["rl/reward_failures"] for m in logged] == [2.0, 2.0]  # G = 2 completions of the bad record a step
+    assert [m["rl/reward_mean"] for m in logged] == [0.5, 0.5]
+    lines = [r.getMessage() for r in caplog.records if "reward picky raised" in r.getMessage()]
+    assert len(lines) == 4 and all(f"ValueError: cannot parse on a completion of {data}:2 (scored 0;" in s
+                                   and s.endswith("fix the reward or the record") for s in lines)

@@ -97,15 +97,84 @@ def test_lora_flags_need_a_base_and_refuse_base_training_flags():
         parse_train_args(SMALL + ["--lora-targets", "q"])
 
 
-def test_fsdp2_trains_the_adapters_as_one_process(tmp_path):
-    """LoRA under FSDP2 (two gloo ranks, parameters sharded, the frozen base included): the losses of one process."""
+@pytest.mark.parametrize("flags, match", [
+    (["--fp8-format", "hybrid", "--fp8-param-gather", "--data-parallel-sharding-strategy", "optim_grads_params"],
+     "--lora-rank 4 freezes the base, so --fp8-param-gather has no trained FP8 weights to gather; drop"),
+    (["--tensor-model-parallel-size", "2"], "--lora-rank 4 with --tensor-model-parallel-size 2: .* drop tensor"),
+    (["--pipeline-model-parallel-size", "2"], "--lora-rank 4 with --pipeline-model-parallel-size 2: .* drop pipeline"),
+    (["--lora-rank", "0"], "--lora-rank 0 must be an integer >= 1"),
+    (["--lora-alpha", "-1"], "--lora-alpha -1.0 must be > 0"),
+    (["--lora-dropout", "1"], "--lora-dropout 1.0 must be in"),
+    (["--lora-targets", "q,,v"], "--lora-targets: unknown target ''"),
+])
+def test_lora_with_flags_that_train_the_base_or_bad_values_is_one_line(flags, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        parse_train_args(SMALL + ["--lora-rank", "4", "--load", "x", *flags])
+    assert "\n" not in str(e.value)
+
+
+def test_fsdp2_and_ddp_train_the_adapters_as_one_process(tmp_path):
+    """LoRA under FSDP2 (two gloo ranks, parameters sharded, the frozen base included) and under DDP (two gloo
+    ranks, the adapters' gradients all-reduced): the losses of one process."""
     from tests.distributed.launch import TINY, launch, train_losses
 
     flags = TINY + ["--micro-batch-size", "2", "--lr-warmup-iters", "1"]
     launch(1, flags + ["--train-iters", "2", "--save", str(tmp_path / "base")])
     lora = flags + ["--load", str(tmp_path / "base"), "--use-checkpoint-args", "--lora-rank", "4", "--train-iters", "3"]
     launch(1, lora + ["--save", str(tmp_path / "one")])
-    launch(2, lora + ["--save", str(tmp_path / "two"), "--data-parallel-sharding-strategy", "optim_grads_params",
-                      "--distributed-backend", "gloo"])
-    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
-    assert len(one) == 3 and two == pytest.approx(one, rel=1e-5)
+    for strategy in ("optim_grads_params", "no_shard"):
+        launch(2, lora + ["--save", str(tmp_path / strategy), "--data-parallel-sharding-strategy", strategy,
+                          "--distributed-backend", "gloo"])
+    one = train_losses(tmp_path / "one")
+    assert len(one) == 3
+    assert train_losses(tmp_path / "optim_grads_params") == pytest.approx(one, rel=1e-5)
+    assert train_losses(tmp_path / "no_shard") == pytest.approx(one, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", [
+    (),
+    ("--model-running-mode", "difflm-shift", "--attention-anneal-iters", "2"),  # AR-to-DLM adaptation
+    ("--model-running-mode", "bd3lm", "--block-size", "8"),
+], ids=["masked", "shift-anneal", "bd3lm"])
+def test_lora_runs_with_each_objective_and_activation_recompute(base, mode):
+    """With each objective the LoRA model starts as its base (the first loss is the full fine-tune's, bit for bit),
+    only the adapters move, and activation recompute changes no loss."""
+    full = losses(train(parse_train_args(SMALL + ["--load", str(base), "--use-checkpoint-args", "--finetune",
+                                                  "--train-iters", "1", *mode])))
+    trainer = setup(parse_train_args(lora(base, "--train-iters", "3", *mode)))
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    got = losses(trainer.run())
+    assert len(got) == 3 and got[0] == full[0]
+    for n, p in trainer.model.named_parameters():
+        if p.requires_grad:
+            assert ".lora_" in n and (".lora_A." in n or p.abs().sum() > 0), n  # B left its zero start
+        else:
+            assert torch.equal(p, frozen[n]), n
+    recomputed = losses(train(parse_train_args(lora(base, "--train-iters", "3", "--recompute-granularity", "full",
+                                                    *mode))))
+    assert recomputed == got
+
+
+def test_ddp_buckets_hold_the_adapters_alone(tmp_path):
+    """DistributedDataParallel over a LoRA model (a one-rank gloo group) registers the adapters only: nothing of
+    the frozen base is all-reduced."""
+    import torch.distributed as dist
+
+    from megadlms.build import construct_model
+    from megadlms.distributed.data_parallel import apply_ddp
+    from megadlms.lora import LoraConfig, adapter_state_dict, apply_lora
+    from megadlms.presets import preset_config
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process already")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cfg = preset_config("tiny", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=128, seq_length=16)
+        model = apply_lora(construct_model(cfg), LoraConfig(rank=4, base="keep"))
+        adapters = adapter_state_dict(model)
+        data = apply_ddp(model, None, torch.device("cpu"))._get_ddp_logging_data()
+        assert data["num_parameter_tensors"] == len(adapters) == 2 * 7 * 2
+        assert data["total_parameter_size_bytes"] == sum(t.numel() * 4 for t in adapters.values())
+    finally:
+        dist.destroy_process_group()

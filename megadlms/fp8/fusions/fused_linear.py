@@ -213,7 +213,8 @@ class FusedFloat8Projection(nn.Module):
         if any(op is not None for op in gathered):  # FSDP2 gathered them in FP8 (fp8.integrations.param_gather)
             return self._gathered_weight(gathered)
         keys = [(m.weight._version, m.weight.data_ptr(), m.weight.dtype, m.weight.device) for m in mods]
-        if c is not None and all(m.weight_cache is mc and mc.key == key for m, mc, key in zip(mods, c.members, keys)):
+        if (c is not None and (c.recorded or not mods[0].training)
+                and all(m.weight_cache is mc and mc.key == key for m, mc, key in zip(mods, c.members, keys))):
             if want_t and c.keep_dgrad:
                 self.fp8_weight_dgrad(c)  # made now and kept for the step's later micro-batches
         else:
@@ -238,6 +239,9 @@ class FusedFloat8Projection(nn.Module):
             member_caches.append(mc)
         group = FP8WeightCache(tuple(keys), rows, step, tuple(member_caches))
         group.dgrad = t.cols  # the input-gradient GEMM's operand, when made in the same pass
+        group.recorded = mods[0].training or not self.quantizers[WEIGHT].keeps_history
+        for mc in member_caches:
+            mc.recorded = group.recorded
         self.weight_cache = group if self.cache_weight else None
         return group
 

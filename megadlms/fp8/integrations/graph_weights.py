@@ -122,15 +122,16 @@ class StepFP8Weights:
     def _refresh_group(self, g: FusedFloat8Projection, old: FP8WeightCache) -> None:
         new = self._cast_group(g)
         _copy_weight(old, new)
+        old.recorded = new.recorded
         for m, om, nm in zip(g.members(), old.members, new.members):
-            om.key = nm.key
+            om.key, om.recorded = nm.key, nm.recorded
             m.restore_weight_cache(om)
         g.restore_weight_cache(old)
 
     def _refresh_single(self, m: Float8Linear, old: FP8WeightCache) -> None:
         new = self._cast_single(m)
         _copy_weight(old, new)
-        old.key = new.key
+        old.key, old.recorded = new.key, new.recorded
         m.restore_weight_cache(old)
 
     # ----------------------------------------------------------------- use
