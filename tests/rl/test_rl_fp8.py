@@ -12,7 +12,7 @@ from megadlms.build import build_model
 from megadlms.config import TransformerConfig
 from megadlms.fp8 import Float8Linear
 from megadlms.fp8.frozen import FrozenFP8Linear, frozen_copy, frozen_state_dict, load_frozen_state_dict
-from megadlms.fp8.quantize import round_up16
+from megadlms.fp8.kernels.primitives import round_up16
 from megadlms.lora import LoraConfig, apply_lora
 from megadlms.training.args import parse_train_args
 from megadlms.training.documents import AttentionPlan
