@@ -143,8 +143,8 @@ def frozen_copy(model: M) -> M:
 
     Its FP8 layers compute as a tensorwise-scaled policy does (x cast with its own amax, the weight with its own), so
     against a delayed-scaling policy they differ by FP8 rounding alone."""
-    from .fused_linear import FusedFloat8Projection
-    from .fused_mlp import FusedFloat8MLP
+    from .fusions.fused_linear import FusedFloat8Projection
+    from .fusions.fused_mlp import FusedFloat8MLP
     from .linear import Float8Linear
 
     memo: dict[int, Any] = {}
