@@ -364,9 +364,6 @@ class RunConfig:
         if pp > 1 and self.rl.rl is not None:
             raise ConfigError(f"--rl {self.rl.rl} samples rollouts from the whole model, which "
                               f"--pipeline-model-parallel-size {pp} splits over ranks; use data parallelism")
-        if pp > 1 and self.lora.enabled:
-            raise ConfigError(f"--lora-rank {self.lora.lora_rank} does not yet run under --pipeline-model-parallel-"
-                              f"size {pp}; use data parallelism (DDP / FSDP2)")
         if self.fp8.fp8_dot_product_attention and not self.fp8.enabled:
             raise ConfigError("--fp8-dot-product-attention runs attention in FP8 inside the FP8 layers; add "
                               "--fp8-format hybrid (or e4m3), or drop it")

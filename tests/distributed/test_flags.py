@@ -44,7 +44,7 @@ def test_one_data_parallel_rank_needs_no_sync_control():
     (("--pipeline-model-parallel-size", "2", "--rl", "grpo", "--rl-data", "x.jsonl"),
      "--rl grpo samples rollouts from the whole model, which --pipeline-model-parallel-size 2 splits over ranks"),
     (("--pipeline-model-parallel-size", "2", "--lora-rank", "8", "--load", "base"),
-     "--lora-rank 8 does not yet run under --pipeline-model-parallel-size 2"),
+     "--lora-rank 8 with --pipeline-model-parallel-size 2: LoRA runs with data parallelism only"),
 ])
 def test_pipeline_combinations_not_supported_are_refused(flags, message):
     with pytest.raises(ValueError, match=message):
