@@ -10,6 +10,8 @@
 #     bash benchmarks/gpu_validation.sh quality       FP8 vs BF16 loss curves, the samplers, torchrun overhead
 #     bash benchmarks/gpu_validation.sh models        the MoE block (BF16 vs FP8, grouped GEMMs); LoRA on an FP8 base
 #                                                     against a BF16 base at llada-8b shapes (memory, tokens/s)
+#     bash benchmarks/gpu_validation.sh llada         LLaDA-8B packed SFT at seq 4096, BF16 and FP8, activation
+#                                                     recompute: losses, tokens/s, MFU, peak memory
 set -u
 PART=${1:-correctness}
 export OUT=${OUT:-gpu_validation_logs}; mkdir -p "$OUT"
@@ -61,13 +63,24 @@ quality)
     ;;
 models)
     step moe_block 200 $PY benchmarks/moe_block.py
-    step lora_memory 300 $PY benchmarks/lora_memory.py
+    step lora_memory 200 $PY benchmarks/lora_memory.py --no-build-on-cpu
     echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
     echo "=== MoE block"; tail -10 "$OUT/moe_block.log"
     echo "=== LoRA, FP8 vs BF16 base"; tail -8 "$OUT/lora_memory.log"
     ;;
+llada)
+    # full fine-tuning keeps ~16 bytes a parameter (fp32 weights, gradients, AdamW moments): ~130 GB for 8.0B
+    # parameters before activations, more than one H100 holds; LLADA_LAYERS=16 measures half the stack there
+    step llada_sft 500 env OUT="$OUT/llada_sft" SFT_MODEL=llada-8b SFT_MBS=1 \
+        SFT_EXTRA="--recompute-granularity full${LLADA_LAYERS:+ --num-layers $LLADA_LAYERS}" \
+        bash benchmarks/sft_paths.sh 6 bf16,fp8
+    echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
+    echo "=== LLaDA-8B packed SFT (seq 4096, micro-batch 1, recompute): the last line of each run, then the table"
+    grep -h "iter      6/6" "$OUT"/llada_sft/sft_*.log
+    tail -12 "$OUT/llada_sft.log"
+    ;;
 *)
-    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed, quality or models" >&2
+    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed, quality, models or llada" >&2
     exit 2
     ;;
 esac

@@ -3,6 +3,8 @@
 # the default (compiled layers replayed from CUDA graphs, FlexAttention document masks), without the graphs,
 # --no-compile, --no-reset-attention-mask, FP8, and pre-training at the same shape for tokens/s. Logs to $OUT (or ./sft_paths_logs); a table prints last.
 #     bash benchmarks/sft_paths.sh [ITERS] [VARIANTS]      (VARIANTS: comma-separated names below)
+#     SFT_MODEL=llada-8b SFT_MBS=1 SFT_EXTRA="--recompute-granularity full" bash benchmarks/sft_paths.sh 6 bf16,fp8
+#                                                          (another model / micro-batch / flags; default qwen3-0.6b x 4)
 set -u
 OUT=${OUT:-sft_paths_logs}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -16,8 +18,9 @@ if [ ! -f "$W/data/reverse_chat_document.idx" ]; then
     $PY -m megadlms preprocess --chat --input "$W/data/train.jsonl" --output-prefix "$W/data/reverse" \
         --prompt-template $'Q: {prompt}\nA: ' --no-progress >> "$OUT/sft_data.log" 2>&1
 fi
-M=(--model-path qwen3-0.6b --seq-length 4096 --micro-batch-size 4 --train-iters "$ITERS" --log-interval 1
-   --no-progress --num-workers 2 --no-generate-sample)
+read -r -a EXTRA <<< "${SFT_EXTRA:-}"
+M=(--model-path "${SFT_MODEL:-qwen3-0.6b}" --seq-length "${SFT_SEQ:-4096}" --micro-batch-size "${SFT_MBS:-4}"
+   --train-iters "$ITERS" --log-interval 1 --no-progress --num-workers 2 --no-generate-sample "${EXTRA[@]}")
 S=(--sft --data-path "$W/data/reverse_chat_document" --split 98,2,0 --eval-interval "$ITERS" --eval-iters 2)
 run() {  # run NAME ARGS...
     local name=$1; shift
