@@ -328,6 +328,7 @@ class Trainer:
     def _pipeline_runner(self) -> Any:
         if self.ctx.pp_size == 1:
             return None
+        from ..distributed.pipeline_parallel import check_micro_batches
         from .pipeline_step import PipelineRunner
 
         pp, train_cfg = self.ctx.pp_size, self.run_config.train
@@ -338,7 +339,10 @@ class Trainer:
             raise ConfigError(f"--pipeline-model-parallel-size {pp}: the model is split over ranks, so it cannot "
                               "sample at the end; add --no-generate-sample")
         assert self.ctx.pp_group is not None  # a mesh with a pp dimension
-        return PipelineRunner(cast("RankStages", self.model), self.objective, self.ctx.pp_group,
+        model = cast("RankStages", self.model)
+        check_micro_batches(self.accum, pp, len(model.stages), self.run_config.parallel.pipeline_schedule,
+                            samples_per_micro_batch=self.mbs * self.ctx.dp_size)
+        return PipelineRunner(model, self.objective, self.ctx.pp_group,
                               self.device, self.accum, self.run_config.parallel.pipeline_schedule,
                               self.autocast_dtype or torch.float32)
 
