@@ -29,6 +29,7 @@ from ..diffusion.objective import MaskSampler
 from ..distributed.data_parallel import grad_sync_context
 from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
 from ..distributed.parallelize import build_parallel_model
+from ..fp8.frozen import count_parameters
 from ..lora import describe_memory
 from ..moe import moe_metrics, moe_step
 from ..presets import load_model_config
@@ -770,10 +771,10 @@ def setup(config: RunConfig) -> Trainer:
 
 
 def _count_parameters(model: nn.Module, ctx: ParallelContext) -> int:
-    """The whole model's parameters (a sharded one counted whole); under pipeline parallelism the sum over the
-    stages, a tied embedding once (collective over the pipeline's ranks)."""
+    """The whole model's parameters (a sharded one counted whole, a frozen FP8 LoRA base by its weights); under
+    pipeline parallelism the sum over the stages, a tied embedding once (collective over the pipeline's ranks)."""
     if ctx.pp_size == 1:
-        return sum(p.numel() for p in model.parameters())
+        return count_parameters(model)
     from ..distributed.pipeline_parallel import count_stage_parameters
 
     assert ctx.pp_group is not None  # a mesh with a pp dimension
