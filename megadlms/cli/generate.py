@@ -350,9 +350,10 @@ def _run(args: argparse.Namespace) -> int:
             print(f">>> {rec['prompt']}\n{text}\n")
     if sampler in ("reference", "dream"):
         forwards = counter.n
+    n = len(records)
     print(f"[{sampler}] {produced} tokens in {elapsed:.2f} s: {produced / max(elapsed, 1e-9):.1f} tokens/s "
-          f"({forwards} forwards, {len(records)} prompts, batch size {args.batch_size}, {device.type})",
-          file=sys.stderr)
+          f"({forwards} forwards, {n} prompt{'' if n == 1 else 's'}, batch size {min(args.batch_size, n)}, "
+          f"{device.type})", file=sys.stderr)
     if args.output_file:
         print(f"wrote {len(records)} completions to {args.output_file}", file=sys.stderr)
     return 0

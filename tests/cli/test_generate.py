@@ -233,6 +233,7 @@ def test_with_the_bundled_tokenizer(tmp_path, capsys):
     expect = generate(model, [tok.encode("Hello world")], mask_id=tok.mask_id, gen_length=8, block_length=4,
                       steps=4)[0]
     assert out == f">>> Hello world\n{tok.decode(expect)}\n\n"
+    assert "tokens/s (4 forwards, 1 prompt, batch size 1, cpu)" in err  # the batch that ran, not --batch-size 8
 
 
 def test_dream_sampler_flags(tmp_path, capsys, tokenizer):
