@@ -302,7 +302,10 @@ def describe_memory(model: nn.Module, config: LoraConfig) -> str:
     """One line: what LoRA trains and the bytes it keeps (`memory_accounting`)."""
     a = memory_accounting(model)
     share = 100.0 * a["trainable_params"] / max(a["base_params"], 1)
+    base = (f"base fp8: FP8 weights {_size(a['base_fp8'])}, other frozen {_size(a['frozen'])}" if config.base == "fp8"
+            else f"base bf16: frozen {_size(a['frozen'])}" if config.base == "bf16"
+            else f"base as loaded (no BF16 autocast in this run): frozen {_size(a['frozen'])}")
     return (f"LoRA rank {config.rank} (scale {config.scaling:g}) on {','.join(config.targets)}: "
             f"{a['trainable_params'] / 1e6:.2f}M trainable parameters ({share:.2f}% of the base's "
-            f"{a['base_params'] / 1e6:.1f}M) | base {config.base}: FP8 weights {_size(a['base_fp8'])}, other frozen "
-            f"{_size(a['frozen'])} | adapters {_size(a['trainable'])} fp32 + AdamW state {_size(a['optimizer'])}")
+            f"{a['base_params'] / 1e6:.1f}M) | {base} | adapters {_size(a['trainable'])} fp32 + AdamW state "
+            f"{_size(a['optimizer'])}")

@@ -6,8 +6,16 @@ from torch import nn
 
 from megadlms.build import apply_fp8, construct_model
 from megadlms.config import ConfigError, TransformerConfig
-from megadlms.fp8.frozen import FrozenFP8Linear
-from megadlms.lora import LoraConfig, LoraLinear, adapter_state_dict, apply_lora, memory_accounting, merge_lora
+from megadlms.fp8.frozen import FrozenFP8Linear, count_parameters
+from megadlms.lora import (
+    LoraConfig,
+    LoraLinear,
+    adapter_state_dict,
+    apply_lora,
+    describe_memory,
+    memory_accounting,
+    merge_lora,
+)
 
 CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
            vocab_size=96, seq_length=16, max_position_embeddings=16)
@@ -79,6 +87,29 @@ def test_fp8_base_stores_one_byte_per_weight_and_tracks_the_bf16_base():
     ids = torch.randint(0, 96, (2, 16))
     a, b = fp8(ids), ref(ids)
     assert (a - b).norm() / b.norm() < 0.05
+
+
+def test_the_model_counts_the_same_parameters_whatever_the_base_storage():
+    whole = sum(p.numel() for p in _model().parameters())
+    fp8 = apply_lora(_model(), LoraConfig(rank=4, base="fp8"))
+    kept = apply_lora(_model(), LoraConfig(rank=4, base="keep"))
+    adapters = sum(p.numel() for p in kept.parameters() if p.requires_grad)
+    # A [4, in] + B [out, 4] per linear: q, k, v, o, gate, up, down (in + out) per layer, 2 layers
+    assert adapters == 2 * 4 * (128 + 96 + 96 + 128 + 192 + 192 + 192)
+    assert count_parameters(kept) == count_parameters(fp8) == whole + adapters  # FP8 layer weights are buffers
+    assert sum(p.numel() for p in fp8.parameters()) < whole  # what counting parameters alone would report
+
+
+# the layers' 73,728 weights at 1 byte (+ 14 fp32 scales), 2 or 4 bytes; 25,856 bytes of fp32 embedding and norms
+@pytest.mark.parametrize("base, expect", [
+    ("fp8", "| base fp8: FP8 weights 72.1 KiB, other frozen 25.2 KiB |"),
+    ("bf16", "| base bf16: frozen 169.2 KiB |"),
+    ("keep", "| base as loaded (no BF16 autocast in this run): frozen 313.2 KiB |"),
+])
+def test_the_startup_line_names_the_base_storage(base, expect):
+    line = describe_memory(apply_lora(_model(), LoraConfig(rank=4, base=base)), LoraConfig(rank=4, base=base))
+    assert line.startswith("LoRA rank 4 (scale 1) on q,k,v,o,gate,up,down: 0.01M trainable parameters")
+    assert expect in line and "keep" not in line
 
 
 def test_fused_fp8_projections_are_dropped_where_adapters_sit():

@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--eos-token", type=int, default=None, help="stop token (default: the tokenizer's EOD)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop or cut at EOS")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (there is none unless stderr is a "
+                   "terminal)")
 
     g = p.add_argument_group("diffusion sampling")
     g.add_argument("--sampler", choices=("reference", "fast", "bd3lm", "dream"), default=None,
@@ -261,7 +262,7 @@ def _run(args: argparse.Namespace) -> int:
     pad_id = getattr(tokenizer, "pad_id", None)
     pad_id = pad_id if pad_id is not None else (eos if eos is not None else 0)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    progress = not args.no_progress
+    progress = not args.no_progress and sys.stderr.isatty()  # no bar in a log file, as train
     counter = _StepCounter(progress)
 
     completions: list[tuple[str, int]] = []
@@ -350,9 +351,10 @@ def _run(args: argparse.Namespace) -> int:
             print(f">>> {rec['prompt']}\n{text}\n")
     if sampler in ("reference", "dream"):
         forwards = counter.n
+    n = len(records)
     print(f"[{sampler}] {produced} tokens in {elapsed:.2f} s: {produced / max(elapsed, 1e-9):.1f} tokens/s "
-          f"({forwards} forwards, {len(records)} prompts, batch size {args.batch_size}, {device.type})",
-          file=sys.stderr)
+          f"({forwards} forwards, {n} prompt{'' if n == 1 else 's'}, batch size {min(args.batch_size, n)}, "
+          f"{device.type})", file=sys.stderr)
     if args.output_file:
         print(f"wrote {len(records)} completions to {args.output_file}", file=sys.stderr)
     return 0

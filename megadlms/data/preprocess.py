@@ -371,7 +371,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (output is identical for any N)")
     g.add_argument("--log-interval", type=int, default=1000, help="accepted for Megatron compatibility; "
                    "progress is shown continuously")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (there is none unless stderr is a "
+                   "terminal)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -380,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
                                  append_eod=args.append_eod, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
-                                 progress=not args.no_progress, chat=args.chat,
+                                 progress=not args.no_progress and sys.stderr.isatty(), chat=args.chat,
                                  prompt_template=args.prompt_template)
     except OSError as e:  # an unwritable --output-prefix, a full disk, an unreadable input
         where = f"{e.filename}: " if e.filename else f"--output-prefix {args.output_prefix}: "

@@ -22,6 +22,7 @@ names, so a checkpoint of one strategy / world size loads into any other.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import TYPE_CHECKING, Iterator, cast
 
 import torch
@@ -91,8 +92,12 @@ def apply_ddp(model: nn.Module, group, device: torch.device) -> nn.Module:
     rank already (RoPE tables) or reduced by their owner (FP8 amax histories, in `fp8_step`)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, process_group=group, broadcast_buffers=False,
-                                   device_ids=[device.index] if device.type == "cuda" else None)
+    with warnings.catch_warnings():
+        # torch >= 2.13 deprecates broadcast_buffers for forward_sync_buffers, which still syncs the buffers at
+        # init; broadcast_buffers=False is what it advises where buffers are kept by their owners, as here
+        warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+        return DistributedDataParallel(model, process_group=group, broadcast_buffers=False,
+                                       device_ids=[device.index] if device.type == "cuda" else None)
 
 
 @contextlib.contextmanager

@@ -275,7 +275,8 @@ def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: Paral
             dp += f" ({ctx.dp_size} data x {ctx.cp_size} context parallel, {_cp_exchange(parallel)})"
         tp = (f" | tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if sequence_parallel else ''}"
               if ctx.tp_size > 1 else "")
-        log.info("pipeline parallel: %s of %d layers%s%s", shape, cfg.num_layers // num_stages, dp, tp)
+        per_stage = cfg.num_layers // num_stages
+        log.info("pipeline parallel: %s of %d layer%s%s%s", shape, per_stage, "" if per_stage == 1 else "s", dp, tp)
     return stages
 
 

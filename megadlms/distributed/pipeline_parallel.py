@@ -188,6 +188,25 @@ def count_stage_parameters(model: RankStages, group: dist.ProcessGroup) -> int:
     return int(n.item())
 
 
+def check_micro_batches(n_microbatches: int, pp_size: int, virtual: int, schedule: str, *,
+                        samples_per_micro_batch: int | None = None) -> None:
+    """Refuse a step whose micro-batch count the schedule cannot run: 1F1B needs at least `pp_size`, the
+    interleaved 1F1B (`virtual` > 1 stages per rank) a multiple of it. samples_per_micro_batch (micro-batch x
+    data-parallel size): given, the error names the --global-batch-size that fits."""
+    interleaved = virtual > 1
+    if not (interleaved and n_microbatches % pp_size) and not (schedule == "1f1b" and n_microbatches < pp_size):
+        return
+    need = -(-n_microbatches // pp_size) * pp_size  # the next multiple of pp_size (pp_size itself below it)
+    fix = ("raise --global-batch-size" if samples_per_micro_batch is None
+           else f"pass --global-batch-size {need * samples_per_micro_batch} ({need} micro-batches of "
+                f"{samples_per_micro_batch} samples: --micro-batch-size x data-parallel size)")
+    if interleaved:
+        raise ConfigError(f"the interleaved 1F1B schedule needs the micro-batches per step ({n_microbatches}) to be a "
+                          f"multiple of --pipeline-model-parallel-size {pp_size}; {fix}")
+    raise ConfigError(f"the 1F1B schedule needs at least --pipeline-model-parallel-size {pp_size} micro-batches "
+                      f"per step, got {n_microbatches}; {fix}, or use --pipeline-schedule gpipe")
+
+
 def build_schedule(stage_modules: Sequence[PipelineStageModule], group: dist.ProcessGroup, device: torch.device,
                    n_microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
                    micro_batch: tuple[int, int], schedule: str = "1f1b", activation_dtype: torch.dtype = torch.float32,
@@ -211,12 +230,7 @@ def build_schedule(stage_modules: Sequence[PipelineStageModule], group: dist.Pro
     if virtual > 1 and schedule != "1f1b":
         raise ConfigError(f"--pipeline-schedule {schedule} runs one stage per rank, and --num-layers-per-virtual-"
                           f"pipeline-stage gives {virtual}; use --pipeline-schedule 1f1b or drop the flag")
-    if virtual > 1 and n_microbatches % pp_size:
-        raise ConfigError(f"the interleaved 1F1B schedule needs the micro-batches per step ({n_microbatches}) to be a "
-                          f"multiple of --pipeline-model-parallel-size {pp_size}; change --global-batch-size")
-    if schedule == "1f1b" and n_microbatches < pp_size:
-        raise ConfigError(f"the 1F1B schedule needs at least --pipeline-model-parallel-size {pp_size} micro-batches "
-                          f"per step, got {n_microbatches}; raise --global-batch-size or use --pipeline-schedule gpipe")
+    check_micro_batches(n_microbatches, pp_size, virtual, schedule)
     b, s = micro_batch
     shard = s // sequence_shards
     stages: list[Any] = []

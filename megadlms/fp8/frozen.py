@@ -104,6 +104,16 @@ class FrozenFP8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+def count_parameters(model: nn.Module) -> int:
+    """The parameters of `model`, each `FrozenFP8Linear` counted by the weight (and bias) it keeps as buffers: the
+    model's size whatever the storage of its frozen layers."""
+    n = sum(p.numel() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, FrozenFP8Linear):
+            n += m.in_features * m.out_features + (0 if m.bias is None else m.bias.numel())
+    return n
+
+
 class _FrozenFP8Fn(torch.autograd.Function):
     """x [M, K] -> x @ W^T (+ b) [M, N] in out_dtype, and dx only in the backward (see the module docstring)."""
 

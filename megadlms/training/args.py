@@ -193,7 +193,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fp8-margin", type=int, default=fp8.fp8_margin)
     g.add_argument("--fp8-amax-history-len", type=int, default=fp8.fp8_amax_history_len)
     g.add_argument("--fp8-amax-compute-algo", choices=FP8_AMAX_ALGOS, default=fp8.fp8_amax_compute_algo)
-    g.add_argument("--no-fp8-wgrad", dest="fp8_wgrad", action="store_false", help="weight-gradient GEMM in BF16")
+    g.add_argument("--fp8-wgrad", action=argparse.BooleanOptionalAction, default=fp8.fp8_wgrad,
+                   help="the weight-gradient GEMM in FP8 (--no-fp8-wgrad: in BF16)")
     g.add_argument("--activation-func-fp8-input-store", action="store_true",
                    help="save the SwiGLU input for backward in FP8")
     g.add_argument("--fp8-fuse-projections", action=argparse.BooleanOptionalAction, default=fp8.fp8_fuse_projections,

@@ -29,6 +29,7 @@ from ..diffusion.objective import MaskSampler
 from ..distributed.data_parallel import grad_sync_context
 from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
 from ..distributed.parallelize import build_parallel_model
+from ..fp8.frozen import count_parameters
 from ..lora import describe_memory
 from ..moe import moe_metrics, moe_step
 from ..presets import load_model_config
@@ -328,6 +329,7 @@ class Trainer:
     def _pipeline_runner(self) -> Any:
         if self.ctx.pp_size == 1:
             return None
+        from ..distributed.pipeline_parallel import check_micro_batches
         from .pipeline_step import PipelineRunner
 
         pp, train_cfg = self.ctx.pp_size, self.run_config.train
@@ -338,7 +340,10 @@ class Trainer:
             raise ConfigError(f"--pipeline-model-parallel-size {pp}: the model is split over ranks, so it cannot "
                               "sample at the end; add --no-generate-sample")
         assert self.ctx.pp_group is not None  # a mesh with a pp dimension
-        return PipelineRunner(cast("RankStages", self.model), self.objective, self.ctx.pp_group,
+        model = cast("RankStages", self.model)
+        check_micro_batches(self.accum, pp, len(model.stages), self.run_config.parallel.pipeline_schedule,
+                            samples_per_micro_batch=self.mbs * self.ctx.dp_size)
+        return PipelineRunner(model, self.objective, self.ctx.pp_group,
                               self.device, self.accum, self.run_config.parallel.pipeline_schedule,
                               self.autocast_dtype or torch.float32)
 
@@ -766,10 +771,10 @@ def setup(config: RunConfig) -> Trainer:
 
 
 def _count_parameters(model: nn.Module, ctx: ParallelContext) -> int:
-    """The whole model's parameters (a sharded one counted whole); under pipeline parallelism the sum over the
-    stages, a tied embedding once (collective over the pipeline's ranks)."""
+    """The whole model's parameters (a sharded one counted whole, a frozen FP8 LoRA base by its weights); under
+    pipeline parallelism the sum over the stages, a tied embedding once (collective over the pipeline's ranks)."""
     if ctx.pp_size == 1:
-        return sum(p.numel() for p in model.parameters())
+        return count_parameters(model)
     from ..distributed.pipeline_parallel import count_stage_parameters
 
     assert ctx.pp_group is not None  # a mesh with a pp dimension

@@ -233,6 +233,12 @@ def test_with_the_bundled_tokenizer(tmp_path, capsys):
     expect = generate(model, [tok.encode("Hello world")], mask_id=tok.mask_id, gen_length=8, block_length=4,
                       steps=4)[0]
     assert out == f">>> Hello world\n{tok.decode(expect)}\n\n"
+    assert "tokens/s (4 forwards, 1 prompt, batch size 1, cpu)" in err  # the batch that ran, not --batch-size 8
+    args = cli.add_arguments(argparse.ArgumentParser()).parse_args(["--load", str(tmp_path / "ckpt"), "--prompt",
+                                                                    "Hello", "--gen-length", "4", "--steps", "4",
+                                                                    "--block-length", "4"])
+    assert cli.run(args) == 0
+    assert "step/s" not in capsys.readouterr().err  # stderr is no terminal: no progress bar without --no-progress
 
 
 def test_dream_sampler_flags(tmp_path, capsys, tokenizer):

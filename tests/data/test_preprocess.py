@@ -159,6 +159,8 @@ def test_cli_run(tmp_path, capsys, texts):
     out = capsys.readouterr().out
     assert "30 documents" in out and "o_text_document.bin" in out
     assert IndexedDataset(tmp_path / "o_text_document").num_documents == 30
+    args.no_progress, args.output_prefix = False, str(tmp_path / "o2")
+    assert pp.run(args) == 0 and "preprocess:" not in capsys.readouterr().err  # stderr is no terminal: no bar
     # bad input: one line on stderr, exit status 2
     assert pp.main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "p")]) == 2
     assert capsys.readouterr().err.startswith("megadlms preprocess: error: --input")

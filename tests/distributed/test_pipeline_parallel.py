@@ -15,6 +15,7 @@ from megadlms.distributed.init import init_parallel
 from megadlms.distributed.pipeline_parallel import (
     PipelineStageModule,
     RankStages,
+    check_micro_batches,
     check_pipeline_parallel,
     rank_stages,
     stage_layers,
@@ -82,6 +83,21 @@ def test_bad_virtual_stages_are_refused():
         check_pipeline_parallel(TransformerConfig(num_layers=6), 2, 2)
 
 
+def test_micro_batches_the_schedule_cannot_run_name_the_global_batch_that_fits():
+    check_micro_batches(4, 2, 2, "1f1b", samples_per_micro_batch=16)  # a multiple of pp: runs
+    check_micro_batches(1, 2, 1, "gpipe", samples_per_micro_batch=16)  # GPipe takes any count
+    with pytest.raises(ValueError, match=r"interleaved 1F1B schedule needs the micro-batches per step \(3\) to be a "
+                                         r"multiple of --pipeline-model-parallel-size 2; pass --global-batch-size 64 "
+                                         r"\(4 micro-batches of 16 samples"):
+        check_micro_batches(3, 2, 2, "1f1b", samples_per_micro_batch=16)
+    with pytest.raises(ValueError, match=r"needs at least --pipeline-model-parallel-size 4 micro-batches per step, "
+                                         r"got 1; pass --global-batch-size 32 \(4 micro-batches of 8 .* or use "
+                                         r"--pipeline-schedule gpipe"):
+        check_micro_batches(1, 4, 1, "1f1b", samples_per_micro_batch=8)
+    with pytest.raises(ValueError, match="got 1; raise --global-batch-size, or use"):
+        check_micro_batches(1, 2, 1, "1f1b")
+
+
 def test_layers_not_divisible_by_stages_are_refused():
     with pytest.raises(ValueError, match="--num-layers 6 is not divisible by --pipeline-model-parallel-size 4; "
                                          "use a pipeline size that divides it, or 8 layers"):
@@ -109,7 +125,7 @@ def runs(tmp_path_factory):
 
 def test_training_matches_one_process(runs):
     root, out = runs
-    assert "pipeline parallel: 2 stages of 1 layers" in out
+    assert "pipeline parallel: 2 stages of 1 layer" in out
     reference = train_losses(root / "one")
     assert len(reference) == 4
     assert train_losses(root / "pp2") == pytest.approx(reference, rel=RTOL)
@@ -147,7 +163,7 @@ def test_pipeline_with_tensor_parallel_matches_one_process(runs, tmp_path):
     out = launch(4, COMMON + ["--micro-batch-size", "1", "--save", str(save), "--pipeline-model-parallel-size", "2",
                               "--tensor-model-parallel-size", "2", "--sequence-parallel"],
                  rerun_after_native_crash=True, clean_before_rerun=[save])
-    assert "pipeline parallel: 2 stages of 1 layers | tensor parallel over 2 ranks + sequence parallel" in out
+    assert "pipeline parallel: 2 stages of 1 layer | tensor parallel over 2 ranks + sequence parallel" in out
     assert train_losses(save) == pytest.approx(train_losses(root / "one"), rel=RTOL)
     assert eval_losses(save) == pytest.approx(eval_losses(root / "one"), rel=RTOL)
 
@@ -180,7 +196,7 @@ def composed(tmp_path_factory):
 
 def test_interleaved_fsdp2_fp8_pipeline_matches_one_process(composed):
     root, one, out = composed
-    assert ("pipeline parallel: 2 ranks x 2 virtual stages (interleaved 1F1B) of 1 layers | data parallel: FSDP2 "
+    assert ("pipeline parallel: 2 ranks x 2 virtual stages (interleaved 1F1B) of 1 layer | data parallel: FSDP2 "
             "ZeRO-3") in out
     assert "world 4 (pp 2 x dp 2 x cp 1 x tp 1)" in out
     params = one[one.index("model tiny: "):].split(" parameters")[0]

@@ -84,3 +84,11 @@ def test_model_config_of_a_run():
     qwen = RunConfig(model=ModelConfig(model_path="qwen3-0.6b", num_layers=1))
     with pytest.raises(ConfigError, match="the tokenizer has 200000 tokens but the model's vocab_size is 151936"):
         resolve_model_config(qwen, vocab_size=200000, mask_id=1)
+
+
+def test_fp8_wgrad_takes_both_forms_and_the_help_names_both():
+    base = ["--model-path", "tiny", "--fp8-format", "hybrid"]
+    assert parse_train_args(base).fp8.fp8_wgrad is True
+    assert parse_train_args(base + ["--no-fp8-wgrad"]).fp8.fp8_wgrad is False
+    assert parse_train_args(base + ["--no-fp8-wgrad", "--fp8-wgrad"]).fp8.fp8_wgrad is True
+    assert "--fp8-wgrad, --no-fp8-wgrad" in build_parser().format_help()  # not a lone --no- flag "(default: True)"
