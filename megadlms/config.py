@@ -16,6 +16,8 @@ ATTN_MASK_TYPES = ("bidirectional", "causal")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_AMAX_ALGOS = ("max", "most_recent")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+DIFFUSION_LOSSES = ("subs", "full-vocab")  # subs: MDLM's, [MASK] out of the softmax; full-vocab: LLaDA's
+DEFAULT_DIFFUSION_LOSS = "subs"
 
 
 class ConfigError(MegaDLMsError, ValueError):
@@ -101,6 +103,9 @@ class TransformerConfig(FP8Settings):
     mask_token_id: int | None = None  # the diffusion [MASK] id, recorded for export / sampling
     block_size: int | None = None  # block diffusion (BD3-LM): tokens per block; None for other models
     diffusion_shift: bool = False  # difflm-shift (Dream): the logits at position i predict token i + 1
+    # the diffusion cross-entropy the model is trained and scored with (DIFFUSION_LOSSES): full-vocab for LLaDA and
+    # Dream, which were trained with it; None: the project default, subs (`loss`)
+    diffusion_loss: str | None = None
 
     # --- mixture of experts (Megatron-Core names; megadlms.moe). num_moe_experts None: a dense model ---
     num_moe_experts: int | None = None
@@ -163,6 +168,8 @@ class TransformerConfig(FP8Settings):
         if self.init_method_std <= 0:
             raise ConfigError(f"init_method_std={self.init_method_std} must be > 0 (e.g. 0.02)")
         _choice("attn_mask_type", self.attn_mask_type, ATTN_MASK_TYPES)
+        if self.diffusion_loss is not None:
+            _choice("diffusion_loss", self.diffusion_loss, DIFFUSION_LOSSES, "or None for the default, subs")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(
                 f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
@@ -213,6 +220,11 @@ class TransformerConfig(FP8Settings):
         if self.causal:
             return "vanilla"
         return "difflm-shift" if self.diffusion_shift else "difflm-noshift"
+
+    @property
+    def loss(self) -> str:
+        """The diffusion cross-entropy the model records (`diffusion_loss`), else the default, subs."""
+        return self.diffusion_loss or DEFAULT_DIFFUSION_LOSS
 
     @property
     def is_moe(self) -> bool:

@@ -185,8 +185,10 @@ def llada_config(fields: Mapping[str, Any], *, source: Mapping[str, Any] | None 
 
 def dream_overrides(hf: Mapping[str, Any]) -> dict[str, Any]:
     """TransformerConfig fields in which a Dream config.json differs from a Qwen2 one: q/k/v biases whatever
-    `attention_bias` says (Dream's attention always has them), the shift, its mask token."""
-    return dict(add_qkv_bias=True, diffusion_shift=True, mask_token_id=hf.get("mask_token_id", DREAM_MASK_TOKEN_ID))
+    `attention_bias` says (Dream's attention always has them), the shift, its mask token, and the full-vocabulary
+    CE it was trained with."""
+    return dict(add_qkv_bias=True, diffusion_shift=True, mask_token_id=hf.get("mask_token_id", DREAM_MASK_TOKEN_ID),
+                diffusion_loss="full-vocab")
 
 
 def dream_config(qwen2: Mapping[str, Any], fields: Mapping[str, Any], *,
@@ -208,7 +210,8 @@ def dream_config(qwen2: Mapping[str, Any], fields: Mapping[str, Any], *,
                           "num_attention_heads; export with --hf-format stock")
     src = dict(source) if source is not None and dlm_format(source) == "dream" else {}
     out = {**src, **qwen2}
-    for key in ("attn_mask_type", "model_running_mode", "is_causal", "layer_types", "head_dim", "dtype"):
+    for key in ("attn_mask_type", "model_running_mode", "diffusion_loss", "is_causal", "layer_types", "head_dim",
+                "dtype"):
         out.pop(key, None)  # Dream's code takes none of these; attention is always bidirectional
     if "max_window_layers" in src:  # inert without a sliding window: as the original has it
         out["max_window_layers"] = src["max_window_layers"]

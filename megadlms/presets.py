@@ -32,7 +32,8 @@ _LLAMA3 = dict(vocab_size=128256, rotary_base=500000.0, norm_epsilon=1e-5, max_p
 
 _LLADA_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32, ffn_hidden_size=12288,
                  vocab_size=126464, rotary_base=500000.0, norm_epsilon=1e-5, max_position_embeddings=4096,
-                 seq_length=4096, untie_embeddings_and_output_weights=True, mask_token_id=126336)
+                 seq_length=4096, untie_embeddings_and_output_weights=True, mask_token_id=126336,
+                 diffusion_loss="full-vocab")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU demo: a few million parameters; vocab_size None: the tokenizer's (see `load_model_config`)
@@ -63,7 +64,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dream-7b": dict(num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
                      ffn_hidden_size=18944, vocab_size=152064, rotary_base=1e6, norm_epsilon=1e-6,
                      max_position_embeddings=131072, seq_length=4096, add_qkv_bias=True,
-                     untie_embeddings_and_output_weights=True, mask_token_id=151666, diffusion_shift=True),
+                     untie_embeddings_and_output_weights=True, mask_token_id=151666, diffusion_shift=True,
+                     diffusion_loss="full-vocab"),
     # LLaDA-MoE-7B-A1B (Base, Instruct): OLMoE-like, 16 layers all MoE (64 experts of FFN 1024, top-8, no shared
     # expert, no dense layer), QK norm, untied head; 7.36B parameters, 1.40B active without the input embedding.
     # The sources of each value are in docs/interop.md ("LLaDA-MoE-7B-A1B: the released shapes").
@@ -73,7 +75,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                              untie_embeddings_and_output_weights=True, mask_token_id=LLADA_MOE_MASK_TOKEN_ID,
                              num_moe_experts=64, moe_router_topk=8, moe_ffn_hidden_size=1024, moe_layer_freq=[1] * 16,
                              moe_router_score_function="softmax", moe_router_pre_softmax=True,
-                             moe_aux_loss_coeff=0.01),
+                             moe_aux_loss_coeff=0.01, diffusion_loss="full-vocab"),
     # GPT-3 13B shapes (40 layers, hidden 5120, 40 heads) with a SwiGLU MLP of the same width budget
     "megatron-13b": dict(num_layers=40, hidden_size=5120, num_attention_heads=40, num_query_groups=40,
                          ffn_hidden_size=13824, vocab_size=151936, rotary_base=10000.0, norm_epsilon=1e-5,
@@ -245,6 +247,8 @@ def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None =
         kwargs.update(block_size=block, seq_length=min(4096, max_pos) // block * block)
     if hf.get("model_running_mode") == "difflm-shift":  # written by our export: keep the logits' alignment
         kwargs["diffusion_shift"] = True
+    if hf.get("diffusion_loss") is not None:  # written by our export: the loss the model trained with
+        kwargs["diffusion_loss"] = hf["diffusion_loss"]
     if family == "dream":
         kwargs.update(dlm_formats.dream_overrides(hf))
         if mask_token_id is not None:
@@ -275,8 +279,9 @@ def _llada_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None,
     fields.setdefault("mask_token_id", hf.get("mask_token_id"))
     if mask_token_id is not None:
         fields["mask_token_id"] = mask_token_id
-    try:
-        return TransformerConfig(**fields, attn_mask_type=attn_mask_type or "bidirectional", extra=extra)
+    try:  # LLaDA and LLaDA-MoE were trained, and score likelihoods, with the full-vocabulary CE
+        return TransformerConfig(**fields, attn_mask_type=attn_mask_type or "bidirectional",
+                                 diffusion_loss="full-vocab", extra=extra)
     except ConfigError as e:
         raise InteropError(f"config.json does not give a valid model: {e}") from e
 
@@ -311,7 +316,8 @@ def megadlms_config_to_hf(cfg: TransformerConfig, *, dtype: torch.dtype = torch.
                           token_ids: Mapping[str, int | None] | None = None, hf_format: str = "auto"
                           ) -> dict[str, Any]:
     """The config.json dict of the stock architecture for `cfg` (plus `mask_token_id`, `attn_mask_type`,
-    `model_running_mode`, and for a block-diffusion model `block_size`).
+    `model_running_mode`, `diffusion_loss` when the model records one, and for a block-diffusion model
+    `block_size`).
 
     A bidirectional model also gets `is_causal: false`, which transformers >= 5 honours when building
     the attention mask, so `AutoModelForCausalLM.from_pretrained` runs it bidirectionally as saved.
@@ -358,6 +364,8 @@ def _stock_config(cfg: TransformerConfig, arch: str, dtype: torch.dtype, ids: Ma
         "mask_token_id": cfg.mask_token_id, "attn_mask_type": cfg.attn_mask_type,
         "model_running_mode": cfg.running_mode,
     }
+    if cfg.diffusion_loss is not None:
+        hf["diffusion_loss"] = cfg.diffusion_loss
     if cfg.attn_mask_type == "bidirectional":
         hf["is_causal"] = False
     if cfg.block_size is not None:  # block diffusion: its sampler needs the block size

@@ -59,9 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--data-cache-path", default=None, help="folder for the cached sample index")
     g.add_argument("--eval-samples", type=int, default=64, help="validation windows to score")
     g.add_argument("--seq-length", type=int, default=None, help="window length (default: the model's seq_length)")
-    g.add_argument("--diffusion-loss", choices=DIFFUSION_LOSSES, default="subs",
+    g.add_argument("--diffusion-loss", choices=DIFFUSION_LOSSES, default=None,
                    help="the diffusion bounds' cross-entropy: subs (MDLM's SUBS, as training defaults: [MASK] "
-                        "out of the softmax, the bound of the model that samples) or full-vocab (LLaDA's)")
+                        "out of the softmax, the bound of the model that samples) or full-vocab (LLaDA's). "
+                        "Default: the one each model records (full-vocab for LLaDA, LLaDA-MoE and Dream), else subs")
     g.add_argument("--ignore-bos", action="store_true",
                    help="never mask a window's first token and leave it out of the bounds (MDLM / BD3-LM's "
                         "ignore_bos, for models trained with train --ignore-bos)")
@@ -221,23 +222,24 @@ def _run_ppl(args: argparse.Namespace) -> int:
     windows = validation_windows(tokenizer, data_path=data_path, seq_length=seq_length, samples=args.eval_samples,
                                  split=split, seed=args.seed, data_cache_path=args.data_cache_path)
     mine = windows[ctx.rank::ctx.world_size]  # under torchrun each rank scores its share; the sums are reduced
+    losses = [args.diffusion_loss or c.loss for _, _, c in models]  # the flag, else what each model records
     report: dict[str, Any] = {"data_path": data_path, "split": split, "windows": len(windows),
-                              "seq_length": seq_length, "mask_ratios": ratios, "loss": args.diffusion_loss,
-                              "ignore_bos": args.ignore_bos,
+                              "seq_length": seq_length, "mask_ratios": ratios,
+                              "loss": losses[0] if len(set(losses)) == 1 else None, "ignore_bos": args.ignore_bos,
                               "models": {}}
-    for name, m, c in models:
+    for (name, m, c), loss in zip(models, losses):
         mask_id = args.mask_token if args.mask_token is not None else c.mask_token_id
         with torch.no_grad():
             total = score_windows(m, c, mine, seq_length=seq_length, ratios=ratios, mask_id=mask_id,
                                   seed=args.seed, batch_size=args.batch_size,
-                                  loss=args.diffusion_loss, ignore_bos=args.ignore_bos).to(ctx.device)
+                                  loss=loss, ignore_bos=args.ignore_bos).to(ctx.device)
             objective = objective_loss_sum(m, c, mine, seq_length=seq_length, mask_id=mask_id, seed=args.seed,
-                                           batch_size=args.batch_size, loss=args.diffusion_loss,
+                                           batch_size=args.batch_size, loss=loss,
                                            ignore_bos=args.ignore_bos)
         if ctx.world_size > 1:
             dist.all_reduce(total)
         counted = len(windows) * scored_tokens(c, seq_length, args.ignore_bos)
-        report["models"][name] = model_report(c, (total / counted).tolist())
+        report["models"][name] = {**model_report(c, (total / counted).tolist()), "loss": loss}
         if objective is not None:
             summed = torch.tensor([objective], dtype=torch.float64, device=ctx.device)
             if ctx.world_size > 1:

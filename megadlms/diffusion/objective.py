@@ -32,11 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from ..attention_masks import segment_positions
-from ..config import ConfigError
+from ..config import DIFFUSION_LOSSES, ConfigError
 
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla", "bd3lm")  # bd3lm: megadlms.diffusion.bd3lm
 PMASK_MODES = ("sampled", "actual")
-DIFFUSION_LOSSES = ("subs", "full-vocab")  # subs: MDLM's, [MASK] out of the softmax; full-vocab: LLaDA's
 
 
 @dataclass

@@ -14,8 +14,8 @@ never masked (LLaDA's conditional likelihood):
 Autoregressive (causal) models get the exact `ar_loglikelihood`.
 
 The masked-diffusion scores take `subs_mask_id`: given, the [MASK] logit is -inf before the softmax (MDLM's SUBS
-parameterisation, the default of training and of `eval --ppl`); None keeps LLaDA's full-vocabulary CE (the
-harness's default, as LLaDA evaluates).
+parameterisation, the default of training and of `eval --ppl` for a model that records no other loss); None keeps
+LLaDA's full-vocabulary CE (the harness's default, as LLaDA evaluates).
 
 Randomness is per request: each draws from a generator seeded with the seed and the request's tokens, so a
 score does not depend on the batch it ran in, on the other requests, or on how they were split across ranks.

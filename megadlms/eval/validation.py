@@ -154,8 +154,11 @@ def format_ppl_table(report: dict[str, Any]) -> str:
     """A markdown table: the loss per mask ratio per model, then the ELBO and its perplexity bound."""
     names = list(report["models"])
     loss = report.get("loss")
+    each = [m["loss"] for m in report["models"].values() if m.get("loss")]  # models scored with different CEs
+    ce = (f" (diffusion CE: {LOSS_NAMES[loss]})" if loss else
+          f" (diffusion CE per model: {', '.join(each)})" if each else "")
     lines = [f"validation ELBO: {report['windows']} windows x {report['seq_length']} tokens of {report['data_path']}"
-             + (f" (diffusion CE: {LOSS_NAMES[loss]})" if loss else ""),
+             + ce,
              "", "| mask ratio | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for j, r in enumerate(report["mask_ratios"]):
         cells = [f"{m['loss_per_ratio'][j]:.4f}" if "loss_per_ratio" in m else "-" for m in report["models"].values()]

@@ -100,10 +100,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--difflm-eps", type=float, default=1e-3)
     g.add_argument("--difflm-pmask", choices=PMASK_MODES, default="sampled")
     g.add_argument("--difflm-varilen-prob", type=float, default=0.01)
-    g.add_argument("--diffusion-loss", choices=DIFFUSION_LOSSES, default="subs",
+    g.add_argument("--diffusion-loss", choices=DIFFUSION_LOSSES, default=None,
                    help="the diffusion modes' cross-entropy (pre-training, SFT, bd3lm). subs: MDLM's SUBS "
                         "parameterisation, the [MASK] logit is -inf before the softmax (the bound of the model the "
-                        "sampler draws from); full-vocab: [MASK] stays in the softmax, as LLaDA trains")
+                        "sampler draws from); full-vocab: [MASK] stays in the softmax, as LLaDA trains. Default: "
+                        "the one the model records (full-vocab for LLaDA, LLaDA-MoE and Dream), else subs")
     # block diffusion (--model-running-mode bd3lm; megadlms.diffusion.bd3lm)
     g.add_argument("--block-size", type=int, default=None, help="bd3lm: tokens per block (divides --seq-length)")
     g.add_argument("--bd3lm-clip-min", type=float, default=1e-3, help="bd3lm: training t ~ U[min, max]")

@@ -87,8 +87,9 @@ class DiffusionConfig:
     difflm_eps: float = 1e-3
     difflm_pmask: str = "sampled"
     difflm_varilen_prob: float = 0.01
-    # the diffusion modes' cross-entropy: subs (MDLM / BD3-LM: [MASK] out of the softmax) or full-vocab (LLaDA's)
-    diffusion_loss: str = "subs"
+    # the diffusion modes' cross-entropy: subs (MDLM / BD3-LM: [MASK] out of the softmax) or full-vocab (LLaDA's);
+    # None: the one the model records (full-vocab for LLaDA and Dream), else subs
+    diffusion_loss: str | None = None
     attention_anneal_iters: int = 0  # AR -> DLM: causal attention annealed into bidirectional over this many steps
     block_size: int | None = None  # bd3lm: tokens per block (divides seq_length)
     bd3lm_clip_min: float = 1e-3  # bd3lm: the clipped noise schedule's range of t
@@ -106,7 +107,8 @@ class DiffusionConfig:
         if self.model_running_mode is not None:
             check_choice(self, "model_running_mode", RUNNING_MODES)
         check_choice(self, "difflm_pmask", PMASK_MODES)
-        check_choice(self, "diffusion_loss", DIFFUSION_LOSSES)
+        if self.diffusion_loss is not None:
+            check_choice(self, "diffusion_loss", DIFFUSION_LOSSES)
         check_choice(self, "bd3lm_noise_per", ("block", "sequence"))
         check_at_least(self, {"mask_token": 0, "attention_anneal_iters": 0})
 
@@ -123,10 +125,12 @@ class DiffusionConfig:
                               "(diffusion_shift, as Dream does): drop the flag or use difflm-shift")
         return mode
 
-    def objective(self, mode: str, mask_token_id: int | None) -> ObjectiveConfig:
+    def objective(self, mode: str, mask_token_id: int | None, loss: str) -> ObjectiveConfig:
+        """The objective of a run in `mode` with the model's [MASK] id and its diffusion loss (`TransformerConfig.loss`,
+        which `--diffusion-loss` has already set when given)."""
         return ObjectiveConfig(mode=mode, mask_token_id=mask_token_id or 0, eps=self.difflm_eps,
                                pmask=self.difflm_pmask, varilen_prob=self.difflm_varilen_prob,
-                               loss=self.diffusion_loss, ignore_bos=self.ignore_bos)
+                               loss=loss, ignore_bos=self.ignore_bos)
 
 
 @dataclass

@@ -71,8 +71,9 @@ class TrainState:
 
 def resolve_model_config(config: RunConfig, vocab_size: int | None, mask_id: int | None) -> TransformerConfig:
     """The TransformerConfig of a run: the preset / HF config with the model overrides (or, with
-    use_checkpoint_args, the checkpoint's architecture), the objective's attention mask, the FP8 settings and the
-    mask token (the flag's, else the tokenizer's, else the model config's)."""
+    use_checkpoint_args, the checkpoint's architecture), the objective's attention mask, the FP8 settings, the
+    mask token (the flag's, else the tokenizer's, else the model config's) and the diffusion loss (the flag's, else
+    the model config's)."""
     ck = config.checkpoint
     if ck.use_checkpoint_args:
         assert ck.load is not None  # CheckpointConfig requires --load with --use-checkpoint-args
@@ -116,6 +117,8 @@ def resolve_model_config(config: RunConfig, vocab_size: int | None, mask_id: int
     if mode != "vanilla" and mask is None:
         raise ConfigError("no mask token: pass --mask-token ID (the tokenizer has no <|mask|> and the preset none)")
     cfg_dict["mask_token_id"] = mask
+    if obj.diffusion_loss is not None:  # the flag wins, and the checkpoint records the loss it trained with
+        cfg_dict["diffusion_loss"] = obj.diffusion_loss
     if mode == "bd3lm":  # the flag-named errors before the config's own
         bd3lm.Bd3lmConfig(block_size=cfg_dict["block_size"], seq_length=cfg_dict["seq_length"],
                           clip_min=obj.bd3lm_clip_min, clip_max=obj.bd3lm_clip_max, noise_per=obj.bd3lm_noise_per)
@@ -163,7 +166,7 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
             block_size=model_config.block_size, seq_length=model_config.seq_length,  # type: ignore[arg-type]
             mask_token_id=model_config.mask_token_id,  # type: ignore[arg-type]
             clip_min=obj.bd3lm_clip_min, clip_max=obj.bd3lm_clip_max, noise_per=obj.bd3lm_noise_per,
-            eval_eps=obj.difflm_eps, loss=obj.diffusion_loss, antithetic=obj.bd3lm_antithetic,
+            eval_eps=obj.difflm_eps, loss=model_config.loss, antithetic=obj.bd3lm_antithetic,
             ignore_bos=obj.ignore_bos, resample=obj.bd3lm_resample, clip_search=obj.bd3lm_clip_search,
             search_widths=tuple(obj.bd3lm_clip_search_widths), search_delta=obj.bd3lm_clip_search_delta)
         if obj.bd3lm_clip_search and (config.train.eval_iters <= 0 or not config.train.eval_interval):
@@ -175,8 +178,9 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
     sharding = Sharding(config.train.micro_batch_size, ctx.dp_rank, ctx.dp_size,
                         ctx.dp_group if ctx.distributed else None, cp_rank=ctx.cp_rank, cp_size=ctx.cp_size)
     # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
-    return build_objective(obj.objective(mode, model_config.mask_token_id), model_config, attention, sharding,
-                           sft=config.data.sft, bd3lm_config=bd3lm_config, flex=device.type == "cuda" and compiled,
+    objective = obj.objective(mode, model_config.mask_token_id, model_config.loss)
+    return build_objective(objective, model_config, attention, sharding, sft=config.data.sft,
+                           bd3lm_config=bd3lm_config, flex=device.type == "cuda" and compiled,
                            loss_chunk_tokens=loss_chunk_tokens, on_data_wait=on_data_wait)
 
 

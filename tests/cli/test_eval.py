@@ -196,3 +196,39 @@ def test_ppl_of_a_block_diffusion_checkpoint_is_its_nelbo(tmp_path, capsys):
         with torch.no_grad():
             expect += float(nelbo(model, torch.tensor([w[:16]]), block_size=4, mask_token_id=1, generator=g)[0])
     assert report["nelbo"] == pytest.approx(expect / len(windows), rel=1e-6)
+
+
+@pytest.mark.parametrize("flag", [None, "subs"])
+def test_ppl_of_an_imported_llada_uses_its_recorded_loss_unless_told(flag, tmp_path, capsys):
+    """LLaDA records the full-vocabulary CE it was trained with: `eval --ppl` scores with it (LLaDA's own
+    likelihood), and with SUBS when --diffusion-loss subs asks."""
+    import shutil
+    from pathlib import Path
+
+    from megadlms.interop import load_hf_model
+    from tests.interop.helpers import write_tokenizer
+
+    hf = tmp_path / "llada"
+    shutil.copytree(Path(__file__).parents[1] / "interop" / "data" / "llada_llama", hf)
+    tok = load_tokenizer(str(write_tokenizer(hf, n_ids=300)))
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": " ".join(f"w{(7 * i + j) % 290 + 3}" for j in range(20))}) + "\n"
+                            for i in range(6)))
+    preprocess_jsonl(docs, tmp_path / "corpus", tok, append_eod=True, progress=False)
+    prefix = str(tmp_path / "corpus_text_document")
+    argv = ["--ppl", "--hf-model", str(hf), "--data-path", prefix, "--split", "0,1,0", "--eval-samples", "2",
+            "--seq-length", "16", "--mask-ratios", "0.5,1.0", "--device", "cpu", "--output-path",
+            str(tmp_path / "out"), "--data-cache-path", str(tmp_path / "cache")]
+    code, out, err = run_cli(argv + (["--diffusion-loss", flag] if flag else []), capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "ppl.json").read_text())
+    assert report["loss"] == (flag or "full-vocab")
+    assert ("SUBS, [MASK] out of the softmax" if flag else "full vocabulary, [MASK] kept") in out
+    windows = validation_windows(tok, data_path=prefix, seq_length=16, samples=2, split="0,1,0",
+                                 data_cache_path=str(tmp_path / "cache"))
+    model, cfg = load_hf_model(hf)
+    nll = lk.elbo_nll(model, [([], w[:16]) for w in windows], mask_id=cfg.mask_token_id, ratios=[0.5, 1.0],
+                      seed=1234, subs_mask_id=cfg.mask_token_id if flag else None)
+    got = report["models"][str(hf)]
+    assert got["loss"] == report["loss"]
+    assert got["loss_per_ratio"] == pytest.approx((nll.sum(0) / 32).tolist(), rel=1e-5)

@@ -423,3 +423,60 @@ def test_a_small_model_with_the_released_field_set_matches_the_reference(folder)
     diff, scale = _max_diff(model, _reference("lladamoe"), padded=False)
     assert diff <= TOL * max(1.0, scale)
     assert cfg.moe_layer_freq == [0, 1, 1] and cfg.extra["hf_config"]["model_type"] == "llada"
+
+
+# ------------------------------------------------------------------------------------------------ the recorded loss
+
+
+def test_llada_and_dream_record_the_full_vocabulary_loss(hf_dirs, tmp_path):
+    """LLaDA, LLaDA-MoE and Dream (imports and presets) record the full-vocabulary CE they were trained with; a
+    Qwen import records none (the default, SUBS). A stock export writes it and reads it back; LLaDA's and Dream's own
+    config.json stay as the originals (`test_export_writes_the_reference_files_back`)."""
+    for name in MODELS:
+        assert load_hf_model(DATA / name)[1].diffusion_loss == "full-vocab", name
+    for preset in ("llada-8b", "llada-1.5-8b", "llada-moe-7b-a1b", "dream-7b"):
+        assert preset_config(preset).loss == "full-vocab", preset
+    qwen, qwen_cfg = load_hf_model(hf_dirs["qwen2"])
+    assert qwen_cfg.diffusion_loss is None and qwen_cfg.loss == "subs"
+    model, cfg = load_hf_model(DATA / "llada_llama")
+    out = save_hf_model(model, cfg, tmp_path / "stock", hf_format="stock")
+    assert json.loads((out / "config.json").read_text())["diffusion_loss"] == "full-vocab"
+    assert load_hf_model(out)[1].diffusion_loss == "full-vocab"
+    out = save_hf_model(qwen, qwen_cfg, tmp_path / "qwen")
+    assert "diffusion_loss" not in json.loads((out / "config.json").read_text())
+    with pytest.raises(ValueError, match="diffusion_loss='llada' is not one of \\['subs', 'full-vocab'\\]"):
+        cfg.replace(diffusion_loss="llada")
+
+
+@pytest.mark.filterwarnings("ignore:.*auto_map")
+@pytest.mark.parametrize("flag", [None, "subs"])
+def test_an_imported_llada_trains_with_its_recorded_loss_unless_told(flag, folder, tmp_path, capsys):
+    """`train` on a converted LLaDA: the full-vocabulary CE without --diffusion-loss (the loss equals its definition
+    from the logits, [MASK] in the softmax), SUBS with --diffusion-loss subs; the checkpoint records the loss."""
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.trainer import setup
+
+    d = folder("llada_llama")
+    write_tokenizer(d, n_ids=300)
+    assert main(["hf-to-megadlms", "--hf-model", str(d), "--save", str(tmp_path / "ck")]) == 0
+    argv = ["--load", str(tmp_path / "ck"), "--use-checkpoint-args", "--finetune", "--seq-length", "16",
+            "--train-iters", "1", "--micro-batch-size", "2", "--device", "cpu", "--no-compile", "--num-workers", "0",
+            "--eval-iters", "0", "--no-progress", "--no-generate-sample", "--difflm-varilen-prob", "0",
+            "--save", str(tmp_path / "ft")] + (["--diffusion-loss", flag] if flag else [])
+    trainer = setup(parse_train_args(argv))
+    obj, mask = trainer.objective, trainer.model_config.mask_token_id
+    assert trainer.model_config.loss == (flag or "full-vocab")
+    assert obj.validation_note().startswith("SUBS" if flag else "full-vocab CE")
+    noise = obj.draw_noise(trainer.sampler, trainer.global_batch, 1)
+    batch = next(obj.micro_batches(iter(trainer.loaders.train), noise, 1, trainer.device))
+    n = batch.targets.shape[1]
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(trainer.model(batch.inputs, output_hidden=True)[:, :n],
+                                            trainer._output_weight()).float()
+        got = obj.loss(trainer.model, batch, trainer._output_weight)
+    keep = torch.arange(logits.shape[-1]) != mask
+    lse = torch.logsumexp(logits[..., keep] if flag else logits, dim=-1)
+    expect = ((lse - logits.gather(-1, batch.targets[..., None]).squeeze(-1)) * batch.weights).sum() / n / 2
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-6)
+    trainer.run()
+    assert ckpt.load_model_from_checkpoint(tmp_path / "ft")[1].loss == (flag or "full-vocab")
