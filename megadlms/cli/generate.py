@@ -351,7 +351,8 @@ def _run(args: argparse.Namespace) -> int:
     if sampler in ("reference", "dream"):
         forwards = counter.n
     print(f"[{sampler}] {produced} tokens in {elapsed:.2f} s: {produced / max(elapsed, 1e-9):.1f} tokens/s "
-          f"({forwards} forwards, {len(records)} prompts, batch size {args.batch_size}, {device.type})",
+          f"({forwards} forwards, {len(records)} prompts, batch size {min(args.batch_size, len(records))}, "
+          f"{device.type})",
           file=sys.stderr)
     if args.output_file:
         print(f"wrote {len(records)} completions to {args.output_file}", file=sys.stderr)

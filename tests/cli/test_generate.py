@@ -72,7 +72,7 @@ def test_generate_from_checkpoint_matches_the_sampler(tmp_path, capsys, tokenize
             "--block-length", "8", "--steps", "8", "--output-file", str(tmp_path / "out.jsonl"), "--ignore-eos"]
     code, out, err = run_cli(argv, capsys)
     assert code == 0, err
-    assert "[reference] 32 tokens in" in err and "tokens/s (8 forwards, 2 prompts" in err
+    assert "[reference] 32 tokens in" in err and "tokens/s (8 forwards, 2 prompts, batch size 2, cpu)" in err
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [0, 1] and all(r["num_tokens"] == 16 for r in rows)
     expect = generate(model, [list(p.encode()) for p in PROMPTS], mask_id=MASK, gen_length=16, block_length=8,
