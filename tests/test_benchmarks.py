@@ -156,3 +156,14 @@ def test_fp8_store_check_smoke(tmp_path):
     counts = [r[:-1] if r[-1] == "yes" else r for r in rows]  # "yes": the formulation training runs
     assert all(r[-5:] == ["2", "0", "0", "None", "0"] for r in counts), res.stdout[-3000:]
     assert sum(r[-1] == "yes" for r in rows) == 8  # one per kernel variant
+
+
+def test_bd3lm_likelihood_gives_bd3lm_options_to_the_bd3lm_variants_only():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bd3lm_likelihood
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    argv = ["--no-bd3lm-antithetic", "--ignore-bos", "--bd3lm-clip-min", "0.3", "--bd3lm-clip-max=0.8",
+            "--diffusion-loss", "full-vocab", "--bd3lm-clip-search-widths", "0.5", "0.6"]
+    assert bd3lm_likelihood.without_bd3lm_flags(argv) == ["--ignore-bos", "--diffusion-loss", "full-vocab"]
