@@ -110,7 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--entropy-floor", type=float, default=None,
                    help="bd3lm: stop a row whose last --entropy-window tokens have a unigram entropy below this "
                         "(nats; degenerate repetition) and cut them off (the reference: 4; default off)")
-    g.add_argument("--entropy-window", type=int, default=256, help="bd3lm: the tokens --entropy-floor looks at")
+    g.add_argument("--entropy-window", type=int, default=None,
+                   help="bd3lm: the tokens --entropy-floor looks at (default 256, the reference's)")
     return p
 
 
@@ -247,14 +248,19 @@ def _run(args: argparse.Namespace) -> int:
     dream_flags = [f for f, v in (("--alg", args.alg), ("--alg-temp", args.alg_temp), ("--top-k", args.top_k))
                    if v is not None]
     if dream_flags and sampler != "dream":
-        raise ConfigError(f"{' and '.join(dream_flags)} apply to Dream's sampler, not the {sampler} sampler; "
+        raise ConfigError(f"{' and '.join(dream_flags)} {'apply' if len(dream_flags) > 1 else 'applies'} to Dream's "
+                          f"sampler, not the {sampler} sampler; "
                           "add --sampler dream")
     bd3lm_flags = [f for f, on in (("--context-window", args.context_window is not None),
                                    ("--var-length", args.var_length),
                                    ("--entropy-floor", args.entropy_floor is not None)) if on]
     if bd3lm_flags and sampler != "bd3lm":
-        raise ConfigError(f"{' and '.join(bd3lm_flags)} apply to the bd3lm sampler, not the {sampler} sampler; use a "
-                          "block-diffusion model (or --sampler bd3lm)")
+        raise ConfigError(f"{' and '.join(bd3lm_flags)} {'apply' if len(bd3lm_flags) > 1 else 'applies'} to the bd3lm "
+                          f"sampler, not the {sampler} sampler; use a block-diffusion model (or --sampler bd3lm)")
+    if args.entropy_window is not None and args.entropy_floor is None:
+        raise ConfigError(f"--entropy-window {args.entropy_window} is the window of --entropy-floor, which is off; add "
+                          "--entropy-floor H (the reference's is 4) or drop it")
+    entropy_window = 256 if args.entropy_window is None else args.entropy_window  # the reference's window
     if args.var_length and eos is None:
         raise ConfigError("--var-length stops at the second EOS: drop --ignore-eos")
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
@@ -288,7 +294,7 @@ def _run(args: argparse.Namespace) -> int:
                                                   temperature=args.temperature, remasking=args.remasking, eos_id=eos,
                                                   top_p=args.top_p, context_window=args.context_window,
                                                   var_length=args.var_length, entropy_floor=args.entropy_floor,
-                                                  entropy_window=args.entropy_window,
+                                                  entropy_window=entropy_window,
                                                   generator=generator, progress=progress)
             forwards += nfe
             for row in generated_rows(x, start, args.max_new_tokens, eos_id=None, mask_id=mask_id):

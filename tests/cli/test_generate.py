@@ -253,7 +253,7 @@ def test_dream_sampler_flags(tmp_path, capsys, tokenizer):
                                 alg=alg, pad_id=PAD, generator=torch.Generator().manual_seed(5), top_p=1.0, **kw)
         assert out == "".join(f">>> {p}\n{ByteTokenizer().decode(e)}\n\n" for p, e in zip(PROMPTS, expect))
     code, out, err = run_cli(base + ["--sampler", "reference", "--alg", "entropy"], capsys)
-    assert code == 2 and "--alg apply to Dream's sampler, not the reference sampler; add --sampler dream" in err
+    assert code == 2 and "--alg applies to Dream's sampler, not the reference sampler; add --sampler dream" in err
     # a model imported from Dream decodes with Dream's sampler unless told otherwise
     save_model_checkpoint(tmp_path / "dream", model, cfg.replace(extra={"hf_architecture": "DreamModel"}))
     code, out, err = run_cli(["--load", str(tmp_path / "dream")] + base[2:] + ["--alg", "entropy"], capsys)
