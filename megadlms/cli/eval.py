@@ -195,7 +195,7 @@ def _run_ppl(args: argparse.Namespace) -> int:
     from ..data.dataset import user_cache_dir
     from ..data.loader import BUNDLED_SPLIT, DEFAULT_SPLIT, check_data_paths
     from ..distributed.init import init_parallel
-    from ..eval.loading import load_model
+    from ..eval.loading import load_model, model_folder_kind
     from ..eval.validation import (
         format_ppl_table,
         model_report,
@@ -215,9 +215,8 @@ def _run_ppl(args: argparse.Namespace) -> int:
                                      iteration=args.iteration, device=ctx.device, dtype=args.dtype)
     models = [(args.load or args.hf_model or args.fp8_export, model, cfg)]
     if args.compare:
-        hf = (Path(args.compare) / "config.json").is_file()
-        other, other_cfg, _ = load_model(load=None if hf else args.compare, hf_model=args.compare if hf else None,
-                                         device=ctx.device, dtype=args.dtype)
+        source = model_folder_kind(args.compare) or "load"  # the loader's error names what the folder lacks
+        other, other_cfg, _ = load_model(**{source: args.compare}, device=ctx.device, dtype=args.dtype)
         models.append((args.compare, other, other_cfg))
     tokenizer = load_tokenizer(args.tokenizer_model or tok_dir)
     seq_length = args.seq_length or cfg.seq_length

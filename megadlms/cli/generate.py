@@ -18,7 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -142,28 +142,11 @@ def _device(name: str) -> torch.device:
 
 def load_model(args: argparse.Namespace, device: torch.device) -> tuple[TransformerLM, Any, str | None]:
     """(model in eval mode on `device`, its TransformerConfig, the tokenizer path to use)."""
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.load:
-        from ..training.checkpoint import load_model_from_checkpoint
+    from ..eval.loading import load_model as load_source
 
-        model, cfg, meta = load_model_from_checkpoint(args.load, device=device, iteration=args.iteration)
-        tok = meta.get("tokenizer_dir")
-        if not cfg.fp8:  # weights only: the RoPE tables (buffers) stay fp32
-            for prm in model.parameters():
-                prm.data = prm.data.to(dtype)
-    elif args.hf_model:
-        from ..interop.hf import load_hf_model
-
-        model, cfg = load_hf_model(args.hf_model, device=device, dtype=dtype)
-        tok = args.hf_model
-    else:
-        from ..fp8.export import load_fp8_export
-
-        model, cfg = load_fp8_export(args.fp8_export, device, dtype=dtype)
-        tok = args.fp8_export
-    return model.eval(), cfg, args.tokenizer_model or tok
+    model, cfg, tok = load_source(load=args.load, hf_model=args.hf_model, fp8_export=args.fp8_export,
+                                  iteration=args.iteration, device=device, dtype=args.dtype)
+    return cast("TransformerLM", model), cfg, args.tokenizer_model or tok
 
 
 def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
