@@ -69,7 +69,7 @@ def train_variant(mode: str, block: int | None, a: argparse.Namespace, extra: li
             "--seed", str(a.seed), "--device", "cpu", "--no-compile", "--num-workers", "0", "--no-progress",
             "--log-interval", str(a.iters), "--eval-iters", str(a.eval_batches), "--eval-interval", "0",
             "--difflm-varilen-prob", "0", "--no-generate-sample", "--model-running-mode", mode]
-    if mode != "vanilla":  # --train-args' bd3lm options are for the BD3-LM variants (the trainer refuses them elsewhere)
+    if mode != "vanilla":  # --train-args' bd3lm options go to the BD3-LM variants (the trainer refuses them elsewhere)
         argv += shlex.split(a.train_args) if mode == "bd3lm" else without_bd3lm_flags(shlex.split(a.train_args))
     if block is not None:
         argv += ["--block-size", str(block), "--bd3lm-clip-min", str(a.bd3lm_clip[0]),

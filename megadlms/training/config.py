@@ -135,7 +135,8 @@ class DiffusionConfig:
         given = [f for f in BD3LM_FIELDS if getattr(self, f) != getattr(default, f)]
         flags = ", ".join("--no-bd3lm-antithetic" if f == "bd3lm_antithetic" else flag_name(f) for f in given)
         if given and mode != "bd3lm":
-            raise ConfigError(f"{flags}: only used with --model-running-mode bd3lm (this run is {mode}); drop {'it' if len(given) == 1 else 'them'}")
+            raise ConfigError(f"{flags}: only used with --model-running-mode bd3lm (this run is {mode}); "
+                              f"drop {'it' if len(given) == 1 else 'them'}")
         search = [flag_name(f) for f in given if f.startswith("bd3lm_clip_search_")]
         if search and not self.bd3lm_clip_search:
             raise ConfigError(f"{', '.join(search)}: the candidates of --bd3lm-clip-search, which is off; add "

@@ -80,7 +80,8 @@ def test_bad_arguments():
         bd3lm_generate(model, PROMPTS, steps=2, threshold=0.5)
     with pytest.raises(ConfigError, match="context_window=128 is more than the model's max_position_embeddings=64"):
         bd3lm_generate(model, PROMPTS, context_window=128)
-    with pytest.raises(ConfigError, match=r"context_window=6 must be a multiple of the block size 4 \(at least one block\), e\.g\. 4 or 8$"):
+    with pytest.raises(ConfigError, match=r"context_window=6 must be a multiple of the block size 4 \(at least one "
+                                          r"block\), e\.g\. 4 or 8$"):
         bd3lm_generate(model, PROMPTS, context_window=6)
     with pytest.raises(ConfigError, match="var_length stops at the second EOS: give eos_id"):
         bd3lm_generate(model, PROMPTS, var_length=True)
