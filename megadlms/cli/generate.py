@@ -66,8 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(the default for a model trained with --model-running-mode bd3lm); dream: Dream's "
                         "diffusion_generate over the whole --gen-length (no blocks), order by --alg (the default "
                         "for a model imported from Dream)")
-    g.add_argument("--gen-length", type=int, default=128)
-    g.add_argument("--block-length", type=int, default=32)
+    g.add_argument("--gen-length", type=int, default=None,
+                   help="reference, fast and dream samplers: tokens to generate (default 128)")
+    g.add_argument("--block-length", type=int, default=None,
+                   help="reference and fast samplers: semi-autoregressive blocks (default 32)")
     g.add_argument("--steps", type=int, default=None,
                    help="reference and dream sampler steps (default: --gen-length)")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -97,7 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the [MASK] id (default: the model config's mask_token_id, else the tokenizer's)")
 
     g = p.add_argument_group("autoregressive and block-diffusion models")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="AR and bd3lm: the most tokens to generate (default 128)")
     g.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling (with --temperature > 0): AR, bd3lm and dream; BD3-LM's paper samples with "
                         "--remasking random --temperature 1 --top-p 0.9 (one token a step, the first-hitting order)")
@@ -147,6 +150,26 @@ def load_model(args: argparse.Namespace, device: torch.device) -> tuple[Transfor
     model, cfg, tok = load_source(load=args.load, hf_model=args.hf_model, fp8_export=args.fp8_export,
                                   iteration=args.iteration, device=device, dtype=args.dtype)
     return cast("TransformerLM", model), cfg, args.tokenizer_model or tok
+
+
+# the length flags each sampler reads (with their defaults); another sampler's is refused, not silently ignored
+LENGTH_FLAGS = {"ar": ("--max-new-tokens",), "bd3lm": ("--max-new-tokens",), "dream": ("--gen-length", "--steps"),
+                "reference": ("--gen-length", "--block-length", "--steps"), "fast": ("--gen-length", "--block-length")}
+LENGTH_DEFAULTS = {"gen_length": 128, "block_length": 32, "max_new_tokens": 128}
+
+
+def check_length_flags(args: argparse.Namespace, sampler: str) -> None:
+    """Refuse the length flags `sampler` does not read (`--gen-length` for a bd3lm model, ...); fill the defaults of
+    the others."""
+    reads = LENGTH_FLAGS[sampler]
+    wrong = [f for f in ("--gen-length", "--block-length", "--steps", "--max-new-tokens")
+             if getattr(args, f[2:].replace("-", "_")) is not None and f not in reads]
+    if wrong:
+        raise ConfigError(f"{' and '.join(wrong)} {'apply' if len(wrong) > 1 else 'applies'} to other samplers, not "
+                          f"the {sampler} sampler; its length flags are {' and '.join(reads)}")
+    for name, default in LENGTH_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -244,6 +267,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--entropy-window {args.entropy_window} is the window of --entropy-floor, which is off; add "
                           "--entropy-floor H (the reference's is 4) or drop it")
     entropy_window = 256 if args.entropy_window is None else args.entropy_window  # the reference's window
+    check_length_flags(args, sampler)
     if args.var_length and eos is None:
         raise ConfigError("--var-length stops at the second EOS: drop --ignore-eos")
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph

@@ -100,6 +100,9 @@ def test_causal_checkpoint_decodes_autoregressively(tmp_path, capsys, tokenizer)
     expect = ar_generate(model, [list(b"Hi")], max_new_tokens=5)[0]
     assert out == f">>> Hi\n{ByteTokenizer().decode(expect)}\n\n"
     assert "[ar] 5 tokens in" in err
+    code, _, err = run_cli(["--load", str(tmp_path / "ar"), "--prompt", "Hi", "--gen-length", "5"], capsys)
+    assert code == 2 and err.strip() == ("megadlms generate: error: --gen-length applies to other samplers, not the "
+                                         "ar sampler; its length flags are --max-new-tokens")
 
 
 def test_hf_and_fp8_loaders_are_used(tmp_path, capsys, tokenizer, monkeypatch):
@@ -210,6 +213,11 @@ def test_bad_input_gives_clear_errors(tmp_path, capsys, tokenizer):
     assert code == 2 and "mask_id=300 is outside the vocabulary [0, 260)" in err
     code, _, err = run_cli(base + ["--gen-length", "128", "--block-length", "128"], capsys)
     assert code == 2 and "exceeds the model's max_position_embeddings=128" in err
+    code, _, err = run_cli(base + ["--max-new-tokens", "16", "--steps", "8"], capsys)  # the reference sampler
+    assert code == 2 and ("--max-new-tokens applies to other samplers, not the reference sampler; its length flags "
+                          "are --gen-length and --block-length and --steps") in err
+    code, _, err = run_cli(base + ["--sampler", "fast", "--steps", "8", "--block-length", "8"], capsys)
+    assert code == 2 and "--steps applies to other samplers, not the fast sampler" in err
     code, _, err = run_cli(["--load", str(tmp_path / "ckpt")], capsys)
     assert code == 2 and "no prompts" in err
     bad = tmp_path / "bad.jsonl"

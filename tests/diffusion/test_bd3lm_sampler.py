@@ -129,6 +129,9 @@ def test_generate_cli_defaults_to_the_bd3lm_sampler(tmp_path, capsys, monkeypatc
     assert cli.run(cli.add_arguments(argparse.ArgumentParser()).parse_args(argv + ["--entropy-window", "6"])) == 2
     assert ("--entropy-window 6 is the window of --entropy-floor, which is off; add --entropy-floor H"
             in capsys.readouterr().err)
+    assert cli.run(cli.add_arguments(argparse.ArgumentParser()).parse_args(argv + ["--gen-length", "8"])) == 2
+    assert ("--gen-length applies to other samplers, not the bd3lm sampler; its length flags are --max-new-tokens"
+            in capsys.readouterr().err)
     reference = argv[:-4] + ["--sampler", "reference", "--gen-length", "8", "--block-length", "8", "--no-progress"]
     assert cli.run(cli.add_arguments(argparse.ArgumentParser()).parse_args(reference + ["--var-length"])) == 2
     assert "--var-length applies to the bd3lm sampler, not the reference sampler" in capsys.readouterr().err
