@@ -46,6 +46,18 @@ OPTIONS = [("defaults", []), ("full-vocab CE", ["--diffusion-loss", "full-vocab"
            ("clip search", ["--bd3lm-clip-search"])]
 
 
+def without_bd3lm_flags(argv: list[str]) -> list[str]:
+    """`argv` less the bd3lm-only flags (--bd3lm-*, --no-bd3lm-*) and their values."""
+    out: list[str] = []
+    dropping = False
+    for tok in argv:
+        if tok.startswith("--"):
+            dropping = tok.split("=")[0].removeprefix("--no-").removeprefix("--").startswith("bd3lm-")
+        if not dropping:
+            out.append(tok)
+    return out
+
+
 def train_variant(mode: str, block: int | None, a: argparse.Namespace, extra: list[str] | None = None
                   ) -> tuple[object, float, float]:
     """Train one variant (with the training flags `extra`); returns (trainer, the training loss averaged over the
@@ -57,8 +69,8 @@ def train_variant(mode: str, block: int | None, a: argparse.Namespace, extra: li
             "--seed", str(a.seed), "--device", "cpu", "--no-compile", "--num-workers", "0", "--no-progress",
             "--log-interval", str(a.iters), "--eval-iters", str(a.eval_batches), "--eval-interval", "0",
             "--difflm-varilen-prob", "0", "--no-generate-sample", "--model-running-mode", mode]
-    if mode != "vanilla":
-        argv += shlex.split(a.train_args)
+    if mode != "vanilla":  # --train-args' bd3lm options go to the BD3-LM variants (the trainer refuses them elsewhere)
+        argv += shlex.split(a.train_args) if mode == "bd3lm" else without_bd3lm_flags(shlex.split(a.train_args))
     if block is not None:
         argv += ["--block-size", str(block), "--bd3lm-clip-min", str(a.bd3lm_clip[0]),
                  "--bd3lm-clip-max", str(a.bd3lm_clip[1])]

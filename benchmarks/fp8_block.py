@@ -23,7 +23,7 @@ Variants (--variants, comma-separated):
   fp8-rowwise    our FP8 engine, Float8RowwiseScaling, HYBRID
   fp8-blockwise  our FP8 engine, Float8BlockwiseScaling (1x128 tiles, 128x128 weight blocks), E4M3
   fp8-mxfp8      our FP8 engine, Float8MXScaling (32-element E8M0 blocks; Blackwell only)
-  torchao        torchao.float8 tensorwise (when torchao is importable), same block otherwise
+  torchao        torchao.float8 tensorwise on the same block (a default variant where torchao is installed)
   NAME+graphs    the variant with its forward and backward replayed from CUDA graphs, as the trainer runs its
                  layers by default (`megadlms.training.cuda_graphs.LayerGraphs`, captured after one update);
                  its speed-ups are against `bf16+graphs` when that runs too
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -58,6 +59,11 @@ from megadlms.model import RotaryEmbedding, TransformerLayer, TransformerLM  # n
 from megadlms.training.cuda_graphs import LayerGraphs  # noqa: E402
 
 
+def default_variants() -> str:
+    """Our BF16 and FP8 blocks, and torchao's where it is installed (an optional package: no error row without it)."""
+    return "bf16,fp8-delayed,fp8-tensorwise" + (",torchao" if importlib.util.find_spec("torchao") else "")
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=4096)
@@ -68,7 +74,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--variants", default="bf16,fp8-delayed,fp8-tensorwise,torchao")
+    p.add_argument("--variants", default=default_variants(),
+                   help="comma-separated (default: bf16,fp8-delayed,fp8-tensorwise, and torchao where it is installed)")
     p.add_argument("--profile", default="bf16,fp8-delayed", help="variants to break down by kernel class ('' = none)")
     p.add_argument("--trace", default="", help="variants whose 3 timed-loop iterations go to a Chrome trace in --out "
                    "(CPU and GPU activity; read it with benchmarks/trace_gaps.py)")

@@ -156,3 +156,27 @@ def test_fp8_store_check_smoke(tmp_path):
     counts = [r[:-1] if r[-1] == "yes" else r for r in rows]  # "yes": the formulation training runs
     assert all(r[-5:] == ["2", "0", "0", "None", "0"] for r in counts), res.stdout[-3000:]
     assert sum(r[-1] == "yes" for r in rows) == 8  # one per kernel variant
+
+
+def test_bd3lm_likelihood_gives_bd3lm_options_to_the_bd3lm_variants_only():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bd3lm_likelihood
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    argv = ["--no-bd3lm-antithetic", "--ignore-bos", "--bd3lm-clip-min", "0.3", "--bd3lm-clip-max=0.8",
+            "--diffusion-loss", "full-vocab", "--bd3lm-clip-search-widths", "0.5", "0.6"]
+    assert bd3lm_likelihood.without_bd3lm_flags(argv) == ["--ignore-bos", "--diffusion-loss", "full-vocab"]
+
+
+def test_fp8_block_runs_torchao_by_default_only_where_it_is_installed(monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fp8_block
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    assert fp8_block.default_variants() == "bf16,fp8-delayed,fp8-tensorwise"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real(name, *a))
+    assert fp8_block.default_variants() == "bf16,fp8-delayed,fp8-tensorwise,torchao"

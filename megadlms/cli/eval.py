@@ -113,17 +113,28 @@ def _unknown(manager: Any, names: list[str]) -> list[str]:
     return [n for n in names if n not in known and not manager.match_tasks([n])]
 
 
+# model-args keys that a flag of this command also sets: key -> (the flag's dest, the flag)
+FLAG_KEYS = {"load": ("load", "--load"), "hf_model": ("hf_model", "--hf-model"),
+             "fp8_export": ("fp8_export", "--fp8-export"), "iteration": ("iteration", "--iteration"),
+             "mask_token": ("mask_token", "--mask-token"), "tokenizer": ("tokenizer_model", "--tokenizer-model"),
+             "device": ("device", "--device"), "dtype": ("dtype", "--dtype"),
+             "batch_size": ("batch_size", "--batch-size"), "seed": ("seed", "--seed")}
+
+
 def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The model class's settings: --model-args, and the flags that set the same keys. A key given in --model-args
+    is kept where its flag is left at its default; given both ways with different values, it is an error."""
     from lm_eval.utils import simple_parse_args_string
 
     kwargs: dict[str, Any] = simple_parse_args_string(args.model_args)
-    for name in ("load", "hf_model", "fp8_export", "iteration", "mask_token"):
-        value = getattr(args, name)
-        if value is not None:
-            kwargs[name] = value
-    if args.tokenizer_model is not None:
-        kwargs["tokenizer"] = args.tokenizer_model
-    kwargs.update(device=args.device, dtype=args.dtype, batch_size=args.batch_size, seed=args.seed)
+    defaults = add_arguments(argparse.ArgumentParser())
+    for key, (dest, flag) in FLAG_KEYS.items():
+        value = getattr(args, dest)
+        if key not in kwargs:
+            if value is not None:
+                kwargs[key] = value
+        elif value != defaults.get_default(dest) and str(value) != str(kwargs[key]):
+            raise ConfigError(f"--model-args {key}={kwargs[key]} contradicts {flag} {value}; give the value once")
     return kwargs
 
 
@@ -185,7 +196,7 @@ def _run_ppl(args: argparse.Namespace) -> int:
     from ..data.dataset import user_cache_dir
     from ..data.loader import BUNDLED_SPLIT, DEFAULT_SPLIT, check_data_paths
     from ..distributed.init import init_parallel
-    from ..eval.loading import load_model
+    from ..eval.loading import load_model, model_folder_kind
     from ..eval.validation import (
         format_ppl_table,
         model_report,
@@ -205,9 +216,8 @@ def _run_ppl(args: argparse.Namespace) -> int:
                                      iteration=args.iteration, device=ctx.device, dtype=args.dtype)
     models = [(args.load or args.hf_model or args.fp8_export, model, cfg)]
     if args.compare:
-        hf = (Path(args.compare) / "config.json").is_file()
-        other, other_cfg, _ = load_model(load=None if hf else args.compare, hf_model=args.compare if hf else None,
-                                         device=ctx.device, dtype=args.dtype)
+        source = model_folder_kind(args.compare) or "load"  # the loader's error names what the folder lacks
+        other, other_cfg, _ = load_model(**{source: args.compare}, device=ctx.device, dtype=args.dtype)
         models.append((args.compare, other, other_cfg))
     tokenizer = load_tokenizer(args.tokenizer_model or tok_dir)
     seq_length = args.seq_length or cfg.seq_length

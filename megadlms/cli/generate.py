@@ -18,7 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -67,8 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(the default for a model trained with --model-running-mode bd3lm); dream: Dream's "
                         "diffusion_generate over the whole --gen-length (no blocks), order by --alg (the default "
                         "for a model imported from Dream)")
-    g.add_argument("--gen-length", type=int, default=128)
-    g.add_argument("--block-length", type=int, default=32)
+    g.add_argument("--gen-length", type=int, default=None,
+                   help="reference, fast and dream samplers: tokens to generate (default 128)")
+    g.add_argument("--block-length", type=int, default=None,
+                   help="reference and fast samplers: semi-autoregressive blocks (default 32)")
     g.add_argument("--steps", type=int, default=None,
                    help="reference and dream sampler steps (default: --gen-length)")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -98,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the [MASK] id (default: the model config's mask_token_id, else the tokenizer's)")
 
     g = p.add_argument_group("autoregressive and block-diffusion models")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="AR and bd3lm: the most tokens to generate (default 128)")
     g.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling (with --temperature > 0): AR, bd3lm and dream; BD3-LM's paper samples with "
                         "--remasking random --temperature 1 --top-p 0.9 (one token a step, the first-hitting order)")
@@ -111,7 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--entropy-floor", type=float, default=None,
                    help="bd3lm: stop a row whose last --entropy-window tokens have a unigram entropy below this "
                         "(nats; degenerate repetition) and cut them off (the reference: 4; default off)")
-    g.add_argument("--entropy-window", type=int, default=256, help="bd3lm: the tokens --entropy-floor looks at")
+    g.add_argument("--entropy-window", type=int, default=None,
+                   help="bd3lm: the tokens --entropy-floor looks at (default 256, the reference's)")
     return p
 
 
@@ -142,28 +146,31 @@ def _device(name: str) -> torch.device:
 
 def load_model(args: argparse.Namespace, device: torch.device) -> tuple[TransformerLM, Any, str | None]:
     """(model in eval mode on `device`, its TransformerConfig, the tokenizer path to use)."""
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.load:
-        from ..training.checkpoint import load_model_from_checkpoint
+    from ..eval.loading import load_model as load_source
 
-        model, cfg, meta = load_model_from_checkpoint(args.load, device=device, iteration=args.iteration)
-        tok = meta.get("tokenizer_dir")
-        if not cfg.fp8:  # weights only: the RoPE tables (buffers) stay fp32
-            for prm in model.parameters():
-                prm.data = prm.data.to(dtype)
-    elif args.hf_model:
-        from ..interop.hf import load_hf_model
+    model, cfg, tok = load_source(load=args.load, hf_model=args.hf_model, fp8_export=args.fp8_export,
+                                  iteration=args.iteration, device=device, dtype=args.dtype)
+    return cast("TransformerLM", model), cfg, args.tokenizer_model or tok
 
-        model, cfg = load_hf_model(args.hf_model, device=device, dtype=dtype)
-        tok = args.hf_model
-    else:
-        from ..fp8.export import load_fp8_export
 
-        model, cfg = load_fp8_export(args.fp8_export, device, dtype=dtype)
-        tok = args.fp8_export
-    return model.eval(), cfg, args.tokenizer_model or tok
+# the length flags each sampler reads (with their defaults); another sampler's is refused, not silently ignored
+LENGTH_FLAGS = {"ar": ("--max-new-tokens",), "bd3lm": ("--max-new-tokens",), "dream": ("--gen-length", "--steps"),
+                "reference": ("--gen-length", "--block-length", "--steps"), "fast": ("--gen-length", "--block-length")}
+LENGTH_DEFAULTS = {"gen_length": 128, "block_length": 32, "max_new_tokens": 128}
+
+
+def check_length_flags(args: argparse.Namespace, sampler: str) -> None:
+    """Refuse the length flags `sampler` does not read (`--gen-length` for a bd3lm model, ...); fill the defaults of
+    the others."""
+    reads = LENGTH_FLAGS[sampler]
+    wrong = [f for f in ("--gen-length", "--block-length", "--steps", "--max-new-tokens")
+             if getattr(args, f[2:].replace("-", "_")) is not None and f not in reads]
+    if wrong:
+        raise ConfigError(f"{' and '.join(wrong)} {'apply' if len(wrong) > 1 else 'applies'} to other samplers, not "
+                          f"the {sampler} sampler; its length flags are {' and '.join(reads)}")
+    for name, default in LENGTH_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -248,14 +255,20 @@ def _run(args: argparse.Namespace) -> int:
     dream_flags = [f for f, v in (("--alg", args.alg), ("--alg-temp", args.alg_temp), ("--top-k", args.top_k))
                    if v is not None]
     if dream_flags and sampler != "dream":
-        raise ConfigError(f"{' and '.join(dream_flags)} apply to Dream's sampler, not the {sampler} sampler; "
+        raise ConfigError(f"{' and '.join(dream_flags)} {'apply' if len(dream_flags) > 1 else 'applies'} to Dream's "
+                          f"sampler, not the {sampler} sampler; "
                           "add --sampler dream")
     bd3lm_flags = [f for f, on in (("--context-window", args.context_window is not None),
                                    ("--var-length", args.var_length),
                                    ("--entropy-floor", args.entropy_floor is not None)) if on]
     if bd3lm_flags and sampler != "bd3lm":
-        raise ConfigError(f"{' and '.join(bd3lm_flags)} apply to the bd3lm sampler, not the {sampler} sampler; use a "
-                          "block-diffusion model (or --sampler bd3lm)")
+        raise ConfigError(f"{' and '.join(bd3lm_flags)} {'apply' if len(bd3lm_flags) > 1 else 'applies'} to the bd3lm "
+                          f"sampler, not the {sampler} sampler; use a block-diffusion model (or --sampler bd3lm)")
+    if args.entropy_window is not None and args.entropy_floor is None:
+        raise ConfigError(f"--entropy-window {args.entropy_window} is the window of --entropy-floor, which is off; add "
+                          "--entropy-floor H (the reference's is 4) or drop it")
+    entropy_window = 256 if args.entropy_window is None else args.entropy_window  # the reference's window
+    check_length_flags(args, sampler)
     if args.var_length and eos is None:
         raise ConfigError("--var-length stops at the second EOS: drop --ignore-eos")
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
@@ -289,7 +302,7 @@ def _run(args: argparse.Namespace) -> int:
                                                   temperature=args.temperature, remasking=args.remasking, eos_id=eos,
                                                   top_p=args.top_p, context_window=args.context_window,
                                                   var_length=args.var_length, entropy_floor=args.entropy_floor,
-                                                  entropy_window=args.entropy_window,
+                                                  entropy_window=entropy_window,
                                                   generator=generator, progress=progress)
             forwards += nfe
             for row in generated_rows(x, start, args.max_new_tokens, eos_id=None, mask_id=mask_id):

@@ -62,8 +62,8 @@ def check_bd3lm_args(*, block_size: int, max_new_tokens: int, steps: int | None,
     if steps is not None and threshold is not None:
         raise ConfigError("pass steps per block (--block-steps) or a confidence threshold (--threshold), not both")
     if steps is not None and (not isinstance(steps, int) or not 1 <= steps <= block_size):
-        raise ConfigError(f"steps={steps!r} per block must be in [1, block_size={block_size}] (a step commits at "
-                          "least one token when the block has masks)")
+        raise ConfigError(f"steps={steps!r} per block (--block-steps) must be in [1, block_size={block_size}] (a step "
+                          "commits at least one token when the block has masks)")
     if threshold is not None and not 0.0 < threshold <= 1.0:
         raise ConfigError(f"threshold={threshold} must be in (0, 1], e.g. 0.9")
     if not math.isfinite(temperature) or temperature < 0:
@@ -87,8 +87,9 @@ def context_window_of(model: nn.Module, block: int, context_window: int | None) 
             raise ConfigError(f"the model's max_position_embeddings={max_pos} holds no whole block of {block}")
         return None if max_pos is None else max_pos // block * block
     if not isinstance(context_window, int) or context_window < block or context_window % block:
+        low = max(block, context_window // block * block) if isinstance(context_window, int) else block
         raise ConfigError(f"context_window={context_window!r} must be a multiple of the block size {block} (at least "
-                          "one block)")
+                          f"one block), e.g. {low} or {low + block}")
     if max_pos is not None and context_window > max_pos:
         raise ConfigError(f"context_window={context_window} is more than the model's max_position_embeddings="
                           f"{max_pos}; use at most {max_pos // block * block}")

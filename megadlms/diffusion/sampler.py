@@ -91,9 +91,11 @@ def check_model_fit(model: nn.Module, *, mask_id: int, total_length: int, prompt
                          "the model was trained with (--mask-token; the checkpoint config's mask_token_id)")
     max_pos = getattr(cfg, "max_position_embeddings", None)
     if max_pos is not None and total_length > max_pos:
+        fix = f"lower the generation length to at most {max(max_pos - prompt_length, 0)}"
+        if gen_length < max_pos:
+            fix = f"shorten the prompt to at most {max_pos - gen_length} tokens or {fix}"
         raise ConfigError(f"prompt length {prompt_length} + generation length {gen_length} = {total_length} exceeds "
-                         f"the model's max_position_embeddings={max_pos}; shorten the prompt to at most "
-                         f"{max(max_pos - gen_length, 0)} tokens or lower the generation length")
+                         f"the model's max_position_embeddings={max_pos}; {fix}")
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -37,6 +37,7 @@ from torch import nn
 from ..config import TransformerConfig
 from ..errors import MegaDLMsError
 from ..model import RotaryEmbedding, TransformerLM, compute_dtype
+from ..safetensors_file import save_safetensors
 from .convert import fp8_eligible, fp8_layer_range
 from .formats.blockwise import (
     BLOCK,
@@ -123,14 +124,12 @@ def export_model(model: TransformerLM, cfg: TransformerConfig, save_dir: str | P
                  scaling: str = "tensor", tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
     """Write `model` as an inference export (see the module docstring). Returns a summary:
     {'path', 'bytes' (the safetensors file), 'bf16_bytes' (the same export all in BF16), 'fp8_tensors'}."""
-    from safetensors.torch import save_file
-
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     tensors, fp8_names, bf16_bytes = export_tensors(model, fp8=fp8, scaling=scaling)
     meta = {"format": "pt", "megadlms.fp8": scaling if fp8 else "none"}
     path = save_dir / WEIGHTS
-    save_file(tensors, str(path), metadata=meta)
+    save_safetensors(tensors, path, metadata=meta)
     (save_dir / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..config import TransformerConfig
 from ..data.tokenizer import complete_tokenizer_config
@@ -41,6 +40,7 @@ from ..presets import (  # noqa: F401  (the config translation, re-exported: par
     megadlms_config_to_hf,
     read_hf_config,
 )
+from ..safetensors_file import save_safetensors
 from . import llada
 
 # Files a transformers tokenizer is made of (whichever the folder has are copied).
@@ -301,12 +301,12 @@ def save_safetensors_sharded(state_dict: Mapping[str, torch.Tensor], save_dir: s
     metadata = {"format": "pt"}  # transformers refuses safetensors without it
     if len(shards) == 1:
         path = save_dir / SAFE_WEIGHTS_NAME
-        save_file(shards[0], str(path), metadata=metadata)
+        save_safetensors(shards[0], path, metadata=metadata)
         return [path]
     paths, weight_map = [], {}
     for i, shard in enumerate(shards, 1):
         path = save_dir / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path), metadata=metadata)
+        save_safetensors(shard, path, metadata=metadata)
         paths.append(path)
         weight_map.update({n: path.name for n in shard})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

@@ -22,6 +22,7 @@ from ..config import TransformerConfig
 from ..dlm_formats import OWN_FORMAT_ARCHITECTURES
 from ..lora import LoraConfig, lora_modules
 from ..presets import hf_architecture
+from ..safetensors_file import save_safetensors
 from .hf import InteropError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -50,8 +51,6 @@ def save_peft_adapter(model: nn.Module, cfg: TransformerConfig, lora: LoraConfig
                       hf_format: str = "auto") -> Path:
     """Write `model`'s adapters (LoraLinears, `megadlms.lora`) as a PEFT adapter folder; returns the folder.
     dtype: of the stored adapters (default: their own, fp32)."""
-    from safetensors.torch import save_file
-
     arch = hf_architecture(cfg, hf_format)
     if arch in OWN_FORMAT_ARCHITECTURES:
         raise InteropError(f"a PEFT adapter for {arch}'s own format is not written; merge the adapters "
@@ -65,7 +64,7 @@ def save_peft_adapter(model: nn.Module, cfg: TransformerConfig, lora: LoraConfig
         raise InteropError("the model has no LoRA adapters to export")
     out = Path(save_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     config = peft_adapter_config(lora, cfg, base_model_name_or_path)
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out

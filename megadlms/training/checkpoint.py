@@ -359,6 +359,11 @@ def find_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path:
         raise CheckpointError(f"no checkpoint folder {load_dir}: it does not exist or is not a folder")
     if iteration is None:
         pointer = load_dir / LATEST
+        if not pointer.is_file() and (load_dir / "config.json").is_file():
+            raise CheckpointError(f"no checkpoint in {load_dir}: it holds a config.json, as a Hugging Face or "
+                                  "`megadlms export` folder does; import a Hugging Face folder with `megadlms convert "
+                                  "hf-to-megadlms --hf-model DIR --save CKPT` (generate and eval read it as "
+                                  "--hf-model DIR, an export as --fp8-export DIR)")
         if not pointer.is_file():
             raise CheckpointError(f"no checkpoint in {load_dir}: {LATEST} is missing (is this a --save folder "
                                   f"of a run that saved at least once?); {_listing(load_dir)}")

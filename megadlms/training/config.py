@@ -76,6 +76,11 @@ class ModelConfig:
                 if f.name in _MODEL_FIELDS and getattr(self, f.name) is not None}
 
 
+# DiffusionConfig's fields that only bd3lm reads
+BD3LM_FIELDS = ("bd3lm_clip_min", "bd3lm_clip_max", "bd3lm_noise_per", "bd3lm_antithetic", "bd3lm_resample",
+                "bd3lm_clip_search", "bd3lm_clip_search_widths", "bd3lm_clip_search_delta")
+
+
 @dataclass
 class DiffusionConfig:
     """The training objective: masked diffusion (difflm-noshift, bidirectional) or autoregressive (vanilla)."""
@@ -124,6 +129,20 @@ class DiffusionConfig:
             raise ConfigError("--model-running-mode difflm-noshift, but the model predicts token i + 1 at position i "
                               "(diffusion_shift, as Dream does): drop the flag or use difflm-shift")
         return mode
+
+    def check_bd3lm_flags(self, mode: str) -> None:
+        """A bd3lm option in another mode, or a clip-search option without the search, would change nothing: an
+        error naming it, not silently dropped."""
+        default = DiffusionConfig()
+        given = [f for f in BD3LM_FIELDS if getattr(self, f) != getattr(default, f)]
+        flags = ", ".join("--no-bd3lm-antithetic" if f == "bd3lm_antithetic" else flag_name(f) for f in given)
+        if given and mode != "bd3lm":
+            raise ConfigError(f"{flags}: only used with --model-running-mode bd3lm (this run is {mode}); "
+                              f"drop {'it' if len(given) == 1 else 'them'}")
+        search = [flag_name(f) for f in given if f.startswith("bd3lm_clip_search_")]
+        if search and not self.bd3lm_clip_search:
+            raise ConfigError(f"{', '.join(search)}: the candidates of --bd3lm-clip-search, which is off; add "
+                              f"--bd3lm-clip-search or drop {'it' if len(search) == 1 else 'them'}")
 
     def objective(self, mode: str, mask_token_id: int | None, loss: str) -> ObjectiveConfig:
         """The objective of a run in `mode` with the model's [MASK] id and its diffusion loss (`TransformerConfig.loss`,

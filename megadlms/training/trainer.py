@@ -104,6 +104,7 @@ def resolve_model_config(config: RunConfig, vocab_size: int | None, mask_id: int
     # block diffusion: the block size is part of the model (its sampler and exports need it)
     if obj.block_size is not None and mode != "bd3lm":
         raise ConfigError(f"--block-size {obj.block_size} is only used with --model-running-mode bd3lm; drop it")
+    obj.check_bd3lm_flags(mode)
     if mode == "bd3lm":
         if obj.block_size is None and base.get("block_size") is None:
             raise ConfigError("--model-running-mode bd3lm needs --block-size B (a divisor of --seq-length, e.g. 4)")

@@ -68,6 +68,17 @@ def test_the_tokenizer_flags_reach_the_harness_model():
     assert cli.model_kwargs(args)["tokenizer"] == "tok" and "tokenizer_model" not in cli.model_kwargs(args)
 
 
+def test_model_args_keys_of_a_flag_are_kept_or_refused():
+    parse = cli.add_arguments(__import__("argparse").ArgumentParser()).parse_args
+    kwargs = cli.model_kwargs(parse(["--load", "ck", "--model-args", "dtype=bf16,seed=7,mc_num=4"]))
+    assert (kwargs["dtype"], kwargs["seed"], kwargs["mc_num"], kwargs["device"]) == ("bf16", 7, 4, "auto")
+    assert cli.model_kwargs(parse(["--load", "ck", "--dtype", "bf16", "--model-args", "dtype=bf16"]))["dtype"] == "bf16"
+    with pytest.raises(cli.ConfigError, match=r"^--model-args dtype=fp32 contradicts --dtype bf16; give the value"):
+        cli.model_kwargs(parse(["--load", "ck", "--dtype", "bf16", "--model-args", "dtype=fp32"]))
+    with pytest.raises(cli.ConfigError, match="--model-args batch_size=4 contradicts --batch-size 16"):
+        cli.model_kwargs(parse(["--load", "ck", "--batch-size", "16", "--model-args", "batch_size=4"]))
+
+
 def test_missing_harness_names_the_extra(eval_files, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     code, _, err = run_cli(["--load", str(eval_files["dlm"]), "--tasks", "x"], capsys)

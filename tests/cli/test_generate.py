@@ -72,7 +72,7 @@ def test_generate_from_checkpoint_matches_the_sampler(tmp_path, capsys, tokenize
             "--block-length", "8", "--steps", "8", "--output-file", str(tmp_path / "out.jsonl"), "--ignore-eos"]
     code, out, err = run_cli(argv, capsys)
     assert code == 0, err
-    assert "[reference] 32 tokens in" in err and "tokens/s (8 forwards, 2 prompts" in err
+    assert "[reference] 32 tokens in" in err and "tokens/s (8 forwards, 2 prompts, batch size 2, cpu)" in err
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [0, 1] and all(r["num_tokens"] == 16 for r in rows)
     expect = generate(model, [list(p.encode()) for p in PROMPTS], mask_id=MASK, gen_length=16, block_length=8,
@@ -100,6 +100,9 @@ def test_causal_checkpoint_decodes_autoregressively(tmp_path, capsys, tokenizer)
     expect = ar_generate(model, [list(b"Hi")], max_new_tokens=5)[0]
     assert out == f">>> Hi\n{ByteTokenizer().decode(expect)}\n\n"
     assert "[ar] 5 tokens in" in err
+    code, _, err = run_cli(["--load", str(tmp_path / "ar"), "--prompt", "Hi", "--gen-length", "5"], capsys)
+    assert code == 2 and err.strip() == ("megadlms generate: error: --gen-length applies to other samplers, not the "
+                                         "ar sampler; its length flags are --max-new-tokens")
 
 
 def test_hf_and_fp8_loaders_are_used(tmp_path, capsys, tokenizer, monkeypatch):
@@ -210,6 +213,11 @@ def test_bad_input_gives_clear_errors(tmp_path, capsys, tokenizer):
     assert code == 2 and "mask_id=300 is outside the vocabulary [0, 260)" in err
     code, _, err = run_cli(base + ["--gen-length", "128", "--block-length", "128"], capsys)
     assert code == 2 and "exceeds the model's max_position_embeddings=128" in err
+    code, _, err = run_cli(base + ["--max-new-tokens", "16", "--steps", "8"], capsys)  # the reference sampler
+    assert code == 2 and ("--max-new-tokens applies to other samplers, not the reference sampler; its length flags "
+                          "are --gen-length and --block-length and --steps") in err
+    code, _, err = run_cli(base + ["--sampler", "fast", "--steps", "8", "--block-length", "8"], capsys)
+    assert code == 2 and "--steps applies to other samplers, not the fast sampler" in err
     code, _, err = run_cli(["--load", str(tmp_path / "ckpt")], capsys)
     assert code == 2 and "no prompts" in err
     bad = tmp_path / "bad.jsonl"
@@ -259,7 +267,7 @@ def test_dream_sampler_flags(tmp_path, capsys, tokenizer):
                                 alg=alg, pad_id=PAD, generator=torch.Generator().manual_seed(5), top_p=1.0, **kw)
         assert out == "".join(f">>> {p}\n{ByteTokenizer().decode(e)}\n\n" for p, e in zip(PROMPTS, expect))
     code, out, err = run_cli(base + ["--sampler", "reference", "--alg", "entropy"], capsys)
-    assert code == 2 and "--alg apply to Dream's sampler, not the reference sampler; add --sampler dream" in err
+    assert code == 2 and "--alg applies to Dream's sampler, not the reference sampler; add --sampler dream" in err
     # a model imported from Dream decodes with Dream's sampler unless told otherwise
     save_model_checkpoint(tmp_path / "dream", model, cfg.replace(extra={"hf_architecture": "DreamModel"}))
     code, out, err = run_cli(["--load", str(tmp_path / "dream")] + base[2:] + ["--alg", "entropy"], capsys)

@@ -280,6 +280,7 @@ def test_validation_reports_the_nelbo_with_the_same_noise_every_time():
 @pytest.mark.parametrize("extra,match", [
     (["--block-size", "5"], "--block-size 5 does not divide --seq-length 16"),
     (["--model-running-mode", "difflm-noshift"], "--block-size 4 is only used with --model-running-mode bd3lm"),
+    (["--bd3lm-clip-search-widths", "0.5"], "--bd3lm-clip-search-widths: the candidates of --bd3lm-clip-search"),
 ])
 def test_bad_flags_are_one_line_errors(extra, match):
     from megadlms.training.args import parse_train_args

@@ -74,13 +74,14 @@ def test_temperature_sampling_is_reproducible_with_a_generator():
 
 def test_bad_arguments():
     model, cfg = tiny()
-    with pytest.raises(ConfigError, match="steps=5 per block must be in"):
+    with pytest.raises(ConfigError, match=r"steps=5 per block \(--block-steps\) must be in"):
         bd3lm_generate(model, PROMPTS, steps=5)
     with pytest.raises(ConfigError, match="not both"):
         bd3lm_generate(model, PROMPTS, steps=2, threshold=0.5)
     with pytest.raises(ConfigError, match="context_window=128 is more than the model's max_position_embeddings=64"):
         bd3lm_generate(model, PROMPTS, context_window=128)
-    with pytest.raises(ConfigError, match="context_window=6 must be a multiple of the block size 4"):
+    with pytest.raises(ConfigError, match=r"context_window=6 must be a multiple of the block size 4 \(at least one "
+                                          r"block\), e\.g\. 4 or 8$"):
         bd3lm_generate(model, PROMPTS, context_window=6)
     with pytest.raises(ConfigError, match="var_length stops at the second EOS: give eos_id"):
         bd3lm_generate(model, PROMPTS, var_length=True)
@@ -125,6 +126,15 @@ def test_generate_cli_defaults_to_the_bd3lm_sampler(tmp_path, capsys, monkeypatc
                                               for p, e in zip(prompts, expect))
     assert cli.run(cli.add_arguments(argparse.ArgumentParser()).parse_args(argv + ["--var-length"])) == 2
     assert "--var-length stops at the second EOS: drop --ignore-eos" in capsys.readouterr().err
+    assert cli.run(cli.add_arguments(argparse.ArgumentParser()).parse_args(argv + ["--entropy-window", "6"])) == 2
+    assert ("--entropy-window 6 is the window of --entropy-floor, which is off; add --entropy-floor H"
+            in capsys.readouterr().err)
+    assert cli.run(cli.add_arguments(argparse.ArgumentParser()).parse_args(argv + ["--gen-length", "8"])) == 2
+    assert ("--gen-length applies to other samplers, not the bd3lm sampler; its length flags are --max-new-tokens"
+            in capsys.readouterr().err)
+    reference = argv[:-4] + ["--sampler", "reference", "--gen-length", "8", "--block-length", "8", "--no-progress"]
+    assert cli.run(cli.add_arguments(argparse.ArgumentParser()).parse_args(reference + ["--var-length"])) == 2
+    assert "--var-length applies to the bd3lm sampler, not the reference sampler" in capsys.readouterr().err
 
 
 def test_nucleus_keeps_the_smallest_set_that_reaches_top_p():

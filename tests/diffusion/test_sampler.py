@@ -252,8 +252,12 @@ def test_bad_sampling_args(kw, match):
 def test_bad_model_inputs():
     model = tiny_model()
     with pytest.raises(ValueError, match=r"6 \+ generation length 60 = 66 exceeds the model's "
-                                         r"max_position_embeddings=64; shorten the prompt to at most 4"):
+                                         r"max_position_embeddings=64; shorten the prompt to at most 4 tokens "
+                                         r"or lower the generation length to at most 58$"):
         generate(model, PROMPT, mask_id=MASK, gen_length=60, block_length=60, steps=60)
+    with pytest.raises(ValueError, match=r"= 70 exceeds the model's max_position_embeddings=64; lower the generation "
+                                         r"length to at most 58$"):  # no prompt fits beside 64 tokens
+        generate(model, PROMPT, mask_id=MASK, gen_length=64, block_length=64, steps=64)
     with pytest.raises(ValueError, match=r"mask_id=61 is outside the vocabulary \[0, 61\)"):
         generate(model, PROMPT, mask_id=61, gen_length=8)
     with pytest.raises(ValueError, match=r"prompt token ids \[99\] are outside the model's vocabulary"):

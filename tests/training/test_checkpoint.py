@@ -48,6 +48,12 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_incomplete_or_missing_checkpoints_are_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="latest_checkpointed_iteration.txt"):
         ckpt.find_checkpoint(tmp_path)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint in .*hf: it holds a config.json, as a Hugging Face "
+                                                   "or `megadlms export` folder does; import a Hugging Face folder"):
+        ckpt.find_checkpoint(hf)
     (tmp_path / "iter_0000005").mkdir()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
     with pytest.raises(ckpt.CheckpointError, match="incomplete"):

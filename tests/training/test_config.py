@@ -59,6 +59,21 @@ def test_each_section_validates_itself(make, message):
         make()
 
 
+def test_bd3lm_options_are_refused_where_they_would_change_nothing():
+    DiffusionConfig(bd3lm_clip_min=0.3, bd3lm_clip_search=True, bd3lm_clip_search_widths=[0.5]).check_bd3lm_flags(
+        "bd3lm")
+    DiffusionConfig(bd3lm_clip_search_widths=[0.5, 0.6, 0.7, 0.8, 0.9]).check_bd3lm_flags("bd3lm")  # the defaults
+    DiffusionConfig(ignore_bos=True).check_bd3lm_flags("difflm-noshift")  # not bd3lm's alone
+    with pytest.raises(ConfigError, match=r"^--bd3lm-clip-search: only used with --model-running-mode bd3lm \(this "
+                                          r"run is difflm-noshift\); drop it$"):
+        DiffusionConfig(bd3lm_clip_search=True).check_bd3lm_flags("difflm-noshift")
+    with pytest.raises(ConfigError, match=r"^--bd3lm-clip-max, --no-bd3lm-antithetic: only .* vanilla\); drop them$"):
+        DiffusionConfig(bd3lm_clip_max=0.8, bd3lm_antithetic=False).check_bd3lm_flags("vanilla")
+    with pytest.raises(ConfigError, match=r"^--bd3lm-clip-search-delta: the candidates of --bd3lm-clip-search, which "
+                                          r"is off; add --bd3lm-clip-search or drop it$"):
+        DiffusionConfig(bd3lm_clip_search_delta=0.1).check_bd3lm_flags("bd3lm")
+
+
 def test_model_overrides_are_the_set_transformer_fields():
     model_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     assert {f.name for f in dataclasses.fields(ModelConfig)} - model_fields == {"model_path"}
