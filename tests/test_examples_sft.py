@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,3 +28,15 @@ def test_heldout_prompts_never_in_training_and_scoring(tmp_path):
     out.write_text("".join(json.dumps({**h, "completion": h["answer"] if i % 4 == 0 else "9"}) + "\n"
                            for i, h in enumerate(held)))
     assert _load("score").exact_match(str(out)) == (10, 40)
+
+
+def test_the_digit_range_is_an_option(tmp_path):
+    make_data = _load("make_data")
+    make_data.main(["--out", str(tmp_path), "--train", "200", "--heldout", "30", "--min-digits", "2",
+                    "--max-digits", "3"])
+    train = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    sizes = {len(r["response"].split()) for r in train}
+    assert sizes == {2, 3}
+    # more held-out lists than exist is refused (1-digit lists: 10)
+    with pytest.raises(SystemExit):
+        make_data.main(["--out", str(tmp_path), "--heldout", "10", "--min-digits", "1", "--max-digits", "1"])

@@ -2,6 +2,8 @@
 # SFT of a tiny masked-diffusion LM on the CPU, scored on held-out prompts before and after.
 #   bash examples/sft/run.sh [WORK_DIR]                      (a few minutes on 2 idle CPU cores)
 #   CONTINUE_ITERS=600 bash examples/sft/run.sh [WORK_DIR]   (then resumes the SFT run to 600 iterations)
+# Optional: DATA_ARGS (extra make_data.py flags, e.g. "--min-digits 2 --max-digits 3"), SFT_ITERS (250),
+# GEN_LENGTH (16: tokens generated per held-out answer).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 WORK="${1:-/tmp/megadlms_sft_example}"
@@ -11,11 +13,14 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 MODEL=(--model-path tiny --num-layers 3 --hidden-size 96 --num-attention-heads 4 --num-query-groups 2
        --ffn-hidden-size 256 --seq-length 48 --device cpu --no-compile --num-workers 0 --no-progress
        --no-generate-sample)
-GEN=(--prompt-file "$WORK/data/heldout_prompts.jsonl" --gen-length 16 --block-length 16 --steps 16
-     --device cpu --batch-size 50 --no-progress)
+SFT_ITERS="${SFT_ITERS:-250}"
+GEN_LENGTH="${GEN_LENGTH:-16}"
+GEN=(--prompt-file "$WORK/data/heldout_prompts.jsonl" --gen-length "$GEN_LENGTH" --block-length "$GEN_LENGTH"
+     --steps "$GEN_LENGTH" --device cpu --batch-size 50 --no-progress)
 
 # 1. data: a generated instruction set, rendered with a plain prompt template (the bundled tokenizer has none)
-$PY "$HERE/make_data.py" --out "$WORK/data"
+# shellcheck disable=SC2086  # DATA_ARGS is a list of flags
+$PY "$HERE/make_data.py" --out "$WORK/data" ${DATA_ARGS:-}
 $MEGADLMS preprocess --chat --input "$WORK/data/train.jsonl" --output-prefix "$WORK/data/reverse" \
     --prompt-template $'Q: {prompt}\nA: ' --no-progress
 
@@ -26,8 +31,8 @@ $MEGADLMS generate --load "$WORK/base" "${GEN[@]}" --output-file "$WORK/before.j
 
 # 3. SFT on packed conversations (prompts never masked, EOS padding trained on)
 $MEGADLMS train "${MODEL[@]}" --load "$WORK/base" --finetune --sft --data-path "$WORK/data/reverse_chat_document" \
-    --split 98,2,0 --micro-batch-size 16 --train-iters 250 --lr 3e-3 --lr-warmup-iters 20 --weight-decay 0.01 \
-    --log-interval 25 --eval-interval 125 --eval-iters 2 --save "$WORK/sft"
+    --split 98,2,0 --micro-batch-size 16 --train-iters "$SFT_ITERS" --lr 3e-3 --lr-warmup-iters 20 --weight-decay 0.01 \
+    --log-interval 25 --eval-interval $((SFT_ITERS / 2)) --eval-iters 2 --save "$WORK/sft"
 $MEGADLMS generate --load "$WORK/sft" "${GEN[@]}" --output-file "$WORK/after.jsonl"
 
 # 4. optional (CONTINUE_ITERS=600): resume the SFT run up to that many iterations (optimizer and data position

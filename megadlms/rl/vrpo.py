@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..diffusion.objective import subs_logits
+
 
 def elbo_noise(n: int, length: int, generator: torch.Generator, *, eps: float = 1e-3,
                stratified: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,16 +49,21 @@ def masked_rows(sequence: torch.Tensor, response_start: int, p: torch.Tensor, ma
     return inputs, weights
 
 
-def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position: logits [B, S, V], targets long [B, S] -> fp32 [B, S]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, mask_id: int | None = None) -> torch.Tensor:
+    """log p(target) per position: logits [B, S, V], targets long [B, S] -> fp32 [B, S]. mask_id: the model's
+    SUBS parameterisation (trained, and sampled, with [MASK] out of the softmax): its logit is -inf here too."""
+    lf = logits.float()
+    if mask_id is not None:
+        lf = subs_logits(lf, mask_id, inplace=lf is not logits)  # in place only on the fp32 copy
+    logp = torch.log_softmax(lf, dim=-1)
     return logp.gather(-1, targets[..., None]).squeeze(-1)
 
 
-def elbo_estimates(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, n: int) -> torch.Tensor:
+def elbo_estimates(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, n: int,
+                   mask_id: int | None = None) -> torch.Tensor:
     """The estimates B of `logits` [E * n, S, V] (E estimates of n rows each): fp32 [E], the mean over each estimate's
-    n rows of sum_i weights * log p(targets_i)."""
-    per_row = (token_logps(logits, targets) * weights).sum(-1)
+    n rows of sum_i weights * log p(targets_i) (mask_id: SUBS, as in `token_logps`)."""
+    per_row = (token_logps(logits, targets, mask_id) * weights).sum(-1)
     return per_row.view(-1, n).mean(-1)
 
 

@@ -54,12 +54,16 @@ class RLObjective(Objective):
 
     bound = False
 
-    def __init__(self, *args: Any, autocast: Callable[[], contextlib.AbstractContextManager], **kwargs: Any):
+    def __init__(self, *args: Any, autocast: Callable[[], contextlib.AbstractContextManager], subs: bool = True,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._autocast = autocast
         if self.model_config.mask_token_id is None:
             raise ConfigError("RL trains a masked-diffusion model: pass --mask-token ID")
         self.mask_id: int = self.model_config.mask_token_id
+        # the log-likelihoods are those of the distribution the model was trained as and is sampled from: under
+        # SUBS (--diffusion-loss subs) [MASK] has probability 0, as the samplers never emit it
+        self.subs_mask_id = self.mask_id if subs else None
         self._policy: nn.Module | None = None
         self._reference: nn.Module | None = None  # a frozen_copy (None with LoRA: the adapters are switched off)
         self._reference_state: dict[str, torch.Tensor] | None = None  # from a checkpoint, before the copy exists
@@ -200,8 +204,10 @@ class PreferenceOptimisation(RLObjective):
         assert isinstance(batch, PairBatch)
         kwargs = batch.model_kwargs()
         with torch.no_grad(), self.reference() as ref:
-            ref_b = elbo_estimates(ref(batch.inputs, **kwargs), batch.targets, batch.weights, batch.samples)
-        pol_b = elbo_estimates(model(batch.inputs, **kwargs), batch.targets, batch.weights, batch.samples)
+            ref_b = elbo_estimates(ref(batch.inputs, **kwargs), batch.targets, batch.weights, batch.samples,
+                                   self.subs_mask_id)
+        pol_b = elbo_estimates(model(batch.inputs, **kwargs), batch.targets, batch.weights, batch.samples,
+                               self.subs_mask_id)
         pol, ref_ = pol_b.view(-1, 2), ref_b.view(-1, 2)  # [pairs, chosen / rejected]
         losses, margin = dpo_loss(pol[:, 0], ref_[:, 0], pol[:, 1], ref_[:, 1], self.beta)
         self._record("margin", margin.mean().item())
@@ -302,7 +308,7 @@ class DiffuGRPO(RLObjective):
     def loss(self, model: nn.Module, batch: Batch, output_weight: Callable[[], torch.Tensor]) -> torch.Tensor:
         assert isinstance(batch, RolloutBatch) and batch.advantages is not None
         p = batch.prompt_length
-        logp = token_logps(model(batch.inputs, **batch.model_kwargs())[:, p:], batch.targets[:, p:])
+        logp = token_logps(model(batch.inputs, **batch.model_kwargs())[:, p:], batch.targets[:, p:], self.subs_mask_id)
         old = logp.detach() if batch.old_logp is None else batch.old_logp
         loss, stats = grpo_loss(logp, old, batch.ref_logp, batch.advantages, batch.weights[:, p:] > 0,
                                 clip_eps=self.rl.grpo_clip_eps, kl_beta=self.rl.rl_kl_beta)
@@ -323,7 +329,7 @@ class DiffuGRPO(RLObjective):
         with self._autocast():
             logits = model(self._one_step(roll, j), attention_mask=roll.real,
                            position_ids=position_ids_from_mask(roll.real))
-        return token_logps(logits[:, p:], roll.sequences[:, p:])
+        return token_logps(logits[:, p:], roll.sequences[:, p:], self.subs_mask_id)
 
     @torch.no_grad()
     def _rollout(self, records: list[Record], seed: int, index: int, device: torch.device) -> Rollouts:
@@ -382,8 +388,9 @@ class DiffuGRPO(RLObjective):
 
 def build_rl_objective(rl: Any, mode: str, model_config: TransformerConfig, attention: AttentionPlan,
                        sharding: Sharding, *, autocast: Callable[[], contextlib.AbstractContextManager],
-                       tokenizer: Any, eps: float, **common: Any) -> RLObjective:
-    """The objective of `--rl` from the run's RLConfig `rl`, for a masked-diffusion model (difflm-noshift)."""
+                       tokenizer: Any, eps: float, diffusion_loss: str = "subs", **common: Any) -> RLObjective:
+    """The objective of `--rl` from the run's RLConfig `rl`, for a masked-diffusion model (difflm-noshift);
+    diffusion_loss: the model's (`--diffusion-loss`), so that the log-likelihoods are the trained ones."""
     if mode != "difflm-noshift":
         raise ConfigError(f"--rl {rl.rl} trains a masked-diffusion model whose position i predicts token i "
                           f"(difflm-noshift); this run's mode is {mode}: use --model-running-mode difflm-noshift")
@@ -393,8 +400,9 @@ def build_rl_objective(rl: Any, mode: str, model_config: TransformerConfig, atte
     pad = tokenizer.eod_id if tokenizer is not None and tokenizer.eod_id is not None else 0
     if rl.rl == "vrpo":
         return PreferenceOptimisation(model_config, attention, sharding, autocast=autocast, samples=rl.vrpo_samples,
-                                      beta=rl.dpo_beta, eps=eps, pad_id=pad, **common)
+                                      beta=rl.dpo_beta, eps=eps, pad_id=pad, subs=diffusion_loss == "subs", **common)
     if rl.rl == "grpo":
         return DiffuGRPO(model_config, attention, sharding, autocast=autocast, rl=rl, tokenizer=tokenizer,
-                         eos_id=tokenizer.eod_id if tokenizer is not None else None, **common)
+                         eos_id=tokenizer.eod_id if tokenizer is not None else None, subs=diffusion_loss == "subs",
+                         **common)
     raise ConfigError(f"--rl {rl.rl!r} is not one of {', '.join(RL_KINDS)}")

@@ -159,7 +159,8 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
         return build_rl_objective(config.rl, mode, model_config, attention,
                                   Sharding(config.train.micro_batch_size, ctx.dp_rank, ctx.dp_size,
                                            ctx.dp_group if ctx.distributed else None),
-                                  autocast=autocast, tokenizer=tokenizer, eps=obj.difflm_eps, flex=False,
+                                  autocast=autocast, tokenizer=tokenizer, eps=obj.difflm_eps,
+                                  diffusion_loss=obj.diffusion_loss, flex=False,
                                   loss_chunk_tokens=0, on_data_wait=on_data_wait)
     bd3lm_config = None
     if mode == "bd3lm":  # a missing block size is reported by Bd3lmConfig, naming the flag

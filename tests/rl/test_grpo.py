@@ -167,6 +167,26 @@ def test_a_step_raises_the_likelihood_of_the_better_completion():
     assert change[0] > 0 > change[1]
 
 
+def test_under_subs_the_log_likelihoods_give_the_mask_token_no_probability():
+    from megadlms.rl.vrpo import elbo_estimates, token_logps
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 6)
+    logits[..., 1] = 4.0  # a [MASK] logit the SUBS loss never trained (the samplers never emit [MASK])
+    targets = torch.tensor([[0, 2, 3], [5, 4, 0]])
+    keep = [0, 2, 3, 4, 5]
+    want = torch.log_softmax(logits[..., keep], -1).gather(-1, torch.tensor([[0, 1, 2], [4, 3, 0]])[..., None])[..., 0]
+    lp = logits.clone().requires_grad_()
+    got = token_logps(lp, targets, mask_id=1)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert (token_logps(logits, targets) - want).max().item() < -0.5  # the full softmax spends mass on [MASK]
+    grpo_loss(got, got.detach(), None, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool),
+              clip_eps=0.2, kl_beta=0.0)[0].backward()
+    assert lp.grad is not None and bool((lp.grad[..., 1] == 0).all()) and lp.grad.abs().sum() > 0
+    w = torch.ones(2, 3)
+    assert torch.allclose(elbo_estimates(logits, targets, w, 1, mask_id=1), want.sum(-1), atol=1e-5)
+
+
 def test_grpo_raises_a_learnable_reward(tmp_path, monkeypatch):
     """End to end from a random tiny model: the share of digits in the completions goes from about 3% to most of
     them within 40 steps (the reverse-digits exact match needs a trained model: examples/rl/run.sh)."""
