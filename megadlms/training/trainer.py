@@ -160,7 +160,7 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
                                   Sharding(config.train.micro_batch_size, ctx.dp_rank, ctx.dp_size,
                                            ctx.dp_group if ctx.distributed else None),
                                   autocast=autocast, tokenizer=tokenizer, eps=obj.difflm_eps,
-                                  diffusion_loss=obj.diffusion_loss, flex=False,
+                                  diffusion_loss=model_config.loss, flex=False,
                                   loss_chunk_tokens=0, on_data_wait=on_data_wait)
     bd3lm_config = None
     if mode == "bd3lm":  # a missing block size is reported by Bd3lmConfig, naming the flag
