@@ -121,7 +121,7 @@ class MaskSampler:
         self.length_generator.set_state(state["length_generator"])
 
 
-def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, mask_token_id: int,
+def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, mask_token_id: int | None,
                 eps: float = 1e-3, pmask: str = "sampled", maskable: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward diffusion: mask each token with probability p = (1 - eps) t + eps.
@@ -131,6 +131,9 @@ def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, mask_
     maskable None: every row has at least one masked token (the position of its smallest u). maskable bool
     [B, L] (SFT: the response tokens): only those may be masked, and none is forced.
     """
+    if mask_token_id is None:  # a TransformerConfig without a [MASK] id (the tiny preset, a plain AR config)
+        raise ConfigError("mask_tokens needs a [MASK] id but mask_token_id is None (the model config records "
+                          "none): set it, e.g. cfg = cfg.replace(mask_token_id=tokenizer.mask_token_id)")
     p = (1.0 - eps) * t + eps  # [B, 1] or [B, L]
     masked = u < p
     if maskable is None:

@@ -255,3 +255,19 @@ def test_shifted_diffusion_predicts_the_next_token():
     masked = noisy == MASK
     # the weight of a masked token sits on the position before it; the last position predicts nothing masked
     assert torch.equal(weights[:, :-1] > 0, masked[:, 1:]) and (weights[:, -1] == 0).all()
+
+
+def test_mask_tokens_without_a_mask_id_names_the_field_and_the_fix():
+    from megadlms import build_model, preset_config
+    from megadlms.errors import MegaDLMsError
+
+    cfg = preset_config("tiny").replace(vocab_size=64, seq_length=16)
+    assert cfg.mask_token_id is None  # the README snippet's path: a preset that records no [MASK] id
+    tokens = torch.randint(0, 64, (2, 16))
+    with pytest.raises(MegaDLMsError, match=r"mask_token_id is None .*cfg\.replace\(mask_token_id=") as e:
+        mask_tokens(tokens, torch.rand(2, 1), torch.rand(2, 16), mask_token_id=cfg.mask_token_id)
+    assert "\n" not in str(e.value)
+    cfg = cfg.replace(mask_token_id=3)  # the fix the message gives
+    noisy, _ = mask_tokens(tokens, torch.ones(2, 1), torch.rand(2, 16), mask_token_id=cfg.mask_token_id)
+    assert build_model(cfg)(noisy).shape == (2, 16, 64)
+    assert (noisy == 3).all()
