@@ -489,10 +489,24 @@ def _unsafe_globals(f: str | Path | IO[bytes] | None, error: BaseException) -> l
         names = torch.serialization.get_unsafe_globals_in_checkpoint(f) if f is not None else []
     except Exception:  # not a readable torch.save archive: only the message can tell
         pass
-    if not names:
-        m = re.search(r"GLOBAL (\S+)", str(error))
-        names = [m.group(1)] if m else []
+    if not names:  # torch names the global it refused, or the class it would not build
+        m = re.search(r"GLOBAL (\S+)|but got <class '([^']+)'>", str(error))
+        names = [m.group(1) or m.group(2)] if m else []
     return names
+
+
+def _unpickler_reason(error: BaseException) -> str:
+    """torch's reason for refusing a weights-only load, on one line, without its advice to load the file unsafely
+    (`weights_only=False`) or to allow-list what it refused."""
+    text = str(error)
+    m = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(Check the documentation|$)", text, re.S)
+    reason = " ".join((m.group(1) if m else text).split())
+    reason = re.split(r"\s*Please use `?torch\.serialization", reason)[0].rstrip(" .")
+    if not m or "weights_only" in reason:
+        return "not a torch.save archive of tensors and plain types"
+    if reason.startswith("Unsupported operand"):
+        return f"not a torch.save archive of tensors and plain types ({reason})"
+    return reason
 
 
 def _load_weights_only(f: str | Path | IO[bytes], shown: str | Path, allow: tuple[Any, ...] = ()) -> Any:
@@ -505,10 +519,7 @@ def _load_weights_only(f: str | Path | IO[bytes], shown: str | Path, allow: tupl
             names = _unsafe_globals(f, e)
             if names:
                 raise _refusal(shown, names) from None
-            why = re.search(r"WeightsUnpickler error: (.+)", str(e))  # not torch's advice to load it unsafely
-            if why:
-                raise pickle.UnpicklingError(why.group(1).strip()) from e
-            raise
+            raise pickle.UnpicklingError(_unpickler_reason(e)) from e  # not torch's advice to load it unsafely
 
 
 @functools.cache
@@ -706,8 +717,8 @@ def load_rank_state(path: str | Path, rank: int | None = None) -> dict[str, Any]
     except CheckpointError:
         raise
     except Exception as e:  # a truncated or foreign file: pickle, zip and EOF errors
-        raise CheckpointError(f"checkpoint {path}: {f.name} cannot be read ({type(e).__name__}: "
-                              f"{str(e).strip()[:160]}); {_listing(path.parent, _iteration_of(path))}") from e
+        raise CheckpointError(f"checkpoint file {f} cannot be read ({_root_text(e)}); "
+                              f"{_listing(path.parent, _iteration_of(path))}") from e
 
 
 def save_model_checkpoint(save_dir: str | Path, model: nn.Module, cfg: TransformerConfig, *, iteration: int = 0,

@@ -143,3 +143,23 @@ def test_numpy_rng_state_of_earlier_versions_still_resumes_exactly(run_copy, sav
                    str(run_copy)])
     assert rc == 0, capsys.readouterr().err
     assert logged_losses(run_copy)[2] == logged_losses(saved_run)[2]
+
+
+@pytest.mark.parametrize("content, named", [
+    (lambda: {"rng": {"numpy": np.zeros(3, dtype=np.float64)}}, r"needs '[\w.\[\]]*[Ff]loat64[\w\]]*', " + REFUSED),
+    (lambda: {"data": slice(0, 4)}, r"needs 'builtins\.slice', " + REFUSED),
+    (lambda: pickle.dumps({"rng": _Payload("x")}), r"cannot be read \(UnpicklingError: not a torch\.save archive"),
+], ids=["numpy-float64", "slice", "bare-pickle"])
+def test_a_tampered_rank_state_names_the_file_and_what_it_refused(tmp_path, content, named):
+    """Globals torch's weights-only loader will not build, and a bare pickle: one line naming the file and the
+    refused global, never torch's advice to load the file with weights_only=False."""
+    folder = tmp_path / "run" / D
+    folder.mkdir(parents=True)
+    f = folder / "rank_00000.pt"
+    obj = content()
+    f.write_bytes(obj) if isinstance(obj, bytes) else torch.save(obj, f)
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load_rank_state(folder, 0)
+    text = str(e.value)
+    assert re.search(rf"checkpoint file {re.escape(str(f))} {named}", text), text
+    assert "\n" not in text and "weights_only" not in text and "add_safe_globals" not in text
