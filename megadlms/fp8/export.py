@@ -37,7 +37,7 @@ from torch import nn
 from ..config import TransformerConfig
 from ..errors import MegaDLMsError
 from ..model import RotaryEmbedding, TransformerLM, compute_dtype
-from ..safetensors_file import save_safetensors
+from ..safetensors_file import load_safetensors, open_safetensors, save_safetensors
 from .convert import fp8_eligible, fp8_layer_range
 from .formats.blockwise import (
     BLOCK,
@@ -246,18 +246,15 @@ def load_fp8_export(path: str | Path, device: torch.device | str = "cpu",
     FP8 linears become Float8InferenceLinear modules holding the stored FP8 weights and scales;
     the other tensors are loaded as `dtype` (default bfloat16). Returns (model in eval mode, config).
     """
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     path = Path(path)
     if not (path / WEIGHTS).is_file() or not (path / CONFIG).is_file():
         raise ExportFolderError(f"{path} is not an export folder: it needs {WEIGHTS} and {CONFIG} "
                                 "(write one with `megadlms export --load CKPT --save DIR [--fp8]`)")
     device = torch.device(device)
     cfg = TransformerConfig.from_dict(json.loads((path / CONFIG).read_text()))
-    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+    with open_safetensors(path / WEIGHTS) as f:
         scaling = (f.metadata() or {}).get("megadlms.fp8", "none")
-    tensors = load_file(str(path / WEIGHTS), device=str(device))
+    tensors = load_safetensors(path / WEIGHTS, device=str(device))
     if scaling != "none":
         check_fp8_support(device)
     if scaling == "block" and device.type == "cuda":

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ..config import TransformerConfig
 from ..data.tokenizer import complete_tokenizer_config
@@ -40,7 +39,7 @@ from ..presets import (  # noqa: F401  (the config translation, re-exported: par
     megadlms_config_to_hf,
     read_hf_config,
 )
-from ..safetensors_file import save_safetensors
+from ..safetensors_file import open_safetensors, save_safetensors
 from . import llada
 
 # Files a transformers tokenizer is made of (whichever the folder has are copied).
@@ -245,7 +244,7 @@ def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
                                "from the source model")
         out: dict[str, torch.Tensor] = {}
         for fname, names in by_file.items():
-            with safe_open(folder / fname, framework="pt", device="cpu") as f:
+            with open_safetensors(folder / fname) as f:
                 present = set(f.keys())
                 absent = [n for n in names if n not in present]
                 if absent:
@@ -263,7 +262,7 @@ def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         raise InteropError(f"no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} in {folder}{hint}")
     out = {}
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             for n in f.keys():
                 if n in out:
                     raise InteropError(f"tensor {n!r} appears in more than one of {[p.name for p in files]}; "
@@ -487,7 +486,7 @@ def _file_at_fault(folder: Path, message: str) -> Path:
     else:
         weight_map = {}
         for file in sorted(folder.glob("*.safetensors")):
-            with safe_open(file, framework="pt", device="cpu") as f:
+            with open_safetensors(file) as f:
                 weight_map.update(dict.fromkeys(f.keys(), file.name))
     hits = [(message.find(name), fname) for name, fname in weight_map.items() if name in message]
     return folder / min(hits)[1] if hits else folder

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,22 @@ def test_megadlms_cli_dispatches_convert(hf_dirs, tmp_path, capsys):
     assert "imported LlamaForCausalLM" in capsys.readouterr().out
     _, cfg, _ = ckpt.load_model_from_checkpoint(tmp_path)
     assert cfg.extra["hf_source"] == str(hf_dirs["llama"].resolve())
+
+
+@pytest.mark.parametrize("family, damage", [
+    ("llama", "truncated"), ("qwen2", "truncated"), ("llama", "lfs-pointer")])
+def test_import_of_a_damaged_safetensors_names_the_file(hf_copy, tmp_path, capsys, family, damage):
+    """A truncated file (a single model.safetensors, one shard of a sharded folder) or a Git LFS pointer left in
+    place of the weights: one line naming the file and the fix, no traceback."""
+    d = hf_copy(family)
+    victim = sorted(d.glob("*.safetensors"))[-1]
+    if damage == "truncated":
+        victim.write_bytes(victim.read_bytes()[:50])
+        fix = r"is not a complete safetensors file \(invalid header length\): it is truncated or damaged; copy"
+    else:
+        victim.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 1234\n")
+        fix = r"is a Git LFS pointer, not the weights: run `git lfs pull`"
+    assert _import(d, tmp_path / "ck") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert re.fullmatch(rf"megadlms convert hf-to-megadlms: error: {re.escape(str(victim))} {fix}.*\n", err), err
