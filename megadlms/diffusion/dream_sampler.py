@@ -139,11 +139,12 @@ def dream_generate_tokens(model: nn.Module, input_ids: torch.Tensor, attention_m
                                                top_k=top_k, generator=generator)[1]
                 x[bi, ji] = x0
             else:
+                # proposed on every step, as Dream, even one that reveals nothing: the random stream stays Dream's
+                confidence, x0 = propose_dream(logits, alg=alg, temperature=temperature, top_p=top_p,
+                                               top_k=top_k, generator=generator)
                 count = masked.sum() / b
                 k = int(count) if last else int(count * ratio)
                 if k > 0 and bi.numel():
-                    confidence, x0 = propose_dream(logits, alg=alg, temperature=temperature, top_p=top_p,
-                                                   top_k=top_k, generator=generator)
                     full = torch.full(x.shape, -math.inf, dtype=logits.dtype, device=device)
                     full[bi, ji] = confidence
                     if not alg_temp:

@@ -125,6 +125,10 @@ CASES = [
     dict(alg="topk_margin", steps=7, alg_temp=0.2, top_k=5, temperature=1.0),
     dict(alg="entropy", steps=10),
     dict(alg="entropy", steps=6, temperature=0.5, alg_temp=1.0),
+    # steps = gen_length (Dream's default): step 0 reveals int(10 * 0.999 / 10) = 0 positions, yet draws
+    dict(alg="maskgit_plus", steps=10, temperature=0.7, top_p=0.95),
+    dict(alg="topk_margin", steps=10, temperature=0.7, top_p=0.95),
+    dict(alg="entropy", steps=10, temperature=0.7, top_p=0.95),
 ]
 
 
