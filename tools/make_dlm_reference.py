@@ -186,6 +186,10 @@ GEN_CASES = [
     ("entropy_top_k", dict(alg="entropy", steps=7, temperature=0.5, top_k=20), False),
     ("maskgit_plus_padded", dict(alg="maskgit_plus", steps=6, temperature=0.0), True),
     ("entropy_padded_alg_temp", dict(alg="entropy", steps=6, temperature=0.8, alg_temp=0.4), True),
+    # steps = gen_length, Dream's default: step 0 reveals no position but still draws its proposals
+    ("maskgit_plus_sampled_all_steps", dict(alg="maskgit_plus", steps=12, temperature=0.7, top_p=0.95), False),
+    ("topk_margin_sampled_all_steps", dict(alg="topk_margin", steps=12, temperature=0.7, top_p=0.95), False),
+    ("entropy_sampled_all_steps", dict(alg="entropy", steps=12, temperature=0.7, top_p=0.95), False),
 ]
 GEN_LENGTH, PROMPT_LENGTH = 12, 6
 
