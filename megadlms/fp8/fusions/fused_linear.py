@@ -28,19 +28,23 @@ Whether the members can be fused is decided once, when the model is converted (`
 per-tensor recipe, the same input width, dimensions that are multiples of 16, equal settings, no hooks, no DTensor
 weights); conversion logs the decision (`registry.install_fusions`). A forward checks that the decision still holds
 and raises `FusionError` naming what changed where it does not (e.g. tensor parallelism applied after conversion
-without `registry.remove_fusions`). Outside an enabled fp8_autocast (and for an empty input) the members run one by
-one, as their own modules do there. FP8 telemetry (`enable_fp8_stats`) is recorded on the fused path itself:
-each member gets the statistics of the shared input cast, of its rows of the weight cast and of its
-columns of the gradient cast.
+without `registry.remove_fusions`). Hooks are the exception: the user's own (debugging, capturing activations,
+profiling) may come and go on any module at any time, so while a member has hooks (or global module hooks are set)
+the members run one by one, each call firing them with the tensors an unfused model has, logged once. Outside an
+enabled fp8_autocast (and for an empty input) the members run one by one, as their own modules do there. FP8
+telemetry (`enable_fp8_stats`) is recorded on the fused path itself: each member gets the statistics of the shared
+input cast, of its rows of the weight cast and of its columns of the gradient cast.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import cast
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from ...errors import MegaDLMsError
 from ...model import compute_dtype
@@ -64,14 +68,44 @@ from ..tensor import FP8Tensor
 SHARED_SETTINGS = ("recipe", "fp8_wgrad", "cache_weight", "fprop_fast_accum", "backward_fast_accum", "training")
 
 
+log = logging.getLogger("megadlms")
+
+
 class FusionError(MegaDLMsError, RuntimeError):
     """A fusion decided at conversion no longer holds (its members changed); the message says what and the fix."""
 
 
-def group_problem(mods: tuple[nn.Module, ...] | list[nn.Module]) -> str | None:
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def has_own_hooks(m: nn.Module) -> bool:
+    """Whether `m` has forward, pre-forward or backward hooks of its own."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def has_hooks(m: nn.Module) -> bool:
+    """Whether calling `m` now would run hooks that a fused path skips: its own, or global module hooks
+    (`torch.nn.modules.module.register_module_forward_hook` and the like)."""
+    return has_own_hooks(m) or any(getattr(nn_module, name, None) for name in _GLOBAL_HOOKS)
+
+
+_logged_hooks: set[str] = set()  # the kinds of fused module whose hooked fallback was logged
+
+
+def log_hooked_once(what: str) -> None:
+    """One log line per kind of fused module the first time one runs unfused because of hooks."""
+    if what not in _logged_hooks:
+        _logged_hooks.add(what)
+        log.info("FP8 fusions: %s with hooked members run their layers one by one (unfused) so that the hooks fire; "
+                 "the fused path resumes once the hooks are removed", what)
+
+
+def group_problem(mods: tuple[nn.Module, ...] | list[nn.Module], *, hooks: bool = True) -> str | None:
     """Why sibling linears reading the same input cannot run as one fused FP8 GEMM, or None: they are
     Float8Linears of a per-tensor recipe, with the same input width K, N and K multiples of 16, equal
-    `SHARED_SETTINGS`, one device, no forward hooks and no DTensor weights."""
+    `SHARED_SETTINGS`, one device, no hooks of their own (unless `hooks` is False: a forward's check, where hooks
+    mean running unfused) and no DTensor weights."""
     if not all(type(m) is Float8Linear for m in mods):
         return "its members are not all Float8Linears"
     first = cast(Float8Linear, mods[0])
@@ -80,8 +114,8 @@ def group_problem(mods: tuple[nn.Module, ...] | list[nn.Module]) -> str | None:
     dtensor = sys.modules.get("torch.distributed.tensor")
     k, device = first.weight.shape[1], first.weight.device
     for m in cast("tuple[Float8Linear, ...]", tuple(mods)):
-        if m._forward_hooks or m._forward_pre_hooks:
-            return "a member has forward hooks (e.g. tensor parallelism)"
+        if hooks and has_own_hooks(m):
+            return "a member has hooks (e.g. tensor parallelism)"
         if dtensor is not None and isinstance(m.weight, dtensor.DTensor):
             return "a member's weight is a DTensor (tensor parallelism)"
         if m.weight.shape[1] != k or m.weight.device != device:
@@ -120,8 +154,9 @@ class FusedFloat8Projection(nn.Module):
         return cls(cast("tuple[Float8Linear, ...]", mods), names)
 
     def check_still_holds(self, x: torch.Tensor) -> None:
-        """Raise FusionError unless the decision made at conversion still holds for these members and input x."""
-        problem = group_problem(self._members)
+        """Raise FusionError unless the decision made at conversion still holds for these members and input x
+        (hooks aside: `fusable` runs hooked members unfused)."""
+        problem = group_problem(self._members, hooks=False)
         if problem is None and x.shape[-1] != self._members[0].weight.shape[1]:
             problem = f"input width {x.shape[-1]} is not the members' {self._members[0].weight.shape[1]}"
         if problem is None and x.device != self._members[0].weight.device:
@@ -164,14 +199,18 @@ class FusedFloat8Projection(nn.Module):
 
     def fusable(self, mods: list[Float8Linear], x: torch.Tensor) -> bool:
         """Whether this call runs fused: inside an enabled fp8_autocast of the members' recipe, for a non-empty x
-        (else the members run one by one, as outside FP8; under another recipe they raise the mismatch error).
-        Raises FusionError where the decision made at conversion no longer holds."""
+        (else the members run one by one, as outside FP8; under another recipe they raise the mismatch error), with
+        no member hooked (else they run one by one, firing their hooks). Raises FusionError where the decision made
+        at conversion no longer holds."""
         if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0:
             return False
         explicit = FP8GlobalStateManager.get_explicit_recipe()
         if explicit is not None and explicit != mods[0].recipe:
             return False  # the members raise the mismatch error
         self.check_still_holds(x)
+        if any(has_hooks(m) for m in mods):
+            log_hooked_once("fused projections (q/k/v, gate/up)")
+            return False
         return True
 
     @torch.compiler.disable

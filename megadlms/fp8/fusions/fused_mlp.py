@@ -22,7 +22,8 @@ the same fp32 values the cast then scales, writing nothing. Against the unfused 
 `FusedFloat8MLP` is the module in `MLP.fusion` (which `MLP.forward` calls) after `convert_to_fp8(fuse_mlp=True)`
 (the default) for delayed and current scaling; whether an MLP can be fused is decided there, once (`mlp_problem`:
 three Float8Linears of a per-tensor recipe, a SwiGLU, no biases, FP8 weight gradients, fusable gate/up, equal
-settings, no hooks), and logged; a forward raises `FusionError` where that decision no longer holds. At run time it
+settings, no hooks), and logged; a forward raises `FusionError` where that decision no longer holds, but runs the
+layers one by one while any of them (or the SwiGLU) has hooks, so that they fire (logged once). At run time it
 takes the fused path where the fused kernels run (CUDA with Triton, or Triton's interpreter), with delayed scaling
 once scales exist (from the first `fp8_step` on: the casts need their scales before the pass); otherwise (no
 Triton, delayed scaling's first step, FP8 telemetry on, outside fp8_autocast) it runs the MLP's layers one by one,
@@ -44,7 +45,15 @@ from ..linear import GRAD, INPUT, Float8Linear, FP8WeightCache, bprop, fprop, ta
 from ..quantizer import FP8Copies, Quantizer
 from ..state import FP8GlobalStateManager
 from ..tensor import FP8Tensor, Scaling
-from .fused_linear import SHARED_SETTINGS, FusedFloat8Projection, FusionError, group_problem
+from .fused_linear import (
+    SHARED_SETTINGS,
+    FusedFloat8Projection,
+    FusionError,
+    group_problem,
+    has_hooks,
+    has_own_hooks,
+    log_hooked_once,
+)
 from .swiglu import SwiGLUFP8InputStore
 
 
@@ -90,18 +99,21 @@ class FusedFloat8MLP(nn.Module):
 
     def _fusable(self, x: torch.Tensor) -> bool:
         """Whether this call runs fused (inside fp8_autocast: where the fused kernels run, without telemetry, with
-        delayed scaling once scales exist). Raises FusionError where the decision made at conversion no longer
-        holds."""
+        delayed scaling once scales exist, no layer hooked). Raises FusionError where the decision made at conversion
+        no longer holds."""
         gu = self.gate_up.members()
-        if not self.gate_up.fusable(gu, x):  # outside the members' recipe: they run (and raise) one by one
+        if not self.gate_up.fusable(gu, x):  # outside the members' recipe or hooked: they run one by one
             return False
-        problem = mlp_problem(self.mlp)
+        problem = mlp_problem(self.mlp, hooks=False)
         if problem is not None:
             raise FusionError(f"FusedFloat8MLP: the fusion decided at conversion no longer holds: {problem}; convert "
                               "without fuse_mlp, or remove the fusions (megadlms.fp8.fusions.registry.remove_fusions) "
                               "before "
                               "changing the MLP")
         down = self.down
+        if has_hooks(down) or has_hooks(self.mlp.act_fn):
+            log_hooked_once("fused MLPs")
+            return False
         if any(m.collect_fp8_stats for m in (*gu, down)):
             return False
         delayed = down.quantizers[INPUT].keeps_history
@@ -123,21 +135,22 @@ class FusedFloat8MLP(nn.Module):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def mlp_problem(mlp: MLP) -> str | None:
+def mlp_problem(mlp: MLP, *, hooks: bool = True) -> str | None:
     """Why `mlp` cannot run as one fused FP8 function, or None: gate/up/down are Float8Linears of a per-tensor
     recipe (gate/up fusable as a group: `group_problem`), the activation a SwiGLU, no biases, FP8 weight gradients,
-    matching widths (down's a multiple of 16), one set of settings for the three, no hooks on down or the SwiGLU."""
+    matching widths (down's a multiple of 16), one set of settings for the three, no hooks on its layers (unless
+    `hooks` is False: a forward's check, where hooks mean running unfused)."""
     gate, up, down, act = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
     if type(down) is not Float8Linear or type(act) not in (SwiGLU, SwiGLUFP8InputStore):
         return "its down projection is not a Float8Linear or its activation not a SwiGLU"
-    problem = group_problem((gate, up))
+    problem = group_problem((gate, up), hooks=hooks)
     if problem is not None:
         return f"gate/up: {problem}"
     gu = (_float8_linear(gate), _float8_linear(up))
     if not down.quantizers[GRAD].per_tensor:
         return f"--fp8-recipe {down.recipe.name}: the fused GEMMs take per-tensor scales"
-    if down._forward_hooks or down._forward_pre_hooks or act._forward_hooks:
-        return "its down projection or SwiGLU has forward hooks"
+    if hooks and (has_own_hooks(down) or has_own_hooks(act)):
+        return "its down projection or SwiGLU has hooks"
     if down.bias is not None or any(m.bias is not None for m in gu):
         return "a projection has a bias"
     if not down.fp8_wgrad:
