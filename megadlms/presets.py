@@ -245,6 +245,7 @@ def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None =
     block = hf.get("block_size") if hf.get("model_running_mode") == "bd3lm" else None
     if block:  # a block-diffusion export; its windows hold whole blocks
         kwargs.update(block_size=block, seq_length=min(4096, max_pos) // block * block)
+    kwargs.update(_trained_length(hf))
     if hf.get("model_running_mode") == "difflm-shift":  # written by our export: keep the logits' alignment
         kwargs["diffusion_shift"] = True
     if hf.get("diffusion_loss") is not None:  # written by our export: the loss the model trained with
@@ -258,6 +259,22 @@ def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None =
         return TransformerConfig(**kwargs)
     except ConfigError as e:
         raise InteropError(f"config.json does not give a valid model: {e}") from e
+
+
+# config.json's record of the sequence length the model was trained at (Megatron's and our name), which our export
+# writes: an import, and `eval --hf-model`, score and fine-tune at that length, not at max_position_embeddings
+TRAINED_LENGTH_FIELD = "seq_length"
+
+
+def _trained_length(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """{'seq_length': the trained length} when config.json records it (our export does), else {}."""
+    length = hf.get(TRAINED_LENGTH_FIELD)
+    if length is None:
+        return {}
+    if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
+        raise InteropError(f"{TRAINED_LENGTH_FIELD}={length!r} must be a positive integer (the sequence length "
+                           "the model was trained at); fix it or delete the field")
+    return {"seq_length": length}
 
 
 def _token_ids(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -279,6 +296,7 @@ def _llada_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None,
     fields.setdefault("mask_token_id", hf.get("mask_token_id"))
     if mask_token_id is not None:
         fields["mask_token_id"] = mask_token_id
+    fields.update(_trained_length(hf))
     try:  # LLaDA and LLaDA-MoE were trained, and score likelihoods, with the full-vocabulary CE
         return TransformerConfig(**fields, attn_mask_type=attn_mask_type or "bidirectional",
                                  diffusion_loss="full-vocab", extra=extra)
@@ -316,8 +334,9 @@ def megadlms_config_to_hf(cfg: TransformerConfig, *, dtype: torch.dtype = torch.
                           token_ids: Mapping[str, int | None] | None = None, hf_format: str = "auto"
                           ) -> dict[str, Any]:
     """The config.json dict of the stock architecture for `cfg` (plus `mask_token_id`, `attn_mask_type`,
-    `model_running_mode`, `diffusion_loss` when the model records one, and for a block-diffusion model
-    `block_size`).
+    `model_running_mode`, `diffusion_loss` when the model records one, for a block-diffusion model `block_size`,
+    and in every format `seq_length`, the length it was trained at, which an import reads back, where it is not
+    the min(4096, max_position_embeddings) an import takes without it).
 
     A bidirectional model also gets `is_causal: false`, which transformers >= 5 honours when building
     the attention mask, so `AutoModelForCausalLM.from_pretrained` runs it bidirectionally as saved.
@@ -332,15 +351,22 @@ def megadlms_config_to_hf(cfg: TransformerConfig, *, dtype: torch.dtype = torch.
     source = (cfg.extra or {}).get("hf_config")
     try:
         if arch == LLADA_ARCHITECTURE:
-            return dlm_formats.llada_config(cfg.to_dict(), source=source, token_ids=ids)
-        if arch == LLADA_MOE_ARCHITECTURE:
-            return dlm_formats.lladamoe_config(cfg.to_dict(), source=source, token_ids=ids)
-        if arch == DREAM_ARCHITECTURE:
+            hf = dlm_formats.llada_config(cfg.to_dict(), source=source, token_ids=ids)
+        elif arch == LLADA_MOE_ARCHITECTURE:
+            hf = dlm_formats.lladamoe_config(cfg.to_dict(), source=source, token_ids=ids)
+        elif arch == DREAM_ARCHITECTURE:
             qwen2 = _stock_config(cfg, "Qwen2ForCausalLM", dtype, ids)
-            return dlm_formats.dream_config(qwen2, cfg.to_dict(), source=source)
+            hf = dlm_formats.dream_config(qwen2, cfg.to_dict(), source=source)
+        else:
+            hf = _stock_config(cfg, arch, dtype, ids)
     except FormatError as e:
         raise InteropError(f"cannot export as {arch}: {e}") from e
-    return _stock_config(cfg, arch, dtype, ids)
+    default = min(4096, cfg.max_position_embeddings or cfg.seq_length)  # what an import takes without the record
+    if cfg.block_size:
+        default = default // cfg.block_size * cfg.block_size
+    if cfg.seq_length != default:  # read back by an import (`_trained_length`); else the file stays as imported
+        hf[TRAINED_LENGTH_FIELD] = cfg.seq_length
+    return hf
 
 
 def _stock_config(cfg: TransformerConfig, arch: str, dtype: torch.dtype, ids: Mapping[str, Any]) -> dict[str, Any]:

@@ -243,3 +243,30 @@ def test_ppl_of_an_imported_llada_uses_its_recorded_loss_unless_told(flag, tmp_p
     got = report["models"][str(hf)]
     assert got["loss"] == report["loss"]
     assert got["loss_per_ratio"] == pytest.approx((nll.sum(0) / 32).tolist(), rel=1e-5)
+
+
+def test_ppl_of_an_hf_export_scores_windows_of_the_trained_length(tmp_path, capsys):
+    """A model trained at 48 tokens (positions up to 256), exported to Hugging Face: `eval --ppl --hf-model` scores
+    48-token windows, as `--load` of the checkpoint does, with the same bound."""
+    from megadlms.cli.convert import main as convert
+    from tests.eval.conftest import save_tiny
+
+    save_tiny(tmp_path / "ck", seed=3, max_position_embeddings=256)
+    assert convert(["megadlms-to-hf", "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "hf")]) == 0
+    tok = load_tokenizer()
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"Lily and Tom played with ball number {i} in the sunny park."})
+                            + "\n" for i in range(16)))
+    preprocess_jsonl(docs, tmp_path / "corpus", tok, append_eod=True, progress=False)
+    reports = []
+    for source in ("--load", "--hf-model"):
+        path = tmp_path / ("ck" if source == "--load" else "hf")
+        argv = ["--ppl", source, str(path), "--data-path", str(tmp_path / "corpus_text_document"), "--split",
+                "0,1,0", "--eval-samples", "2", "--mask-ratios", "0.5,1.0", "--device", "cpu", "--output-path",
+                str(tmp_path / source.strip("-")), "--data-cache-path", str(tmp_path / "cache")]
+        code, out, err = run_cli(argv, capsys)
+        assert code == 0, err
+        reports.append(json.loads((tmp_path / source.strip("-") / "ppl.json").read_text()))
+    assert [r["seq_length"] for r in reports] == [48, 48] and "2 windows x 48 tokens" in out
+    a, b = (next(iter(r["models"].values())) for r in reports)
+    assert b["loss_per_ratio"] == pytest.approx(a["loss_per_ratio"], rel=1e-5)

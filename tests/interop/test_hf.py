@@ -364,3 +364,29 @@ def test_export_of_an_fp8_model_drops_the_fp8_state(tmp_path):
     saved = load_hf_state_dict(out)
     assert len(saved) == 2 * 11 + 2 and not any("fp8" in k for k in saved)
     assert torch.equal(saved["model.layers.1.mlp.up_proj.weight"], sd["layers.1.mlp.up_proj.weight"])
+
+
+@pytest.mark.parametrize("hf_format, arch, changes", [
+    ("stock", "qwen3", {}), ("stock", "llama", {"block_size": 8}), ("llada", "llama", {"kv_channels": 8}),
+    ("dream", "qwen2", {"diffusion_shift": True, "kv_channels": 8})])
+def test_export_records_the_trained_sequence_length_and_an_import_reads_it(tmp_path, hf_format, arch, changes):
+    """A model trained at 24 tokens (max_position_embeddings 128) exports `seq_length: 24` in config.json, in every
+    format; the import (and so `eval --hf-model` and a fine-tune of the import) takes 24, not 128."""
+    cfg = _our_model(arch, False, "bidirectional")[1].replace(seq_length=24, **changes)
+    out = save_hf_model(TransformerLM(cfg), cfg, tmp_path / "hf", hf_format=hf_format)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["seq_length"] == 24 and cfg.max_position_embeddings == 128
+    _, back = load_hf_model(out)
+    assert back.seq_length == 24 and back.max_position_embeddings == 128
+    # a config.json without the record (any model not exported here): as before, min(4096, the position limit)
+    del saved["seq_length"]
+    (out / "config.json").write_text(json.dumps(saved))
+    assert load_hf_model(out)[1].seq_length == 128
+    # trained at that default: nothing to record (an imported folder exports back as it was)
+    cfg = cfg.replace(seq_length=128)
+    assert "seq_length" not in json.loads((save_hf_model(TransformerLM(cfg), cfg, tmp_path / "d",
+                                                         hf_format=hf_format) / "config.json").read_text())
+    saved["seq_length"] = "24"
+    (out / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(InteropError, match=r"seq_length='24' must be a positive integer .*trained at"):
+        load_hf_model(out)
