@@ -99,7 +99,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def write_corpus(prefix: Path, vocab: int, n_tokens: int, seed: int = 0) -> None:
-    """A Megatron indexed dataset of random documents (100..6000 token ids in [0, vocab), then the EOD token)."""
+    """A Megatron indexed dataset of random documents (100..6000 token ids in [0, vocab) but the [MASK] id, which
+    the trainer refuses in the data, then the EOD token)."""
     import numpy as np
 
     from megadlms.data import IndexedDatasetBuilder, load_tokenizer
@@ -111,7 +112,8 @@ def write_corpus(prefix: Path, vocab: int, n_tokens: int, seed: int = 0) -> None
         done = 0
         while done < n_tokens:
             n = int(rng.integers(100, 6000))
-            doc = rng.integers(0, vocab, n + 1, dtype=np.int32)
+            doc = rng.integers(0, vocab - 1, n + 1, dtype=np.int32)
+            doc[doc >= tok.mask_id] += 1  # every id but the mask's
             doc[-1] = eod
             b.add_document(doc)
             done += n + 1
