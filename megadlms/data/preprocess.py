@@ -159,24 +159,32 @@ def _encode_chunk(task: tuple[str, int, list[bytes]]) -> dict:
                                     "field(s), each a string or a list of strings"))
                 break
         else:
+            encoded = {k: [ids for ids in (tok.encode(sentence) for sentence in values[k]) if ids] for k in keys}
+            held = next((k for k in keys for ids in encoded[k] if tok.mask_id in ids), None)
+            if held is not None:
+                bad.append((lineno, _mask_reason(tok, f"its {held!r}")))
+                continue
             ndocs += 1
             for k in keys:
                 toks, seq_lens, per_doc = out[k]
-                nseq = 0
-                for sentence in values[k]:
-                    ids = tok.encode(sentence)
-                    if ids:
-                        toks.extend(ids)
-                        seq_lens.append(len(ids))
-                        nseq += 1
-                if nseq and append_eod:
+                for ids in encoded[k]:
+                    toks.extend(ids)
+                    seq_lens.append(len(ids))
+                if encoded[k] and append_eod:
                     toks.append(tok.eod_id)
                     seq_lens[-1] += 1
-                per_doc.append(nseq)
+                per_doc.append(len(encoded[k]))
     dtype = _WORKER["dtype"]
     result = {k: (np.frombuffer(t, dtype=np.int32).astype(dtype), np.frombuffer(s, dtype=np.int32),
                   np.frombuffer(d, dtype=np.int32)) for k, (t, s, d) in out.items()}
     return {"path": path, "keys": result, "bad": bad, "bytes": nbytes, "docs": ndocs}
+
+
+def _mask_reason(tok: Tokenizer, what: str) -> str:
+    """Why a document whose text (`what`) tokenizes to the mask id is refused: a diffusion model cannot train on
+    it (the loader would stop at it)."""
+    return (f"{what} holds the mask token {tok.mask_token!r} (id {tok.mask_id}), which a masked-diffusion model "
+            "cannot be trained on (the text spells the token out); remove it from the text")
 
 
 def _init_chat_worker(renderer: ChatRenderer, dtype: str) -> None:
@@ -205,6 +213,9 @@ def _encode_chat_chunk(task: tuple[str, int, list[bytes]]) -> dict:
             ids, mask = renderer.encode(record_messages(obj))
         except BadRecord as e:
             bad.append((lineno, str(e)))
+            continue
+        if renderer.tokenizer.mask_id is not None and renderer.tokenizer.mask_id in ids:
+            bad.append((lineno, _mask_reason(renderer.tokenizer, "the conversation")))
             continue
         toks.extend(ids)
         masks.extend(mask)

@@ -106,3 +106,16 @@ def test_prompts_for_sampling_end_with_the_generation_prompt(chat_tokenizer_dir)
                                  add_generation_prompt=True)
     ref = list(ref["input_ids"] if hasattr(ref, "keys") else ref)
     assert ChatRenderer(load_tokenizer(chat_tokenizer_dir)).encode_prompt("Reverse abc") == ref
+
+
+def test_preprocess_chat_refuses_a_conversation_holding_the_mask_token(tmp_path, chat_tokenizer_dir):
+    tok = load_tokenizer(chat_tokenizer_dir)
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": "fill <|mask|> in", "response": "ok"}) + "\n"
+                    + json.dumps({"prompt": "1+1=", "response": "2"}) + "\n")
+    with pytest.raises(PreprocessError, match=rf"in\.jsonl, line 1: the conversation holds the mask token "
+                                              rf"'<\|mask\|>' \(id {tok.mask_id}\).*--skip-bad-lines"):
+        preprocess_jsonl(path, tmp_path / "out", tok, chat=True, progress=False)
+    stats = preprocess_jsonl(path, tmp_path / "out", tok, chat=True, skip_bad_lines=True, progress=False)
+    assert stats.documents == 1 and stats.bad_lines == 1
+    assert tok.mask_id not in IndexedDataset(stats.outputs["chat"]).document(0).tolist()

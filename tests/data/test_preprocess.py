@@ -103,6 +103,9 @@ def test_large_vocab_uses_int32(tmp_path):
     ('{"text": 42}', r"has 'text' of type int"),
     ('[1, 2]', r"a JSON list, expected an object"),
     (b'{"text": "caf\xe9"}', r"not valid UTF-8 \(byte 13"),
+    # the [MASK] token spelled out in the text: diffusion training could not use the document
+    ('{"text": "a <|mask|> in the text"}', r"its 'text' holds the mask token '<\|mask\|>' \(id 1\), which a "
+                                           r"masked-diffusion model cannot be trained on"),
 ])
 def test_bad_line_names_file_and_line(tmp_path, tok, line, message, workers, small_chunks):
     good = [json.dumps({"text": f"Line {i}."}) for i in range(20)]
