@@ -229,8 +229,11 @@ def _run_ppl(args: argparse.Namespace) -> int:
         if ctx.is_main:
             print("megadlms eval: no --data-path: the validation split of the bundled demo corpus", file=sys.stderr)
         data_path, split = bundled_dataset(tokenizer, user_cache_dir()), args.split or BUNDLED_SPLIT
+    mask_ids = [args.mask_token if args.mask_token is not None else c.mask_token_id for _, _, c in models
+                if c.running_mode != "vanilla"]  # a window holding a diffusion model's [MASK] id is refused
     windows = validation_windows(tokenizer, data_path=data_path, seq_length=seq_length, samples=args.eval_samples,
-                                 split=split, seed=args.seed, data_cache_path=args.data_cache_path)
+                                 split=split, seed=args.seed, data_cache_path=args.data_cache_path,
+                                 mask_token_ids=[m for m in mask_ids if m is not None])
     mine = windows[ctx.rank::ctx.world_size]  # under torchrun each rank scores its share; the sums are reduced
     losses = [args.diffusion_loss or c.loss for _, _, c in models]  # the flag, else what each model records
     report: dict[str, Any] = {"data_path": data_path, "split": split, "windows": len(windows),

@@ -11,6 +11,13 @@ hash of exactly those inputs. Extending the number of epochs leaves earlier epoc
 
 A `BlendedDataset` interleaves several datasets by weight with Megatron's rule: sample n goes to the dataset
 with the largest `weight_i * n - count_i` (first on ties).
+
+The diffusion [MASK] id must never be a token of the data (under SUBS its logit is minus infinity: a target equal
+to it makes the loss infinite, and the step is skipped until the run stops as "diverged"). A dataset given
+`mask_token_id` refuses a sample holding it with `MaskTokenInDataError`, naming the file, the document and the
+fix. The check runs here, on the host, as each sample is read (in the loader's worker processes): a numpy compare
+of the tokens the sample already holds, with no device sync, and only here are the file and document known; a
+check on the device per batch would cost a sync per step and could name neither.
 """
 
 from __future__ import annotations
@@ -30,13 +37,35 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import MegaDLMsError
-from .indexed import IndexedDataset
+from .indexed import IndexedDataset, bin_path
 
 INDEX_VERSION = "megadlms-gpt-index-v1"
 
 
 class DataError(MegaDLMsError, ValueError):
     """Invalid data settings or files; the message names the value and the fix."""
+
+
+class MaskTokenInDataError(DataError):
+    """A sample holds the diffusion [MASK] id; the message names the file, the document and the fix."""
+
+
+def mask_token_error(prefix: str, doc: int, position: int, mask_token_id: int, what: str = "document"
+                     ) -> MaskTokenInDataError:
+    """The error for token `position` of document `doc` of dataset `prefix` being the [MASK] id."""
+    return MaskTokenInDataError(
+        f"{bin_path(prefix)}: {what} {doc} (counting from 0) holds the mask token id {mask_token_id} (at its token "
+        f"{position}), which "
+        "a masked-diffusion model cannot be trained or scored on: re-tokenize the data without it (`megadlms "
+        "preprocess` refuses such documents), or choose a mask token the data never holds (--mask-token ID)")
+
+
+def find_token(tokens: np.ndarray, token: int | None) -> int | None:
+    """The first position of `token` in `tokens`, or None (also when `token` is None)."""
+    if token is None:
+        return None
+    hits = np.flatnonzero(tokens == token)
+    return int(hits[0]) if hits.size else None
 
 
 # --------------------------------------------------------------------------- parsing
@@ -190,11 +219,13 @@ class GPTDataset:
     """Samples of `seq_length + 1` tokens over documents [doc_start, doc_end) of `indexed`.
 
     `len(ds)` = samples in the cached index (covers at least `num_samples`, at least one epoch);
-    `ds[i]` -> int64 array [seq_length + 1] (i is taken modulo len(ds)).
+    `ds[i]` -> int64 array [seq_length + 1] (i is taken modulo len(ds)); `MaskTokenInDataError` when it holds
+    `mask_token_id` (None: not checked; see the module docstring).
     """
 
     def __init__(self, indexed: IndexedDataset, doc_start: int, doc_end: int, *, seq_length: int,
-                 num_samples: int, seed: int, cache_dir: str | os.PathLike, name: str = "train") -> None:
+                 num_samples: int, seed: int, cache_dir: str | os.PathLike, name: str = "train",
+                 mask_token_id: int | None = None) -> None:
         if seq_length < 1:
             raise DataError(f"seq_length must be positive, got {seq_length}")
         if not 0 <= doc_start < doc_end <= indexed.num_documents:
@@ -202,6 +233,7 @@ class GPTDataset:
                             f"{indexed.num_documents} documents of {indexed.prefix!r}")
         self.indexed, self.doc_start, self.doc_end = indexed, doc_start, doc_end
         self.seq_length, self.seed, self.name = seq_length, seed, name
+        self.mask_token_id = mask_token_id
         self.cache_dir = Path(cache_dir)
         lengths = indexed.document_lengths[doc_start:doc_end]
         self.tokens_per_epoch = int(lengths.sum(dtype=np.int64))
@@ -267,14 +299,21 @@ class GPTDataset:
         j = int(self.shuffle_index[int(i) % len(self.shuffle_index)])
         k0, o0 = (int(x) for x in self.sample_index[j])
         k1, o1 = (int(x) for x in self.sample_index[j + 1])
-        doc = self.indexed.document
+        # (document, first token, tokens) of each piece of the sample
         if k0 == k1:
-            out = doc(int(self.doc_index[k0]), o0, o1 - o0 + 1)
+            pieces = [(int(self.doc_index[k0]), o0, o1 - o0 + 1)]
         else:
-            parts = [doc(int(self.doc_index[k0]), o0)]
-            parts += [doc(int(self.doc_index[k])) for k in range(k0 + 1, k1)]
-            parts.append(doc(int(self.doc_index[k1]), 0, o1 + 1))
-            out = np.concatenate(parts)
+            lengths = self.indexed.document_lengths
+            pieces = [(int(self.doc_index[k0]), o0, int(lengths[self.doc_index[k0]]) - o0)]
+            pieces += [(int(self.doc_index[k]), 0, int(lengths[self.doc_index[k]])) for k in range(k0 + 1, k1)]
+            pieces.append((int(self.doc_index[k1]), 0, o1 + 1))
+        parts = [self.indexed.document(d, o, n) for d, o, n in pieces]
+        if self.mask_token_id is not None:
+            for (d, o, _), part in zip(pieces, parts):
+                at = find_token(part, self.mask_token_id)
+                if at is not None:
+                    raise mask_token_error(self.indexed.prefix, d, o + at, self.mask_token_id)
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return out.astype(np.int64)
 
     # Pickled for spawn-started DataLoader workers: reopen by path, the cached index is reused.

@@ -71,6 +71,9 @@ class DataConfig:
     sft: bool = False  # chat datasets packed into windows with loss masks (megadlms.data.sft)
     sft_pad: str = "eos"  # eos: pad with EOD and train on it; ignore: pads carry no loss and are not attended
     truncate: bool = False  # SFT: cut conversations longer than seq_length instead of refusing them
+    # diffusion objectives: the [MASK] id, which no sample may hold (the first that does stops the loader, naming
+    # the file and document: megadlms.data.dataset); None: not checked (an autoregressive run)
+    mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "micro_batch_size"):
@@ -94,14 +97,25 @@ class DataConfig:
                             "`megadlms preprocess --chat`); the bundled corpus is plain text")
 
 
+@dataclass
+class _RefusedBatch:
+    """What a worker returns for a micro-batch its dataset refused (a DataError): the loader raises `error` in the
+    training process, where it is one line, not the worker's traceback that DataLoader would re-raise."""
+
+    error: DataError
+
+
 class _MicroBatches(Dataset):
     """Indexed by a list of sample positions; returns the stacked micro-batch (int64 [len, seq_length+1])."""
 
     def __init__(self, source: SampleSource) -> None:
         self.source = source
 
-    def __getitem__(self, positions: list[int]) -> torch.Tensor:
-        return torch.from_numpy(np.stack([self.source[p] for p in positions]))
+    def __getitem__(self, positions: list[int]) -> torch.Tensor | _RefusedBatch:
+        try:
+            return torch.from_numpy(np.stack([self.source[p] for p in positions]))
+        except DataError as e:  # e.g. the [MASK] id in a sample: raised by the loader's iterator
+            return _RefusedBatch(e)
 
 
 class _RankPositions(Sampler):
@@ -216,6 +230,8 @@ class StatefulLoader:
                 raise RuntimeError(f"this {self.name} iterator is stale: iter(), load_state_dict() or close() was "
                                    "called since it was made; use the newest iterator")
             batch = next(it)
+            if isinstance(batch, _RefusedBatch):
+                raise batch.error
             self.consumed_samples += self.global_micro_batch
             yield batch
 
@@ -318,9 +334,10 @@ def _build_source(parts: list[tuple[IndexedDataset, int, int, float]], num_sampl
     def child(ds: IndexedDataset, a: int, b: int, n: int) -> PackedChatDataset | GPTDataset:
         if cfg.sft:
             return PackedChatDataset(ds, a, b, seq_length=cfg.seq_length, num_samples=n, seed=cfg.seed,
-                                     eod_id=eod_id, pad=cfg.sft_pad, truncate=cfg.truncate, name=name)
+                                     eod_id=eod_id, pad=cfg.sft_pad, truncate=cfg.truncate, name=name,
+                                     mask_token_id=cfg.mask_token_id)
         return GPTDataset(ds, a, b, seq_length=cfg.seq_length, num_samples=n, seed=cfg.seed,
-                          cache_dir=cache_dir, name=name)
+                          cache_dir=cache_dir, name=name, mask_token_id=cfg.mask_token_id)
     if len(parts) == 1:
         ds, a, b, _ = parts[0]
         g = child(ds, a, b, num_samples)

@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from .dataset import INDEX_VERSION, DataError, _hash, _permutation
+from .dataset import INDEX_VERSION, DataError, _hash, _permutation, find_token, mask_token_error
 from .indexed import IndexedDataset, dataset_exists
 
 SFT_PADS = ("eos", "ignore")
@@ -53,12 +53,13 @@ class PackedChatDataset:
     """Packed windows over conversations [doc_start, doc_end) of a chat dataset; see the module docstring.
 
     `len(ds)` = windows over the epochs needed for `num_samples` (at least one epoch);
-    `ds[i]` -> int64 [3, seq_length + 1] (i modulo len(ds)).
+    `ds[i]` -> int64 [3, seq_length + 1] (i modulo len(ds)); `MaskTokenInDataError` naming the conversation when
+    one holds `mask_token_id` (None: not checked; see `megadlms.data.dataset`).
     """
 
     def __init__(self, indexed: IndexedDataset, doc_start: int, doc_end: int, *, seq_length: int,
                  num_samples: int, seed: int, eod_id: int, pad: str = "eos", truncate: bool = False,
-                 name: str = "train") -> None:
+                 name: str = "train", mask_token_id: int | None = None) -> None:
         if pad not in SFT_PADS:
             raise DataError(f"--sft-pad {pad!r} is not one of {list(SFT_PADS)}")
         if not 0 <= doc_start < doc_end <= indexed.num_documents:
@@ -67,6 +68,7 @@ class PackedChatDataset:
         self.indexed, self.masks = indexed, open_loss_masks(indexed)
         self.doc_start, self.doc_end, self.seq_length, self.seed = doc_start, doc_end, seq_length, seed
         self.eod_id, self.pad, self.truncate, self.name = eod_id, pad, truncate, name
+        self.mask_token_id = mask_token_id
         lengths = indexed.document_lengths[doc_start:doc_end].astype(np.int64)
         too_long = np.flatnonzero(lengths > seq_length)
         if too_long.size and not truncate:
@@ -115,7 +117,11 @@ class PackedChatDataset:
         pos = 0
         for s, d in enumerate(docs.tolist(), start=1):
             n = int(self.lengths[d - self.doc_start])
-            out[0, pos:pos + n] = self.indexed.document(d, 0, n)
+            tokens = self.indexed.document(d, 0, n)
+            at = find_token(tokens, self.mask_token_id)
+            if at is not None and self.mask_token_id is not None:
+                raise mask_token_error(self.indexed.prefix, d, at, self.mask_token_id, "conversation")
+            out[0, pos:pos + n] = tokens
             out[1, pos:pos + n] = self.masks.document(d, 0, n)
             out[2, pos:pos + n] = s
             pos += n

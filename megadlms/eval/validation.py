@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,8 +22,12 @@ LOSS_NAMES = {"subs": "SUBS, [MASK] out of the softmax", "full-vocab": "full voc
 
 
 def validation_windows(tokenizer: Any, *, data_path: str, seq_length: int, samples: int, split: str = "969,30,1",
-                       seed: int = 1234, data_cache_path: str | None = None) -> list[list[int]]:
-    """The first `samples` windows [seq_length + 1] of the validation split of a Megatron dataset prefix."""
+                       seed: int = 1234, data_cache_path: str | None = None,
+                       mask_token_ids: Sequence[int] = ()) -> list[list[int]]:
+    """The first `samples` windows [seq_length + 1] of the validation split of a Megatron dataset prefix.
+
+    mask_token_ids: the [MASK] ids of the diffusion models to score; a window holding one is refused, naming the
+    file and document (`megadlms.data.dataset.MaskTokenInDataError`)."""
     from ..data import DataConfig, build_loaders
     from ..data.sft import is_chat_dataset
 
@@ -32,14 +37,18 @@ def validation_windows(tokenizer: Any, *, data_path: str, seq_length: int, sampl
         raise ConfigError(f"--data-path {data_path} is a chat dataset (`megadlms preprocess --chat`, loss masks beside "
                           "it): the ELBO is scored on plain-text datasets (`megadlms preprocess` without --chat); the "
                           "validation loss on chat data is what `megadlms train --sft` logs")
-    cfg = DataConfig(data_path=[data_path], split=split, data_cache_path=data_cache_path, seq_length=seq_length,
-                     micro_batch_size=1, seed=seed, num_workers=0, eval_samples=samples)
-    valid = build_loaders(cfg, tokenizer, require_train=False).valid
-    if valid is None:
-        raise ConfigError(f"--split {split} leaves no validation documents in {data_path}; give the validation "
-                          "part a share, e.g. --split 98,2,0")
-    it = iter(valid)
-    return [next(it)[0].tolist() for _ in range(samples)]
+    windows: list[list[int]] = []
+    ids: list[int | None] = [*dict.fromkeys(mask_token_ids)] or [None]
+    for mask_id in ids:  # the same windows, checked for each id
+        cfg = DataConfig(data_path=[data_path], split=split, data_cache_path=data_cache_path, seq_length=seq_length,
+                         micro_batch_size=1, seed=seed, num_workers=0, eval_samples=samples, mask_token_id=mask_id)
+        valid = build_loaders(cfg, tokenizer, require_train=False).valid
+        if valid is None:
+            raise ConfigError(f"--split {split} leaves no validation documents in {data_path}; give the validation "
+                              "part a share, e.g. --split 98,2,0")
+        it = iter(valid)
+        windows = [next(it)[0].tolist() for _ in range(samples)]
+    return windows
 
 
 def scored_tokens(cfg: Any, seq_length: int, ignore_bos: bool = False) -> int:

@@ -740,6 +740,8 @@ def setup(config: RunConfig) -> Trainer:
                                   seed=train_cfg.seed,
                                   train_samples=train_cfg.train_iters * global_batch,
                                   eval_samples=train_cfg.eval_iters * global_batch * n_evals)
+    if cfg.running_mode != "vanilla":  # diffusion: a sample holding the [MASK] id stops the run naming its document
+        data_cfg.mask_token_id = cfg.mask_token_id
     if ctx.distributed and not ctx.is_main:  # rank 0 tokenizes / indexes into the caches first, the others reuse them
         dist.barrier()
     loaders: Any

@@ -233,3 +233,26 @@ def test_cache_dir_resolution(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="--data-cache-path .* is not a writable folder"):
         resolve_cache_dir(tmp_path / "afile" / "x", None)
     assert dsmod.user_cache_dir() == tmp_path / "user"
+
+
+@pytest.mark.parametrize("seq_length", [16, 5, 400])
+def test_a_sample_holding_the_mask_id_is_refused_naming_the_file_and_document(corpus, tmp_path, seq_length):
+    """Token 30 of document 5 is the [MASK] id: every sample holding it (and only those) is refused with one line
+    naming the .bin file, the document and the fix; the other samples are as without the check."""
+    mask = doc_tokens(5, 200)[30]
+    plain = GPTDataset(corpus, 0, len(LENGTHS), seq_length=seq_length, num_samples=200, seed=4, cache_dir=tmp_path)
+    checked = GPTDataset(corpus, 0, len(LENGTHS), seq_length=seq_length, num_samples=200, seed=4,
+                         cache_dir=tmp_path, mask_token_id=int(mask))
+    refused = 0
+    for i in range(len(plain)):
+        sample = plain[i]
+        if mask not in sample:
+            assert np.array_equal(checked[i], sample)
+            continue
+        refused += 1
+        with pytest.raises(dsmod.MaskTokenInDataError) as e:
+            checked[i]
+        assert str(e.value).startswith(f"{corpus.prefix}.bin: document 5 (counting from 0) holds the mask token id "
+                                       f"{mask} (at its token 30)")
+        assert "--mask-token" in str(e.value) and "re-tokenize" in str(e.value) and "\n" not in str(e.value)
+    assert refused >= 1

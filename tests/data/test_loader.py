@@ -238,3 +238,25 @@ def test_bundled_corpus_default(tmp_path, monkeypatch):
     assert len(text) > 150 and " the " in text
     # the preprocessed corpus and the index cache both live under $MEGADLMS_CACHE
     assert any(p.name.startswith("bundled-") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_first_micro_batch_holding_the_mask_id_stops_the_loader_in_one_line(make_corpus, workers):
+    """Document 7 holds the [MASK] id: the loader yields the micro-batches before the first that holds it, then
+    raises the dataset's one-line error in this process (from a worker too: not the worker's traceback)."""
+    from megadlms.data.dataset import MaskTokenInDataError
+
+    prefix = make_corpus("masked", [40] * 20)
+    mask = 7 * STRIDE + 12
+    samples = build_loaders(cfg(prefix), TOK).train.source
+    first = next(i for i in range(len(samples)) if mask in samples[i])
+    train = build_loaders(cfg(prefix, num_workers=workers, mask_token_id=mask), TOK).train
+    it = iter(train)
+    for _ in range(first // 3):  # the micro-batches of 3 samples before the refused one
+        next(it)
+    with pytest.raises(MaskTokenInDataError) as e:
+        next(it)
+    assert str(e.value).startswith(f"{prefix}.bin: document 7 (counting from 0) holds the mask token id {mask} "
+                                   "(at its token 12)")
+    assert "\n" not in str(e.value) and train.consumed_samples == first // 3 * 3
+    train.close()

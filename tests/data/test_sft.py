@@ -91,3 +91,18 @@ def test_loaders_blend_split_and_ranks_like_pretraining(tmp_path):
         p.add_document(np.arange(30))
     with pytest.raises(DataError, match="preprocess --chat"):
         build_loaders(DataConfig(**{**cfg.__dict__, "data_path": [str(tmp_path / "plain")]}), tok)
+
+
+def test_a_conversation_holding_the_mask_id_is_refused_naming_it(tmp_path):
+    prefix = make_chat(tmp_path / "c", [5, 6, 7, 4])
+    mask = 10 + 100 * 2 + 3  # token 3 of conversation 2
+    ds = PackedChatDataset(IndexedDataset(prefix), 0, 4, seq_length=16, num_samples=4, seed=0, eod_id=EOD,
+                           mask_token_id=mask)
+    with pytest.raises(DataError, match=rf"c\.bin: conversation 2 \(counting from 0\) holds the mask token id {mask} "
+                                        r"\(at its token 3\).*--mask-token"):
+        for i in range(len(ds)):
+            ds[i]
+    plain = PackedChatDataset(IndexedDataset(prefix), 0, 4, seq_length=16, num_samples=4, seed=0, eod_id=EOD)
+    clean = PackedChatDataset(IndexedDataset(prefix), 0, 4, seq_length=16, num_samples=4, seed=0, eod_id=EOD,
+                              mask_token_id=1)  # an id no conversation holds: the windows as without the check
+    assert all(np.array_equal(clean[i], plain[i]) for i in range(len(plain)))
