@@ -668,6 +668,8 @@ def _root(e: BaseException) -> BaseException:
 
 def _root_text(e: BaseException) -> str:
     r = _root(e)
+    if isinstance(r, pickle.UnpicklingError) and "weights_only" in str(r):  # torch's text: its reason, no advice
+        return f"{type(r).__name__}: {_unpickler_reason(r)}"
     text = str(r).strip().splitlines()[0] if str(r).strip() else ""
     return f"{type(r).__name__}: {text[:200]}" if text else type(r).__name__
 

@@ -163,3 +163,15 @@ def test_a_tampered_rank_state_names_the_file_and_what_it_refused(tmp_path, cont
     text = str(e.value)
     assert re.search(rf"checkpoint file {re.escape(str(f))} {named}", text), text
     assert "\n" not in text and "weights_only" not in text and "add_safe_globals" not in text
+
+
+def test_torchs_weights_only_text_never_reaches_a_message():
+    """Any weights-only refusal that reaches a checkpoint message is torch's reason alone."""
+    e = pickle.UnpicklingError(
+        "Weights only load failed. In PyTorch 2.6, we changed the default value of the `weights_only` argument in "
+        "`torch.load` from `False` to `True`. Re-running `torch.load` with `weights_only` set to `False` will likely "
+        "succeed, but it can result in arbitrary code execution.\nPlease file an issue with the following so that "
+        "we can make `weights_only=True` compatible with your use case: WeightsUnpickler error: \n\nUnsupported "
+        "operand 149\n\nCheck the documentation of torch.load to learn more")
+    text = ckpt._root_text(e)
+    assert text == "UnpicklingError: not a torch.save archive of tensors and plain types (Unsupported operand 149)"
