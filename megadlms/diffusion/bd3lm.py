@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from .clip_search import CLIP_SEARCH_DELTA, CLIP_SEARCH_WIDTHS, clip_grid
-from .objective import DIFFUSION_LOSSES, BatchNoise, MaskSampler, subs_logits
+from .objective import DIFFUSION_LOSSES, BatchNoise, MaskSampler, require_mask_token_id, subs_logits
 
 NOISE_PER = ("block", "sequence")
 
@@ -233,13 +233,14 @@ def _resample(u: torch.Tensor, t: torch.Tensor, cfg: Bd3lmConfig, g: torch.Gener
                       f"{MAX_RESAMPLE_ROUNDS} redraws; widen --bd3lm-clip-min / --bd3lm-clip-max")
 
 
-def mask_blocks(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, block_size: int, mask_token_id: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def mask_blocks(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, block_size: int,
+                mask_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward process: token i of block j is masked where u_i < t_j.
 
     tokens long [B, L]; t [B, L/block_size] (per block) or [B, 1] (per sequence); u [B, L].
     Returns (x_t long [B, L], weights fp32 [B, L] = 1/t on masked tokens, 0 elsewhere).
     """
+    mask_token_id = require_mask_token_id(mask_token_id, "mask_blocks")
     t_tok = t if t.shape[1] == 1 else t.repeat_interleave(block_size, dim=1)
     masked = u < t_tok
     noisy = torch.where(masked, torch.full_like(tokens, mask_token_id), tokens)

@@ -121,6 +121,15 @@ class MaskSampler:
         self.length_generator.set_state(state["length_generator"])
 
 
+def require_mask_token_id(mask_token_id: int | None, caller: str) -> int:
+    """`mask_token_id`, or a one-line ConfigError where it is None (a TransformerConfig without a [MASK] id: the tiny
+    preset, a plain AR config) naming the field and the fix."""
+    if mask_token_id is None:
+        raise ConfigError(f"{caller} needs a [MASK] id but mask_token_id is None (the model config records none): set "
+                          "it, e.g. cfg = cfg.replace(mask_token_id=tokenizer.mask_token_id)")
+    return mask_token_id
+
+
 def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, mask_token_id: int | None,
                 eps: float = 1e-3, pmask: str = "sampled", maskable: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,9 +140,7 @@ def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, *, mask_
     maskable None: every row has at least one masked token (the position of its smallest u). maskable bool
     [B, L] (SFT: the response tokens): only those may be masked, and none is forced.
     """
-    if mask_token_id is None:  # a TransformerConfig without a [MASK] id (the tiny preset, a plain AR config)
-        raise ConfigError("mask_tokens needs a [MASK] id but mask_token_id is None (the model config records "
-                          "none): set it, e.g. cfg = cfg.replace(mask_token_id=tokenizer.mask_token_id)")
+    mask_token_id = require_mask_token_id(mask_token_id, "mask_tokens")
     p = (1.0 - eps) * t + eps  # [B, 1] or [B, L]
     masked = u < p
     if maskable is None:

@@ -394,3 +394,10 @@ def test_training_weight_is_one_when_the_clip_starts_above_one_half():
     torch.testing.assert_close(bd3lm.prepare_batch(sample, (t, u), high, evaluation=True)[2], masked / 0.7)
     low = bd3lm.Bd3lmConfig(4, 8, mask_token_id=MASK, clip_min=0.5, clip_max=0.9)  # 0.5 is not above one half
     torch.testing.assert_close(bd3lm.prepare_batch(sample, (t, u), low)[2], masked / 0.7)
+
+
+def test_mask_blocks_without_a_mask_id_names_the_field_and_the_fix():
+    with pytest.raises(ConfigError, match=r"^mask_blocks needs a \[MASK\] id but mask_token_id is None .*"
+                                          r"cfg\.replace\(mask_token_id="):
+        bd3lm.mask_blocks(torch.zeros(1, 8, dtype=torch.long), torch.rand(1, 2), torch.rand(1, 8), block_size=4,
+                          mask_token_id=None)
