@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--mask-token", type=int, default=None, help="the [MASK] id (default: the model config's)")
     g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="weights dtype: auto = bf16 on GPU, fp32 on CPU (FP8 models keep their FP8 layers)")
-    g.add_argument("--batch-size", type=int, default=8, help="rows per forward")
+    g.add_argument("--micro-batch-size", "--batch-size", dest="batch_size", type=int, default=8,
+                   help="rows per forward (default 8); --batch-size is the same flag")
     g.add_argument("--seed", type=int, default=1234, help="seeds the Monte-Carlo masks, samplers and few-shot draws")
     g.add_argument("--output-path", metavar="DIR", default=None, help="write results.json (and the table) here")
 
@@ -57,7 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="train,valid,test proportions (the validation part is used; default 969,30,1, and 98,1,1 "
                         "for the bundled corpus, as in training)")
     g.add_argument("--data-cache-path", default=None, help="folder for the cached sample index")
-    g.add_argument("--eval-samples", type=int, default=64, help="validation windows to score")
+    g.add_argument("--eval-samples", type=int, default=64,
+                   help="validation windows to score (default 64); train's --eval-iters counts global batches "
+                        "instead: a validation there scores eval-iters x global-batch-size windows")
+    g.add_argument("--eval-iters", type=int, default=None, help=argparse.SUPPRESS)  # refused: see _run_ppl
     g.add_argument("--seq-length", type=int, default=None, help="window length (default: the model's seq_length)")
     g.add_argument("--diffusion-loss", choices=DIFFUSION_LOSSES, default=None,
                    help="the diffusion bounds' cross-entropy: subs (MDLM's SUBS, as training defaults: [MASK] "
@@ -75,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run `megadlms eval`: harness tasks, or with --ppl the validation ELBO; returns the exit status."""
     if args.batch_size < 1:
-        raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+        raise ConfigError(f"--micro-batch-size {args.batch_size} must be >= 1")
     check_tokenizer_type(args)
     if args.ppl:
         return _run_ppl(args)
@@ -115,10 +119,10 @@ def _unknown(manager: Any, names: list[str]) -> list[str]:
 
 # model-args keys that a flag of this command also sets: key -> (the flag's dest, the flag)
 FLAG_KEYS = {"load": ("load", "--load"), "hf_model": ("hf_model", "--hf-model"),
-             "fp8_export": ("fp8_export", "--fp8-export"), "iteration": ("iteration", "--iteration"),
+             "fp8_export": ("fp8_export", "--fp8-export"), "iteration": ("iteration", "--ckpt-step"),
              "mask_token": ("mask_token", "--mask-token"), "tokenizer": ("tokenizer_model", "--tokenizer-model"),
              "device": ("device", "--device"), "dtype": ("dtype", "--dtype"),
-             "batch_size": ("batch_size", "--batch-size"), "seed": ("seed", "--seed")}
+             "batch_size": ("batch_size", "--micro-batch-size"), "seed": ("seed", "--seed")}
 
 
 def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -206,6 +210,9 @@ def _run_ppl(args: argparse.Namespace) -> int:
         validation_windows,
     )
 
+    if args.eval_iters is not None:  # train's flag counts global batches, not windows: not an alias
+        raise ConfigError(f"eval counts validation windows, not batches: use --eval-samples N (train's --eval-iters "
+                          f"{args.eval_iters} scores {args.eval_iters} x global-batch-size windows)")
     ratios = _ratios(args.mask_ratios)
     if args.eval_samples < 1:
         raise ConfigError(f"--eval-samples {args.eval_samples} must be >= 1")

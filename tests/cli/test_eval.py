@@ -75,7 +75,7 @@ def test_model_args_keys_of_a_flag_are_kept_or_refused():
     assert cli.model_kwargs(parse(["--load", "ck", "--dtype", "bf16", "--model-args", "dtype=bf16"]))["dtype"] == "bf16"
     with pytest.raises(cli.ConfigError, match=r"^--model-args dtype=fp32 contradicts --dtype bf16; give the value"):
         cli.model_kwargs(parse(["--load", "ck", "--dtype", "bf16", "--model-args", "dtype=fp32"]))
-    with pytest.raises(cli.ConfigError, match="--model-args batch_size=4 contradicts --batch-size 16"):
+    with pytest.raises(cli.ConfigError, match="--model-args batch_size=4 contradicts --micro-batch-size 16"):
         cli.model_kwargs(parse(["--load", "ck", "--batch-size", "16", "--model-args", "batch_size=4"]))
 
 
