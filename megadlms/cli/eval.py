@@ -11,11 +11,13 @@ Under torchrun the harness splits the documents across ranks and rank 0 prints a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
+import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -142,6 +144,29 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _git_hash_of_cwd() -> str | None:
+    """The commit of the working folder's git checkout, None outside one (git's own error kept off stderr)."""
+    try:
+        out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
+
+
+@contextlib.contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """lm_eval records the working folder's commit in its results by running `git describe`, whose "fatal: not a
+    git repository" reaches the terminal outside a checkout: the same record, without that line."""
+    import lm_eval.evaluator
+
+    original = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = _git_hash_of_cwd
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = original
+
+
 def _run_harness(args: argparse.Namespace) -> int:
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     manager = task_manager(args.include_path, names)
@@ -156,11 +181,12 @@ def _run_harness(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"unknown --model-args key(s) {unknown}; the keys are {sorted(known)}")
     lm = MegaDLMsLM(**kwargs)
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=names, task_manager=manager, num_fewshot=args.num_fewshot, limit=args.limit,
-        apply_chat_template=args.apply_chat_template, log_samples=args.log_samples, random_seed=args.seed,
-        numpy_random_seed=args.seed, torch_random_seed=args.seed, fewshot_random_seed=args.seed,
-        bootstrap_iters=0 if args.limit else 1000)
+    with quiet_git_hash():
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=names, task_manager=manager, num_fewshot=args.num_fewshot, limit=args.limit,
+            apply_chat_template=args.apply_chat_template, log_samples=args.log_samples, random_seed=args.seed,
+            numpy_random_seed=args.seed, torch_random_seed=args.seed, fewshot_random_seed=args.seed,
+            bootstrap_iters=0 if args.limit else 1000)
     if results is None:  # not rank 0
         return 0
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")

@@ -22,11 +22,13 @@ def run_cli(argv, capsys):
     return code, out.out, out.err
 
 
-def test_eval_writes_the_results_table(eval_files, tmp_path, capsys):
+def test_eval_writes_the_results_table(eval_files, tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside a git checkout: git's "fatal: not a git repository" stays off stderr
     argv = ["--load", str(eval_files["dlm"]), "--tasks", "tiny_mc", "--include-path", str(eval_files["tasks"]),
             "--model-args", "mc_num=2,greedy=off", "--device", "cpu", "--limit", "2", "--output-path", str(tmp_path)]
-    code, out, err = run_cli(argv, capsys)
+    code, out, err = run_cli(argv, capfd)
     assert code == 0, err
+    assert "not a git repository" not in err and json.loads((tmp_path / "results.json").read_text())["git_hash"] is None
     results = json.loads((tmp_path / "results.json").read_text())["results"]["tiny_mc"]
     row = next(line for line in out.splitlines() if line.startswith("|tiny_mc|"))
     assert row.split("|")[3:6] == ["none  ", "     0", "acc   "]
