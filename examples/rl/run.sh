@@ -2,7 +2,7 @@
 # diffu-GRPO on the reverse-digits task, on the CPU: the SFT example (examples/sft) on lists of 2-3 digits, then
 # GRPO with the exact-match (plus digits-in-place) reward on the training prompts; prints the rollouts' reward curve and the held-out
 # exact match of the SFT model and of every GRPO checkpoint.
-#   bash examples/rl/run.sh [WORK_DIR]     (about 25 minutes on 2 shared CPU cores; README.md has the curve)
+#   bash examples/rl/run.sh [WORK_DIR]     (about 12 minutes on 2 idle CPU cores; README.md has the curve)
 # Optional: SFT_ITERS (300), SFT_END (550), GRPO_ITERS (300), GRPO_LR (3e-4), GRPO_SAVE (50: held-out scores every
 # that many steps)
 set -euo pipefail
