@@ -9,6 +9,7 @@ else
   PY=python3
 fi
 if ! "$PY" -c "import megadlms" 2>/dev/null; then
-  echo "$(basename "$0"): $PY cannot import megadlms: run 'make test' in $_repo (it creates .venv), or set PYTHON to the python of an environment with megadlms installed" >&2
+  fix="run 'make test' in $_repo (it creates .venv), or set PYTHON to the python of an environment with megadlms"
+  echo "$(basename "$0"): $PY cannot import megadlms: $fix" >&2
   exit 1
 fi

@@ -15,7 +15,8 @@ source examples/find_python.sh          # PY: $PYTHON, else .venv/bin/python, el
 VISIBLE=$("$PY" -c "import torch; print(torch.cuda.device_count())")  # the CUDA GPUs torch can use here
 GPUS=${GPUS:-$VISIBLE}
 if [ "${DRY_RUN:-0}" != 1 ] && { [ "$GPUS" -lt 1 ] || [ "$GPUS" -gt "$VISIBLE" ]; }; then
-  echo "train_single_node.sh: GPUS=$GPUS, but torch sees $VISIBLE CUDA GPU(s) here; this script trains on GPUs (on a CPU, 'megadlms train' trains the demo)" >&2
+  echo "train_single_node.sh: GPUS=$GPUS, but torch sees $VISIBLE CUDA GPU(s) here; this script trains on GPUs" \
+       "(on a CPU, 'megadlms train' trains the demo)" >&2
   exit 1
 fi
 MODEL=${MODEL:-qwen3-1.7b}              # a preset, or a Hugging Face config.json / folder
