@@ -72,6 +72,8 @@ def check_save_folder(config: RunConfig) -> None:
     except ckpt.CheckpointError as e:
         raise ConfigError(f"--save {folder} holds checkpoints that cannot be read ({e}); {fix}") from None
     recorded = meta.get("args")
+    if isinstance(recorded, dict) and recorded.get("load") and _same_folder(recorded["load"], folder):
+        recorded = {**recorded, "load": None}  # its latest part resumed the run: the run itself started without
     where = f"--save {folder} holds another run's checkpoints (the latest at iteration {meta.get('iteration')})"
     if not isinstance(recorded, dict):
         raise ConfigError(f"{where}, which record no training settings; {fix}")

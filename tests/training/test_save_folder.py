@@ -39,12 +39,15 @@ def test_another_configuration_is_refused_in_one_line(run_dir, capsys):
 def test_a_resume_and_a_rerun_of_the_same_settings_are_allowed(run_dir, caplog):
     resume = parse_train_args(TINY + ["--train-iters", "5", "--save", str(run_dir), "--load", str(run_dir)])
     check_save_folder(resume)  # a resume may change flags (a longer run)
-    with caplog.at_level(logging.INFO, logger="megadlms"):
-        check_save_folder(parse_train_args(TINY + ["--train-iters", "2", "--log-interval", "7",
+    check_save_folder(parse_train_args(TINY + ["--train-iters", "2", "--save", str(run_dir)]))
+    train(parse_train_args(TINY + ["--train-iters", "3", "--save", str(run_dir), "--load", str(run_dir)]))
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text() == "3\n"
+    with caplog.at_level(logging.INFO, logger="megadlms"):  # the latest checkpoint's --load names its own folder
+        check_save_folder(parse_train_args(TINY + ["--train-iters", "3", "--log-interval", "7",
                                                    "--save", str(run_dir)]))
-    assert "holds an earlier run of these settings (iteration 2): starting it over" in caplog.text
+    assert "holds an earlier run of these settings (iteration 3): starting it over" in caplog.text
     with pytest.raises(ConfigError, match=r"differs in --load None there, .*, --finetune False there, True here"):
-        check_save_folder(parse_train_args(TINY + ["--train-iters", "2", "--save", str(run_dir), "--load",
+        check_save_folder(parse_train_args(TINY + ["--train-iters", "3", "--save", str(run_dir), "--load",
                                                    str(run_dir), "--finetune"]))
 
 
