@@ -6,11 +6,15 @@ TORCH ?= torch==2.13.0
 
 .PHONY: demo test lint clean
 
+# the first run downloads torch and the dev tools (a few minutes): each step says what it does, pip shows its progress
 $(STAMP): pyproject.toml
-	@test -x $(PY) || python3 -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev]"
+	@test -x $(PY) || { echo "make: creating the virtual environment $(VENV) (once)"; python3 -m venv $(VENV); }
+	@$(PY) -c "import torch" 2>/dev/null || { echo "make: installing $(TORCH) into $(VENV) (once; a large download)"; \
+		$(PY) -m pip install --progress-bar on "$(TORCH)"; }
+	@echo "make: installing megadlms and its dev tools (pytest, ruff, mypy, transformers, triton) into $(VENV)"
+	@$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
+	@echo "make: $(VENV) is ready"
 
 demo: $(STAMP)
 	$(VENV)/bin/megadlms train

@@ -126,7 +126,7 @@ def run_family(family: str, work: Path, *, iters: int, precision: list[str], seq
     arch = json.loads((w / "export" / "config.json").read_text())["architectures"][0]
     # 5. the ELBO per mask ratio, from the export
     megadlms("eval", "--ppl", "--hf-model", w / "export", "--data-path", w / "text_text_document", "--split",
-             "0,100,0", "--eval-samples", 4, "--seq-length", seq, "--batch-size", 4, "--output-path", w / "ppl",
+             "0,100,0", "--eval-samples", 4, "--seq-length", seq, "--micro-batch-size", 4, "--output-path", w / "ppl",
              "--device", "cpu")
     ppl = next(iter(json.loads((w / "ppl" / "ppl.json").read_text())["models"].values()))
     # 6. sampling from the export with the family's sampler

@@ -7,7 +7,7 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 WORK="${1:-/tmp/megadlms_sft_example}"
-PY="${PYTHON:-python}"
+source "$HERE/../find_python.sh"  # PY: $PYTHON, else the repository's .venv, else python3
 MEGADLMS="$PY -m megadlms"
 rm -rf "$WORK" && mkdir -p "$WORK"
 MODEL=(--model-path tiny --num-layers 3 --hidden-size 96 --num-attention-heads 4 --num-query-groups 2
@@ -16,7 +16,7 @@ MODEL=(--model-path tiny --num-layers 3 --hidden-size 96 --num-attention-heads 4
 SFT_ITERS="${SFT_ITERS:-250}"
 GEN_LENGTH="${GEN_LENGTH:-16}"
 GEN=(--prompt-file "$WORK/data/heldout_prompts.jsonl" --gen-length "$GEN_LENGTH" --block-length "$GEN_LENGTH"
-     --steps "$GEN_LENGTH" --device cpu --batch-size 50 --no-progress)
+     --steps "$GEN_LENGTH" --device cpu --micro-batch-size 50 --no-progress)
 
 # 1. data: a generated instruction set, rendered with a plain prompt template (the bundled tokenizer has none)
 # shellcheck disable=SC2086  # DATA_ARGS is a list of flags

@@ -60,14 +60,13 @@ def train_main(argv: Sequence[str] | None, prog: str = "megadlms train") -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = "megadlms {%s} [flags]   (megadlms COMMAND --help for a command's flags)" % ",".join(COMMANDS)
-    if not argv:  # the embedded default: train the demo
-        return run_command("train", [])
-    command, rest = argv[0], argv[1:]
-    if command in ("-h", "--help"):
+    if not argv or argv[0] in ("-h", "--help"):  # a bare `megadlms` prints this too: it starts no run
         print(usage + "\n")
         for name, (_, doc) in COMMANDS.items():
             print(f"  {name:<12} {doc}")
+        print("\n`megadlms train` with no flags trains the demo (`make demo`)")
         return 0
+    command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"megadlms: unknown command {command!r}\nusage: {usage}", file=sys.stderr)
         return 2

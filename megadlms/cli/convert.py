@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     imp.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                      help="precision to store the weights in (default float32; training loads them into its own "
                           "master-weight precision)")
-    imp.add_argument("--iteration", type=int, default=0, help="iteration number to record (default 0)")
+    imp.add_argument("--ckpt-step", "--iteration", dest="iteration", type=int, default=0,
+                     help="iteration number the written checkpoint records (default 0); --iteration is the same flag")
     _add_verify(imp)
 
     exp = sub.add_parser(
@@ -86,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "Dream's (DreamModel) own format, as imported or asked with --hf-format.")
     exp.add_argument("--load", required=True, metavar="DIR", help="checkpoint folder (a --save folder of training)")
     exp.add_argument("--save", required=True, metavar="DIR", help="Hugging Face folder to write")
-    exp.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the latest)")
+    exp.add_argument("--ckpt-step", "--iteration", dest="iteration", type=int, default=None,
+                     help="iteration to export (default: the latest; --iteration is the same flag)")
     add_tokenizer_arguments(exp, "to ship with the export; default: the checkpoint's own tokenizer/")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                      help="dtype of the exported weights (default: the loaded model's, float32; bfloat16 halves "
@@ -112,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "as a weights-only checkpoint (`megadlms train --load DIR --finetune`, `convert megadlms-to-hf`).")
     mrg.add_argument("--load", required=True, metavar="ADAPTERS", help="LoRA checkpoint folder (a --save of training)")
     mrg.add_argument("--save", required=True, metavar="DIR", help="checkpoint folder to write")
-    mrg.add_argument("--iteration", type=int, default=None, help="iteration of the adapters (default: the latest)")
+    mrg.add_argument("--ckpt-step", "--iteration", dest="iteration", type=int, default=None,
+                     help="iteration of the adapters (default: the latest; --iteration is the same flag)")
     _add_lora_base(mrg)
 
     ver = sub.add_parser(
@@ -121,7 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "the checkpoint's attention type; exit 1 when they disagree beyond --verify-tol.")
     ver.add_argument("--load", required=True, metavar="DIR", help="checkpoint folder")
     ver.add_argument("--hf-model", required=True, metavar="DIR", help="Hugging Face model folder")
-    ver.add_argument("--iteration", type=int, default=None, help="iteration to compare (default: the latest)")
+    ver.add_argument("--ckpt-step", "--iteration", dest="iteration", type=int, default=None,
+                     help="iteration to compare (default: the latest; --iteration is the same flag)")
     ver.add_argument("--verify-tol", type=float, default=DEFAULT_TOLERANCE, metavar="TOL",
                      help=f"tolerance, as for --verify (default {DEFAULT_TOLERANCE:g})")
 

@@ -11,11 +11,13 @@ Under torchrun the harness splits the documents across ranks and rank 0 prints a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
+import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -32,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--mask-token", type=int, default=None, help="the [MASK] id (default: the model config's)")
     g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="weights dtype: auto = bf16 on GPU, fp32 on CPU (FP8 models keep their FP8 layers)")
-    g.add_argument("--batch-size", type=int, default=8, help="rows per forward")
+    g.add_argument("--micro-batch-size", "--batch-size", dest="batch_size", type=int, default=8,
+                   help="rows per forward (default 8); --batch-size is the same flag")
     g.add_argument("--seed", type=int, default=1234, help="seeds the Monte-Carlo masks, samplers and few-shot draws")
     g.add_argument("--output-path", metavar="DIR", default=None, help="write results.json (and the table) here")
 
@@ -57,7 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="train,valid,test proportions (the validation part is used; default 969,30,1, and 98,1,1 "
                         "for the bundled corpus, as in training)")
     g.add_argument("--data-cache-path", default=None, help="folder for the cached sample index")
-    g.add_argument("--eval-samples", type=int, default=64, help="validation windows to score")
+    g.add_argument("--eval-samples", type=int, default=64,
+                   help="validation windows to score (default 64); train's --eval-iters counts global batches "
+                        "instead: a validation there scores eval-iters x global-batch-size windows")
+    g.add_argument("--eval-iters", type=int, default=None, help=argparse.SUPPRESS)  # refused: see _run_ppl
     g.add_argument("--seq-length", type=int, default=None, help="window length (default: the model's seq_length)")
     g.add_argument("--diffusion-loss", choices=DIFFUSION_LOSSES, default=None,
                    help="the diffusion bounds' cross-entropy: subs (MDLM's SUBS, as training defaults: [MASK] "
@@ -75,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run `megadlms eval`: harness tasks, or with --ppl the validation ELBO; returns the exit status."""
     if args.batch_size < 1:
-        raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+        raise ConfigError(f"--micro-batch-size {args.batch_size} must be >= 1")
     check_tokenizer_type(args)
     if args.ppl:
         return _run_ppl(args)
@@ -115,10 +121,10 @@ def _unknown(manager: Any, names: list[str]) -> list[str]:
 
 # model-args keys that a flag of this command also sets: key -> (the flag's dest, the flag)
 FLAG_KEYS = {"load": ("load", "--load"), "hf_model": ("hf_model", "--hf-model"),
-             "fp8_export": ("fp8_export", "--fp8-export"), "iteration": ("iteration", "--iteration"),
+             "fp8_export": ("fp8_export", "--fp8-export"), "iteration": ("iteration", "--ckpt-step"),
              "mask_token": ("mask_token", "--mask-token"), "tokenizer": ("tokenizer_model", "--tokenizer-model"),
              "device": ("device", "--device"), "dtype": ("dtype", "--dtype"),
-             "batch_size": ("batch_size", "--batch-size"), "seed": ("seed", "--seed")}
+             "batch_size": ("batch_size", "--micro-batch-size"), "seed": ("seed", "--seed")}
 
 
 def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,6 +144,29 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _git_hash_of_cwd() -> str | None:
+    """The commit of the working folder's git checkout, None outside one (git's own error kept off stderr)."""
+    try:
+        out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
+
+
+@contextlib.contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """lm_eval records the working folder's commit in its results by running `git describe`, whose "fatal: not a
+    git repository" reaches the terminal outside a checkout: the same record, without that line."""
+    import lm_eval.evaluator
+
+    original = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = _git_hash_of_cwd
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = original
+
+
 def _run_harness(args: argparse.Namespace) -> int:
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     manager = task_manager(args.include_path, names)
@@ -152,11 +181,12 @@ def _run_harness(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"unknown --model-args key(s) {unknown}; the keys are {sorted(known)}")
     lm = MegaDLMsLM(**kwargs)
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=names, task_manager=manager, num_fewshot=args.num_fewshot, limit=args.limit,
-        apply_chat_template=args.apply_chat_template, log_samples=args.log_samples, random_seed=args.seed,
-        numpy_random_seed=args.seed, torch_random_seed=args.seed, fewshot_random_seed=args.seed,
-        bootstrap_iters=0 if args.limit else 1000)
+    with quiet_git_hash():
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=names, task_manager=manager, num_fewshot=args.num_fewshot, limit=args.limit,
+            apply_chat_template=args.apply_chat_template, log_samples=args.log_samples, random_seed=args.seed,
+            numpy_random_seed=args.seed, torch_random_seed=args.seed, fewshot_random_seed=args.seed,
+            bootstrap_iters=0 if args.limit else 1000)
     if results is None:  # not rank 0
         return 0
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
@@ -206,6 +236,9 @@ def _run_ppl(args: argparse.Namespace) -> int:
         validation_windows,
     )
 
+    if args.eval_iters is not None:  # train's flag counts global batches, not windows: not an alias
+        raise ConfigError(f"eval counts validation windows, not batches: use --eval-samples N (train's --eval-iters "
+                          f"{args.eval_iters} scores {args.eval_iters} x global-batch-size windows)")
     ratios = _ratios(args.mask_ratios)
     if args.eval_samples < 1:
         raise ConfigError(f"--eval-samples {args.eval_samples} must be >= 1")

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf", action="store_true",
                         help="write a Hugging Face folder (transformers' names and config.json); with --fp8 the "
                              "block-scaled weights carry transformers' fine-grained FP8 quantization_config")
-    parser.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default: the latest)")
+    parser.add_argument("--ckpt-step", "--iteration", dest="ckpt_step", type=int, default=None,
+                        help="iteration to export (default: the latest); --iteration is the same flag")
 
 
 def run(args: argparse.Namespace) -> int:

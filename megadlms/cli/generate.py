@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with --chat, for tokenizers without a chat template: e.g. 'User: {prompt}\\nAssistant: '")
     g.add_argument("--output-file", metavar="FILE.jsonl",
                    help='write each input record plus "completion" and "num_tokens" as jsonl')
-    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--micro-batch-size", "--batch-size", dest="batch_size", type=int, default=8,
+                   help="prompts per forward (default 8); --batch-size is the same flag")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--eos-token", type=int, default=None, help="stop token (default: the tokenizer's EOD)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop or cut at EOS")
@@ -190,7 +191,7 @@ def _read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _check_args(args: argparse.Namespace) -> None:
     if args.batch_size <= 0:
-        raise ConfigError(f"--batch-size {args.batch_size} must be > 0")
+        raise ConfigError(f"--micro-batch-size {args.batch_size} must be > 0")
 
 
 class _StepCounter:

@@ -379,7 +379,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-prefix", required=True,
                    help="writes {prefix}_{key}_document.bin/.idx for each --json-keys key")
     g = parser.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenizer processes (output is identical for any N)")
+    g.add_argument("--num-workers", "--workers", dest="workers", type=int, default=1,
+                   help="tokenizer processes (output is identical for any N); --workers is the same flag")
     g.add_argument("--log-interval", type=int, default=1000, help="accepted for Megatron compatibility; "
                    "progress is shown continuously")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (there is none unless stderr is a "

@@ -51,6 +51,7 @@ from .metrics import (
 from .objectives import Batch, Objective, Sharding, build_objective
 from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_grad_norm, set_lr
 from .preemption import RunControl
+from .save_folder import check_save_folder
 from .triton_adamw import StreamingAdamW
 
 if TYPE_CHECKING:
@@ -704,6 +705,7 @@ def setup(config: RunConfig) -> Trainer:
                         ep_size=config.parallel.expert_model_parallel_size)
     if not ctx.is_main:
         logging.getLogger("megadlms").setLevel(logging.WARNING)
+    check_save_folder(config)  # another run's --save folder is refused before anything is built
     _seed_all(train_cfg.seed)
     tokenizer_model = data.tokenizer_model
     if tokenizer_model is None and config.checkpoint.load:

@@ -22,11 +22,13 @@ def run_cli(argv, capsys):
     return code, out.out, out.err
 
 
-def test_eval_writes_the_results_table(eval_files, tmp_path, capsys):
+def test_eval_writes_the_results_table(eval_files, tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside a git checkout: git's "fatal: not a git repository" stays off stderr
     argv = ["--load", str(eval_files["dlm"]), "--tasks", "tiny_mc", "--include-path", str(eval_files["tasks"]),
             "--model-args", "mc_num=2,greedy=off", "--device", "cpu", "--limit", "2", "--output-path", str(tmp_path)]
-    code, out, err = run_cli(argv, capsys)
+    code, out, err = run_cli(argv, capfd)
     assert code == 0, err
+    assert "not a git repository" not in err and json.loads((tmp_path / "results.json").read_text())["git_hash"] is None
     results = json.loads((tmp_path / "results.json").read_text())["results"]["tiny_mc"]
     row = next(line for line in out.splitlines() if line.startswith("|tiny_mc|"))
     assert row.split("|")[3:6] == ["none  ", "     0", "acc   "]
@@ -75,7 +77,7 @@ def test_model_args_keys_of_a_flag_are_kept_or_refused():
     assert cli.model_kwargs(parse(["--load", "ck", "--dtype", "bf16", "--model-args", "dtype=bf16"]))["dtype"] == "bf16"
     with pytest.raises(cli.ConfigError, match=r"^--model-args dtype=fp32 contradicts --dtype bf16; give the value"):
         cli.model_kwargs(parse(["--load", "ck", "--dtype", "bf16", "--model-args", "dtype=fp32"]))
-    with pytest.raises(cli.ConfigError, match="--model-args batch_size=4 contradicts --batch-size 16"):
+    with pytest.raises(cli.ConfigError, match="--model-args batch_size=4 contradicts --micro-batch-size 16"):
         cli.model_kwargs(parse(["--load", "ck", "--batch-size", "16", "--model-args", "batch_size=4"]))
 
 

@@ -161,7 +161,7 @@ CASES = {
     "generate-missing-fp8-export->how-to-export": (["generate", "--fp8-export", "{d}/nothing", "--prompt", "hi",
                                                     *GEN], 2, r"is not an export folder"),
     "generate-zero-batch->range": (["generate", "--load", "{d}/run", "--prompt", "hi", *GEN, "--batch-size", "0"], 2,
-                                   r"--batch-size 0 must be > 0"),
+                                   r"--micro-batch-size 0 must be > 0"),
     # convert, export, fp8-check, ckpt, unknown commands
     "convert-export-non-numeric-latest->names-file": (["convert", "megadlms-to-hf", "--load", "{d}/nonnum", "--save",
                                                        "{d}/hf1"], 2, r"should hold an iteration number"),
