@@ -61,8 +61,10 @@ def test_block_matches_token_by_token_reference(kw):
 
 def test_dispatch_is_dropless_and_padded():
     experts = torch.tensor([[0, 3], [3, 0], [3, 2], [0, 3]])  # expert 1 gets nothing
-    pos, offs, counts, rows = dispatch_plan(experts, 4)
+    pos, row_pair, offs, counts, rows = dispatch_plan(experts, 4)
     assert counts.tolist() == [3, 0, 1, 4] and rows == 16 + 16 * 4  # 8 pairs rounded up to 16, + 16 per expert
+    assert torch.equal(row_pair[pos], torch.arange(8))  # each row knows its pair ...
+    assert (row_pair >= 0).sum() == 8  # ... and the padding rows none
     assert offs.tolist() == [16, 16, 32, rows]  # groups padded to 16 rows; the last one takes the tail
     assert sorted(pos.tolist()) == pos.unique().tolist()  # every pair has a row of its own
     groups = torch.bucketize(pos, offs.long(), right=True)

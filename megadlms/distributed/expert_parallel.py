@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..config import ConfigError, TransformerConfig
 from ..model import TransformerLM
 from ..moe import Dispatched, TokenDispatcher, combine_pairs, dispatch_plan, moe_layers
+from ..moe_kernels import permute_rows
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -102,9 +103,9 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         received = all_to_all(x.index_select(0, order // self.topk), recv_splits, send_splits, self.group)
         local_ids = torch.arange(n_local, device=flat.device).repeat(ep).repeat_interleave(
             received_counts, output_size=received.shape[0])
-        pos, offs, _, rows = dispatch_plan(local_ids[:, None], n_local)
-        grouped = received.new_zeros(rows, received.shape[1]).index_copy(0, pos, received)
-        return Dispatched(grouped, offs, counts.float(), (order, pos, send_splits, recv_splits))
+        plan = dispatch_plan(local_ids[:, None], n_local)
+        grouped = permute_rows(received, plan.pos, plan.row_pair, 1)
+        return Dispatched(grouped, plan.offs, counts.float(), (order, plan.pos, send_splits, recv_splits))
 
     @torch.compiler.disable
     def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: Any) -> torch.Tensor:

@@ -1,0 +1,326 @@
+"""The MoE block's routing, dispatch and combine as fused Triton kernels, with the eager PyTorch they replace.
+
+    route_topk    logits [T, E] fp32 -> weights [T, k] fp32, experts [T, k] int64: score function, top-k and the
+                  normalisation in one kernel (one pass over the logits); backward in eager PyTorch over [T, E]
+    permute_rows  x [T, H] -> rows [M, H]: row r holds token row_pair[r] // k (zeros where row_pair[r] < 0), a
+                  gather; backward: each token's k rows summed (a gather-sum, no atomics)
+    combine_rows  y [M, H], weights [T, k] -> [T, H] fp32: sum_j weights[t, j] y[pos[t k + j]], a gather and
+                  weighted sum; backward: dy (a scaled gather, zeros in the padding) and dweights (the row dot
+                  products) in one kernel
+
+Every index is read on the device: no host synchronisation, fixed output shapes (CUDA graphs replay them). The
+kernels run where Triton runs (CUDA, or Triton's interpreter on the CPU with TRITON_INTERPRET=1, as the tests do);
+elsewhere, and with MEGADLMS_MOE_TRITON=0, the eager functions run. Both compute in fp32 and store in the inputs'
+dtypes; they agree to fp32 rounding (the kernels' sums may contract into fused multiply-adds).
+
+Shapes: T tokens, H hidden, E experts, k experts per token, M dispatched rows (pos [T*k]: each pair's row;
+row_pair [M]: each row's pair t k + j, -1 for a padding row).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+try:  # the kernels exist where Triton does; `available` says whether they can run
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001  (any import failure of an optional dependency: the eager path runs)
+    triton = None
+
+SCORE_FUNCTIONS = ("softmax", "softmax-pre", "sigmoid")
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether the fused kernels run for tensors on t's device (CUDA with Triton, or Triton's CPU interpreter);
+    off with MEGADLMS_MOE_TRITON=0."""
+    if triton is None or os.environ.get("MEGADLMS_MOE_TRITON", "1") == "0":
+        return False
+    return t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------- eager reference (and the CPU path)
+def topk_weights(logits: torch.Tensor, experts: torch.Tensor, score: str, k: int,
+                 scaling: float | None) -> torch.Tensor:
+    """The routing weights [T, k] fp32 of the chosen `experts` [T, k] (differentiable in logits [T, E] fp32).
+    softmax: the softmax of the chosen logits; softmax-pre: the chosen softmax probabilities (not renormalised);
+    sigmoid: the chosen sigmoid scores normalised to sum 1 (k > 1). Times `scaling` where given."""
+    if score == "sigmoid":
+        w = torch.sigmoid(logits).gather(1, experts)
+        if k > 1:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    elif score == "softmax-pre":
+        w = torch.softmax(logits, dim=-1).gather(1, experts)
+    else:
+        w = torch.softmax(logits.gather(1, experts), dim=-1)
+    return w if scaling is None else w * scaling
+
+
+def route_topk_eager(logits: torch.Tensor, k: int, score: str, bias: torch.Tensor | None,
+                     scaling: float | None, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_topk` in eager PyTorch: the experts by the top-k of the logits (sigmoid: of sigmoid(logits) + bias).
+    scores: sigmoid(logits) or softmax(logits) where the caller has it already (reused, not recomputed)."""
+    if score == "sigmoid":
+        scores = torch.sigmoid(logits) if scores is None else scores
+        select = scores if bias is None else scores + bias
+        experts = select.topk(k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    elif score == "softmax-pre":
+        weights, experts = (torch.softmax(logits, dim=-1) if scores is None else scores).topk(k, dim=-1)
+    else:
+        top, experts = logits.topk(k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    return (weights if scaling is None else weights * scaling), experts
+
+
+def permute_rows_eager(x: torch.Tensor, pos: torch.Tensor, k: int, rows: int) -> torch.Tensor:
+    """x [T, H] -> [rows, H]: row pos[t k + j] holds x[t], the other rows zeros."""
+    src = x.repeat_interleave(k, dim=0) if k > 1 else x
+    return x.new_zeros(rows, x.shape[1]).index_copy(0, pos, src)
+
+
+def combine_rows_eager(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [M, H], weights [..., k] (T tokens) -> [..., H] fp32: sum_j weights[t, j] y[pos[t k + j]]."""
+    return (y[pos].view(*weights.shape, -1).float() * weights.unsqueeze(-1)).sum(-2)
+
+
+# ---------------------------------------------------------------- Triton kernels
+if triton is not None:
+
+    @triton.jit
+    def moe_route_topk_kernel(logits_ptr, bias_ptr, w_ptr, e_ptr, T, E, scaling, K: tl.constexpr,
+                              SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        """BLOCK_T rows of logits: scores, k rounds of arg-max (ties to the lower index), normalised weights.
+        SCORE 0: softmax of the top-k logits; 1: the top-k softmax probabilities; 2: sigmoid scores (+ bias for
+        the choice only), normalised where K > 1."""
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, BLOCK_E)
+        kcols = tl.arange(0, BLOCK_K)
+        row_ok = rows < T
+        mask = row_ok[:, None] & (cols < E)[None, :]
+        logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], mask=mask,
+                         other=float("-inf"))
+        if SCORE == 2:
+            value = tl.sigmoid(logits)
+            select = value
+            if HAS_BIAS:
+                select = value + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
+            select = tl.where(mask, select, float("-inf"))
+        elif SCORE == 1:
+            m = tl.max(logits, axis=1)
+            p = tl.exp(logits - m[:, None])
+            p = tl.where(mask, p, 0.0)
+            value = p / tl.sum(p, axis=1)[:, None]
+            select = logits
+        else:
+            value = logits
+            select = logits
+        top = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        for j in tl.static_range(K):
+            best = tl.max(select, axis=1)
+            idx = tl.min(tl.where(select == best[:, None], cols[None, :], BLOCK_E), axis=1)
+            chosen = cols[None, :] == idx[:, None]
+            val = tl.sum(tl.where(chosen, value, 0.0), axis=1)
+            top = tl.where(kcols[None, :] == j, val[:, None], top)
+            tl.store(e_ptr + rows.to(tl.int64) * K + j, idx.to(tl.int64), mask=row_ok)
+            select = tl.where(chosen, float("-inf"), select)
+        kmask = (kcols < K)[None, :]
+        if SCORE == 0:
+            tmax = tl.max(tl.where(kmask, top, float("-inf")), axis=1)
+            ex = tl.where(kmask, tl.exp(top - tmax[:, None]), 0.0)
+            w = ex / tl.sum(ex, axis=1)[:, None]
+        elif SCORE == 2 and K > 1:
+            w = top / (tl.sum(tl.where(kmask, top, 0.0), axis=1)[:, None] + 1e-20)
+        else:
+            w = top
+        w = w * scaling
+        tl.store(w_ptr + rows[:, None].to(tl.int64) * K + kcols[None, :], w, mask=row_ok[:, None] & kmask)
+
+    @triton.jit
+    def moe_gather_rows_kernel(src_ptr, row_pair_ptr, scale_ptr, out_ptr, y_ptr, dot_ptr, M, H,
+                               K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr,
+                               BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        """out[r] = scale[p] * src[p // K] for p = row_pair[r] >= 0, zeros where p < 0 (dispatch: no scale;
+        the combine's dy: scale = the routing weights). HAS_DOT: also dot[p] = sum_h src[p // K, h] y[r, h]
+        (the combine's weight gradient)."""
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = r < M
+        pair = tl.load(row_pair_ptr + r, mask=r_ok, other=-1)
+        valid = pair >= 0
+        tok = tl.where(valid, pair // K, 0).to(tl.int64)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + pair, mask=valid, other=0.0)
+        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        r64 = r.to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            col_ok = (cols < H)[None, :]
+            v = tl.load(src_ptr + tok[:, None] * H + cols[None, :], mask=valid[:, None] & col_ok, other=0.0)
+            if HAS_DOT:
+                yv = tl.load(y_ptr + r64[:, None] * H + cols[None, :], mask=r_ok[:, None] & col_ok, other=0.0)
+                acc += tl.sum(v.to(tl.float32) * yv.to(tl.float32), axis=1)
+            if HAS_SCALE:
+                v = v.to(tl.float32) * scale[:, None]
+            tl.store(out_ptr + r64[:, None] * H + cols[None, :], v.to(out_ptr.dtype.element_ty),
+                     mask=r_ok[:, None] & col_ok)
+        if HAS_DOT:
+            tl.store(dot_ptr + pair, acc, mask=valid)
+
+    @triton.jit
+    def moe_gather_sum_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, T, H, K: tl.constexpr, HAS_W: tl.constexpr,
+                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+        """out[t] = sum_j w[t, j] y[pos[t K + j]] in fp32 (combine: w the routing weights; the dispatch's
+        backward: no w), stored in out's dtype."""
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        t_ok = t < T
+        mask = t_ok[:, None] & (cols < H)[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(K):
+            p = tl.load(pos_ptr + t.to(tl.int64) * K + j, mask=t_ok, other=0).to(tl.int64)
+            v = tl.load(y_ptr + p[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                v = v * tl.load(w_ptr + t.to(tl.int64) * K + j, mask=t_ok, other=0.0)[:, None]
+            acc += v
+        tl.store(out_ptr + t[:, None].to(tl.int64) * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _block_h(h: int) -> int:
+    return min(triton.next_power_of_2(h), 64 if _interpret() else 1024)
+
+
+def _route_launch(logits: torch.Tensor, k: int, score: str, bias: torch.Tensor | None,
+                  scaling: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    t, e = logits.shape
+    w = torch.empty(t, k, device=logits.device, dtype=torch.float32)
+    experts = torch.empty(t, k, device=logits.device, dtype=torch.int64)
+    block_e = triton.next_power_of_2(e)
+    block_t = max(1, min(64, 4096 // block_e))
+    moe_route_topk_kernel[(triton.cdiv(t, block_t),)](
+        logits, bias if bias is not None else logits, w, experts, t, e, 1.0 if scaling is None else float(scaling),
+        K=k, SCORE=SCORE_FUNCTIONS.index(score), HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(k))
+    return w, experts
+
+
+def _gather_rows(src: torch.Tensor, row_pair: torch.Tensor, k: int, out_dtype: torch.dtype,
+                 scale: torch.Tensor | None = None, y: torch.Tensor | None = None,
+                 dot: torch.Tensor | None = None) -> torch.Tensor:
+    m, h = row_pair.shape[0], src.shape[1]
+    out = torch.empty(m, h, device=src.device, dtype=out_dtype)
+    block_r = 4 if _interpret() else 8
+    moe_gather_rows_kernel[(triton.cdiv(m, block_r),)](
+        src, row_pair, scale if scale is not None else src, out, y if y is not None else src,
+        dot if dot is not None else src, m, h, K=k, HAS_SCALE=scale is not None, HAS_DOT=dot is not None,
+        BLOCK_R=block_r, BLOCK_H=_block_h(h))
+    return out
+
+
+def _gather_sum(y: torch.Tensor, pos: torch.Tensor, k: int, w: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    t, h = pos.shape[0] // k, y.shape[1]
+    out = torch.empty(t, h, device=y.device, dtype=out_dtype)
+    block_t, block_h = (4, 64) if _interpret() else (8, 256)
+    moe_gather_sum_kernel[(triton.cdiv(t, block_t), triton.cdiv(h, block_h))](
+        y, pos, w if w is not None else y, out, t, h, K=k, HAS_W=w is not None, BLOCK_T=block_t, BLOCK_H=block_h)
+    return out
+
+
+# ---------------------------------------------------------------- autograd over the kernels
+class _RouteTopk(torch.autograd.Function):
+    """Forward: the fused kernel. Backward: the weights' gradient through `topk_weights` (eager, [T, E] fp32)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, bias: torch.Tensor | None, k: int, score: str,
+                scaling: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        w, experts = _route_launch(logits, k, score, bias, scaling)
+        ctx.save_for_backward(logits, experts)
+        ctx.k, ctx.score, ctx.scaling = k, score, scaling
+        ctx.mark_non_differentiable(experts)
+        return w, experts
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
+        logits, experts = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_()
+            w = topk_weights(leaf, experts, ctx.score, ctx.k, ctx.scaling)
+            (dlogits,) = torch.autograd.grad(w, leaf, g)
+        return dlogits, None, None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x [T, H] -> [M, H] (gather); backward: dx[t] = sum_j g[pos[t k + j]] (gather-sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, pos: torch.Tensor, row_pair: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(pos)
+        ctx.k, ctx.dtype = k, x.dtype
+        return _gather_rows(x.contiguous(), row_pair, k, x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (pos,) = ctx.saved_tensors
+        return _gather_sum(g.contiguous(), pos, ctx.k, None, ctx.dtype), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """y [M, H], weights [T, k] -> [T, H] fp32 (gather + weighted sum); backward: dy[r] = w[p] g[p // k] (zeros in
+    the padding) and dw[p] = g[p // k] . y[r] for p = row_pair[r], in one kernel."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor,
+                row_pair: torch.Tensor) -> torch.Tensor:
+        y, weights = y.contiguous(), weights.contiguous()
+        ctx.save_for_backward(y, weights, row_pair)
+        k = weights.shape[-1]
+        return _gather_sum(y, pos, k, weights.float(), torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        y, weights, row_pair = ctx.saved_tensors
+        k = weights.shape[-1]
+        dw = torch.empty(weights.numel(), device=g.device, dtype=torch.float32)
+        dy = _gather_rows(g.contiguous(), row_pair, k, y.dtype, scale=weights.float().reshape(-1), y=y, dot=dw)
+        return dy, dw.view(weights.shape).to(weights.dtype), None, None
+
+
+# ---------------------------------------------------------------- the entry points
+def route_topk(logits: torch.Tensor, k: int, score: str, bias: torch.Tensor | None = None,
+               scaling: float | None = None, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 -> (weights [T, k] fp32, differentiable; experts [T, k] int64). score: 'softmax' (the
+    softmax of the top-k logits), 'softmax-pre' (the top-k of the softmax over all experts, not renormalised) or
+    'sigmoid' (the top-k of sigmoid + bias, the chosen sigmoid scores normalised where k > 1); times `scaling`.
+    scores: the caller's softmax / sigmoid of the logits, which the eager path reuses (the kernel recomputes)."""
+    if available(logits):
+        return _RouteTopk.apply(logits.contiguous(), bias, k, score, scaling)
+    return route_topk_eager(logits, k, score, bias, scaling, scores)
+
+
+def permute_rows(x: torch.Tensor, pos: torch.Tensor, row_pair: torch.Tensor, k: int) -> torch.Tensor:
+    """x [T, H] -> [M, H] (M = row_pair's length): row pos[t k + j] holds x[t], the padding rows zeros."""
+    if available(x):
+        return _PermuteRows.apply(x, pos, row_pair, k)
+    return permute_rows_eager(x, pos, k, row_pair.shape[0])
+
+
+def combine_rows(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, row_pair: torch.Tensor) -> torch.Tensor:
+    """y [M, H] (the experts' rows), weights [..., k] (T tokens) -> [..., H] fp32: sum_j weights[t, j] y[pos[t k + j]].
+    """
+    if available(y):
+        out = _CombineRows.apply(y, weights.reshape(-1, weights.shape[-1]), pos, row_pair)
+        return out.view(*weights.shape[:-1], y.shape[1])
+    return combine_rows_eager(y, pos, weights)
+
+
+__all__ = ["available", "route_topk", "permute_rows", "combine_rows", "route_topk_eager", "permute_rows_eager",
+           "combine_rows_eager", "topk_weights", "SCORE_FUNCTIONS"]
