@@ -207,3 +207,38 @@ def test_config_errors_are_one_line(kw, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")) as e:
         moe_cfg(**kw)
     assert "\n" not in str(e.value)
+
+
+SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique")
+
+
+def test_no_host_synchronisation_in_forward_and_backward(monkeypatch):
+    """tiny-moe's MoE layers at their default settings (training, auxiliary and z-losses on): no call that copies a
+    device value to the host (the CPU stand-ins of CUDA's synchronising calls), forward or backward."""
+    from megadlms.presets import preset_config
+
+    torch.manual_seed(0)
+    model = build_model(preset_config("tiny-moe", tokenizer_vocab_size=512))
+    layers = moe_layers(model)
+    assert len(layers) == 3 and layers[0].aux_loss_coeff > 0 and layers[0].z_loss_coeff > 0
+    x = torch.randn(2, 64, 256, requires_grad=True)
+    add_aux_losses(layers[0], layers[0](x).sum()).backward()  # first calls (the GEMM backend's probe) not counted
+    calls: list[str] = []
+
+    def counting(name, fn):
+        def wrapper(*a, **kw):
+            calls.append(name)
+            return fn(*a, **kw)
+        return wrapper
+
+    for name in SYNC_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    for name in ("nonzero", "unique", "bincount", "masked_select", "repeat_interleave"):
+        # repeat_interleave synchronises only without output_size; counted all the same
+        monkeypatch.setattr(torch, name, counting(name, getattr(torch, name)))
+    for m in layers:
+        loss = add_aux_losses(m, m(x).square().mean())
+        loss.backward()
+    monkeypatch.undo()
+    assert calls == [], calls
+    assert [m.step_tokens.sum().item() for m in layers] == [2 * 128 * 2, 128 * 2, 128 * 2]  # T x k pairs a call
