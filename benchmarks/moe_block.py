@@ -284,9 +284,7 @@ def run_variant(name: str, shape: dict[str, Any], tokens: int, device, args,
 
     def forward() -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp), ctx():
-            out = block(xb)
-        block.aux_loss = None
-        return out
+            return block(xb)
 
     holder: dict[str, torch.Tensor] = {}
 

@@ -23,7 +23,10 @@ aux-loss-free balancing the router's `e_score_correction_bias` [E] (DeepSeek-V3'
 step by `moe_step`, outside autograd.
 
 The training-only side of the block: the auxiliary losses (load balancing, z-loss) of each forward wait in the block
-(`aux_loss`) until the objective adds them to the loss (`add_aux_losses`); the tokens each expert received are
+(`aux_loss`, a device buffer) until the objective adds them to the loss (`add_aux_losses`), whose backward hands
+each block d loss / d aux (`aux_loss_grad`, a device buffer) for the block's own backward to apply to its auxiliary
+losses: both stay on the device and outside Python state, so a CUDA graph of the layers replays them; the tokens each
+expert received are
 counted on the device, for the expert bias and the telemetry (`moe_step`, `moe_metrics`).
 
 Shapes: T tokens, H hidden, E experts, k experts per token, F expert FFN width, M dispatched rows.
@@ -197,7 +200,8 @@ def combine_pairs(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 class MoE(nn.Module):
     """The MoE block in place of a layer's MLP: x [B, S, H] -> [B, S, H] (see the module docstring)."""
 
-    aux_loss: torch.Tensor | None
+    aux_loss: torch.Tensor
+    aux_loss_grad: torch.Tensor
     step_tokens: torch.Tensor
     step_aux: torch.Tensor
     window_tokens: torch.Tensor
@@ -226,7 +230,11 @@ class MoE(nn.Module):
         self.register_buffer("window_tokens", torch.zeros(e), persistent=False)
         self.register_buffer("window_aux", torch.zeros(2), persistent=False)
         self.register_buffer("idle_steps", torch.zeros(e), persistent=False)
-        self.aux_loss = None
+        # the auxiliary losses of the latest training forward until add_aux_losses takes them (detached; the last
+        # forward's: a CUDA graph capture's warm-up forwards are not counted), and d loss / d aux, which
+        # add_aux_losses' backward writes and this block's backward reads
+        self.register_buffer("aux_loss", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_loss_grad", torch.zeros(()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -240,6 +248,8 @@ class MoE(nn.Module):
             aux = self._aux_losses(logits, probs, d.counts)
             if torch._C._current_graph_task_id() == -1:
                 self._record(aux, d.counts)
+            if aux is not None:  # the losses' gradient enters the block's backward through the routing weights
+                weights = _attach_aux_loss_grad(weights, aux, self.aux_loss_grad)
         y = self.experts(d.rows, d.offs)  # [M, H]
         # [B, S, H] in the experts' compute dtype (made in that shape: no view returned, which FSDP2 warns about)
         out = self.dispatcher.combine(y, weights.view(*shape[:-1], self.topk), d.handle).to(y.dtype)
@@ -264,9 +274,45 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.step_tokens.add_(counts)
         if aux is not None:
-            self.aux_loss = aux if self.aux_loss is None else self.aux_loss + aux
             with torch.no_grad():
+                self.aux_loss.copy_(aux)
+                self.aux_loss_grad.zero_()  # until add_aux_losses' backward sets it: no loss took these, no gradient
                 self.step_aux.add_(torch.stack([aux.detach(), torch.ones_like(aux)]))
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """weights [T, k] pass unchanged; backward: the auxiliary losses' gradient is d loss / d aux (`aux_loss_grad`,
+    read when the backward runs), so it needs no Python step between the forward and the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, weights: torch.Tensor, aux: torch.Tensor, aux_grad: torch.Tensor) -> torch.Tensor:
+        ctx.aux_grad = aux_grad
+        return weights.view_as(weights)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return g, ctx.aux_grad.clone(), None
+
+
+@torch.compiler.disable  # eager, a graph break: a compiled backward would read aux_grad when it is traced, not run
+def _attach_aux_loss_grad(weights: torch.Tensor, aux: torch.Tensor, aux_grad: torch.Tensor) -> torch.Tensor:
+    return _AuxLossGrad.apply(weights, aux, aux_grad)
+
+
+class _AddAuxLosses(torch.autograd.Function):
+    """loss + the blocks' auxiliary losses (values); backward: d loss passes, and each block's `aux_loss_grad` is set
+    to it (the auxiliary losses were added to this loss)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, grads: list[torch.Tensor], *values: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return loss + torch.stack(values).sum().to(loss.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        for t in ctx.grads:
+            t.copy_(g)
+        return (g, None) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -275,13 +321,18 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 def add_aux_losses(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
-    """`loss` plus the auxiliary losses the MoE blocks recorded since the last call (which it takes: each forward's
-    are added once); `loss` itself for a dense model or outside training."""
-    for m in moe_layers(model):
-        if m.aux_loss is not None:
-            loss = loss + m.aux_loss
-            m.aux_loss = None
-    return loss
+    """`loss` (a scalar) plus the auxiliary losses of the MoE blocks' latest training forward (which it takes: added
+    once; zero outside training; one training forward per loss, as the objectives run); `loss` itself for a model
+    without them. The gradient reaches
+    the routers in the blocks' own backward (d loss / d aux handed over on the device): no host synchronisation, and
+    a CUDA graph of the layers replays it."""
+    layers = [m for m in moe_layers(model) if m.aux_loss_coeff > 0 or m.z_loss_coeff > 0]
+    if not layers:
+        return loss
+    out = _AddAuxLosses.apply(loss, [m.aux_loss_grad for m in layers], *[m.aux_loss for m in layers])
+    for m in layers:
+        m.aux_loss.zero_()
+    return out
 
 
 @torch.no_grad()
