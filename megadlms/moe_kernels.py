@@ -236,8 +236,29 @@ def _gather_sum(y: torch.Tensor, pos: torch.Tensor, k: int, w: torch.Tensor | No
 
 
 # ---------------------------------------------------------------- autograd over the kernels
+def topk_weights_backward(logits: torch.Tensor, experts: torch.Tensor, g: torch.Tensor, score: str, k: int,
+                          scaling: float | None) -> torch.Tensor:
+    """d logits [T, E] (in logits' dtype) of `topk_weights` given d weights g [T, k] (closed forms, no autograd)."""
+    g = g.to(logits.dtype) if scaling is None else g.to(logits.dtype) * scaling
+    if score == "softmax-pre":
+        p = torch.softmax(logits, dim=-1)
+        dense = torch.zeros_like(logits).scatter_(1, experts, g)
+        return p * (dense - (p * dense).sum(-1, keepdim=True))
+    top = logits.gather(1, experts)
+    if score == "sigmoid":
+        s = torch.sigmoid(top)
+        if k > 1:
+            total = s.sum(-1, keepdim=True) + 1e-20
+            g = (g - (g * s).sum(-1, keepdim=True) / total) / total
+        dtop = g * s * (1 - s)
+    else:
+        w = torch.softmax(top, dim=-1)
+        dtop = w * (g - (w * g).sum(-1, keepdim=True))
+    return torch.zeros_like(logits).scatter_(1, experts, dtop)
+
+
 class _RouteTopk(torch.autograd.Function):
-    """Forward: the fused kernel. Backward: the weights' gradient through `topk_weights` (eager, [T, E] fp32)."""
+    """Forward: the fused kernel. Backward: `topk_weights_backward` (a few [T, k] / [T, E] fp32 operations)."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, bias: torch.Tensor | None, k: int, score: str,
@@ -251,11 +272,7 @@ class _RouteTopk(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
         logits, experts = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = logits.detach().requires_grad_()
-            w = topk_weights(leaf, experts, ctx.score, ctx.k, ctx.scaling)
-            (dlogits,) = torch.autograd.grad(w, leaf, g)
-        return dlogits, None, None, None, None
+        return topk_weights_backward(logits, experts, g, ctx.score, ctx.k, ctx.scaling), None, None, None, None
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -323,4 +340,4 @@ def combine_rows(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, row_
 
 
 __all__ = ["available", "route_topk", "permute_rows", "combine_rows", "route_topk_eager", "permute_rows_eager",
-           "combine_rows_eager", "topk_weights", "SCORE_FUNCTIONS"]
+           "combine_rows_eager", "topk_weights", "topk_weights_backward", "SCORE_FUNCTIONS"]
