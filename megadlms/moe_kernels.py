@@ -5,8 +5,8 @@
     permute_rows  x [T, H] -> rows [M, H]: row r holds token row_pair[r] // k (zeros where row_pair[r] < 0), a
                   gather; backward: each token's k rows summed (a gather-sum, no atomics)
     combine_rows  y [M, H], weights [T, k] -> [T, H] fp32: sum_j weights[t, j] y[pos[t k + j]], a gather and
-                  weighted sum; backward: dy (a scaled gather, zeros in the padding) and dweights (the row dot
-                  products) in one kernel
+                  weighted sum; backward: dy (each token's gradient scaled into its k rows, zeros in the padding)
+                  and dweights (the row dot products) in one pass over the tokens
 
 Every index is read on the device: no host synchronisation, fixed output shapes (CUDA graphs replay them). The
 kernels run where Triton runs (CUDA, or Triton's interpreter on the CPU with TRITON_INTERPRET=1, as the tests do);
@@ -142,34 +142,55 @@ if triton is not None:
         tl.store(w_ptr + rows[:, None].to(tl.int64) * K + kcols[None, :], w, mask=row_ok[:, None] & kmask)
 
     @triton.jit
-    def moe_gather_rows_kernel(src_ptr, row_pair_ptr, scale_ptr, out_ptr, y_ptr, dot_ptr, M, H,
-                               K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr,
-                               BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-        """out[r] = scale[p] * src[p // K] for p = row_pair[r] >= 0, zeros where p < 0 (dispatch: no scale;
-        the combine's dy: scale = the routing weights). HAS_DOT: also dot[p] = sum_h src[p // K, h] y[r, h]
-        (the combine's weight gradient)."""
+    def moe_gather_rows_kernel(src_ptr, row_pair_ptr, out_ptr, M, H, K: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_H: tl.constexpr):
+        """out[r] = src[p // K] for p = row_pair[r] >= 0, zeros where p < 0 (the dispatch)."""
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = r < M
         pair = tl.load(row_pair_ptr + r, mask=r_ok, other=-1)
         valid = pair >= 0
         tok = tl.where(valid, pair // K, 0).to(tl.int64)
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr + pair, mask=valid, other=0.0)
-        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
         r64 = r.to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             col_ok = (cols < H)[None, :]
             v = tl.load(src_ptr + tok[:, None] * H + cols[None, :], mask=valid[:, None] & col_ok, other=0.0)
-            if HAS_DOT:
-                yv = tl.load(y_ptr + r64[:, None] * H + cols[None, :], mask=r_ok[:, None] & col_ok, other=0.0)
-                acc += tl.sum(v.to(tl.float32) * yv.to(tl.float32), axis=1)
-            if HAS_SCALE:
-                v = v.to(tl.float32) * scale[:, None]
-            tl.store(out_ptr + r64[:, None] * H + cols[None, :], v.to(out_ptr.dtype.element_ty),
-                     mask=r_ok[:, None] & col_ok)
-        if HAS_DOT:
-            tl.store(dot_ptr + pair, acc, mask=valid)
+            tl.store(out_ptr + r64[:, None] * H + cols[None, :], v, mask=r_ok[:, None] & col_ok)
+
+    @triton.jit
+    def moe_combine_bwd_kernel(g_ptr, y_ptr, pos_ptr, w_ptr, dy_ptr, dw_ptr, T, H, K: tl.constexpr,
+                               BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Per token t and slot j (r = pos[t K + j]): dy[r] = w[t, j] g[t] and dw[t, j] = g[t] . y[r]; each tile of g
+        read once for the k rows of its tokens."""
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < T
+        t64 = t.to(tl.int64)
+        kcols = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = t_ok[:, None] & (cols < H)[None, :]
+            gv = tl.load(g_ptr + t64[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            for j in tl.static_range(K):
+                p = tl.load(pos_ptr + t64 * K + j, mask=t_ok, other=0).to(tl.int64)
+                w = tl.load(w_ptr + t64 * K + j, mask=t_ok, other=0.0)
+                yv = tl.load(y_ptr + p[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                acc = tl.where(kcols[None, :] == j, acc + tl.sum(gv * yv, axis=1)[:, None], acc)
+                tl.store(dy_ptr + p[:, None] * H + cols[None, :], (gv * w[:, None]).to(dy_ptr.dtype.element_ty),
+                         mask=mask)
+        tl.store(dw_ptr + t64[:, None] * K + kcols[None, :], acc, mask=t_ok[:, None] & (kcols < K)[None, :])
+
+    @triton.jit
+    def moe_zero_padding_kernel(out_ptr, row_pair_ptr, M, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        """out[r] = 0 where row_pair[r] < 0 (the padding rows); the other rows untouched."""
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        pad = tl.load(row_pair_ptr + r, mask=r < M, other=0) < 0
+        if tl.max(pad.to(tl.int32), axis=0) > 0:
+            r64 = r.to(tl.int64)
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                zeros = tl.zeros([BLOCK_R, BLOCK_H], dtype=out_ptr.dtype.element_ty)
+                tl.store(out_ptr + r64[:, None] * H + cols[None, :], zeros, mask=pad[:, None] & (cols < H)[None, :])
 
     @triton.jit
     def moe_gather_sum_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, T, H, K: tl.constexpr, HAS_W: tl.constexpr,
@@ -212,17 +233,33 @@ def _route_launch(logits: torch.Tensor, k: int, score: str, bias: torch.Tensor |
     return w, experts
 
 
-def _gather_rows(src: torch.Tensor, row_pair: torch.Tensor, k: int, out_dtype: torch.dtype,
-                 scale: torch.Tensor | None = None, y: torch.Tensor | None = None,
-                 dot: torch.Tensor | None = None) -> torch.Tensor:
+def _gather_rows(src: torch.Tensor, row_pair: torch.Tensor, k: int) -> torch.Tensor:
     m, h = row_pair.shape[0], src.shape[1]
-    out = torch.empty(m, h, device=src.device, dtype=out_dtype)
+    out = torch.empty(m, h, device=src.device, dtype=src.dtype)
     block_r = 4 if _interpret() else 8
-    moe_gather_rows_kernel[(triton.cdiv(m, block_r),)](
-        src, row_pair, scale if scale is not None else src, out, y if y is not None else src,
-        dot if dot is not None else src, m, h, K=k, HAS_SCALE=scale is not None, HAS_DOT=dot is not None,
-        BLOCK_R=block_r, BLOCK_H=_block_h(h))
+    moe_gather_rows_kernel[(triton.cdiv(m, block_r),)](src, row_pair, out, m, h, K=k, BLOCK_R=block_r,
+                                                        BLOCK_H=_block_h(h))
     return out
+
+
+def _combine_bwd(g: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, row_pair: torch.Tensor,
+                 w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    t, k = w.shape
+    m, h = y.shape
+    dy = torch.empty_like(y)
+    dw = torch.empty(t, k, device=g.device, dtype=torch.float32)
+    block_t, block_h = (4, 64) if _interpret() else (4, 512)
+    moe_combine_bwd_kernel[(triton.cdiv(t, block_t),)](g, y, pos, w, dy, dw, t, h, K=k, BLOCK_T=block_t,
+                                                        BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(k))
+    _zero_padding(dy, row_pair)
+    return dy, dw
+
+
+def _zero_padding(out: torch.Tensor, row_pair: torch.Tensor) -> None:
+    """Zeros in the rows of out [M, H] that hold no pair (row_pair < 0), in place."""
+    m, h = out.shape
+    block_r = 4 if _interpret() else 64
+    moe_zero_padding_kernel[(triton.cdiv(m, block_r),)](out, row_pair, m, h, BLOCK_R=block_r, BLOCK_H=_block_h(h))
 
 
 def _gather_sum(y: torch.Tensor, pos: torch.Tensor, k: int, w: torch.Tensor | None,
@@ -282,7 +319,7 @@ class _PermuteRows(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, pos: torch.Tensor, row_pair: torch.Tensor, k: int) -> torch.Tensor:
         ctx.save_for_backward(pos)
         ctx.k, ctx.dtype = k, x.dtype
-        return _gather_rows(x.contiguous(), row_pair, k, x.dtype)
+        return _gather_rows(x.contiguous(), row_pair, k)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -291,24 +328,21 @@ class _PermuteRows(torch.autograd.Function):
 
 
 class _CombineRows(torch.autograd.Function):
-    """y [M, H], weights [T, k] -> [T, H] fp32 (gather + weighted sum); backward: dy[r] = w[p] g[p // k] (zeros in
-    the padding) and dw[p] = g[p // k] . y[r] for p = row_pair[r], in one kernel."""
+    """y [M, H], weights [T, k] -> [T, H] fp32 (gather + weighted sum); backward: dy[pos[t k + j]] = w[t, j] g[t] (zeros
+    in the padding) and dw[t, j] = g[t] . y[pos[t k + j]], in one kernel over the tokens."""
 
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor,
                 row_pair: torch.Tensor) -> torch.Tensor:
         y, weights = y.contiguous(), weights.contiguous()
-        ctx.save_for_backward(y, weights, row_pair)
-        k = weights.shape[-1]
-        return _gather_sum(y, pos, k, weights.float(), torch.float32)
+        ctx.save_for_backward(y, weights, pos, row_pair)
+        return _gather_sum(y, pos, weights.shape[-1], weights.float(), torch.float32)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        y, weights, row_pair = ctx.saved_tensors
-        k = weights.shape[-1]
-        dw = torch.empty(weights.numel(), device=g.device, dtype=torch.float32)
-        dy = _gather_rows(g.contiguous(), row_pair, k, y.dtype, scale=weights.float().reshape(-1), y=y, dot=dw)
-        return dy, dw.view(weights.shape).to(weights.dtype), None, None
+        y, weights, pos, row_pair = ctx.saved_tensors
+        dy, dw = _combine_bwd(g.contiguous(), y, pos, row_pair, weights.float())
+        return dy, dw.to(weights.dtype), None, None
 
 
 # ---------------------------------------------------------------- the entry points

@@ -104,6 +104,13 @@ SCRIPT = textwrap.dedent("""
                                        atol=1e-6)
             torch.testing.assert_close(wa.grad, wb.grad, rtol=1e-5, atol=1e-5)
 
+    # the padding rows of the combine's dy are zeros whatever the memory held (here NaN), the others untouched
+    plan = dispatch_plan(torch.tensor([[0, 2], [2, 1], [0, 1]]), 3)
+    buf = torch.full((plan.rows, 40), float("nan"))
+    mk._zero_padding(buf, plan.row_pair)
+    pad = plan.row_pair < 0
+    assert pad.sum() == plan.rows - 6 and not buf[pad].any() and buf[~pad].isnan().all()
+
     # the whole block: kernels on vs off, forward and backward
     from megadlms.config import TransformerConfig
     from megadlms.model import moe_block
