@@ -161,7 +161,8 @@ def dispatch_plan(experts: torch.Tensor, num_experts: int) -> DispatchPlan:
 
 
 class Dispatched(NamedTuple):
-    """What a dispatcher's `dispatch` returns: rows [M, H] grouped by expert for the experts; offs int32 [E_local]:
+    """What a dispatcher's `dispatch` returns (its `combine` brings the experts' rows [M, H] back as [..., H] in their
+    dtype, summed in fp32): rows [M, H] grouped by expert for the experts; offs int32 [E_local]:
     each group's end; counts fp32 [E]: this rank's routed pairs per expert (all E, for the losses and telemetry);
     handle: what its `combine` needs to bring the rows back."""
 
@@ -186,9 +187,10 @@ class TokenDispatcher(nn.Module):
         return Dispatched(rows, plan.offs, plan.counts, plan)
 
     def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: Any) -> torch.Tensor:
-        """y [M, H] (the experts' rows), weights [..., k] (T tokens) -> [..., H] fp32: the sum over each token's k rows
-        times its routing weights (a fused gather and weighted sum where it runs: `moe_kernels.combine_rows`)."""
-        return combine_rows(y, weights, handle.pos, handle.row_pair)
+        """y [M, H] (the experts' rows), weights [..., k] (T tokens) -> [..., H] in y's dtype: the sum over each
+        token's k rows times its routing weights, in fp32 (a fused gather and weighted sum where it runs:
+        `moe_kernels.combine_rows`)."""
+        return combine_rows(y, weights, handle.pos, handle.row_pair, y.dtype)
 
 
 def combine_pairs(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -252,7 +254,7 @@ class MoE(nn.Module):
                 weights = _attach_aux_loss_grad(weights, aux, self.aux_loss_grad)
         y = self.experts(d.rows, d.offs)  # [M, H]
         # [B, S, H] in the experts' compute dtype (made in that shape: no view returned, which FSDP2 warns about)
-        out = self.dispatcher.combine(y, weights.view(*shape[:-1], self.topk), d.handle).to(y.dtype)
+        out = self.dispatcher.combine(y, weights.view(*shape[:-1], self.topk), d.handle)
         if self.shared_expert is not None:
             out = out + self.shared_expert(xt).view(shape)
         return out

@@ -83,9 +83,11 @@ def permute_rows_eager(x: torch.Tensor, pos: torch.Tensor, k: int, rows: int) ->
     return x.new_zeros(rows, x.shape[1]).index_copy(0, pos, src)
 
 
-def combine_rows_eager(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y [M, H], weights [..., k] (T tokens) -> [..., H] fp32: sum_j weights[t, j] y[pos[t k + j]]."""
-    return (y[pos].view(*weights.shape, -1).float() * weights.unsqueeze(-1)).sum(-2)
+def combine_rows_eager(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """y [M, H], weights [..., k] (T tokens) -> [..., H]: sum_j weights[t, j] y[pos[t k + j]] in fp32, then out_dtype.
+    """
+    return (y[pos].view(*weights.shape, -1).float() * weights.unsqueeze(-1)).sum(-2).to(out_dtype)
 
 
 # ---------------------------------------------------------------- Triton kernels
@@ -262,10 +264,11 @@ def _zero_padding(out: torch.Tensor, row_pair: torch.Tensor) -> None:
     moe_zero_padding_kernel[(triton.cdiv(m, block_r),)](out, row_pair, m, h, BLOCK_R=block_r, BLOCK_H=_block_h(h))
 
 
-def _gather_sum(y: torch.Tensor, pos: torch.Tensor, k: int, w: torch.Tensor | None,
-                out_dtype: torch.dtype) -> torch.Tensor:
+def _gather_sum(y: torch.Tensor, pos: torch.Tensor, k: int, w: torch.Tensor | None, out_dtype: torch.dtype,
+                lead: tuple[int, ...] | None = None) -> torch.Tensor:
+    """[T, H] (or [*lead, H]: made in that shape) of out_dtype."""
     t, h = pos.shape[0] // k, y.shape[1]
-    out = torch.empty(t, h, device=y.device, dtype=out_dtype)
+    out = torch.empty(*(lead or (t,)), h, device=y.device, dtype=out_dtype)
     block_t, block_h = (4, 64) if _interpret() else (8, 256)
     moe_gather_sum_kernel[(triton.cdiv(t, block_t), triton.cdiv(h, block_h))](
         y, pos, w if w is not None else y, out, t, h, K=k, HAS_W=w is not None, BLOCK_T=block_t, BLOCK_H=block_h)
@@ -332,17 +335,18 @@ class _CombineRows(torch.autograd.Function):
     in the padding) and dw[t, j] = g[t] . y[pos[t k + j]], in one kernel over the tokens."""
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor,
-                row_pair: torch.Tensor) -> torch.Tensor:
-        y, weights = y.contiguous(), weights.contiguous()
-        ctx.save_for_backward(y, weights, pos, row_pair)
-        return _gather_sum(y, pos, weights.shape[-1], weights.float(), torch.float32)
+    def forward(ctx: Any, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, row_pair: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        y, w = y.contiguous(), weights.reshape(-1, weights.shape[-1]).float().contiguous()
+        ctx.save_for_backward(y, w, pos, row_pair)
+        ctx.weights_shape, ctx.weights_dtype = weights.shape, weights.dtype
+        return _gather_sum(y, pos, w.shape[1], w, out_dtype, tuple(weights.shape[:-1]))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        y, weights, pos, row_pair = ctx.saved_tensors
-        dy, dw = _combine_bwd(g.contiguous(), y, pos, row_pair, weights.float())
-        return dy, dw.to(weights.dtype), None, None
+        y, w, pos, row_pair = ctx.saved_tensors
+        dy, dw = _combine_bwd(g.reshape(-1, g.shape[-1]).contiguous(), y, pos, row_pair, w)
+        return dy, dw.view(ctx.weights_shape).to(ctx.weights_dtype), None, None, None
 
 
 # ---------------------------------------------------------------- the entry points
@@ -364,13 +368,13 @@ def permute_rows(x: torch.Tensor, pos: torch.Tensor, row_pair: torch.Tensor, k: 
     return permute_rows_eager(x, pos, k, row_pair.shape[0])
 
 
-def combine_rows(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, row_pair: torch.Tensor) -> torch.Tensor:
-    """y [M, H] (the experts' rows), weights [..., k] (T tokens) -> [..., H] fp32: sum_j weights[t, j] y[pos[t k + j]].
-    """
+def combine_rows(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, row_pair: torch.Tensor,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """y [M, H] (the experts' rows), weights [..., k] (T tokens) -> [..., H] of out_dtype (made in that shape, not a
+    view): sum_j weights[t, j] y[pos[t k + j]], summed in fp32."""
     if available(y):
-        out = _CombineRows.apply(y, weights.reshape(-1, weights.shape[-1]), pos, row_pair)
-        return out.view(*weights.shape[:-1], y.shape[1])
-    return combine_rows_eager(y, pos, weights)
+        return _CombineRows.apply(y, weights, pos, row_pair, out_dtype)
+    return combine_rows_eager(y, pos, weights, out_dtype)
 
 
 __all__ = ["available", "route_topk", "permute_rows", "combine_rows", "route_topk_eager", "permute_rows_eager",

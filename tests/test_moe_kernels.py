@@ -103,6 +103,10 @@ SCRIPT = textwrap.dedent("""
             torch.testing.assert_close(ya.grad.float(), yb.grad.float(), rtol=1e-2 if dtype != torch.float32 else 1e-6,
                                        atol=1e-6)
             torch.testing.assert_close(wa.grad, wb.grad, rtol=1e-5, atol=1e-5)
+            # [B, S, k] weights, the output in the rows' dtype: made in [B, S, H], not a view
+            out = mk.combine_rows(y, weights.view(1, t, k), plan.pos, plan.row_pair, dtype)
+            assert out.shape == (1, t, h) and out.dtype == dtype and out._base is None
+            torch.testing.assert_close(out, mk.combine_rows_eager(y, plan.pos, weights.view(1, t, k), dtype))
 
     # the padding rows of the combine's dy are zeros whatever the memory held (here NaN), the others untouched
     plan = dispatch_plan(torch.tensor([[0, 2], [2, 1], [0, 1]]), 3)

@@ -109,10 +109,11 @@ class AllToAllTokenDispatcher(TokenDispatcher):
 
     @torch.compiler.disable
     def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: Any) -> torch.Tensor:
-        """y [M, H] (the local experts' rows), weights [T, k] -> [T, H] fp32 for this rank's tokens."""
+        """y [M, H] (the local experts' rows), weights [T, k] -> [T, H] in y's dtype (summed in fp32) for this rank's
+        tokens."""
         order, pos, send_splits, recv_splits = handle
         back = all_to_all(y[pos], send_splits, recv_splits, self.group)  # this rank's pairs, sorted by expert
-        return combine_pairs(torch.empty_like(back).index_copy(0, order, back), weights)
+        return combine_pairs(torch.empty_like(back).index_copy(0, order, back), weights).to(y.dtype)
 
 
 def apply_expert_parallel(model: TransformerLM, mesh: DeviceMesh) -> None:
