@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import re
 import statistics
@@ -391,10 +392,12 @@ def main() -> None:
                 rows.append((shape_name, name, None, f"ERROR {type(e).__name__}"))
                 continue
             finally:
+                gc.collect()  # the phase wrappers make reference cycles through the block: free it now
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+            out = r.pop("out")
             if name == "bf16":
-                reference, bf16_total = r["out"], r["fwd"] + r["bwd"]
+                reference, bf16_total = out, r["fwd"] + r["bwd"]
             elif r["err"] is not None:
                 budget = 0.1 if name != "bf16" else 1e-6
                 print(f"check {name} block output vs bf16: rel err {r['err']:.2e} "
