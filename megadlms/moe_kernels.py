@@ -227,7 +227,7 @@ def _route_launch(logits: torch.Tensor, k: int, score: str, bias: torch.Tensor |
     w = torch.empty(t, k, device=logits.device, dtype=torch.float32)
     experts = torch.empty(t, k, device=logits.device, dtype=torch.int64)
     block_e = triton.next_power_of_2(e)
-    block_t = max(1, min(64, 4096 // block_e))
+    block_t = max(1, min(64, 1024 // block_e))  # 8 values a thread per [T, E] tile: small code, no spills
     moe_route_topk_kernel[(triton.cdiv(t, block_t),)](
         logits, bias if bias is not None else logits, w, experts, t, e, 1.0 if scaling is None else float(scaling),
         K=k, SCORE=SCORE_FUNCTIONS.index(score), HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_E=block_e,
