@@ -43,6 +43,11 @@ CONFIGS: dict[str, list[str]] = {
     # model's parameters) weigh less: closer to the real 8B's mix of FP8 and BF16 work
     "llama3-8b-16L/bf16": ["--model-path", "llama3-8b", "--num-layers", "16"],
     "llama3-8b-16L/fp8": ["--model-path", "llama3-8b", "--num-layers", "16", "--fp8-format", "hybrid"],
+    # LLaDA-MoE-7B-A1B cut to 4 of its 16 layers (all MoE: 64 experts, top-8), so that the fp32 weights, gradients
+    # and AdamW states (2.3B parameters) fit one 80 GB GPU with the activations; MFU counts the active parameters
+    "llada-moe-7b-a1b-4L/bf16": ["--model-path", "llada-moe-7b-a1b", "--num-layers", "4", "--moe-layer-freq", "1"],
+    "llada-moe-7b-a1b-4L/fp8": ["--model-path", "llada-moe-7b-a1b", "--num-layers", "4", "--moe-layer-freq", "1",
+                                "--fp8-format", "hybrid"],
     "tiny/bf16": ["--model-path", "tiny"],
     "tiny/fp8": ["--model-path", "tiny", "--fp8-format", "hybrid"],
 }
@@ -57,8 +62,9 @@ VARIANTS: dict[str, list[str]] = {"": [], "nographs": ["--cuda-graphs", "off"], 
                                   "mxfp8": ["--fp8-recipe", "mxfp8", "--fp8-format", "e4m3"]}
 
 
-# micro-batch per model where --batch would not fit one 141 GB GPU (BF16 and FP8 run the same batch)
-MAX_BATCH = {"llama3-8b-16L": 2}
+# micro-batch per model where --batch would not fit one 141 GB GPU (llada-moe-7b-a1b-4L: one 80 GB GPU; BF16 and FP8
+# run the same batch)
+MAX_BATCH = {"llama3-8b-16L": 2, "llada-moe-7b-a1b-4L": 2}
 
 
 def parse_args() -> argparse.Namespace:

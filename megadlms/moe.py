@@ -1,12 +1,16 @@
 """The mixture-of-experts block: a top-k router, dropless routed experts run as grouped GEMMs, an optional shared
 expert. Plain single-device PyTorch, like `model.py`; FP8 swaps the experts for `fp8.grouped.Float8GroupedExperts`.
 
-    x [T, H] -> router (fp32): logits [T, E] -> top-k experts per token, weights [T, k]
-             -> dispatch: the T*k (token, expert) pairs sorted by expert into [M, H], each expert's rows padded to
-                a multiple of 16 (M = T*k rounded up to 16, + 16*E: a static size, no host sync)
+    x [T, H] -> router (fp32): logits [T, E] -> top-k experts per token, weights [T, k] (one fused kernel)
+             -> dispatch: the T*k (token, expert) pairs sorted by expert (one sort) and gathered into [M, H], each
+                expert's rows padded to a multiple of 16 (M = T*k rounded up to 16, + 16*E: a static size)
              -> experts: silu(x W_gate^T) * (x W_up^T) W_down^T per row group (`grouped_gemm.grouped_linear`)
-             -> combine: sum over the k rows of each token, times its routing weight, in fp32
+             -> combine: sum over the k rows of each token, times its routing weight, in fp32 (one gather and
+                weighted sum)
              (+ the shared expert's output)
+
+No host synchronisation in the forward or the backward, and fixed shapes: the block replays from CUDA graphs. The
+fused kernels are `moe_kernels`' (Triton; eager PyTorch where Triton does not run).
 
 Dropless: every routed pair is computed (no capacity factor). Dispatch and combine are the block's `dispatcher`
 (`TokenDispatcher`, one device); expert parallelism swaps it for an all-to-all one over the ranks that hold the
@@ -19,7 +23,10 @@ aux-loss-free balancing the router's `e_score_correction_bias` [E] (DeepSeek-V3'
 step by `moe_step`, outside autograd.
 
 The training-only side of the block: the auxiliary losses (load balancing, z-loss) of each forward wait in the block
-(`aux_loss`) until the objective adds them to the loss (`add_aux_losses`); the tokens each expert received are
+(`aux_loss`, a device buffer) until the objective adds them to the loss (`add_aux_losses`), whose backward hands
+each block d loss / d aux (`aux_loss_grad`, a device buffer) for the block's own backward to apply to its auxiliary
+losses: both stay on the device and outside Python state, so a CUDA graph of the layers replays them; the tokens each
+expert received are
 counted on the device, for the expert bias and the telemetry (`moe_step`, `moe_metrics`).
 
 Shapes: T tokens, H hidden, E experts, k experts per token, F expert FFN width, M dispatched rows.
@@ -40,6 +47,7 @@ from torch import nn
 
 from .config import TransformerConfig
 from .grouped_gemm import ALIGN, grouped_linear
+from .moe_kernels import combine_rows, permute_rows, route_topk
 
 log = logging.getLogger("megadlms")
 
@@ -73,25 +81,14 @@ class Router(nn.Module):
 
         softmax: the top-k logits, weights = their softmax (normalised top-k); with pre_softmax the softmax over
         all experts, weights = the top-k probabilities (not renormalised). sigmoid (DeepSeek-V3): scores =
-        sigmoid(logits), the top-k of scores + expert bias, weights = their scores normalised to sum 1 (k > 1)."""
-        k = self.topk
-        if self.score_function == "sigmoid":
-            scores = torch.sigmoid(logits)
-            select = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
-            experts = select.topk(k, dim=-1).indices
-            weights = scores.gather(1, experts)
-            if k > 1:
-                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-            probs = scores / (scores.sum(-1, keepdim=True) + 1e-20)
-        else:
-            probs = torch.softmax(logits, dim=-1)
-            if self.pre_softmax:
-                weights, experts = probs.topk(k, dim=-1)
-            else:
-                top, experts = logits.topk(k, dim=-1)
-                weights = torch.softmax(top, dim=-1)
-        if self.scaling_factor is not None:
-            weights = weights * self.scaling_factor
+        sigmoid(logits), the top-k of scores + expert bias, weights = their scores normalised to sum 1 (k > 1).
+        The choice and the weights in one fused kernel where it runs (`moe_kernels.route_topk`)."""
+        sigmoid = self.score_function == "sigmoid"
+        scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+        score = "softmax-pre" if not sigmoid and self.pre_softmax else self.score_function
+        weights, experts = route_topk(logits, self.topk, score, self.e_score_correction_bias, self.scaling_factor,
+                                      scores)
+        probs = scores / (scores.sum(-1, keepdim=True) + 1e-20) if sigmoid else scores
         return weights, experts, probs
 
 
@@ -129,31 +126,43 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if dtensor is not None and isinstance(w, dtensor.DTensor) else w
 
 
-def dispatch_plan(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """experts [T, k] int64 -> (pos [T*k]: the dispatched row of each (token, slot) pair, token-major; offs int32 [E]:
-    each expert's row group end; counts fp32 [E]: pairs per expert; M: the rows). Each group is padded to a multiple
-    of ALIGN rows and the last group runs to M = T*k rounded up to ALIGN, + ALIGN*E, so that M does not depend on the
-    routing (no host sync) and the transposed [*, M] operands of the weight gradients keep aligned rows; the padding
-    rows are zeros. All on the device."""
+class DispatchPlan(NamedTuple):
+    """Where each routed pair goes (`dispatch_plan`): pos int64 [T*k]: the row of pair t*k + j (token-major);
+    row_pair int64 [M]: the pair each row holds, -1 for a padding row; offs int32 [E]: each expert's row group end;
+    counts fp32 [E]: pairs per expert; rows: M."""
+
+    pos: torch.Tensor
+    row_pair: torch.Tensor
+    offs: torch.Tensor
+    counts: torch.Tensor
+    rows: int
+
+
+def dispatch_plan(experts: torch.Tensor, num_experts: int) -> DispatchPlan:
+    """experts [T, k] int64 -> the `DispatchPlan` of its T*k pairs, by one stable sort of the expert ids. Each group is
+    padded to a multiple of ALIGN rows and the last group runs to M = T*k rounded up to ALIGN, + ALIGN*E, so that M
+    does not depend on the routing (no host sync, one shape for CUDA graphs) and the transposed [*, M] operands of
+    the weight gradients keep aligned rows; the padding rows are zeros. All on the device."""
     flat = experts.reshape(-1)
     n = flat.numel()
-    counts = torch.zeros(num_experts, device=flat.device, dtype=torch.int64).scatter_add_(
-        0, flat, torch.ones_like(flat))
+    sorted_e, order = torch.sort(flat, stable=True)  # the one sort: pairs by expert, token order within an expert
+    ids = torch.arange(num_experts, device=flat.device, dtype=sorted_e.dtype)
+    start = torch.searchsorted(sorted_e, ids)
+    counts = torch.searchsorted(sorted_e, ids, right=True) - start
     padded = (counts + ALIGN - 1) // ALIGN * ALIGN
     pstart = torch.cumsum(padded, 0) - padded
-    start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    rank = torch.arange(n, device=flat.device) - start[sorted_e]
-    pos = torch.empty_like(flat).index_copy_(0, order, pstart[sorted_e] + rank)
+    dest = pstart[sorted_e] + torch.arange(n, device=flat.device) - start[sorted_e]  # the row of each sorted pair
     rows = (n + ALIGN - 1) // ALIGN * ALIGN + ALIGN * num_experts
+    pos = torch.empty_like(order).scatter_(0, order, dest)
+    row_pair = torch.full((rows,), -1, device=flat.device, dtype=order.dtype).scatter_(0, dest, order)
     offs = torch.cumsum(padded, 0)
     offs[-1] = rows  # the last group takes the tail of zero rows: every row is computed, none left undefined
-    return pos, offs.to(torch.int32), counts.float(), rows
+    return DispatchPlan(pos, row_pair, offs.to(torch.int32), counts.float(), rows)
 
 
 class Dispatched(NamedTuple):
-    """What a dispatcher's `dispatch` returns: rows [M, H] grouped by expert for the experts; offs int32 [E_local]:
+    """What a dispatcher's `dispatch` returns (its `combine` brings the experts' rows [M, H] back as [..., H] in their
+    dtype, summed in fp32): rows [M, H] grouped by expert for the experts; offs int32 [E_local]:
     each group's end; counts fp32 [E]: this rank's routed pairs per expert (all E, for the losses and telemetry);
     handle: what its `combine` needs to bring the rows back."""
 
@@ -164,8 +173,8 @@ class Dispatched(NamedTuple):
 
 
 class TokenDispatcher(nn.Module):
-    """One device: the T*k (token, expert) pairs into one padded [M, H] grouped by expert (`dispatch_plan`), and the
-    experts' rows back into tokens (`combine`)."""
+    """One device: the T*k (token, expert) pairs into one padded [M, H] grouped by expert (`dispatch_plan`, then a
+    gather: `moe_kernels.permute_rows`), and the experts' rows back into tokens (`combine`)."""
 
     def __init__(self, num_experts: int, topk: int):
         super().__init__()
@@ -173,14 +182,15 @@ class TokenDispatcher(nn.Module):
 
     def dispatch(self, x: torch.Tensor, experts: torch.Tensor) -> Dispatched:
         """x [T, H], experts [T, k] int64 -> rows [M, H]: row pos[t*k + j] holds token t (zeros in the padding)."""
-        pos, offs, counts, rows = dispatch_plan(experts, self.num_experts)
-        src = x.repeat_interleave(self.topk, dim=0) if self.topk > 1 else x
-        return Dispatched(x.new_zeros(rows, x.shape[1]).index_copy(0, pos, src), offs, counts, pos)
+        plan = dispatch_plan(experts, self.num_experts)
+        rows = permute_rows(x, plan.pos, plan.row_pair, self.topk)
+        return Dispatched(rows, plan.offs, plan.counts, plan)
 
     def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: Any) -> torch.Tensor:
-        """y [M, H] (the experts' rows), weights [..., k] (T tokens) -> [..., H] fp32: the sum over each token's k rows
-        times its routing weights."""
-        return combine_pairs(y[handle], weights)
+        """y [M, H] (the experts' rows), weights [..., k] (T tokens) -> [..., H] in y's dtype: the sum over each
+        token's k rows times its routing weights, in fp32 (a fused gather and weighted sum where it runs:
+        `moe_kernels.combine_rows`)."""
+        return combine_rows(y, weights, handle.pos, handle.row_pair, y.dtype)
 
 
 def combine_pairs(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -192,7 +202,8 @@ def combine_pairs(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 class MoE(nn.Module):
     """The MoE block in place of a layer's MLP: x [B, S, H] -> [B, S, H] (see the module docstring)."""
 
-    aux_loss: torch.Tensor | None
+    aux_loss: torch.Tensor
+    aux_loss_grad: torch.Tensor
     step_tokens: torch.Tensor
     step_aux: torch.Tensor
     window_tokens: torch.Tensor
@@ -221,7 +232,11 @@ class MoE(nn.Module):
         self.register_buffer("window_tokens", torch.zeros(e), persistent=False)
         self.register_buffer("window_aux", torch.zeros(2), persistent=False)
         self.register_buffer("idle_steps", torch.zeros(e), persistent=False)
-        self.aux_loss = None
+        # the auxiliary losses of the latest training forward until add_aux_losses takes them (detached; the last
+        # forward's: a CUDA graph capture's warm-up forwards are not counted), and d loss / d aux, which
+        # add_aux_losses' backward writes and this block's backward reads
+        self.register_buffer("aux_loss", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_loss_grad", torch.zeros(()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -235,9 +250,11 @@ class MoE(nn.Module):
             aux = self._aux_losses(logits, probs, d.counts)
             if torch._C._current_graph_task_id() == -1:
                 self._record(aux, d.counts)
+            if aux is not None:  # the losses' gradient enters the block's backward through the routing weights
+                weights = _attach_aux_loss_grad(weights, aux, self.aux_loss_grad)
         y = self.experts(d.rows, d.offs)  # [M, H]
         # [B, S, H] in the experts' compute dtype (made in that shape: no view returned, which FSDP2 warns about)
-        out = self.dispatcher.combine(y, weights.view(*shape[:-1], self.topk), d.handle).to(y.dtype)
+        out = self.dispatcher.combine(y, weights.view(*shape[:-1], self.topk), d.handle)
         if self.shared_expert is not None:
             out = out + self.shared_expert(xt).view(shape)
         return out
@@ -259,9 +276,45 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.step_tokens.add_(counts)
         if aux is not None:
-            self.aux_loss = aux if self.aux_loss is None else self.aux_loss + aux
             with torch.no_grad():
+                self.aux_loss.copy_(aux)
+                self.aux_loss_grad.zero_()  # until add_aux_losses' backward sets it: no loss took these, no gradient
                 self.step_aux.add_(torch.stack([aux.detach(), torch.ones_like(aux)]))
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """weights [T, k] pass unchanged; backward: the auxiliary losses' gradient is d loss / d aux (`aux_loss_grad`,
+    read when the backward runs), so it needs no Python step between the forward and the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, weights: torch.Tensor, aux: torch.Tensor, aux_grad: torch.Tensor) -> torch.Tensor:
+        ctx.aux_grad = aux_grad
+        return weights.view_as(weights)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return g, ctx.aux_grad.clone(), None
+
+
+@torch.compiler.disable  # eager, a graph break: a compiled backward would read aux_grad when it is traced, not run
+def _attach_aux_loss_grad(weights: torch.Tensor, aux: torch.Tensor, aux_grad: torch.Tensor) -> torch.Tensor:
+    return _AuxLossGrad.apply(weights, aux, aux_grad)
+
+
+class _AddAuxLosses(torch.autograd.Function):
+    """loss + the blocks' auxiliary losses (values); backward: d loss passes, and each block's `aux_loss_grad` is set
+    to it (the auxiliary losses were added to this loss)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, grads: list[torch.Tensor], *values: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return loss + torch.stack(values).sum().to(loss.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        for t in ctx.grads:
+            t.copy_(g)
+        return (g, None) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -270,13 +323,18 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 def add_aux_losses(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
-    """`loss` plus the auxiliary losses the MoE blocks recorded since the last call (which it takes: each forward's
-    are added once); `loss` itself for a dense model or outside training."""
-    for m in moe_layers(model):
-        if m.aux_loss is not None:
-            loss = loss + m.aux_loss
-            m.aux_loss = None
-    return loss
+    """`loss` (a scalar) plus the auxiliary losses of the MoE blocks' latest training forward (which it takes: added
+    once; zero outside training; one training forward per loss, as the objectives run); `loss` itself for a model
+    without them. The gradient reaches
+    the routers in the blocks' own backward (d loss / d aux handed over on the device): no host synchronisation, and
+    a CUDA graph of the layers replays it."""
+    layers = [m for m in moe_layers(model) if m.aux_loss_coeff > 0 or m.z_loss_coeff > 0]
+    if not layers:
+        return loss
+    out = _AddAuxLosses.apply(loss, [m.aux_loss_grad for m in layers], *[m.aux_loss for m in layers])
+    for m in layers:
+        m.aux_loss.zero_()
+    return out
 
 
 @torch.no_grad()
@@ -382,6 +440,6 @@ def stack_expert_weights(state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-__all__ = ["Router", "GroupedExperts", "MoE", "Dispatched", "TokenDispatcher", "dispatch_plan", "combine_pairs",
-           "moe_layers", "add_aux_losses", "moe_step", "moe_metrics", "split_expert_weights", "stack_expert_weights",
-           "IDLE_WARN_STEPS"]
+__all__ = ["Router", "GroupedExperts", "MoE", "Dispatched", "DispatchPlan", "TokenDispatcher", "dispatch_plan",
+           "combine_pairs", "moe_layers", "add_aux_losses", "moe_step", "moe_metrics", "split_expert_weights",
+           "stack_expert_weights", "IDLE_WARN_STEPS"]

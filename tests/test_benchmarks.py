@@ -30,7 +30,7 @@ SMOKES = {
     "host_sync_probe": (["--smoke", "--fp8"], "host ms waiting for the count:   0.0"),
     "fp8_attention": (["--smoke"], "tiny | "),
     "bd3lm_likelihood": (["--smoke"], "ordering AR <= B=4 <= B=16 <= MDLM: "),
-    "moe_block": (["--smoke"], "fp8-tensorwise  | "),
+    "moe_block": (["--smoke"], "qwen3-30b-a3b    | fp8-tensorwise  | "),
     "lora_memory": (["--smoke"], "fp8 vs bf16 base: peak memory"),
     "fp8_cpu_speed": (["--smoke"], "fp8 rowwise      | "),
     "attention_grad_check": (["--device", "cpu", "--model-path", "tiny", "--layers", "1", "--seq-length", "64",

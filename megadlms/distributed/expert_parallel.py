@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..config import ConfigError, TransformerConfig
 from ..model import TransformerLM
 from ..moe import Dispatched, TokenDispatcher, combine_pairs, dispatch_plan, moe_layers
+from ..moe_kernels import permute_rows
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -102,16 +103,17 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         received = all_to_all(x.index_select(0, order // self.topk), recv_splits, send_splits, self.group)
         local_ids = torch.arange(n_local, device=flat.device).repeat(ep).repeat_interleave(
             received_counts, output_size=received.shape[0])
-        pos, offs, _, rows = dispatch_plan(local_ids[:, None], n_local)
-        grouped = received.new_zeros(rows, received.shape[1]).index_copy(0, pos, received)
-        return Dispatched(grouped, offs, counts.float(), (order, pos, send_splits, recv_splits))
+        plan = dispatch_plan(local_ids[:, None], n_local)
+        grouped = permute_rows(received, plan.pos, plan.row_pair, 1)
+        return Dispatched(grouped, plan.offs, counts.float(), (order, plan.pos, send_splits, recv_splits))
 
     @torch.compiler.disable
     def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: Any) -> torch.Tensor:
-        """y [M, H] (the local experts' rows), weights [T, k] -> [T, H] fp32 for this rank's tokens."""
+        """y [M, H] (the local experts' rows), weights [T, k] -> [T, H] in y's dtype (summed in fp32) for this rank's
+        tokens."""
         order, pos, send_splits, recv_splits = handle
         back = all_to_all(y[pos], send_splits, recv_splits, self.group)  # this rank's pairs, sorted by expert
-        return combine_pairs(torch.empty_like(back).index_copy(0, order, back), weights)
+        return combine_pairs(torch.empty_like(back).index_copy(0, order, back), weights).to(y.dtype)
 
 
 def apply_expert_parallel(model: TransformerLM, mesh: DeviceMesh) -> None:

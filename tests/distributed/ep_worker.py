@@ -22,7 +22,7 @@ from megadlms.build import apply_fp8, construct_model
 from megadlms.config import TransformerConfig
 from megadlms.distributed.expert_parallel import AllToAllTokenDispatcher, apply_expert_parallel
 from megadlms.distributed.init import destroy_parallel
-from megadlms.moe import moe_layers
+from megadlms.moe import add_aux_losses, moe_layers
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
             vocab_size=96, seq_length=16, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
@@ -48,9 +48,7 @@ def fwd_bwd(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     for p in model.parameters():
         p.grad = None
     out = model(x)
-    (out.float().square().mean() + sum(m.aux_loss for m in moe_layers(model))).backward()
-    for m in moe_layers(model):
-        m.aux_loss = None
+    add_aux_losses(model, out.float().square().mean()).backward()
     return out.detach()
 
 
