@@ -32,6 +32,7 @@ from ..rl.data import Record
 from ..rl.grpo import completion_mask, group_advantages, grpo_loss, one_step_inputs, tidy_completions
 from ..rl.vrpo import dpo_loss, elbo_estimates, elbo_noise, masked_rows, token_logps
 from .documents import AttentionPlan
+from .hooks import TrainingHook
 from .objectives import Batch, Objective, Sharding
 
 
@@ -49,8 +50,9 @@ def record_generator(seed: int, index: int, device: torch.device, salt: int = 0)
     return g
 
 
-class RLObjective(Objective):
-    """What both RL objectives share: the reference model, the per-step seed, metrics over the log window."""
+class RLObjective(Objective, TrainingHook):
+    """What both RL objectives share: the reference model, the per-step seed, metrics over the log window. Its
+    model, metrics and checkpointed state reach the loop as a training hook's (`megadlms.training.plugins`)."""
 
     bound = False
 
@@ -70,7 +72,7 @@ class RLObjective(Objective):
         self._window: dict[str, list[float]] = {}
         self._step_micro = 0  # global index of this step's first micro-batch for this rank
 
-    # -- the trainer's hooks
+    # -- the training hook's points
     def bind(self, model: nn.Module) -> None:
         """The policy (the unwrapped TransformerLM), after the trainer built it."""
         self._policy = model
@@ -90,9 +92,6 @@ class RLObjective(Objective):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._reference_state = state.get("reference")
         self._reference = None
-
-    def flops_per_token(self) -> float:
-        return self.model_config.flops_per_token(self.model_config.seq_length)
 
     def validation_note(self) -> str:
         return "RL objective (no validation loss)"
@@ -197,7 +196,7 @@ class PreferenceOptimisation(RLObjective):
             tokens = int(real.sum()) * sh.dp_size
             mask = None if bool(real.all()) else real
             # the reference's forward costs a third of the policy's forward + backward
-            yield PairBatch(inputs, targets, w, tokens=tokens, flops=tokens * self.flops_per_token() * 4 / 3,
+            yield PairBatch(inputs, targets, w, tokens=tokens, flops=tokens * self.token_flops * 4 / 3,
                             attention_mask=mask, samples=n)
 
     def loss(self, model: nn.Module, batch: Batch, output_weight: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -298,7 +297,7 @@ class DiffuGRPO(RLObjective):
             weights = torch.zeros(n, total, dtype=torch.float32, device=device)
             weights[:, p:] = roll.completion.float()
             tokens = n * total * self.sharding.dp_size
-            yield RolloutBatch(inputs, roll.sequences, weights, tokens=tokens, flops=tokens * self.flops_per_token(),
+            yield RolloutBatch(inputs, roll.sequences, weights, tokens=tokens, flops=tokens * self.token_flops,
                                attention_mask=roll.real, position_ids=position_ids_from_mask(roll.real),
                                prompt_length=p, advantages=roll.advantages,
                                old_logp=roll.old_logp[j] if roll.old_logp else None,

@@ -50,6 +50,7 @@ from .metrics import (
 )
 from .objectives import Batch, Objective, Sharding, build_objective
 from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, set_lr
+from .plugins import objective_plugins
 from .preemption import RunControl
 from .step_runner import PlainRunner, StepRunner, StepTotals
 
@@ -246,7 +247,6 @@ class Trainer:
         self.objective = _objective(run_config, model_config, self.attention, ctx, self.device, self.compiled,
                                     self.loss_chunk_tokens, self._count_data_wait, autocast=self._autocast,
                                     tokenizer=tokenizer)
-        self.objective.bind(self.base_model)
         self.optimizer = build_optimizer(model, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
                                          betas=(train_cfg.adam_beta1, train_cfg.adam_beta2), eps=train_cfg.adam_eps)
         allocate_optimizer_state(self.optimizer)  # before any activation: the state gets segments of its own
@@ -258,7 +258,6 @@ class Trainer:
                                    wsd_decay_style=train_cfg.lr_wsd_decay_style)
         self.autocast_dtype = train_cfg.compute_dtype(self.device)  # bf16, or None for fp32
         self.state = TrainState()
-        self.flops_per_token = self.objective.flops_per_token()
         self.peak = bf16_peak_tflops(self.device)
         self.sinks = MetricSinks(train_cfg.tensorboard_dir, run_config.checkpoint.save or train_cfg.tensorboard_dir,
                                  enabled=ctx.is_main,
@@ -273,6 +272,10 @@ class Trainer:
         self.layer_graphs = self._layer_graphs()
         if self.layer_graphs is not None:
             self.hooks.attach(ArmLayerGraphs(self.layer_graphs))
+        objective_hooks, self.validation_plugins = objective_plugins(self.objective, self.base_model,
+                                                                     seed=train_cfg.seed + 5)
+        for hook in [*objective_hooks, *self.validation_plugins]:
+            self.hooks.attach(hook)
         self.runner = self._step_runner()  # the whole model here, or a pipeline schedule over its stages
         self._train_iter: Iterator[torch.Tensor] | None = None
         self._pending_save: ckpt.PendingCheckpoint | None = None  # --async-save: the write in flight
@@ -420,24 +423,26 @@ class Trainer:
         it = iter(loader)
         sampler = MaskSampler(self.run_config.train.seed + 2, device=self.device)  # the same masks every evaluation
         totals = StepTotals(torch.zeros((), device=self.device), 0)
-        search = self.objective.searches_validation  # BD3-LM's clip search: it sees each batch's samples too
+        plugins = self.validation_plugins  # they see each batch's loader samples too
         with self.hooks.evaluation():
             for i in range(eval_iters):
                 noise = self.objective.draw_noise(sampler, self.global_batch, self.accum, evaluation=True)
                 self.attention.begin_step(self.run_config.train.train_iters, self.model_config.seq_length)
-                samples = [next(it).to(self.device) for _ in range(self.accum)] if search else None
+                samples = [next(it).to(self.device) for _ in range(self.accum)] if plugins else None
                 batches = self.objective.micro_batches(it if samples is None else iter(samples), noise, self.accum,
                                                        self.device)
                 self.runner.evaluate(batches, totals)
                 if samples is not None:
                     with self._autocast():
-                        self.objective.observe_validation(self.model, samples, i, self._output_weight,
-                                                          seed=self.run_config.train.seed + 5)
+                        for plugin in plugins:
+                            plugin.observe(self.model, samples, i, self._output_weight)
         total, n = totals.loss_sum, totals.micro_batches
         if self.ctx.distributed:
             dist.all_reduce(total, group=self.ctx.dp_cp_group)
             n *= self.ctx.dp_cp_size
-        self.validation_metrics = self.objective.end_validation()  # e.g. the clip interval adopted for training
+        self.validation_metrics = {}  # what the plug-ins adopted, e.g. BD3-LM's clip interval for training
+        for plugin in plugins:
+            self.validation_metrics.update(plugin.finish())
         self.model.train()
         return (total / max(n, 1)).item()
 
@@ -475,7 +480,7 @@ class Trainer:
     def _save(self) -> Path:
         rank_state = {"rng": _rng_state(self.device), "mask_sampler": self.sampler.state_dict(),
                       "data": self.loaders.train.state_dict(), "attention": self.attention.state_dict(),
-                      "objective": self.objective.state_dict()}
+                      "objective": self.hooks.state_dict()}  # the hooks' state under its first name
         meta = {"config": self.model_config.to_dict(), "args": self.run_config.to_flat()}
         tok_dir = getattr(self.tokenizer, "source_dir", None)
         self.finish_save()  # one checkpoint in flight at a time
@@ -534,7 +539,7 @@ class Trainer:
             self.sampler.load_state_dict(rank_state["mask_sampler"])
             if "attention" in rank_state:
                 self.attention.load_state_dict(rank_state["attention"])
-            self.objective.load_state_dict(rank_state.get("objective", {}))
+            self.hooks.load_state_dict(rank_state.get("objective", {}))
         log.info("resumed from %s at iteration %d", path, self.state.iteration)
 
     # ----------------------------------------------------------------- loop
@@ -607,8 +612,7 @@ class Trainer:
              "memory_gib": memory_gib(self.device), "data_wait_share": self.data_wait_s / max(seconds, 1e-9)}
         if skipped:
             m["skipped_steps"] = skipped
-        m.update(self.hooks.metrics())  # FP8 telemetry, tokens per expert per MoE layer and the auxiliary loss
-        m.update(self.objective.metrics())  # RL: rewards, KL, clip fraction, rollout tokens/s
+        m.update(self.hooks.metrics())  # e.g. FP8 telemetry, tokens per expert, RL's rewards and KL
         self.state.history.append(m)
         if self.ctx.is_main:
             line = format_log_line(m, self.run_config.train.train_iters)
