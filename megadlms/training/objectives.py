@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,8 +41,12 @@ from ..moe import add_aux_losses
 from .batch import Batch, HostCount, Sharding
 from .documents import AttentionPlan, attended_pairs
 
+S = TypeVar("S")  # what the loader yields: a token window tensor, or a micro-batch's RL records
+N = TypeVar("N", bound=BatchNoise)  # a global batch's noise
+B = TypeVar("B", bound=Batch)  # the objective's micro-batch
 
-class Objective(ABC):
+
+class Objective(ABC, Generic[S, N, B]):
     """The interface: it makes batches and losses, nothing else. `draw_noise` -> `micro_batches` make a global
     batch's micro-batches, `loss` (or, on a pipeline's last stage, `loss_from_hidden`) scores one; the same calls
     for training and validation (evaluation=True: the evaluation noise, whole windows, the final attention).
@@ -82,20 +86,19 @@ class Objective(ABC):
     # -- the step
     @abstractmethod
     def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
-                   evaluation: bool = False) -> BatchNoise:
+                   evaluation: bool = False) -> N:
         """One global batch's noise from `sampler`'s generator (evaluation: the evaluation noise)."""
 
     @abstractmethod
-    def micro_batches(self, samples: Iterator[torch.Tensor], noise: BatchNoise, count: int,
-                      device: torch.device) -> Iterator[Batch]:
+    def micro_batches(self, samples: Iterator[S], noise: N, count: int, device: torch.device) -> Iterator[B]:
         """This rank's `count` micro-batches of the global batch, from the loader's `samples`."""
 
-    def loss(self, model: nn.Module, batch: Batch, output_weight: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def loss(self, model: nn.Module, batch: B, output_weight: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The micro-batch's loss, fp32 scalar (under the caller's autocast), plus the auxiliary losses of an MoE
         model's training forward. output_weight: the LM head's weight [V, H], whole (for the fused head + loss)."""
         return add_aux_losses(model, self._prediction_loss(model, batch, output_weight))
 
-    def _prediction_loss(self, model: nn.Module, batch: Batch, output_weight: Callable[[], torch.Tensor]
+    def _prediction_loss(self, model: nn.Module, batch: B, output_weight: Callable[[], torch.Tensor]
                          ) -> torch.Tensor:
         length = batch.targets.shape[1]
         kwargs = batch.model_kwargs()
@@ -113,7 +116,7 @@ class Objective(ABC):
         return weighted_cross_entropy(logits, batch.targets, batch.weights, batch.denominator,
                                       mask_id=self.subs_mask_id)
 
-    def loss_from_hidden(self, hidden: torch.Tensor, batch: Batch, output_weight: Callable[[], torch.Tensor]
+    def loss_from_hidden(self, hidden: torch.Tensor, batch: B, output_weight: Callable[[], torch.Tensor]
                          ) -> torch.Tensor:
         """The micro-batch's loss from the model's final hidden states [B, S, H] (a pipeline's last stage, whose
         schedule calls it): the LM head and the weighted cross-entropy of `loss` without the forward."""
@@ -128,7 +131,7 @@ class Objective(ABC):
                                       batch.denominator, mask_id=self.subs_mask_id)
 
     # -- helpers
-    def _next(self, samples: Iterator[torch.Tensor]) -> torch.Tensor:
+    def _next(self, samples: Iterator[S]) -> S:
         t0 = time.perf_counter()
         sample = next(samples)
         if self._on_data_wait is not None:
@@ -149,7 +152,7 @@ class Objective(ABC):
         return torch.tensor(float(rows * (length - 1)), device=device)
 
 
-class Pretraining(Objective):
+class Pretraining(Objective[torch.Tensor, BatchNoise, Batch]):
     """Masked diffusion (shifted or not) or AR on token windows; a micro-step may be cut short (varilen)."""
 
     def __init__(self, objective: ObjectiveConfig, *args: Any, **kwargs: Any):
@@ -188,7 +191,7 @@ class Pretraining(Objective):
                 denominator=self._denominator(noise, targets.shape[0], length, device)))
 
 
-class BlockDiffusion(Objective):
+class BlockDiffusion(Objective[torch.Tensor, BatchNoise, Batch]):
     """BD3-LM: x_t (+) x_0 through the model under the block-diffusion mask, the hidden states of x_t scored."""
 
     name = "block diffusion"
@@ -233,7 +236,7 @@ class BlockDiffusion(Objective):
                 denominator=self._denominator(noise, targets.shape[0], self.config.seq_length, device)))
 
 
-class SupervisedFineTuning(Objective):
+class SupervisedFineTuning(Objective[torch.Tensor, BatchNoise, Batch]):
     """Packed chat windows. All micro-batches of the step are read first, so that the loss can be divided by the
     global batch's conversations (summed over the data-parallel ranks): the step's loss is then the mean over
     every conversation of the global batch, however they fall into micro-batches and ranks."""
