@@ -1,4 +1,5 @@
-"""The RL objectives behind the trainer's `Objective` interface (docs/rl.md).
+"""The RL objectives: `Objective`s over RL records that the RL loop (`megadlms.training.rl_loop`) runs as
+rollout -> score -> optimise (docs/rl.md).
 
 - `PreferenceOptimisation` (`--rl vrpo`): LLaDA 1.5's VRPO on (prompt, chosen, rejected) pairs;
 - `DiffuGRPO` (`--rl grpo`): d1's diffu-GRPO on prompts with verifiable rewards (rollouts from the fast sampler).
@@ -106,6 +107,10 @@ class RLObjective(Objective[list[Record], StepSeed, B], TrainingHook):
         seed = int(torch.randint(0, 2**62, (1,), generator=sampler.generator, device=sampler.device))
         empty = torch.empty(0)
         return StepSeed(empty, empty, torch.zeros(micro_steps, dtype=torch.long), evaluation, seed=seed)
+
+    def rollout(self, samples: Iterator[list[Record]], noise: StepSeed, count: int, device: torch.device) -> None:
+        """The RL loop's first phase, before the step's micro-batches: sample completions and score them (nothing
+        for objectives whose records carry their responses, VRPO's)."""
 
     # -- helpers
     def _record(self, name: str, value: float) -> None:
@@ -282,16 +287,24 @@ class DiffuGRPO(RLObjective["RolloutBatch"]):
         self._rollouts = [Rollouts(**r) for r in state.get("rollouts", [])]
         self.rewards.failures = int(state.get("reward_failures", 0))
 
-    def micro_batches(self, samples: Iterator[list[Record]], noise: StepSeed, count: int,
-                      device: torch.device) -> Iterator[RolloutBatch]:
-        j = self._inner % self.mu
-        if j == 0:
+    def rollout(self, samples: Iterator[list[Record]], noise: StepSeed, count: int, device: torch.device) -> None:
+        """Every mu optimizer steps: this rank's `count` micro-batches of records rolled out and scored
+        (`_rollout`), kept for the mu steps' micro-batches (`micro_batches`)."""
+        if self._inner % self.mu == 0:
             self._rollouts = []
             for m in range(count):
                 records = self._next(samples)
                 index = m * self.sharding.dp_size + self.sharding.dp_rank  # the global micro-batch
                 self._rollouts.append(self._rollout(records, noise.seed, index, device))
         self._rollouts = [r.to(device) for r in self._rollouts]
+
+    def micro_batches(self, samples: Iterator[list[Record]], noise: StepSeed, count: int,
+                      device: torch.device) -> Iterator[RolloutBatch]:
+        """The optimizer step's micro-batches: inner update j of the rollouts `rollout` kept (the RL loop calls it
+        first, each step)."""
+        if not self._rollouts:
+            raise RuntimeError("diffu-GRPO's micro-batches come from its rollouts: call rollout() first")
+        j = self._inner % self.mu
         for roll in self._rollouts:
             inputs = self._one_step(roll, j)
             n, total = roll.sequences.shape

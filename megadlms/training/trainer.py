@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import numpy as np
 import torch
@@ -277,7 +277,13 @@ class Trainer:
         for hook in [*objective_hooks, *self.validation_plugins]:
             self.hooks.attach(hook)
         self.runner = self._step_runner()  # the whole model here, or a pipeline schedule over its stages
-        self._train_iter: Iterator[torch.Tensor] | None = None
+        # what makes the step's micro-batches, chosen once: the objective's, or RL's rollout, score and batches
+        self.step_batches: Callable[[Iterator[Any], int], Iterator[Batch]] = self._objective_batches
+        if run_config.rl.rl is not None:
+            from .rl_loop import RLStep
+
+            self.step_batches = RLStep(self.objective, self.sampler, self.global_batch, self.accum, self.device)
+        self._train_iter: Iterator[Any] | None = None  # the loader's samples: token windows, or RL records
         self._pending_save: ckpt.PendingCheckpoint | None = None  # --async-save: the write in flight
         self._async_group: dist.ProcessGroup | None = None
         # non-finite steps skipped on the device; preemption signals and the wall-time limit (their own modules)
@@ -376,11 +382,9 @@ class Trainer:
         train_cfg = self.run_config.train
         self.hooks.begin_step(logged=(it + 1) % train_cfg.log_interval == 0 or it + 1 == train_cfg.train_iters)
         set_lr(opt, lr)
-        noise = self.objective.draw_noise(self.sampler, self.global_batch, self.accum)
-        self.attention.begin_step(it, self.model_config.seq_length)
         train_iter = self._train_iter
         assert train_iter is not None  # set when `run` starts
-        step = self.runner.train(self.objective.micro_batches(train_iter, noise, self.accum, self.device), self.accum)
+        step = self.runner.train(self.step_batches(train_iter, it), self.accum)
         loss_sum = step.loss_sum
         grad_norm = self._clip_grads()
         self.guard.step(loss_sum, grad_norm)  # opt.step(), skipped on a non-finite loss or gradient norm
@@ -391,6 +395,13 @@ class Trainer:
         self.state.consumed_tokens += step.tokens
         return {"loss": self.guard.finite_loss(loss_sum / self.accum), "grad_norm": grad_norm, "lr": lr,
                 "tokens": step.tokens, "flops": step.flops}
+
+    def _objective_batches(self, train_iter: Iterator[torch.Tensor], iteration: int) -> Iterator[Batch]:
+        """This rank's micro-batches of the step: the global batch's noise, then the loader's samples made into
+        the objective's batches."""
+        noise = self.objective.draw_noise(self.sampler, self.global_batch, self.accum)
+        self.attention.begin_step(iteration, self.model_config.seq_length)
+        return self.objective.micro_batches(train_iter, noise, self.accum, self.device)
 
     def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Whether this micro-batch reduces gradients (and keeps gathered weights), per sharding strategy."""
