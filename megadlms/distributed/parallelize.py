@@ -33,6 +33,7 @@ from .tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
     from ..lora import LoraConfig
+    from .pipeline_parallel import PipelineStageModule
 
 log = logging.getLogger("megadlms")
 
@@ -171,23 +172,23 @@ def build_parallel_model(cfg: TransformerConfig, ctx: ParallelContext, parallel:
 def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig, *,
                       activation_checkpointing: bool = False, compile: bool = False,
                       param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Apply tensor parallelism, context parallelism, activation checkpointing, compile and data parallelism to a
-    (converted) model.
+    """Apply tensor parallelism, context parallelism, expert parallelism, activation checkpointing, compile and
+    data parallelism to a (converted) model, in that order. With pipeline parallelism the same steps run: the
+    model's layers are transformed first, then this rank's stages are cut from the model and data parallelism
+    wraps each stage (`_pipeline_stages`).
 
     param_dtype: FSDP2's compute dtype (the autocast dtype; None keeps the parameters' own).
-    Returns the model to train (a DDP wrapper for no_shard without TP, else `model` itself) and records
-    the strategy in ctx.dp_strategy / ctx.sequence_parallel for the trainer.
+    Returns the model to train (a DDP wrapper for no_shard without TP, `model` itself, or the rank's
+    `RankStages`) and records the strategy in ctx.dp_strategy / ctx.sequence_parallel for the trainer.
     """
     check_parallel_plan(model.config, ctx, parallel)
-    if ctx.pp_size > 1:
-        return _pipeline_stages(model, ctx, parallel, activation_checkpointing=activation_checkpointing,
-                                compile=compile, param_dtype=param_dtype)
     strategy = parallel.sharding_strategy
     sequence_parallel = parallel.sequence_parallel and ctx.tp_size > 1
     tp_mesh, dp_mesh = _meshes(ctx, strategy)
+    sequence = None
     if ctx.tp_size > 1:
         assert tp_mesh is not None  # ctx has a mesh when it has more than one rank
-        apply_tensor_parallel(model, tp_mesh, sequence_parallel)
+        sequence = apply_tensor_parallel(model, tp_mesh, sequence_parallel)
     if ctx.cp_size > 1:
         assert ctx.cp_group is not None  # a mesh with a cp dimension
         apply_context_parallel(model, ctx.cp_group, parallel.cp_comm_type)
@@ -201,18 +202,25 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
         apply_compile(model)
     ctx.sequence_parallel = sequence_parallel
     ctx.dp_strategy = strategy if ctx.dp_cp_size > 1 else "none"
-    trained: nn.Module = model
-    if ctx.dp_cp_size > 1 and strategy == "no_shard" and ctx.tp_size == 1 and ctx.ep_size == 1:
-        trained = apply_ddp(model, ctx.dp_cp_group, ctx.device)
-    elif ctx.dp_cp_size > 1:
-        assert dp_mesh is not None  # ctx has a mesh when it has more than one rank
-        apply_fsdp(model, dp_mesh, reshard_after_forward=strategy == "optim_grads_params", param_dtype=param_dtype,
-                   prefetch=parallel.overlap_param_gather, expert_mesh=expert_dp_mesh)
-        if strategy in ("optim_grads", "optim_grads_params") and model.config.fp8:
-            # these strategies free gathered weights between micro-batches; an FP8 weight cache would keep them
-            from ..fp8 import set_fp8_weight_caching
 
-            set_fp8_weight_caching(model, False)
+    def data_parallel(module: TransformerLM | PipelineStageModule) -> nn.Module:
+        """DDP or FSDP2 over the data- x context-parallel ranks (`module` itself with one such rank)."""
+        if ctx.dp_cp_size > 1 and strategy == "no_shard" and ctx.tp_size == 1 and ctx.ep_size == 1:
+            return apply_ddp(module, ctx.dp_cp_group, ctx.device)
+        if ctx.dp_cp_size > 1:
+            assert dp_mesh is not None  # ctx has a mesh when it has more than one rank
+            apply_fsdp(module, dp_mesh, reshard_after_forward=strategy == "optim_grads_params",
+                       param_dtype=param_dtype, prefetch=parallel.overlap_param_gather, expert_mesh=expert_dp_mesh)
+        return module
+
+    if ctx.pp_size > 1:
+        return _pipeline_stages(model, ctx, parallel, sequence, data_parallel, param_dtype)
+    trained = data_parallel(model)
+    if ctx.dp_cp_size > 1 and strategy in ("optim_grads", "optim_grads_params") and model.config.fp8:
+        # these strategies free gathered weights between micro-batches; an FP8 weight cache would keep them
+        from ..fp8 import set_fp8_weight_caching
+
+        set_fp8_weight_caching(model, False)
     if ctx.distributed and ctx.is_main:
         tp = f"tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if sequence_parallel else ''}"
         dp = f"data parallel: {_describe(strategy, ctx.tp_size * ctx.ep_size)} over {ctx.dp_cp_size} ranks"
@@ -227,42 +235,24 @@ def parallelize_model(model: TransformerLM, ctx: ParallelContext, parallel: Para
     return trained
 
 
-def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig, *,
-                     activation_checkpointing: bool, compile: bool, param_dtype: torch.dtype | None) -> nn.Module:
-    """This rank's pipeline stages of `model` (`megadlms.distributed.pipeline_parallel.RankStages`): one, or
-    several with virtual stages (interleaved 1F1B), with tensor (and sequence) parallelism and context-parallel
-    attention where tp, cp > 1. Each stage module is put under DDP, or sharded by FSDP2, over the data- x
-    context-parallel ranks holding the same stages; the schedule reduces gradients on the last micro-batch."""
+def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: ParallelConfig, sequence: Any,
+                     data_parallel: Callable[[PipelineStageModule], nn.Module],
+                     param_dtype: torch.dtype | None) -> nn.Module:
+    """This rank's pipeline stages of the transformed `model` (`megadlms.distributed.pipeline_parallel.RankStages`):
+    one, or several with virtual stages (interleaved 1F1B); `data_parallel` (parallelize_model's last step) wraps
+    each stage module over the data- x context-parallel ranks holding the same stages; the schedule reduces
+    gradients on the last micro-batch. sequence: tensor parallelism's sequence layout (None without TP)."""
     from .pipeline_parallel import PipelineStageModule, RankStages, rank_stages, virtual_stages
 
     pp, cfg = ctx.pp_size, model.config
     virtual = virtual_stages(cfg.num_layers, pp, parallel.num_layers_per_virtual_pipeline_stage)
-    sequence_parallel = parallel.sequence_parallel and ctx.tp_size > 1
-    sequence = None
-    if ctx.tp_size > 1:
-        assert ctx.mesh is not None  # several ranks
-        sequence = apply_tensor_parallel(model, ctx.mesh["tp"], sequence_parallel)
-    ctx.sequence_parallel = sequence_parallel
-    if ctx.cp_size > 1:
-        assert ctx.cp_group is not None  # a mesh with a cp dimension
-        apply_context_parallel(model, ctx.cp_group, parallel.cp_comm_type)
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if compile:
-        apply_compile(model)
     num_stages = pp * virtual
     stages = RankStages([PipelineStageModule(model, i, num_stages, sequence=sequence)
                          for i in rank_stages(ctx.pp_rank, pp, virtual)])
-    stages.sequence_shards = ctx.tp_size if sequence_parallel else 1
+    stages.sequence_shards = ctx.tp_size if ctx.sequence_parallel else 1
     strategy = parallel.sharding_strategy
-    ctx.dp_strategy = strategy if ctx.dp_cp_size > 1 else "none"
-    if ctx.dp_cp_size > 1 and strategy == "no_shard":
-        stages.runners = [apply_ddp(s, ctx.dp_cp_group, ctx.device) for s in stages.stages]
-    elif ctx.dp_cp_size > 1:
-        assert ctx.dp_cp_mesh is not None  # several ranks
-        for s in stages.stages:  # with TP, FSDP2 shards the DTensors of the tp mesh over dp x cp (one root mesh)
-            apply_fsdp(s, ctx.dp_cp_mesh, reshard_after_forward=strategy == "optim_grads_params",
-                       param_dtype=param_dtype, prefetch=parallel.overlap_param_gather)
+    stages.runners = [data_parallel(s) for s in stages.stages]  # DDP wrappers, or the modules FSDP2 sharded
+    if ctx.dp_cp_size > 1 and strategy != "no_shard":
         stages.activation_dtype = param_dtype
         if cfg.fp8:  # the schedule frees gathered weights between micro-batches: an FP8 weight cache would keep them
             from ..fp8 import set_fp8_weight_caching
@@ -273,7 +263,7 @@ def _pipeline_stages(model: TransformerLM, ctx: ParallelContext, parallel: Paral
         dp = f" | data parallel: {_describe(strategy, 1)} over {ctx.dp_cp_size} ranks" if ctx.dp_cp_size > 1 else ""
         if ctx.cp_size > 1:
             dp += f" ({ctx.dp_size} data x {ctx.cp_size} context parallel, {_cp_exchange(parallel)})"
-        tp = (f" | tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if sequence_parallel else ''}"
+        tp = (f" | tensor parallel over {ctx.tp_size} ranks{' + sequence parallel' if ctx.sequence_parallel else ''}"
               if ctx.tp_size > 1 else "")
         per_stage = cfg.num_layers // num_stages
         log.info("pipeline parallel: %s of %d layer%s%s%s", shape, per_stage, "" if per_stage == 1 else "s", dp, tp)

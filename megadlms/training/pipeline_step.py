@@ -4,7 +4,9 @@ stage, the tied embedding's two copies synchronised and the gradient norm taken 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -14,16 +16,20 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed.pipeline_parallel import RankStages, build_schedule, run_schedule, sync_tied_gradients
 from .objectives import Batch, Objective
+from .step_runner import StepRunner, StepTotals
 
 
-class PipelineRunner:
-    """One rank's side of the step. group: the pipeline's ranks (stage i on rank i mod pp of the group)."""
+class PipelineRunner(StepRunner):
+    """One rank's side of the step. group: the pipeline's ranks (stage i on rank i mod pp of the group); autocast:
+    the run's, around the schedule."""
 
     def __init__(self, model: RankStages, objective: Objective, group: dist.ProcessGroup,
-                 device: torch.device, micro_batches: int, schedule: str, output_dtype: torch.dtype):
+                 device: torch.device, micro_batches: int, schedule: str, output_dtype: torch.dtype,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.model, self.stages = model, model.stages
         self.objective, self.group, self.device = objective, group, device
         self.micro_batches, self.schedule_name, self.output_dtype = micro_batches, schedule, output_dtype
+        self.autocast = autocast
         self._batches: list[Batch] = []
         self._schedule: Any = None
         self._tied_group = self._first_and_last(group)
@@ -75,15 +81,22 @@ class PipelineRunner:
         self._batches = []
         return total
 
-    def train(self, batches: list[Batch]) -> torch.Tensor:
-        """Forward and backward of the step's micro-batches (gradients accumulated, divided by their number);
-        returns the sum of their losses on every stage."""
-        total = self._run(batches, train=True)
+    def train(self, batches: Iterable[Batch], micro_steps: int) -> StepTotals:
+        """Forward and backward of the step's micro-batches (gradients accumulated, divided by their number); the
+        sum of their losses on every stage."""
+        staged = list(batches)
+        out = StepTotals(torch.zeros((), device=self.device), len(staged), sum(b.tokens for b in staged),
+                         sum(b.flops for b in staged))
+        with self.autocast():
+            out.loss_sum += self._run(staged, train=True)
         sync_tied_gradients(self.stages, self._tied_group)
-        return total
+        return out
 
-    def evaluate(self, batches: list[Batch]) -> torch.Tensor:
-        return self._run(batches, train=False)
+    def evaluate(self, batches: Iterable[Batch], totals: StepTotals) -> None:
+        staged = list(batches)
+        with self.autocast():
+            totals.loss_sum += self._run(staged, train=False)
+        totals.micro_batches += len(staged)
 
     def clip_grads(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The L2 norm of the whole model's gradients (the tied embedding counted once; sharded gradients, FSDP2's

@@ -1,4 +1,5 @@
-"""The RL objectives behind the trainer's `Objective` interface (docs/rl.md).
+"""The RL objectives: `Objective`s over RL records that the RL loop (`megadlms.training.rl_loop`) runs as
+rollout -> score -> optimise (docs/rl.md).
 
 - `PreferenceOptimisation` (`--rl vrpo`): LLaDA 1.5's VRPO on (prompt, chosen, rejected) pairs;
 - `DiffuGRPO` (`--rl grpo`): d1's diffu-GRPO on prompts with verifiable rewards (rollouts from the fast sampler).
@@ -16,12 +17,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from ..config import ConfigError, TransformerConfig
+from ..data.tokenizer import Tokenizer
 from ..diffusion.objective import BatchNoise, MaskSampler
 from ..diffusion.sampler import position_ids_from_mask, prepare_prompts, trim_at_eos
 from ..distributed.data_parallel import gathered_parameters
@@ -31,7 +33,9 @@ from ..rl import RL_KINDS
 from ..rl.data import Record
 from ..rl.grpo import completion_mask, group_advantages, grpo_loss, one_step_inputs, tidy_completions
 from ..rl.vrpo import dpo_loss, elbo_estimates, elbo_noise, masked_rows, token_logps
+from .config import RLConfig
 from .documents import AttentionPlan
+from .hooks import TrainingHook
 from .objectives import Batch, Objective, Sharding
 
 
@@ -49,8 +53,12 @@ def record_generator(seed: int, index: int, device: torch.device, salt: int = 0)
     return g
 
 
-class RLObjective(Objective):
-    """What both RL objectives share: the reference model, the per-step seed, metrics over the log window."""
+B = TypeVar("B", bound=Batch)
+
+
+class RLObjective(Objective[list[Record], StepSeed, B], TrainingHook):
+    """What both RL objectives share: the reference model, the per-step seed, metrics over the log window. Its
+    model, metrics and checkpointed state reach the loop as a training hook's (`megadlms.training.plugins`)."""
 
     bound = False
 
@@ -70,7 +78,7 @@ class RLObjective(Objective):
         self._window: dict[str, list[float]] = {}
         self._step_micro = 0  # global index of this step's first micro-batch for this rank
 
-    # -- the trainer's hooks
+    # -- the training hook's points
     def bind(self, model: nn.Module) -> None:
         """The policy (the unwrapped TransformerLM), after the trainer built it."""
         self._policy = model
@@ -91,17 +99,18 @@ class RLObjective(Objective):
         self._reference_state = state.get("reference")
         self._reference = None
 
-    def flops_per_token(self) -> float:
-        return self.model_config.flops_per_token(self.model_config.seq_length)
-
     def validation_note(self) -> str:
         return "RL objective (no validation loss)"
 
     def draw_noise(self, sampler: MaskSampler, global_batch: int, micro_steps: int, *,
-                   evaluation: bool = False) -> BatchNoise:
+                   evaluation: bool = False) -> StepSeed:
         seed = int(torch.randint(0, 2**62, (1,), generator=sampler.generator, device=sampler.device))
         empty = torch.empty(0)
         return StepSeed(empty, empty, torch.zeros(micro_steps, dtype=torch.long), evaluation, seed=seed)
+
+    def rollout(self, samples: Iterator[list[Record]], noise: StepSeed, count: int, device: torch.device) -> None:
+        """The RL loop's first phase, before the step's micro-batches: sample completions and score them (nothing
+        for objectives whose records carry their responses, VRPO's)."""
 
     # -- helpers
     def _record(self, name: str, value: float) -> None:
@@ -157,7 +166,7 @@ def pad_rows(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, real
 
 
-class PreferenceOptimisation(RLObjective):
+class PreferenceOptimisation(RLObjective["PairBatch"]):
     """VRPO: per pair, n-sample ELBO estimates of the chosen and the rejected response under the policy and the
     reference, with the same timesteps and masks for both models (`megadlms.rl.vrpo`); the DPO loss averaged over
     the micro-batch's pairs."""
@@ -170,12 +179,11 @@ class PreferenceOptimisation(RLObjective):
             raise ConfigError(f"--vrpo-samples {samples} must be at least 1 (LLaDA 1.5 uses 8)")
         self.samples, self.beta, self.eps, self.pad_id = samples, beta, eps, pad_id
 
-    def micro_batches(self, samples: Iterator[Any], noise: BatchNoise, count: int,
-                      device: torch.device) -> Iterator[Batch]:
-        assert isinstance(noise, StepSeed)
+    def micro_batches(self, samples: Iterator[list[Record]], noise: StepSeed, count: int,
+                      device: torch.device) -> Iterator[PairBatch]:
         sh, n = self.sharding, self.samples
         for m in range(count):
-            records = cast("list[Record]", self._next(samples))
+            records = self._next(samples)
             first = sh.rows(m).start
             seqs: list[torch.Tensor] = []
             weights: list[torch.Tensor] = []
@@ -197,11 +205,10 @@ class PreferenceOptimisation(RLObjective):
             tokens = int(real.sum()) * sh.dp_size
             mask = None if bool(real.all()) else real
             # the reference's forward costs a third of the policy's forward + backward
-            yield PairBatch(inputs, targets, w, tokens=tokens, flops=tokens * self.flops_per_token() * 4 / 3,
+            yield PairBatch(inputs, targets, w, tokens=tokens, flops=tokens * self.token_flops * 4 / 3,
                             attention_mask=mask, samples=n)
 
-    def loss(self, model: nn.Module, batch: Batch, output_weight: Callable[[], torch.Tensor]) -> torch.Tensor:
-        assert isinstance(batch, PairBatch)
+    def loss(self, model: nn.Module, batch: PairBatch, output_weight: Callable[[], torch.Tensor]) -> torch.Tensor:
         kwargs = batch.model_kwargs()
         with torch.no_grad(), self.reference() as ref:
             ref_b = elbo_estimates(ref(batch.inputs, **kwargs), batch.targets, batch.weights, batch.samples,
@@ -242,25 +249,25 @@ class Rollouts:
                         [move(t) for t in self.old_logp], [move(t) for t in self.ref_logp], self.index, self.seed)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RolloutBatch(Batch):
     """diffu-GRPO micro-batch: the one-step inputs (`inputs`), the sampled sequences (`targets`) and the terms of
     the loss. weights: the completion mask over the whole row (the prompt's positions 0)."""
 
-    prompt_length: int = 0
-    advantages: torch.Tensor | None = None  # fp32 [N]
+    prompt_length: int
+    advantages: torch.Tensor  # fp32 [N]
     old_logp: torch.Tensor | None = None  # fp32 [N, C]; None: the policy's own (mu = 1)
     ref_logp: torch.Tensor | None = None  # fp32 [N, C]; None: no KL term
 
 
-class DiffuGRPO(RLObjective):
+class DiffuGRPO(RLObjective["RolloutBatch"]):
     """diffu-GRPO (`megadlms.rl.grpo`): every mu steps, G completions per prompt from the fast sampler (eval mode, no
     gradients), rewards, group advantages and the old-policy / reference log-probabilities of each inner update's
     prompt mask; then mu optimizer steps on those rollouts."""
 
     name = "diffu-GRPO"
 
-    def __init__(self, *args: Any, rl: Any, eos_id: int | None, tokenizer: Any, **kwargs: Any):
+    def __init__(self, *args: Any, rl: RLConfig, eos_id: int | None, tokenizer: Tokenizer, **kwargs: Any):
         super().__init__(*args, **kwargs)
         from ..rl.rewards import RewardSet
 
@@ -280,17 +287,24 @@ class DiffuGRPO(RLObjective):
         self._rollouts = [Rollouts(**r) for r in state.get("rollouts", [])]
         self.rewards.failures = int(state.get("reward_failures", 0))
 
-    def micro_batches(self, samples: Iterator[Any], noise: BatchNoise, count: int,
-                      device: torch.device) -> Iterator[Batch]:
-        assert isinstance(noise, StepSeed)
-        j = self._inner % self.mu
-        if j == 0:
+    def rollout(self, samples: Iterator[list[Record]], noise: StepSeed, count: int, device: torch.device) -> None:
+        """Every mu optimizer steps: this rank's `count` micro-batches of records rolled out and scored
+        (`_rollout`), kept for the mu steps' micro-batches (`micro_batches`)."""
+        if self._inner % self.mu == 0:
             self._rollouts = []
             for m in range(count):
-                records = cast("list[Record]", self._next(samples))
+                records = self._next(samples)
                 index = m * self.sharding.dp_size + self.sharding.dp_rank  # the global micro-batch
                 self._rollouts.append(self._rollout(records, noise.seed, index, device))
         self._rollouts = [r.to(device) for r in self._rollouts]
+
+    def micro_batches(self, samples: Iterator[list[Record]], noise: StepSeed, count: int,
+                      device: torch.device) -> Iterator[RolloutBatch]:
+        """The optimizer step's micro-batches: inner update j of the rollouts `rollout` kept (the RL loop calls it
+        first, each step)."""
+        if not self._rollouts:
+            raise RuntimeError("diffu-GRPO's micro-batches come from its rollouts: call rollout() first")
+        j = self._inner % self.mu
         for roll in self._rollouts:
             inputs = self._one_step(roll, j)
             n, total = roll.sequences.shape
@@ -298,15 +312,15 @@ class DiffuGRPO(RLObjective):
             weights = torch.zeros(n, total, dtype=torch.float32, device=device)
             weights[:, p:] = roll.completion.float()
             tokens = n * total * self.sharding.dp_size
-            yield RolloutBatch(inputs, roll.sequences, weights, tokens=tokens, flops=tokens * self.flops_per_token(),
+            yield RolloutBatch(inputs, roll.sequences, weights, tokens=tokens, flops=tokens * self.token_flops,
                                attention_mask=roll.real, position_ids=position_ids_from_mask(roll.real),
                                prompt_length=p, advantages=roll.advantages,
                                old_logp=roll.old_logp[j] if roll.old_logp else None,
                                ref_logp=roll.ref_logp[j] if roll.ref_logp else None)
         self._inner += 1
 
-    def loss(self, model: nn.Module, batch: Batch, output_weight: Callable[[], torch.Tensor]) -> torch.Tensor:
-        assert isinstance(batch, RolloutBatch) and batch.advantages is not None
+    def loss(self, model: nn.Module, batch: RolloutBatch, output_weight: Callable[[], torch.Tensor]
+             ) -> torch.Tensor:
         p = batch.prompt_length
         logp = token_logps(model(batch.inputs, **batch.model_kwargs())[:, p:], batch.targets[:, p:], self.subs_mask_id)
         old = logp.detach() if batch.old_logp is None else batch.old_logp
@@ -386,9 +400,10 @@ class DiffuGRPO(RLObjective):
         return roll
 
 
-def build_rl_objective(rl: Any, mode: str, model_config: TransformerConfig, attention: AttentionPlan,
+def build_rl_objective(rl: RLConfig, mode: str, model_config: TransformerConfig, attention: AttentionPlan,
                        sharding: Sharding, *, autocast: Callable[[], contextlib.AbstractContextManager],
-                       tokenizer: Any, eps: float, diffusion_loss: str = "subs", **common: Any) -> RLObjective:
+                       tokenizer: Tokenizer | None, eps: float, diffusion_loss: str = "subs", **common: Any
+                       ) -> PreferenceOptimisation | DiffuGRPO:
     """The objective of `--rl` from the run's RLConfig `rl`, for a masked-diffusion model (difflm-noshift);
     diffusion_loss: the model's (`--diffusion-loss`), so that the log-likelihoods are the trained ones."""
     if mode != "difflm-noshift":
@@ -402,7 +417,8 @@ def build_rl_objective(rl: Any, mode: str, model_config: TransformerConfig, atte
         return PreferenceOptimisation(model_config, attention, sharding, autocast=autocast, samples=rl.vrpo_samples,
                                       beta=rl.dpo_beta, eps=eps, pad_id=pad, subs=diffusion_loss == "subs", **common)
     if rl.rl == "grpo":
+        if tokenizer is None:
+            raise ConfigError("--rl grpo scores decoded completions: pass a tokenizer (--tokenizer-model)")
         return DiffuGRPO(model_config, attention, sharding, autocast=autocast, rl=rl, tokenizer=tokenizer,
-                         eos_id=tokenizer.eod_id if tokenizer is not None else None, subs=diffusion_loss == "subs",
-                         **common)
+                         eos_id=tokenizer.eod_id, subs=diffusion_loss == "subs", **common)
     raise ConfigError(f"--rl {rl.rl!r} is not one of {', '.join(RL_KINDS)}")

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import numpy as np
 import torch
@@ -31,13 +31,13 @@ from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
 from ..distributed.parallelize import build_parallel_model
 from ..fp8.frozen import count_parameters
 from ..lora import describe_memory
-from ..moe import moe_metrics, moe_step
 from ..presets import load_model_config
 from . import checkpoint as ckpt
 from .config import RunConfig
 from .cuda_graphs import LayerGraphs
 from .divergence import DivergenceGuard, check_finite_state
 from .documents import AttentionPlan
+from .hooks import ArmLayerGraphs, Fp8Hook, Hooks, MoeHook
 from .lora_run import plan_lora
 from .metrics import (
     MetricSinks,
@@ -49,14 +49,14 @@ from .metrics import (
     throughput,
 )
 from .objectives import Batch, Objective, Sharding, build_objective
-from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, clip_grad_norm, set_lr
+from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, set_lr
+from .plugins import objective_plugins
 from .preemption import RunControl
 from .save_folder import check_save_folder
-from .triton_adamw import StreamingAdamW
+from .step_runner import PlainRunner, StepRunner, StepTotals
 
 if TYPE_CHECKING:
     from ..distributed.pipeline_parallel import RankStages
-    from ..fp8.linear import Float8Linear
     from ..model import TransformerLM
 
 log = logging.getLogger("megadlms")
@@ -248,16 +248,9 @@ class Trainer:
         self.objective = _objective(run_config, model_config, self.attention, ctx, self.device, self.compiled,
                                     self.loss_chunk_tokens, self._count_data_wait, autocast=self._autocast,
                                     tokenizer=tokenizer)
-        self.objective.bind(self.base_model)
         self.optimizer = build_optimizer(model, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
                                          betas=(train_cfg.adam_beta1, train_cfg.adam_beta2), eps=train_cfg.adam_eps)
         allocate_optimizer_state(self.optimizer)  # before any activation: the state gets segments of its own
-        if model_config.fp8 and isinstance(self.optimizer, StreamingAdamW):
-            # current scaling: each weight's amax comes out of the optimizer's update, not a pass before its cast
-            # (a checkpoint's load refreshes them: Float8Linear.load_state_dict)
-            from ..fp8 import attach_weight_amaxes
-
-            self.optimizer.publish_amaxes(attach_weight_amaxes(model))
         decay_iters = train_cfg.lr_decay_iters or train_cfg.train_iters
         self.schedule = LRSchedule(lr=train_cfg.lr, min_lr=train_cfg.min_lr, warmup_iters=train_cfg.lr_warmup_iters,
                                    decay_iters=decay_iters,
@@ -266,23 +259,32 @@ class Trainer:
                                    wsd_decay_style=train_cfg.lr_wsd_decay_style)
         self.autocast_dtype = train_cfg.compute_dtype(self.device)  # bf16, or None for fp32
         self.state = TrainState()
-        self.flops_per_token = self.objective.flops_per_token()
         self.peak = bf16_peak_tflops(self.device)
         self.sinks = MetricSinks(train_cfg.tensorboard_dir, run_config.checkpoint.save or train_cfg.tensorboard_dir,
                                  enabled=ctx.is_main,
                                  wandb=WandbConfig.from_run(run_config))
-        self.fp8 = bool(model_config.fp8)
-        # the Float8Linears whose weight cache is off for training and back on for evaluation (same weights)
-        self._fp8_uncached: list[Float8Linear] = []
-        if self.fp8 and self.accum == 1:
-            # no later micro-batch of the step reads a cached FP8 weight: each layer's lives from its forward to its
-            # backward (which also makes its transpose), not through the optimizer step until the next forward
-            from ..fp8 import set_fp8_weight_caching
-
-            self._fp8_uncached = set_fp8_weight_caching(model, False)  # not FSDP's (off for good)
+        # what FP8, MoE and CUDA graphs add to the step, attached once; the loop calls them without naming them
+        self.hooks = Hooks()
+        if model_config.fp8:
+            self.hooks.attach(Fp8Hook(model, amax_group=self._amax_group(), stats=run_config.fp8.fp8_stats,
+                                      micro_steps=self.accum, optimizer=self.optimizer))
+        if model_config.is_moe:
+            self.hooks.attach(MoeHook(model, dist.group.WORLD if ctx.distributed else None))
         self.layer_graphs = self._layer_graphs()
-        self.pipeline = self._pipeline_runner()  # --pipeline-model-parallel-size: the step runs a schedule
-        self._train_iter: Iterator[torch.Tensor] | None = None
+        if self.layer_graphs is not None:
+            self.hooks.attach(ArmLayerGraphs(self.layer_graphs))
+        objective_hooks, self.validation_plugins = objective_plugins(self.objective, self.base_model,
+                                                                     seed=train_cfg.seed + 5)
+        for hook in [*objective_hooks, *self.validation_plugins]:
+            self.hooks.attach(hook)
+        self.runner = self._step_runner()  # the whole model here, or a pipeline schedule over its stages
+        # what makes the step's micro-batches, chosen once: the objective's, or RL's rollout, score and batches
+        self.step_batches: Callable[[Iterator[Any], int], Iterator[Batch]] = self._objective_batches
+        if run_config.rl.rl is not None:
+            from .rl_loop import RLStep
+
+            self.step_batches = RLStep(self.objective, self.sampler, self.global_batch, self.accum, self.device)
+        self._train_iter: Iterator[Any] | None = None  # the loader's samples: token windows, or RL records
         self._pending_save: ckpt.PendingCheckpoint | None = None  # --async-save: the write in flight
         self._async_group: dist.ProcessGroup | None = None
         # non-finite steps skipped on the device; preemption signals and the wall-time limit (their own modules)
@@ -333,9 +335,10 @@ class Trainer:
         # with accumulation the FP8 weights are cast once per step outside the graphs, not on every replay
         return LayerGraphs(self.base_model, emulate=emulate, strict=mode == "on", fp8_weights_per_step=self.accum > 1)
 
-    def _pipeline_runner(self) -> Any:
+    def _step_runner(self) -> StepRunner:
         if self.ctx.pp_size == 1:
-            return None
+            full = self.model_config.seq_length if self.compiled and self.ctx.tp_size > 1 else None
+            return PlainRunner(self.model, self._loss, self._grad_sync, self.device, eager_unless_length=full)
         from ..distributed.pipeline_parallel import check_micro_batches
         from .pipeline_step import PipelineRunner
 
@@ -352,7 +355,7 @@ class Trainer:
                             samples_per_micro_batch=self.mbs * self.ctx.dp_size)
         return PipelineRunner(model, self.objective, self.ctx.pp_group,
                               self.device, self.accum, self.run_config.parallel.pipeline_schedule,
-                              self.autocast_dtype or torch.float32)
+                              self.autocast_dtype or torch.float32, autocast=self._autocast)
 
     # ----------------------------------------------------------------- precision
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -374,75 +377,40 @@ class Trainer:
         self.data_wait_s += seconds
 
     def train_step(self) -> dict[str, Any]:
-        model, opt = self.model, self.optimizer
+        opt = self.optimizer
         it = self.state.iteration
         lr = self.schedule(it)
-        # FP8 telemetry is recorded (on device) only in the iteration that ends a log interval
         train_cfg = self.run_config.train
-        collect = self.fp8 and self.run_config.fp8.fp8_stats and ((it + 1) % train_cfg.log_interval == 0
-                                                                  or it + 1 == train_cfg.train_iters)
-        if collect:
-            from ..fp8 import enable_fp8_stats
-
-            enable_fp8_stats(model, True)
+        self.hooks.begin_step(logged=(it + 1) % train_cfg.log_interval == 0 or it + 1 == train_cfg.train_iters)
         set_lr(opt, lr)
-        noise = self.objective.draw_noise(self.sampler, self.global_batch, self.accum)
-        self.attention.begin_step(it, self.model_config.seq_length)
-        loss_sum = torch.zeros((), device=self.device)
-        tokens, flops = 0, 0.0
         train_iter = self._train_iter
         assert train_iter is not None  # set when `run` starts
-        batches = self.objective.micro_batches(train_iter, noise, self.accum, self.device)
-        if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
-            staged = list(batches)
-            with self._autocast():
-                loss_sum += self.pipeline.train(staged)
-            tokens, flops, batches = sum(b.tokens for b in staged), sum(b.flops for b in staged), iter(())
-        for m, batch in enumerate(batches):
-            with self._grad_sync(last=m == self.accum - 1), self._compile_stance(batch.inputs.shape[1]):
-                loss = self._loss(batch)
-                (loss / self.accum).backward()
-            loss_sum += loss.detach()
-            tokens += batch.tokens
-            flops += batch.flops
-        if collect:
-            enable_fp8_stats(model, False)
+        step = self.runner.train(self.step_batches(train_iter, it), self.accum)
+        loss_sum = step.loss_sum
         grad_norm = self._clip_grads()
         self.guard.step(loss_sum, grad_norm)  # opt.step(), skipped on a non-finite loss or gradient norm
         opt.zero_grad(set_to_none=True)
-        if self.fp8:
-            from ..fp8 import fp8_step
-
-            fp8_step(model, self._amax_group())
-        if self.model_config.is_moe:  # expert biases and routing counters, once per optimizer step
-            moe_step(model, dist.group.WORLD if self.ctx.distributed else None)
-        if self.layer_graphs is not None:
-            self.layer_graphs.arm()  # after one step: compiled code and FP8 delayed scales exist
+        self.hooks.after_optimizer_step()
         self.state.iteration += 1
         self.state.consumed_samples += self.global_batch
-        self.state.consumed_tokens += tokens
+        self.state.consumed_tokens += step.tokens
         return {"loss": self.guard.finite_loss(loss_sum / self.accum), "grad_norm": grad_norm, "lr": lr,
-                "tokens": tokens, "flops": flops}
+                "tokens": step.tokens, "flops": step.flops}
 
-    def _compile_stance(self, length: int) -> contextlib.AbstractContextManager:
-        """Tensor-parallel compiled layers run only at the full sequence length; a cut (varilen) micro-batch runs
-        eagerly, since DTensor graphs with dynamic shapes recompile for every length or fail to compile."""
-        if self.compiled and self.ctx.tp_size > 1 and length != self.model_config.seq_length:
-            return torch.compiler.set_stance("force_eager")
-        return contextlib.nullcontext()
+    def _objective_batches(self, train_iter: Iterator[torch.Tensor], iteration: int) -> Iterator[Batch]:
+        """This rank's micro-batches of the step: the global batch's noise, then the loader's samples made into
+        the objective's batches."""
+        noise = self.objective.draw_noise(self.sampler, self.global_batch, self.accum)
+        self.attention.begin_step(iteration, self.model_config.seq_length)
+        return self.objective.micro_batches(train_iter, noise, self.accum, self.device)
 
     def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Whether this micro-batch reduces gradients (and keeps gathered weights), per sharding strategy."""
         return grad_sync_context(self.model, self.ctx.dp_strategy, last)
 
     def _clip_grads(self) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.run_config.train.clip_grad
-        max_norm = clip if clip > 0 else float("inf")
-        if self.pipeline is not None:  # the norm over every stage's gradients
-            return self.pipeline.clip_grads(self.optimizer, max_norm)
-        norm = clip_grad_norm(self.optimizer, params, max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return self.runner.clip_grads(self.optimizer, clip if clip > 0 else float("inf"))
 
     def _amax_group(self) -> dist.ProcessGroup | None:
         if not self.ctx.distributed:
@@ -466,41 +434,29 @@ class Trainer:
         loader.load_state_dict({"consumed_samples": 0})  # the same batches every evaluation
         it = iter(loader)
         sampler = MaskSampler(self.run_config.train.seed + 2, device=self.device)  # the same masks every evaluation
-        total = torch.zeros((), device=self.device)
-        n = 0
-        search = self.objective.searches_validation  # BD3-LM's clip search: it sees each batch's samples too
-        with self._fp8_eval_weights():  # every batch sees the same weights: cast them once
+        totals = StepTotals(torch.zeros((), device=self.device), 0)
+        plugins = self.validation_plugins  # they see each batch's loader samples too
+        with self.hooks.evaluation():
             for i in range(eval_iters):
                 noise = self.objective.draw_noise(sampler, self.global_batch, self.accum, evaluation=True)
                 self.attention.begin_step(self.run_config.train.train_iters, self.model_config.seq_length)
-                samples = [next(it).to(self.device) for _ in range(self.accum)] if search else None
+                samples = [next(it).to(self.device) for _ in range(self.accum)] if plugins else None
                 batches = self.objective.micro_batches(it if samples is None else iter(samples), noise, self.accum,
                                                        self.device)
-                if self.pipeline is not None:
-                    staged = list(batches)
-                    with self._autocast():
-                        total += self.pipeline.evaluate(staged)
-                    n, batches = n + len(staged), iter(())
-                for batch in batches:
-                    total += self._loss(batch)
-                    n += 1
+                self.runner.evaluate(batches, totals)
                 if samples is not None:
                     with self._autocast():
-                        self.objective.observe_validation(self.model, samples, i, self._output_weight,
-                                                          seed=self.run_config.train.seed + 5)
+                        for plugin in plugins:
+                            plugin.observe(self.model, samples, i, self._output_weight)
+        total, n = totals.loss_sum, totals.micro_batches
         if self.ctx.distributed:
             dist.all_reduce(total, group=self.ctx.dp_cp_group)
             n *= self.ctx.dp_cp_size
-        self.validation_metrics = self.objective.end_validation()  # e.g. the clip interval adopted for training
+        self.validation_metrics = {}  # what the plug-ins adopted, e.g. BD3-LM's clip interval for training
+        for plugin in plugins:
+            self.validation_metrics.update(plugin.finish())
         self.model.train()
         return (total / max(n, 1)).item()
-
-    def _fp8_eval_weights(self) -> contextlib.AbstractContextManager:
-        if not self._fp8_uncached:
-            return contextlib.nullcontext()
-        from ..fp8 import fp8_weight_caching
-
-        return fp8_weight_caching(self.model, self._fp8_uncached)
 
     # ----------------------------------------------------------------- checkpoints
     def _dcp_state(self) -> dict[str, Any]:
@@ -536,7 +492,7 @@ class Trainer:
     def _save(self) -> Path:
         rank_state = {"rng": _rng_state(self.device), "mask_sampler": self.sampler.state_dict(),
                       "data": self.loaders.train.state_dict(), "attention": self.attention.state_dict(),
-                      "objective": self.objective.state_dict()}
+                      "objective": self.hooks.state_dict()}  # the hooks' state under its first name
         meta = {"config": self.model_config.to_dict(), "args": self.run_config.to_flat()}
         tok_dir = getattr(self.tokenizer, "source_dir", None)
         self.finish_save()  # one checkpoint in flight at a time
@@ -595,7 +551,7 @@ class Trainer:
             self.sampler.load_state_dict(rank_state["mask_sampler"])
             if "attention" in rank_state:
                 self.attention.load_state_dict(rank_state["attention"])
-            self.objective.load_state_dict(rank_state.get("objective", {}))
+            self.hooks.load_state_dict(rank_state.get("objective", {}))
         log.info("resumed from %s at iteration %d", path, self.state.iteration)
 
     # ----------------------------------------------------------------- loop
@@ -668,12 +624,7 @@ class Trainer:
              "memory_gib": memory_gib(self.device), "data_wait_share": self.data_wait_s / max(seconds, 1e-9)}
         if skipped:
             m["skipped_steps"] = skipped
-        if self.fp8 and self.run_config.fp8.fp8_stats:
-            from ..fp8 import fp8_stats
-
-            m.update({f"fp8/{k}": v for k, v in fp8_stats(self.model).items()})
-        m.update(moe_metrics(self.model))  # tokens per expert per MoE layer, the auxiliary loss (dense: nothing)
-        m.update(self.objective.metrics())  # RL: rewards, KL, clip fraction, rollout tokens/s
+        m.update(self.hooks.metrics())  # e.g. FP8 telemetry, tokens per expert, RL's rewards and KL
         self.state.history.append(m)
         if self.ctx.is_main:
             line = format_log_line(m, self.run_config.train.train_iters)
