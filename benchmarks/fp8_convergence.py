@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -108,6 +109,10 @@ def run_variant(a: argparse.Namespace, name: str) -> dict:
     state = trainer.run()
     logs = [m for m in state.history if "loss" in m and "eval_loss" not in m]
     evals = [m["eval_loss"] for m in state.history if "eval_loss" in m]
+    bad = [m["iteration"] for m in logs if m.get("skipped_steps") or not math.isfinite(m["loss"])]
+    if bad or not evals or not all(math.isfinite(v) for v in evals):
+        raise SystemExit(f"variant {name!r}: non-finite loss or skipped steps at the log intervals ending at "
+                         f"iterations {bad}, validation losses {evals}")
     tail = [m["loss"] for m in logs[-2:]]
     row = {"variant": name, "final_train_loss": sum(tail) / len(tail), "eval_loss": evals[-1],
            "seconds": time.perf_counter() - t0, "curve": {m["iteration"]: m["loss"] for m in logs},
@@ -201,7 +206,11 @@ def main() -> None:
             json.dump(rows, f, indent=2)
     if a.parallel == 1 and a.json_out and len(names) == 1:
         return  # a child of run_parallel: the parent prints
-    report(rows)
+    if rows:
+        report(rows)
+    if len(rows) < len(names):
+        missing = sorted(set(names) - {r["variant"] for r in rows})
+        raise SystemExit(f"{len(missing)} of {len(names)} variants failed: {', '.join(missing)} (logs above)")
 
 
 def report(rows: list[dict]) -> None:

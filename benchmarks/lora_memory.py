@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -61,7 +62,7 @@ def measure(args: argparse.Namespace) -> dict:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), device=device)
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         with autocast:
             hidden = model(ids, output_hidden=True)
         # the loss over chunks of positions (as the trainer's fused head + loss): no [tokens, V] fp32 logits
@@ -71,21 +72,26 @@ def measure(args: argparse.Namespace) -> dict:
             with autocast:
                 logits = model.logits(h)
             loss = loss + F.cross_entropy(logits.float(), t, reduction="sum")
-        (loss / target.numel()).backward()
+        loss = loss / target.numel()
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
     for _ in range(args.warmup):
         step()
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
+    losses = [step() for _ in range(args.steps)]
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    return {"base": args.base, "tokens_per_s": args.steps * args.mbs * args.seq / seconds,
+    losses_f = torch.stack(losses).float().tolist()
+    if not all(math.isfinite(v) for v in losses_f):
+        raise SystemExit(f"{args.base} base: non-finite loss in the timed steps {losses_f}")
+    return {"base": args.base, "loss": sum(losses_f) / len(losses_f),
+            "tokens_per_s": args.steps * args.mbs * args.seq / seconds,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
             "setup_gib": setup_bytes / 2**30 if cuda else float("nan"),
             "base_fp8_gib": acc["base_fp8"] / 2**30, "frozen_gib": acc["frozen"] / 2**30,

@@ -9,9 +9,10 @@ memory of the timed steps. `--hf-peer` also runs benchmarks/hf_peer.py (the Hugg
 transformers baseline) in the same command and prints our speed-ups over it.
 
 The data is a synthetic Megatron corpus (.bin/.idx of random token ids) written to a temporary
-folder, with ids of the bundled tokenizer (the one the trainer loads; the ids' values do not change
-the cost of any kernel). Varying-length batches are off (--difflm-varilen-prob 0)
-so that every timed step has the same shape.
+folder, with the ordinary ids of the bundled tokenizer (the one the trainer loads; never its special
+ids: a mask id among the targets makes the loss non-finite and the step is skipped). Every timed step
+must have a finite loss and a taken optimizer step, or the configuration fails. Varying-length batches
+are off (--difflm-varilen-prob 0) so that every timed step has the same shape.
 
     python benchmarks/train_throughput.py --hf-peer        # on a GPU: the full table
     python benchmarks/train_throughput.py --smoke          # the tiny preset on the CPU
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import re
 import subprocess
@@ -98,23 +100,51 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
+def special_ids(tok) -> set[int]:
+    """The tokenizer's special ids: EOD, mask and pad as resolved, and every added token marked special."""
+    ids = {i for i in (tok.eod_id, tok.mask_id, tok.pad_id) if i is not None}
+    added = getattr(tok.backend, "get_added_tokens_decoder", dict)()
+    return ids | {int(i) for i, t in added.items() if getattr(t, "special", False)}
+
+
+def ordinary_ids(vocab: int):
+    """int32 [n]: the bundled tokenizer's ids below `vocab` that are not special (what a synthetic document may
+    hold: a mask id among the targets makes the loss non-finite, a pad or EOD id changes the batch's documents)."""
+    import numpy as np
+
+    from megadlms.data import load_tokenizer
+
+    tok = load_tokenizer()  # the bundled tokenizer, as the trainer loads it: ids must lie in its vocabulary
+    ids = np.arange(min(vocab, tok.vocab_size), dtype=np.int32)
+    return ids[~np.isin(ids, sorted(special_ids(tok)))]
+
+
 def write_corpus(prefix: Path, vocab: int, n_tokens: int, seed: int = 0) -> None:
-    """A Megatron indexed dataset of random documents (100..6000 token ids in [0, vocab), then the EOD token)."""
+    """A Megatron indexed dataset of random documents (100..6000 ordinary token ids below `vocab`, then the EOD
+    token)."""
     import numpy as np
 
     from megadlms.data import IndexedDatasetBuilder, load_tokenizer
 
-    tok = load_tokenizer()  # the bundled tokenizer, as the trainer loads it: ids must lie in its vocabulary
-    eod, vocab = tok.eod_id, min(vocab, tok.vocab_size)
+    eod, pool = load_tokenizer().eod_id, ordinary_ids(vocab)
     rng = np.random.default_rng(seed)
     with IndexedDatasetBuilder(prefix, np.int32) as b:
         done = 0
         while done < n_tokens:
             n = int(rng.integers(100, 6000))
-            doc = rng.integers(0, vocab, n + 1, dtype=np.int32)
-            doc[-1] = eod
+            doc = np.append(rng.choice(pool, n), np.int32(eod)).astype(np.int32)
             b.add_document(doc)
             done += n + 1
+
+
+def check_timed_steps(name: str, losses: list[float], skipped: int) -> None:
+    """Exit with one line unless every timed step had a finite loss and took its optimizer step: the timings of
+    skipped steps (no optimizer update) are not those of training."""
+    bad = [i for i, v in enumerate(losses) if not math.isfinite(v)]
+    if bad or skipped:
+        raise SystemExit(f"{name}: {skipped} of {len(losses)} timed steps skipped, non-finite loss at steps {bad} "
+                         f"(losses {[round(v, 3) for v in losses]}): the data or the configuration gives non-finite "
+                         "losses; a timing of skipped steps is not a training step's")
 
 
 def build_trainer(flags: list[str], seq: int, batch: int, accum: int, data: str | Path, device: str | None = None,
@@ -174,6 +204,7 @@ def worker(spec: dict) -> None:
 
     gc.callbacks.append(on_gc)
     trainer.data_wait_s = 0.0
+    skipped_before = float(trainer.guard.window_skipped)
     t0 = time.perf_counter()
     for i in range(spec["steps"]):
         if events:
@@ -189,13 +220,16 @@ def worker(spec: dict) -> None:
     dt = time.perf_counter() - t0
     gc.callbacks.remove(on_gc)
     gpu_step_ms = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
-    loss = float(torch.stack(losses).float().mean())
+    step_losses = torch.stack(losses).float().tolist()
+    check_timed_steps(spec["name"], step_losses, int(float(trainer.guard.window_skipped) - skipped_before))
+    loss = sum(step_losses) / len(step_losses)
     tok_s = tokens / dt
     mc = trainer.model_config
     fpt = mc.flops_per_token(mc.seq_length)
     res = {"config": spec["name"], "batch": spec["batch"], "accum": trainer.accum, "tokens_per_s": tok_s,
            "ms_per_step": dt / spec["steps"] * 1e3,
            "tflops": tok_s * fpt / 1e12, "mfu": tok_s * fpt / 989e12, "loss": loss,
+           "step_losses": step_losses,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            # what the process holds: with CUDA graphs the activations live in the graphs' pool, reserved but not
            # "allocated" between replays, so the allocated peak alone would flatter them
@@ -435,7 +469,8 @@ def main() -> None:
             m = re.search(r"^RESULT (.*)$", text, re.M)
             if m:
                 r = json.loads(m.group(1))
-                print(f"{name}: {r['tokens_per_s']:.0f} tok/s, MFU {r['mfu'] * 100:.1f}%, peak {r['peak_gib']:.1f} GiB "
+                print(f"{name}: loss {r['loss']:.3f}, {r['tokens_per_s']:.0f} tok/s, MFU {r['mfu'] * 100:.1f}%, "
+                      f"peak {r['peak_gib']:.1f} GiB "
                       f"(reserved {r.get('reserved_gib', float('nan')):.1f}) "
                       f"(setup {r['setup_s']:.0f} s, warm-up {r['warmup_s']:.0f} s, wall {time.time() - t0:.0f} s)",
                       flush=True)

@@ -5,12 +5,14 @@ Each runs in its own process, as on the GPU machine, and must exit 0 and print i
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,3 +182,63 @@ def test_fp8_block_runs_torchao_by_default_only_where_it_is_installed(monkeypatc
     assert fp8_block.default_variants() == "bf16,fp8-delayed,fp8-tensorwise"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real(name, *a))
     assert fp8_block.default_variants() == "bf16,fp8-delayed,fp8-tensorwise,torchao"
+
+
+def test_synthetic_corpus_holds_no_special_ids(tmp_path):
+    """The benchmarks' synthetic corpus draws ordinary ids only: no mask id (its target makes the loss non-finite),
+    no pad id, and the EOD id only as each document's last token."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from train_throughput import write_corpus
+
+    from megadlms.data import IndexedDataset, load_tokenizer
+
+    tok = load_tokenizer()
+    write_corpus(tmp_path / "c", vocab=128000, n_tokens=40_000)
+    docs = IndexedDataset(tmp_path / "c")
+    body = np.concatenate([docs[i][:-1] for i in range(len(docs))])
+    assert body.size >= 30_000 and all(docs[i][-1] == tok.eod_id for i in range(len(docs)))
+    assert not np.isin(body, [tok.eod_id, tok.mask_id, tok.pad_id]).any()
+    assert body.max() == tok.vocab_size - 1 and body.min() == 3  # the rest of the vocabulary is drawn
+
+
+def test_timed_steps_with_a_non_finite_loss_or_a_skipped_step_fail_the_benchmark():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from train_throughput import check_timed_steps
+
+    check_timed_steps("ok", [8.1, 7.9], 0)
+    with pytest.raises(SystemExit, match=r"tiny/fp8: 0 of 2 timed steps skipped, non-finite loss at steps \[1\]"):
+        check_timed_steps("tiny/fp8", [8.1, float("nan")], 0)
+    with pytest.raises(SystemExit, match="tiny/bf16: 1 of 2 timed steps skipped"):
+        check_timed_steps("tiny/bf16", [8.1, 0.0], 1)
+
+
+def test_torchrun_overhead_refuses_log_intervals_with_skipped_steps(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from torchrun_overhead import interval_throughput
+
+    rows = [{"split": "train", "iteration": 2, "loss": 8.0, "tokens_per_s": 10.0},
+            {"split": "train", "iteration": 4, "loss": 7.0, "tokens_per_s": 12.0}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert interval_throughput(tmp_path, 1) == [12.0]
+    rows[1].update(loss=float("nan"), skipped_steps=2)
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(SystemExit, match=r"plain: non-finite loss or skipped steps .* iterations \[4\]"):
+        interval_throughput(tmp_path, 1, "plain")
+
+
+def test_sft_paths_table_fails_on_a_logged_non_finite_loss(tmp_path):
+    """sft_paths.sh's table reads the runs' logs; a run that logged `loss nan` or skipped steps makes it exit 1."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "reverse_chat_document.idx").touch()  # the data is there: nothing is built
+    out.mkdir()
+    good = ("iter      1/2 | loss 11.9800 | lr 1e-4 | 75,706 tok/s\n"
+            "iter      2/2 | loss 8.5100 | lr 1e-4 | 75,800 tok/s\n")
+    (out / "sft_bf16.log").write_text(good)
+    env = _env(OUT=str(out), SFT_WORK=str(work), PY=sys.executable)
+    cmd = ["bash", str(ROOT / "benchmarks" / "sft_paths.sh"), "2", "none"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "75,800" in res.stdout, res.stdout + res.stderr
+    (out / "sft_fp8.log").write_text(good.replace("loss 8.5100 |", "loss nan | skipped 1 |"))
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "sft_fp8.log: iter      2/2 | loss nan" in res.stderr, res.stdout + res.stderr
