@@ -10,8 +10,10 @@ the FP8 ablations (e4m3, BF16 weight gradient, unfused projections, tensorwise w
 forward accumulation, BF16 first/last layers) locate where a gap comes from; the `fp8-attention` variants add FP8
 attention (`--fp8-dot-product-attention`: needs `nvidia-cudnn-frontend` on a GPU).
 
-Variants run as separate processes, `--parallel` at a time (several small runs share one GPU well:
-each alone leaves it idle between eager kernels; qwen3-0.6b at micro-batch 16 x 512 needs ~29 GiB each).
+Variants run as separate processes, up to `--parallel` at a time (several small runs share one GPU well:
+each alone leaves it idle between eager kernels). On a GPU the first run starts alone; once it logs its first
+training line, the device's free memory gives its share, and as many more start beside it as fit (each given
+1.25x the first's share: benchmarks/memory_fit.py).
 
 Data: the bundled corpus (default) is procedurally generated English of ~3M tokens, which a 0.6B
 model learns by heart within a few hundred iterations, in a sharp drop whose timing is chaotic.
@@ -129,10 +131,20 @@ def run_parallel(a: argparse.Namespace, names: list[str]) -> list[dict]:
     if a.log_dir:
         os.makedirs(a.log_dir, exist_ok=True)
     pending, running, rows = list(enumerate(names)), [], {}
+    from memory_fit import GIB, concurrent_runs, free_bytes
+
+    free_before = None if a.smoke or a.parallel == 1 else free_bytes()
+    limit = a.parallel if free_before is None else 1  # on a GPU: one run until its memory is measured
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         while pending or running:
-            while pending and len(running) < a.parallel:
+            if free_before is not None and running and "\niter " in "\n" + Path(running[0][3].name).read_text():
+                free_now = free_bytes() or 0
+                limit = concurrent_runs(free_before, free_now, a.parallel)
+                print(f"one run holds {(free_before - free_now) / GIB:.1f} GiB of the {free_before / GIB:.1f} GiB "
+                      f"free: {limit} at a time", flush=True)
+                free_before = None
+            while pending and len(running) < limit:
                 i, name = pending.pop(0)
                 out = os.path.join(tmp, f"{i}.json")
                 log = open(os.path.join(a.log_dir or tmp, f"variant{i}.log"), "w")
@@ -149,6 +161,8 @@ def run_parallel(a: argparse.Namespace, names: list[str]) -> list[dict]:
                     continue
                 running.remove(item)
                 log.close()
+                if free_before is not None:  # ended before its first log line: run the rest one at a time
+                    free_before = None
                 if proc.returncode != 0 or not os.path.exists(out):
                     print(f"variant {name!r} failed (exit {proc.returncode}): see {log.name}", file=sys.stderr)
                     continue
@@ -175,7 +189,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
                    help=f"comma-separated, or 'all': {', '.join(VARIANTS)}")
-    p.add_argument("--parallel", type=int, default=1, help="variants trained at once, each in its own process")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="at most this many variants trained at once, each in its own process (on a GPU, as many as "
+                        "the free memory holds)")
     p.add_argument("--extra", default="", help="more train flags, space separated")
     p.add_argument("--json-out", default=None)
     p.add_argument("--log-dir", default=None, help="where the per-variant logs go (with --parallel > 1)")

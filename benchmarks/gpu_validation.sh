@@ -11,7 +11,8 @@
 #     bash benchmarks/gpu_validation.sh models        the MoE block (BF16 vs FP8, grouped GEMMs); LoRA on an FP8 base
 #                                                     against a BF16 base at llada-8b shapes (memory, tokens/s)
 #     bash benchmarks/gpu_validation.sh llada         LLaDA-8B packed SFT at seq 4096, BF16 and FP8, activation
-#                                                     recompute: losses, tokens/s, MFU, peak memory
+#                                                     recompute: losses, tokens/s, MFU, peak memory; as many of
+#                                                     its 32 layers as the free memory holds (LLADA_LAYERS=N: N)
 set -u
 PART=${1:-correctness}
 export OUT=${OUT:-gpu_validation_logs}; mkdir -p "$OUT"
@@ -53,12 +54,13 @@ speed)
     ;;
 quality)
     step generate 120 $PY benchmarks/generate.py
+    # up to 3 runs at once, as many as the free memory holds beside the first
     step fp8_convergence 250 $PY benchmarks/fp8_convergence.py --model-path qwen3-0.6b --iters 150 \
         --seq-length 512 --mbs 16 --extra=--no-compile --parallel 3 --json-out "$OUT/fp8_convergence.json"
     step torchrun_overhead 150 $PY benchmarks/torchrun_overhead.py --rounds 1 --iters 30
     echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
     echo "=== generate"; tail -8 "$OUT/generate.log"
-    echo "=== fp8 convergence"; tail -5 "$OUT/fp8_convergence.log"
+    echo "=== fp8 convergence"; grep -h "at a time" "$OUT/fp8_convergence.log"; tail -5 "$OUT/fp8_convergence.log"
     echo "=== torchrun overhead"; tail -6 "$OUT/torchrun_overhead.log"
     ;;
 models)
@@ -70,12 +72,14 @@ models)
     ;;
 llada)
     # full fine-tuning keeps ~16 bytes a parameter (fp32 weights, gradients, AdamW moments): ~130 GB for 8.0B
-    # parameters before activations, more than one H100 holds; LLADA_LAYERS=16 measures half the stack there
+    # parameters before activations, more than one H100 holds: the layers that fit are measured there
+    LAYERS=${LLADA_LAYERS:-$($PY benchmarks/memory_fit.py llada-8b --seq 4096 --recompute --fp8 --print layers)}
     step llada_sft 500 env OUT="$OUT/llada_sft" SFT_MODEL=llada-8b SFT_MBS=1 \
-        SFT_EXTRA="--recompute-granularity full${LLADA_LAYERS:+ --num-layers $LLADA_LAYERS}" \
+        SFT_EXTRA="--recompute-granularity full --num-layers $LAYERS" \
         bash benchmarks/sft_paths.sh 6 bf16,fp8
     echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
-    echo "=== LLaDA-8B packed SFT (seq 4096, micro-batch 1, recompute): the last line of each run, then the table"
+    echo "=== LLaDA-8B packed SFT ($LAYERS of 32 layers, seq 4096, micro-batch 1, recompute): the last line of each"\
+         "run, then the table"
     grep -h "iter      6/6" "$OUT"/llada_sft/sft_*.log
     tail -12 "$OUT/llada_sft.log"
     ;;

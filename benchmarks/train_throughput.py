@@ -59,14 +59,34 @@ VARIANTS: dict[str, list[str]] = {"": [], "nographs": ["--cuda-graphs", "off"], 
                                   "mxfp8": ["--fp8-recipe", "mxfp8", "--fp8-format", "e4m3"]}
 
 
-# micro-batch per model where --batch would not fit one 141 GB GPU (BF16 and FP8 run the same batch)
-MAX_BATCH = {"llama3-8b-16L": 2}
+def config_of(flags: list[str], seq: int):
+    """The `TransformerConfig` a configuration's flags build (for its memory estimate)."""
+    from megadlms.presets import load_model_config
+
+    opts = dict(zip(flags[::2], flags[1::2]))
+    layers = {"num_layers": int(opts["--num-layers"])} if "--num-layers" in opts else {}
+    return load_model_config(opts["--model-path"], seq_length=seq, **layers)
+
+
+def micro_batch_for(name: str, flags: list[str], a: argparse.Namespace, free: float | None,
+                    caps: dict[str, int]) -> int:
+    """--batch, or less where the memory estimate says it does not fit the free memory, or where a run of the same
+    model ran out of memory at more (BF16 and FP8 of one model run the same micro-batch where both fit)."""
+    from memory_fit import fitting_micro_batch
+
+    model = name.split("/")[0]
+    want = min(a.batch, caps.get(model, a.batch))
+    if model not in caps:  # one estimate per model, BF16 and FP8 alike (FP8's caches are a small share)
+        caps[model] = fitting_micro_batch(config_of(flags, a.seq), a.seq, want, free, fp8=True)
+    return min(want, caps[model])
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="qwen3-1.7b/bf16,qwen3-1.7b/fp8,llama3-8b-8L/bf16,llama3-8b-8L/fp8")
-    p.add_argument("--batch", type=int, default=4, help="micro-batch size (sequences)")
+    p.add_argument("--batch", type=int, default=4,
+                   help="micro-batch size (sequences); on a GPU, less where the memory estimate or an out-of-memory "
+                        "run says it does not fit (benchmarks/memory_fit.py)")
     p.add_argument("--accum", type=int, default=1,
                    help="micro-batches per optimizer step (gradient accumulation): the optimizer step and gradient "
                         "clipping are paid once per this many micro-batches, as in pre-training at a real global "
@@ -445,16 +465,20 @@ def main() -> None:
             print(text.strip().splitlines()[-1], flush=True)
         else:
             print(f"hf_peer FAILED rc={rc}\n" + "\n".join(text.strip().splitlines()[-10:]), flush=True)
+    from memory_fit import free_bytes
+
+    free = None if a.smoke else free_bytes()
+    caps: dict[str, int] = {}  # micro-batch per model: the estimate's, lowered by runs out of memory
     with tempfile.TemporaryDirectory() as tmp:
         prefix = Path(tmp) / "synthetic_text_document"
         write_corpus(prefix, vocab=128000,
                      n_tokens=(a.warmup + a.steps + 2) * a.accum * a.batch * (a.seq + 1) * 2)
         for name in [c for c in a.configs.split(",") if c]:
-            batch = min(a.batch, MAX_BATCH.get(name.split("/")[0], a.batch))
             base, _, variant = name.partition("+")  # the same configuration with one switch turned off
             if variant not in VARIANTS:
                 raise SystemExit(f"unknown variant +{variant} in {name!r}; variants: {', '.join(VARIANTS)}")
             flags = CONFIGS[base] + VARIANTS[variant]
+            batch = micro_batch_for(name, CONFIGS[base], a, free, caps)
             spec = {"name": name, "flags": flags, "seq": a.seq, "batch": batch, "accum": a.accum,
                     "data": str(prefix),
                     "warmup": a.warmup, "steps": a.steps, "extra": a.extra.split() if a.extra else [],
@@ -466,6 +490,10 @@ def main() -> None:
             t0 = time.time()
             log = out / "runs.log" if out else None
             rc, text = run_logged([sys.executable, __file__, "--worker", json.dumps(spec)], log, a.timeout)
+            while rc and "out of memory" in text.lower() and spec["batch"] > 1:  # the estimate was short
+                spec["batch"] = caps[name.split("/")[0]] = spec["batch"] // 2
+                print(f"{name}: out of memory; again at micro-batch {spec['batch']}", flush=True)
+                rc, text = run_logged([sys.executable, __file__, "--worker", json.dumps(spec)], log, a.timeout)
             m = re.search(r"^RESULT (.*)$", text, re.M)
             if m:
                 r = json.loads(m.group(1))

@@ -242,3 +242,31 @@ def test_sft_paths_table_fails_on_a_logged_non_finite_loss(tmp_path):
     (out / "sft_fp8.log").write_text(good.replace("loss 8.5100 |", "loss nan | skipped 1 |"))
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "sft_fp8.log: iter      2/2 | loss nan" in res.stderr, res.stdout + res.stderr
+
+
+def test_memory_fit_sizes_runs_from_the_free_memory():
+    """The benchmarks' sizes from the free memory: llama3-8b with 16 layers trains at micro-batch 1 on an 80 GB card
+    (2 ran out of memory there) and more on a 141 GB one; LLaDA-8B SFT under full recompute fits 18 of its 32 layers
+    on 79 GiB and all of them on 139 GiB; concurrent runs from one run's measured share."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from memory_fit import GIB, concurrent_runs, fitting_layers, fitting_micro_batch, training_memory
+    from train_throughput import config_of
+
+    llama16 = config_of(CONFIGS_LLAMA16, 4096)
+    assert fitting_micro_batch(llama16, 4096, 4, 79 * GIB, fp8=True) == 1
+    assert fitting_micro_batch(llama16, 4096, 4, 139 * GIB, fp8=True) == 4
+    assert fitting_micro_batch(llama16, 4096, 4, None) == 4  # no GPU: as asked
+    from megadlms.presets import load_model_config
+
+    llada = load_model_config("llada-8b", seq_length=4096)
+    mem = training_memory(llada.replace(num_layers=16), 4096, recompute=True)
+    assert abs(mem.total(1) / GIB / 67.64 - 1) < 0.02  # measured on an H100: 67.64 GiB allocated at its peak
+    assert fitting_layers(llada, 4096, 1, 79 * GIB, recompute=True) == 18
+    assert fitting_layers(llada, 4096, 1, 139 * GIB, recompute=True) == 32
+    # the first run took 30 of 80 GiB: one more at 1.25 x 30 fits the 50 left; of 140 GiB, two more
+    assert concurrent_runs(80 * GIB, 50 * GIB, 3) == 2
+    assert concurrent_runs(140 * GIB, 110 * GIB, 8) == 3
+    assert concurrent_runs(80 * GIB, 70 * GIB, 3) == 3 and concurrent_runs(80 * GIB, 10 * GIB, 3) == 1
+
+
+CONFIGS_LLAMA16 = ["--model-path", "llama3-8b", "--num-layers", "16"]
