@@ -10,6 +10,11 @@
 #     bash benchmarks/gpu_validation.sh quality       FP8 vs BF16 loss curves, the samplers, torchrun overhead
 #     bash benchmarks/gpu_validation.sh models        the MoE block (BF16 vs FP8, grouped GEMMs); LoRA on an FP8 base
 #                                                     against a BF16 base at llada-8b shapes (memory, tokens/s)
+#     bash benchmarks/gpu_validation.sh e2e           FP8 against BF16 where users run it, each with the kernel time
+#                                                     by category and peak memory: the 8B-class block per recipe,
+#                                                     the trainer (qwen3-1.7b), pre-training and packed SFT
+#                                                     (qwen3-0.6b), LLaDA-8B packed SFT with recompute (16 layers;
+#                                                     LLADA_LAYERS=N), LoRA on LLaDA-8B
 #     bash benchmarks/gpu_validation.sh llada         LLaDA-8B packed SFT at seq 4096, BF16 and FP8, activation
 #                                                     recompute: losses, tokens/s, MFU, peak memory; as many of
 #                                                     its 32 layers as the free memory holds (LLADA_LAYERS=N: N)
@@ -70,6 +75,17 @@ models)
     echo "=== MoE block"; tail -10 "$OUT/moe_block.log"
     echo "=== LoRA, FP8 vs BF16 base"; tail -8 "$OUT/lora_memory.log"
     ;;
+e2e)
+    step fp8_block 150 $PY benchmarks/fp8_block.py --no-attention-bench --no-gemm-bench --iters 10 --warmup 3 \
+        --variants bf16+graphs,fp8-delayed+graphs,fp8-rowwise+graphs --profile bf16+graphs,fp8-rowwise+graphs
+    step step_breakdown 440 $PY benchmarks/step_breakdown.py --workloads trainer,pretrain,sft,llada-sft,lora \
+        --warmup 3 --steps 3 --llada-layers "${LLADA_LAYERS:-16}" --budget 420 --out "$OUT/step_breakdown"
+    echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
+    echo "=== block (B=2 S=4096, 8B-class): GPU ms by kernel class, then the table"
+    grep -A1 "^profile " "$OUT/fp8_block.log"; tail -5 "$OUT/fp8_block.log"
+    echo "=== where each workload's step goes, BF16 beside FP8 (table last)"
+    sed -n '/one step.s GPU time/,$p' "$OUT/step_breakdown.log"
+    ;;
 llada)
     # full fine-tuning keeps ~16 bytes a parameter (fp32 weights, gradients, AdamW moments): ~130 GB for 8.0B
     # parameters before activations, more than one H100 holds: the layers that fit are measured there
@@ -84,7 +100,7 @@ llada)
     tail -12 "$OUT/llada_sft.log"
     ;;
 *)
-    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed, quality, models or llada" >&2
+    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed, quality, models, e2e or llada" >&2
     exit 2
     ;;
 esac

@@ -25,8 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def measure(args: argparse.Namespace) -> dict:
-    """One base: setup, warm-up, timed steps. Returns the row of the table."""
+def build_step(args: argparse.Namespace):
+    """One base's model, adapters and optimizer: (step, setup), where step() runs one training step and returns its
+    loss (a 0-dim tensor) and setup holds the memory after setup (bytes) and `memory_accounting`'s figures. The LM
+    head + loss and the optimizer run under profiler ranges of those names (benchmarks/step_breakdown.py)."""
     import torch
     import torch.nn.functional as F
 
@@ -57,8 +59,7 @@ def measure(args: argparse.Namespace) -> dict:
     acc = memory_accounting(model)
     if cuda:
         torch.cuda.synchronize()
-        setup_bytes = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+    setup = {"bytes": torch.cuda.memory_allocated() if cuda else float("nan"), **acc}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), device=device)
 
@@ -66,17 +67,31 @@ def measure(args: argparse.Namespace) -> dict:
         with autocast:
             hidden = model(ids, output_hidden=True)
         # the loss over chunks of positions (as the trainer's fused head + loss): no [tokens, V] fp32 logits
-        loss = torch.zeros((), device=device)
-        flat, target = hidden.reshape(-1, cfg.hidden_size), ids.reshape(-1)
-        for h, t in zip(flat.split(1024), target.split(1024)):
-            with autocast:
-                logits = model.logits(h)
-            loss = loss + F.cross_entropy(logits.float(), t, reduction="sum")
-        loss = loss / target.numel()
+        with torch.profiler.record_function("lm head + loss"):
+            loss = torch.zeros((), device=device)
+            flat, target = hidden.reshape(-1, cfg.hidden_size), ids.reshape(-1)
+            for h, t in zip(flat.split(1024), target.split(1024)):
+                with autocast:
+                    logits = model.logits(h)
+                loss = loss + F.cross_entropy(logits.float(), t, reduction="sum")
+            loss = loss / target.numel()
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with torch.profiler.record_function("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return loss.detach()
+
+    return step, setup
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """One base: setup, warm-up, timed steps. Returns the row of the table."""
+    import torch
+
+    step, setup = build_step(args)
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
 
     for _ in range(args.warmup):
         step()
@@ -93,9 +108,8 @@ def measure(args: argparse.Namespace) -> dict:
     return {"base": args.base, "loss": sum(losses_f) / len(losses_f),
             "tokens_per_s": args.steps * args.mbs * args.seq / seconds,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-            "setup_gib": setup_bytes / 2**30 if cuda else float("nan"),
-            "base_fp8_gib": acc["base_fp8"] / 2**30, "frozen_gib": acc["frozen"] / 2**30,
-            "trainable_m": acc["trainable_params"] / 1e6}
+            "setup_gib": setup["bytes"] / 2**30, "base_fp8_gib": setup["base_fp8"] / 2**30,
+            "frozen_gib": setup["frozen"] / 2**30, "trainable_m": setup["trainable_params"] / 1e6}
 
 
 def main() -> None:

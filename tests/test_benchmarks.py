@@ -35,6 +35,9 @@ SMOKES = {
     "moe_block": (["--smoke"], "fp8-tensorwise  | "),
     "lora_memory": (["--smoke"], "fp8 vs bf16 base: peak memory"),
     "fp8_cpu_speed": (["--smoke"], "fp8 rowwise      | "),
+    # both kinds of run (the trainer's, LoRA's) in the slower precision; BF16 beside FP8 is the same code
+    "step_breakdown": (["--smoke", "--warmup", "1", "--steps", "1", "--workloads", "pretrain,lora", "--precisions",
+                        "fp8"], "lora: one step's CPU (op self time) time by category"),
     "attention_grad_check": (["--device", "cpu", "--model-path", "tiny", "--layers", "1", "--seq-length", "64",
                               "--batches", "2", "--plans", "documents,bd3lm", "--variants", "eager-dense"],
                              "attention gradients: ok"),
@@ -270,3 +273,22 @@ def test_memory_fit_sizes_runs_from_the_free_memory():
 
 
 CONFIGS_LLAMA16 = ["--model-path", "llama3-8b", "--num-layers", "16"]
+
+
+def test_step_breakdown_categories_and_ceiling():
+    """Kernels go to the host scope that launched them, else to a category by name; the GPU's idle time is the
+    profiled step less its kernels; the ceiling is the step with the layers' GEMMs at twice the speed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_breakdown import breakdown, ceiling
+
+    items = [("sm90_xmma_gemm_bf16bf16_bf16f32", None, 6.0), ("nvjet_tst_128x256", None, 1.0),
+             ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", None, 2.0),
+             ("cast_transpose_kernel", None, 0.75), ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", None, 0.5),
+             ("nvjet_tst_256x128", "lm head + loss", 1.5), ("_adamw_kernel", "optimizer", 0.25),
+             ("cast_transpose_kernel", "fp8 scales + weight casts", 0.25), ("mystery", None, 0.25)]
+    b = breakdown(items, wall_ms=14.0)
+    assert (b["gemm"], b["attention"], b["fp8 casts"], b["norms + elementwise"]) == (7.0, 2.0, 0.75, 0.5)
+    assert (b["lm head + loss"], b["optimizer"], b["fp8 scales + weight casts"], b["other"]) == (1.5, 0.25, 0.25, 0.25)
+    assert b["kernels"] == 12.5 and b["idle (host gaps)"] == 1.5 and b["step (profiled)"] == 14.0
+    c = ceiling(b)
+    assert c["untouched share"] == 0.5 and c["ceiling"] == 14.0 / 10.5
