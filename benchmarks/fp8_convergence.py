@@ -98,6 +98,38 @@ def build_code_corpus(folder: Path, mb: float, smoke: bool = False) -> str:
     return data
 
 
+def loss_by_mask_ratio(trainer, buckets: int) -> dict[str, float]:
+    """The validation loss at each mask ratio t = (i + 0.5) / buckets (the bucket [i / buckets, (i + 1) / buckets)
+    at its middle): the trainer's validation batches and masks with every row's t set to it, the loss as training
+    computes it (the ELBO weight 1 / t included). Where FP8 departs from BF16 by how much of the sequence is
+    masked."""
+    import torch
+
+    from megadlms.diffusion.objective import MaskSampler
+
+    loader, iters = trainer.loaders.valid, trainer.run_config.train.eval_iters
+    if loader is None or iters <= 0 or buckets <= 0:
+        return {}
+    out = {}
+    trainer.model.eval()
+    with torch.no_grad(), trainer._fp8_eval_weights():
+        for i in range(buckets):
+            t = (i + 0.5) / buckets
+            loader.load_state_dict({"consumed_samples": 0})  # the same batches and masks in every bucket
+            it = iter(loader)
+            sampler = MaskSampler(trainer.run_config.train.seed + 2, device=trainer.device)
+            total, n = torch.zeros((), device=trainer.device), 0
+            for _ in range(iters):
+                noise = trainer.objective.draw_noise(sampler, trainer.global_batch, trainer.accum, evaluation=True)
+                noise.t.fill_(t)
+                for batch in trainer.objective.micro_batches(it, noise, trainer.accum, trainer.device):
+                    total += trainer._loss(batch)
+                    n += 1
+            out[f"{t:.2f}"] = (total / max(n, 1)).item()
+    trainer.model.train()
+    return out
+
+
 def run_variant(a: argparse.Namespace, name: str) -> dict:
     """Train one variant in this process; its losses every --log-interval and the final eval loss."""
     import torch
@@ -118,7 +150,8 @@ def run_variant(a: argparse.Namespace, name: str) -> dict:
     tail = [m["loss"] for m in logs[-2:]]
     row = {"variant": name, "final_train_loss": sum(tail) / len(tail), "eval_loss": evals[-1],
            "seconds": time.perf_counter() - t0, "curve": {m["iteration"]: m["loss"] for m in logs},
-           "tokens_per_s": logs[-1].get("tokens_per_s") if logs else None}
+           "tokens_per_s": logs[-1].get("tokens_per_s") if logs else None,
+           "eval_by_t": loss_by_mask_ratio(trainer, a.t_buckets)}
     if torch.cuda.is_available():
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return row
@@ -150,6 +183,7 @@ def run_parallel(a: argparse.Namespace, names: list[str]) -> list[dict]:
                 log = open(os.path.join(a.log_dir or tmp, f"variant{i}.log"), "w")
                 argv = [sys.executable, os.path.abspath(__file__), "--model-path", a.model_path, "--iters",
                         str(a.iters), "--seq-length", str(a.seq_length), "--mbs", str(a.mbs), "--lr", str(a.lr),
+                        "--t-buckets", str(a.t_buckets),
                         f"--extra={a.extra}", "--variants", name, "--parallel", "1", "--json-out", out]
                 argv += (["--smoke"] if a.smoke else []) + (["--save-baseline", a.save_baseline]
                                                              if a.save_baseline else [])
@@ -200,6 +234,9 @@ def main() -> None:
     p.add_argument("--corpus-mb", type=float, default=60.0, help="MB of text for --corpus code")
     p.add_argument("--corpus-dir", default="/tmp/megadlms_code_corpus", help="where --corpus code is built")
     p.add_argument("--save-baseline", default=None, help="checkpoint folder for the bf16 run's final weights")
+    p.add_argument("--t-buckets", type=int, default=10,
+                   help="after training, the validation loss at this many mask ratios (t at each bucket's middle), "
+                        "each variant's gap to BF16 per bucket (0: off)")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args()
     if a.smoke:  # small enough for several processes on a laptop (the 151k-vocab logits dominate memory)
@@ -243,6 +280,7 @@ def report(rows: list[dict]) -> None:
         print("GiB: peak allocated. FP8 variants record telemetry (--fp8-stats), whose steps run the layers\n"
               "eagerly with their activations allocated; in other steps (and in BF16) CUDA graphs keep them in the\n"
               "graphs' pool, which this does not count. Memory against BF16: benchmarks/train_throughput.py.")
+    report_by_mask_ratio(rows, base)
     iters = sorted({int(i) for r in rows for i in r["curve"]})
     marks = [i for i in iters if i % 50 == 0] or iters[-6:]
     print("\ntraining loss (mean of the 10 iterations up to)")
@@ -250,6 +288,25 @@ def report(rows: list[dict]) -> None:
     for r in rows:
         curve = {int(k): v for k, v in r["curve"].items()}
         print(f"{r['variant']:<28}" + "".join(f"{curve.get(i, float('nan')):>8.3f}" for i in marks))
+
+
+def report_by_mask_ratio(rows: list[dict], base: dict, budget_pct: float = 0.5) -> None:
+    """The validation loss per mask-ratio bucket of each variant, and its gap to BF16 (marked `!` past the budget)."""
+    ts = list(base.get("eval_by_t") or {})
+    if not ts:
+        return
+    print(f"\nvalidation loss by mask ratio t (gap to {base['variant']} in %, '!' past {budget_pct}%)")
+    print(f"{'variant':<28}" + "".join(f"{'t=' + t:>14}" for t in ts) + f"{'worst gap':>11}")
+    for r in rows:
+        by = r.get("eval_by_t") or {}
+        cells, worst = "", 0.0
+        for t in ts:
+            v, b = by.get(t, float("nan")), base["eval_by_t"][t]
+            gap = (v - b) / b * 100
+            worst = max(worst, abs(gap)) if math.isfinite(gap) else float("nan")
+            cells += f"{v:8.3f}" + (f"{gap:+5.1f}{'!' if abs(gap) > budget_pct else ' '}" if r is not base else " " * 6)
+        r["worst_bucket_gap_pct"] = worst
+        print(f"{r['variant']:<28}{cells}" + (f"{worst:>10.2f}%" if r is not base else ""))
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ quality)
     step torchrun_overhead 150 $PY benchmarks/torchrun_overhead.py --rounds 1 --iters 30
     echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
     echo "=== generate"; tail -8 "$OUT/generate.log"
-    echo "=== fp8 convergence"; grep -h "at a time" "$OUT/fp8_convergence.log"; tail -5 "$OUT/fp8_convergence.log"
+    echo "=== fp8 convergence"; grep -h "at a time" "$OUT/fp8_convergence.log"
+    sed -n '/train loss/,/^training loss/p' "$OUT/fp8_convergence.log"
     echo "=== torchrun overhead"; tail -6 "$OUT/torchrun_overhead.log"
     ;;
 models)

@@ -25,7 +25,7 @@ SMOKES = {
     "generate": (["--device", "cpu", "--preset", "tiny", "--gen-length", "16", "--block-length", "8", "--steps", "16",
                   "--prompt-length", "8", "--batch-sizes", "1", "2"], "fast dual"),
     "fp8_convergence": (["--smoke", "--iters", "3", "--variants", "bf16,fp8 delayed/hybrid", "--parallel", "2",
-                         "--log-dir", "logs/new"], "gap vs bf16"),  # a log folder that does not exist yet
+                         "--log-dir", "logs/new"], "validation loss by mask ratio t"),  # a log folder made here
     "train_throughput": (["--smoke", "--steps", "1", "--warmup", "1", "--accum", "2"], "tiny/fp8"),
     "cuda_graph_check": (["--smoke"], "fp8 tensorwise "),
     # the count's wait is timed: on the CPU the count is ready at once
@@ -292,3 +292,15 @@ def test_step_breakdown_categories_and_ceiling():
     assert b["kernels"] == 12.5 and b["idle (host gaps)"] == 1.5 and b["step (profiled)"] == 14.0
     c = ceiling(b)
     assert c["untouched share"] == 0.5 and c["ceiling"] == 14.0 / 10.5
+
+
+def test_fp8_convergence_reports_the_gap_per_mask_ratio(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fp8_convergence import report_by_mask_ratio
+
+    base = {"variant": "bf16", "eval_by_t": {"0.05": 10.0, "0.95": 4.0}}
+    fp8 = {"variant": "fp8 delayed/hybrid", "eval_by_t": {"0.05": 10.02, "0.95": 4.04}}
+    report_by_mask_ratio([base, fp8], base)
+    out = capsys.readouterr().out
+    assert fp8["worst_bucket_gap_pct"] == pytest.approx(1.0)
+    assert " +0.2 " in out and " +1.0!" in out  # within the 0.5% budget at t=0.05, past it at t=0.95
