@@ -208,6 +208,9 @@ def worker(spec: dict) -> None:
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan"),
            "layers": layers, "batch": spec["batch"]}
+    if not spec.get("profile", True):
+        print("RESULT " + json.dumps(res), flush=True)
+        return
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with scopes, profile(activities=acts) as prof:
         t0 = time.perf_counter()
@@ -249,6 +252,10 @@ def parse_args() -> argparse.Namespace:
                    help="seconds for all runs: a run that would start later is left out (its row says so), and no "
                         "run goes past it, so the tables print within the budget")
     p.add_argument("--out", default=None, help="folder for the run log and the JSON results")
+    p.add_argument("--fit", choices=("micro-batch", "layers"), default=None,
+                   help="instead of the breakdown: the largest micro-batch (or layer count, at micro-batch 1) of each "
+                        "workload and precision that trains without running out of memory, by short runs from the "
+                        "memory estimate's up or down")
     p.add_argument("--smoke", action="store_true", help="the tiny preset on the CPU")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -306,37 +313,111 @@ def main() -> None:
         sft = None
         if any(WORKLOADS[w][1] == "sft" for w in workloads):
             sft = sft_data(Path(tmp) / "sft" if a.smoke else Path(a.sft_work), 400 if a.smoke else 60000)
+
+        def run(w: str, prec: str, batch: int | None = None, layers: int | None = None, profile: bool = True,
+                label: str = "") -> dict:
+            """One worker process; its result, or {"error": ...} (with "oom" where it ran out of memory)."""
+            flags = run_flags(w, prec, a, free)
+            if layers is not None:
+                flags = [f for f in _without(flags, "--num-layers")] + ["--num-layers", str(layers)]
+            opts = dict(zip(flags[::2], flags[1::2]))
+            batch = batch or (1 if a.smoke else int(opts["--micro-batch-size"]))
+            extra = ["--split", "98,2,0"] if WORKLOADS[w][1] == "sft" else []
+            extra += a.extra.split() + (["--bf16", "--num-workers", "0"] if a.smoke else [])
+            name = f"{w}/{prec}{label}"
+            spec = {"name": name, "workload": w, "flags": flags, "seq": seq, "batch": batch,
+                    "data": sft if WORKLOADS[w][1] == "sft" else str(synthetic), "warmup": a.warmup,
+                    "steps": a.steps, "extra": extra, "device": "cpu" if a.smoke else None, "profile": profile}
+            t0 = time.time()
+            if deadline - t0 < 20:
+                print(f"{name}: left out (--budget {a.budget:.0f} s spent)", flush=True)
+                return {"name": name, "error": "left out: --budget spent"}
+            rc, text = run_logged([sys.executable, __file__, "--worker", json.dumps(spec)],
+                                  out / "runs.log" if out else None, int(min(a.timeout, deadline - t0)))
+            m = re.search(r"^RESULT (.*)$", text, re.M)
+            if m:
+                r = json.loads(m.group(1))
+                print(f"{name}: loss {r['loss']:.3f}, {r['tokens_per_s']:.0f} tok/s, peak {r['peak_gib']:.1f} GiB "
+                      f"(reserved {r['reserved_gib']:.1f}), {r['layers'] or 'all'} layers x micro-batch "
+                      f"{r['batch']} (wall {time.time() - t0:.0f} s)", flush=True)
+                return r
+            oom = "out of memory" in text.lower()
+            tail = "\n".join(text.strip().splitlines()[-(2 if oom else 12):])
+            print(f"{name}: {'OUT OF MEMORY' if oom else 'FAILED'} rc={rc}\n{tail}", flush=True)
+            return {"name": name, "error": "out of memory" if oom else f"rc={rc}", "oom": oom}
+
+        if a.fit:
+            fits = {w: {p: largest_fitting(run, w, p, a.fit, fit_start(w, p, a, free, seq)) for p in
+                        a.precisions.split(",")} for w in workloads}
+            report_fit(fits, a.fit)
+            if out is not None:
+                (out / "step_breakdown_fit.json").write_text(json.dumps(fits, indent=1))
+            return
         for w in workloads:
             for prec in a.precisions.split(","):
-                flags = run_flags(w, prec, a, free)
-                opts = dict(zip(flags[::2], flags[1::2]))
-                batch = 1 if a.smoke else int(opts["--micro-batch-size"])
-                extra = ["--split", "98,2,0"] if WORKLOADS[w][1] == "sft" else []
-                extra += a.extra.split() + (["--bf16", "--num-workers", "0"] if a.smoke else [])
-                spec = {"name": f"{w}/{prec}", "workload": w, "flags": flags, "seq": seq, "batch": batch,
-                        "data": sft if WORKLOADS[w][1] == "sft" else str(synthetic), "warmup": a.warmup,
-                        "steps": a.steps, "extra": extra, "device": "cpu" if a.smoke else None}
-                t0 = time.time()
-                if deadline - t0 < 20:
-                    print(f"{w}/{prec}: left out (--budget {a.budget:.0f} s spent)", flush=True)
-                    results.setdefault(w, {})[prec] = {"name": f"{w}/{prec}", "error": "left out: --budget spent"}
-                    continue
-                rc, text = run_logged([sys.executable, __file__, "--worker", json.dumps(spec)],
-                                      out / "runs.log" if out else None, int(min(a.timeout, deadline - t0)))
-                m = re.search(r"^RESULT (.*)$", text, re.M)
-                if m:
-                    r = json.loads(m.group(1))
-                    print(f"{w}/{prec}: loss {r['loss']:.3f}, {r['tokens_per_s']:.0f} tok/s, peak "
-                          f"{r['peak_gib']:.1f} GiB, {r['layers'] or 'all'} layers x micro-batch {r['batch']} "
-                          f"(wall {time.time() - t0:.0f} s)", flush=True)
-                else:
-                    tail = "\n".join(text.strip().splitlines()[-12:])
-                    print(f"{w}/{prec}: FAILED rc={rc}\n{tail}", flush=True)
-                    r = {"name": f"{w}/{prec}", "error": f"rc={rc}"}
-                results.setdefault(w, {})[prec] = r
+                results.setdefault(w, {})[prec] = run(w, prec)
     if out is not None:
         (out / "step_breakdown.json").write_text(json.dumps(results, indent=1))
     report(results, "GPU" if free is not None else "CPU (op self time)")
+
+
+def _without(flags: list[str], name: str) -> list[str]:
+    """flags (name, value pairs) without the pair `name`."""
+    pairs = list(zip(flags[::2], flags[1::2]))
+    return [x for k, v in pairs if k != name for x in (k, v)]
+
+
+def fit_start(w: str, prec: str, a: argparse.Namespace, free: float | None, seq: int) -> int:
+    """The first micro-batch (or layer count) `--fit` tries: the memory estimate's (benchmarks/memory_fit.py)."""
+    from memory_fit import fitting_layers, fitting_micro_batch, training_memory, usable
+    from train_throughput import config_of
+
+    if free is None:  # the CPU: start at one
+        return 1
+    flags = run_flags(w, prec, a, free)
+    cfg = config_of(flags, seq)
+    fp8, recompute = prec == "fp8", "--recompute-granularity" in flags
+    if a.fit == "layers":
+        cfg = config_of(_without(flags, "--num-layers"), seq)
+        return max(1, fitting_layers(cfg, seq, 1, free, fp8, recompute))
+    mem = training_memory(cfg, seq, fp8, recompute)
+    return max(1, fitting_micro_batch(cfg, seq, int((usable(free) - mem.fixed) // mem.per_sequence) + 1, free, fp8,
+                                      recompute))
+
+
+def largest_fitting(run, w: str, prec: str, what: str, start: int, probes: int = 5) -> dict:
+    """The largest micro-batch (what="micro-batch") or layer count ("layers", at micro-batch 1) that trains without
+    running out of memory, by short runs from `start` up (while they fit) or down (until one does), at most
+    `probes` runs; {"largest": n or 0, "runs": {n: peak GiB or the error}}."""
+    tried: dict[int, dict] = {}
+
+    def probe(n: int) -> bool:
+        kw = {"layers": n, "batch": 1} if what == "layers" else {"batch": n}
+        r = tried[n] = run(w, prec, profile=False, label=f" {what} {n}", **kw)
+        if "error" in r and not r.get("oom"):
+            raise SystemExit(f"{w}/{prec} at {what} {n} failed for a reason other than memory: {r['error']}")
+        return "error" not in r
+
+    n = start
+    if probe(n):
+        while len(tried) < probes and probe(n + 1):
+            n += 1
+        largest = n
+    else:
+        while n > 1 and len(tried) < probes and not probe(n - 1):
+            n -= 1
+        largest = n - 1 if n > 1 and "error" not in tried.get(n - 1, {"error": 1}) else 0
+    return {"largest": largest, "runs": {k: (round(v["peak_gib"], 2), round(v["reserved_gib"], 2))
+                                         if "error" not in v else v["error"] for k, v in tried.items()}}
+
+
+def report_fit(fits: dict[str, dict[str, dict]], what: str) -> None:
+    print(f"\nlargest {what} that trains, per precision (peak allocated / reserved GiB of each run tried)")
+    for w, by in fits.items():
+        for prec, f in by.items():
+            runs = "; ".join(f"{n}: {v if isinstance(v, str) else f'{v[0]:.1f} / {v[1]:.1f}'}"
+                             for n, v in sorted(f["runs"].items()))
+            print(f"{w + '/' + prec:16s} {what} {f['largest']:3d}   ({runs})")
 
 
 def report(results: dict[str, dict[str, dict]], unit: str) -> None:
@@ -355,7 +436,7 @@ def report(results: dict[str, dict[str, dict]], unit: str) -> None:
                 row += f"{b[cat]:12.2f}{b[cat] / step * 100:7.1f}%"
             print(f"{cat:28s}{row}")
     print(f"\n{'workload':12s} {'bf16 tok/s':>11s} {'fp8 tok/s':>10s} {'fp8/bf16':>9s} {'bf16 GiB':>9s} "
-          f"{'fp8 GiB':>8s} {'GiB x':>6s} {'untouched':>10s} {'ceiling':>8s}")
+          f"{'fp8 GiB':>8s} {'GiB x':>6s} {'bf16 rsv':>9s} {'fp8 rsv':>8s} {'untouched':>10s} {'ceiling':>8s}")
     for w, by in results.items():
         b, f = by.get("bf16", {}), by.get("fp8", {})
         if not b or not f:  # one precision only
@@ -367,9 +448,12 @@ def report(results: dict[str, dict[str, dict]], unit: str) -> None:
         ratio = f["tokens_per_s"] / b["tokens_per_s"]
         mem = f["peak_gib"] / b["peak_gib"] if math.isfinite(b["peak_gib"]) else float("nan")
         print(f"{w:12s} {b['tokens_per_s']:11.0f} {f['tokens_per_s']:10.0f} {ratio:9.3f} {b['peak_gib']:9.2f} "
-              f"{f['peak_gib']:8.2f} {mem:6.2f} {c['untouched share'] * 100:9.1f}% {c['ceiling']:8.2f}")
-    print("untouched: the BF16 step's share outside the layers' GEMMs; ceiling: the FP8/BF16 step-time ratio if "
-          "FP8 ran those GEMMs 2x faster and cost nothing else")
+              f"{f['peak_gib']:8.2f} {mem:6.2f} {b['reserved_gib']:9.2f} {f['reserved_gib']:8.2f} "
+              f"{c['untouched share'] * 100:9.1f}% {c['ceiling']:8.2f}")
+    print("GiB: peak allocated over the timed steps; rsv: peak reserved (with CUDA graphs the activations live in the "
+          "graphs' pool, reserved but not allocated between replays)\nuntouched: the BF16 step's share outside the "
+          "layers' GEMMs; ceiling: the BF16/FP8 step-time ratio if FP8 ran those GEMMs 2x faster and cost nothing "
+          "else")
 
 
 if __name__ == "__main__":

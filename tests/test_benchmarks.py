@@ -304,3 +304,53 @@ def test_fp8_convergence_reports_the_gap_per_mask_ratio(capsys):
     out = capsys.readouterr().out
     assert fp8["worst_bucket_gap_pct"] == pytest.approx(1.0)
     assert " +0.2 " in out and " +1.0!" in out  # within the 0.5% budget at t=0.05, past it at t=0.95
+
+
+def test_step_breakdown_finds_the_largest_fitting_micro_batch():
+    """--fit probes from the estimate up while runs fit, or down until one does; a failure other than memory stops
+    it loudly."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_breakdown import largest_fitting
+
+    def runner(limit, calls):
+        def run(w, prec, batch=None, layers=None, profile=True, label=""):
+            n = layers if layers is not None else batch
+            calls.append(n)
+            if n > limit:
+                return {"name": w, "error": "out of memory", "oom": True}
+            return {"name": w, "peak_gib": 10.0 * n, "reserved_gib": 11.0 * n}
+        return run
+
+    calls = []
+    got = largest_fitting(runner(3, calls), "llada-sft", "fp8", "micro-batch", 2)
+    assert got["largest"] == 3 and calls == [2, 3, 4]
+    assert got["runs"] == {2: (20.0, 22.0), 3: (30.0, 33.0), 4: "out of memory"}
+    calls = []
+    assert largest_fitting(runner(16, calls), "llada-sft", "bf16", "layers", 18)["largest"] == 16
+    assert calls == [18, 17, 16]
+    calls = []
+    assert largest_fitting(runner(0, calls), "llada-sft", "bf16", "micro-batch", 2)["largest"] == 0
+    assert calls == [2, 1]
+
+    def broken(w, prec, **kw):
+        return {"name": w, "error": "rc=1", "oom": False}
+
+    with pytest.raises(SystemExit, match="other than memory"):
+        largest_fitting(broken, "sft", "fp8", "micro-batch", 1)
+
+
+def test_step_breakdown_summary_row(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_breakdown import breakdown, report
+
+    b = breakdown([("sm90_xmma_gemm_bf16", None, 6.0), ("fmha", None, 2.0)], wall_ms=10.0)
+    f = breakdown([("sm90_xmma_gemm_e4m3", None, 3.0), ("cast_transpose_kernel", None, 1.0), ("fmha", None, 2.0)],
+                  wall_ms=7.0)
+    runs = {"bf16": {"name": "sft/bf16", "tokens_per_s": 1000.0, "peak_gib": 40.0, "reserved_gib": 44.0,
+                     "breakdown": b},
+            "fp8": {"name": "sft/fp8", "tokens_per_s": 1400.0, "peak_gib": 30.0, "reserved_gib": 34.0,
+                    "breakdown": f}}
+    report({"sft": runs}, "GPU")
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("sft  "))
+    # 1.4x; memory 0.75x; 40% of the BF16 step outside its GEMMs; ceiling 10 / (10 - 3) ms
+    assert row.split() == ["sft", "1000", "1400", "1.400", "40.00", "30.00", "0.75", "44.00", "34.00", "40.0%", "1.43"]
