@@ -14,7 +14,7 @@
 #                                                     by category and peak memory: the 8B-class block per recipe,
 #                                                     the trainer (qwen3-1.7b), pre-training and packed SFT
 #                                                     (qwen3-0.6b), LLaDA-8B packed SFT with recompute (16 layers;
-#                                                     LLADA_LAYERS=N), LoRA on LLaDA-8B
+#                                                     LLADA_LAYERS=N), LoRA on LLaDA-8B (E2E_WORKLOADS=a,b: some)
 #     bash benchmarks/gpu_validation.sh llada         LLaDA-8B packed SFT at seq 4096, BF16 and FP8, activation
 #                                                     recompute: losses, tokens/s, MFU, peak memory; as many of
 #                                                     its 32 layers as the free memory holds (LLADA_LAYERS=N: N)
@@ -77,14 +77,17 @@ models)
     echo "=== LoRA, FP8 vs BF16 base"; tail -8 "$OUT/lora_memory.log"
     ;;
 e2e)
-    step fp8_block 150 $PY benchmarks/fp8_block.py --no-attention-bench --no-gemm-bench --iters 10 --warmup 3 \
-        --variants bf16+graphs,fp8-delayed+graphs,fp8-rowwise+graphs --profile bf16+graphs,fp8-rowwise+graphs
-    step step_breakdown 440 $PY benchmarks/step_breakdown.py --workloads trainer,pretrain,sft,llada-sft,lora \
-        --warmup 3 --steps 3 --llada-layers "${LLADA_LAYERS:-16}" --budget 420 --out "$OUT/step_breakdown"
+    # about 8 minutes in all: the workloads the budget leaves out say so in the table (run them with
+    # `python3 benchmarks/step_breakdown.py --workloads NAME,...`)
+    step fp8_block 120 $PY benchmarks/fp8_block.py --no-attention-bench --no-gemm-bench --iters 10 --warmup 3 \
+        --variants bf16+graphs,fp8-rowwise+graphs --profile bf16+graphs,fp8-rowwise+graphs
+    step step_breakdown 360 $PY benchmarks/step_breakdown.py --workloads ${E2E_WORKLOADS:-trainer,pretrain,sft,llada-sft,lora} \
+        --warmup 3 --steps 2 --llada-layers "${LLADA_LAYERS:-16}" --budget 340 --out "$OUT/step_breakdown"
     echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
     echo "=== block (B=2 S=4096, 8B-class): GPU ms by kernel class, then the table"
     grep -A1 "^profile " "$OUT/fp8_block.log"; tail -5 "$OUT/fp8_block.log"
     echo "=== where each workload's step goes, BF16 beside FP8 (table last)"
+    grep -E "^[a-z-]+/(bf16|fp8)(:| )" "$OUT/step_breakdown.log"
     sed -n '/one step.s GPU time/,$p' "$OUT/step_breakdown.log"
     ;;
 llada)
