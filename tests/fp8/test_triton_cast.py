@@ -353,3 +353,19 @@ def test_rowwise_cast_matches_the_torch_cast_in_interpreter():
     res = subprocess.run([sys.executable, "-c", ROWWISE_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("margin", [0, 2])
+def test_the_rowwise_first_call_reference_is_built_in_row_blocks(monkeypatch, margin):
+    """The first call's reference of the rowwise kernels, built a few rows at a time (fp32 temporaries of that height,
+    not the whole tensor's), has quantize_rowwise's bits and scales; the columns' scales span every block."""
+    from megadlms.fp8.kernels.primitives import quantize_rowwise
+
+    monkeypatch.setattr(triton_cast, "CHECK_ROWS", 16)
+    x = (torch.randn(72, 48) * torch.logspace(-2, 2, 72)[:, None]).to(torch.bfloat16)
+    q, t, row_si, col_si = triton_cast._rowwise_reference(x, torch.float8_e4m3fn, True, True, margin)
+    ref_q, ref_row = quantize_rowwise(x, torch.float8_e4m3fn, 1, margin)
+    ref_c, ref_col = quantize_rowwise(x, torch.float8_e4m3fn, 0, margin)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(row_si, ref_row)
+    assert torch.equal(t.view(torch.uint8), ref_c.t().contiguous().view(torch.uint8))
+    assert torch.equal(col_si, ref_col.reshape(-1, 1))

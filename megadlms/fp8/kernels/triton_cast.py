@@ -575,15 +575,30 @@ def rowwise_cast(x: torch.Tensor, fp8_dtype: torch.dtype, want_q: bool, want_t: 
 
 def _rowwise_reference(x: torch.Tensor, fp8_dtype: torch.dtype, want_q: bool, want_t: bool, margin: int
                        ) -> tuple[torch.Tensor | None, ...]:
-    """`rowwise_cast`'s results by the torch path (`primitives.quantize_rowwise`), in its layout."""
-    from .primitives import quantize_rowwise
+    """`rowwise_cast`'s results by the torch path (`primitives.quantize_rowwise`'s arithmetic), in its layout, built
+    CHECK_ROWS rows at a time (its fp32 temporaries stay that many rows tall: see `reference_cast`)."""
+    from .primitives import quantize
 
-    q = row_si = t = col_si = None
-    if want_q:
-        q, row_si = quantize_rowwise(x, fp8_dtype, 1, margin)
-    if want_t:
-        qc, si = quantize_rowwise(x, fp8_dtype, 0, margin)
-        t, col_si = qc.t().contiguous(), si.reshape(-1, 1)
+    r, c = x.shape
+    fmax = FP8_MAX[fp8_dtype]
+    q = torch.empty(r, c, dtype=fp8_dtype, device=x.device) if want_q else None
+    t = torch.empty(c, r, dtype=fp8_dtype, device=x.device) if want_t else None
+    row_si = torch.empty(r, 1, dtype=torch.float32, device=x.device) if want_q else None
+    col_scale = col_si = None
+    if want_t:  # the columns' maxima over all rows first
+        col_amax = torch.zeros(1, c, dtype=torch.float32, device=x.device)
+        for r0, r1 in row_blocks(r):
+            col_amax = torch.maximum(col_amax, x[r0:r1].abs().amax(dim=0, keepdim=True).float())
+        col_scale = amax_to_scale(col_amax, fmax, margin)
+        col_si = col_scale.reciprocal().reshape(-1, 1)
+    for r0, r1 in row_blocks(r):
+        block = x[r0:r1]
+        if q is not None and row_si is not None:
+            scale = amax_to_scale(block.abs().amax(dim=1, keepdim=True).float(), fmax, margin)
+            q[r0:r1] = quantize(block, scale, fp8_dtype)
+            row_si[r0:r1] = scale.reciprocal()
+        if t is not None and col_scale is not None:
+            t[:, r0:r1] = quantize(block, col_scale, fp8_dtype).t()
     return q, t, row_si, col_si
 
 
