@@ -25,6 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def random_ids(cfg, shape: tuple[int, ...], device):
+    """long `shape`: uniform ids of cfg's vocabulary without its mask id (never a token of real text)."""
+    import torch
+
+    mask = cfg.mask_token_id
+    if mask is None or not 0 <= mask < cfg.vocab_size:
+        return torch.randint(0, cfg.vocab_size, shape, device=device)
+    ids = torch.randint(0, cfg.vocab_size - 1, shape, device=device)
+    return ids + (ids >= mask).long()  # the ids above the mask id shifted up by one
+
+
 def build_step(args: argparse.Namespace):
     """One base's model, adapters and optimizer: (step, setup), where step() runs one training step and returns its
     loss (a 0-dim tensor) and setup holds the memory after setup (bytes) and `memory_accounting`'s figures. The LM
@@ -61,7 +72,7 @@ def build_step(args: argparse.Namespace):
         torch.cuda.synchronize()
     setup = {"bytes": torch.cuda.memory_allocated() if cuda else float("nan"), **acc}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    ids = torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), device=device)
+    ids = random_ids(cfg, (args.mbs, args.seq), device)
 
     def step() -> torch.Tensor:
         with autocast:

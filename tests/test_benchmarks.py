@@ -354,3 +354,14 @@ def test_step_breakdown_summary_row(capsys):
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("sft  "))
     # 1.4x; memory 0.75x; 40% of the BF16 step outside its GEMMs; ceiling 10 / (10 - 3) ms
     assert row.split() == ["sft", "1000", "1400", "1.400", "40.00", "30.00", "0.75", "44.00", "34.00", "40.0%", "1.43"]
+
+
+def test_lora_memory_ids_leave_out_the_mask_id():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from lora_memory import random_ids
+
+    from megadlms.presets import load_model_config
+
+    cfg = load_model_config("tiny").replace(vocab_size=8, mask_token_id=3)
+    ids = random_ids(cfg, (4000,), "cpu")
+    assert sorted(ids.unique().tolist()) == [0, 1, 2, 4, 5, 6, 7]
