@@ -235,6 +235,8 @@ class RowwiseQuantizer(_SeparateCastsQuantizer):
     `triton_cast.rowwise_cast`); elsewhere each is a torch cast of its own."""
 
     recipe: Float8RowwiseScaling
+    # a cached weight's transposed copy (scaled per input channel) is made with its rows, from the same two reads
+    cols_in_same_pass = True
 
     def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
                  amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Copies:
