@@ -59,8 +59,8 @@ speed)
     ;;
 quality)
     step generate 120 $PY benchmarks/generate.py
-    # up to 3 runs at once, as many as the free memory holds beside the first
-    step fp8_convergence 250 $PY benchmarks/fp8_convergence.py --model-path qwen3-0.6b --iters 150 \
+    # up to 3 runs at once: as many as the free memory holds beside the first, the rest after them
+    step fp8_convergence 300 $PY benchmarks/fp8_convergence.py --model-path qwen3-0.6b --iters 150 \
         --seq-length 512 --mbs 16 --extra=--no-compile --parallel 3 --json-out "$OUT/fp8_convergence.json"
     step torchrun_overhead 150 $PY benchmarks/torchrun_overhead.py --rounds 1 --iters 30
     echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
