@@ -54,10 +54,11 @@ LORA_BASE = {"bf16": ["--lora-base", "bf16"], "fp8": ["--lora-base", "fp8"]}
 # host scopes whose kernels are charged to them whatever their names (see `scoped`)
 SCOPES = ("lm head + loss", "optimizer", "fp8 scales + weight casts")
 KERNEL_CATEGORIES = (  # first match wins; lower-case substrings of kernel (GPU) or op (CPU) names
-    ("attention", ("fmha", "flash", "attention", "cudnn", "sdpa", "mha", "flex")),
-    ("fp8 casts", ("cast", "quant", "amax", "absmax", "clone_t", "float8", "fp8")),
+    # compiled FlexAttention runs as Inductor template kernels (triton_tem_*), the only templates without autotuning
+    ("attention", ("fmha", "flash", "attention", "cudnn", "sdpa", "mha", "flex", "triton_tem_")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "sm100_", "cublas", "scaled_mm", "wgmma", "aten::mm",
               "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")),
+    ("fp8 casts", ("cast", "quant", "amax", "absmax", "clone_t", "float8", "fp8")),
     ("norms + elementwise", ("triton", "elementwise", "vectorized", "reduce", "norm", "copy", "fill", "cat", "index",
                              "aten::")),
 )

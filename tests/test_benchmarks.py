@@ -283,11 +283,12 @@ def test_step_breakdown_categories_and_ceiling():
 
     items = [("sm90_xmma_gemm_bf16bf16_bf16f32", None, 6.0), ("nvjet_tst_128x256", None, 1.0),
              ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", None, 2.0),
-             ("cast_transpose_kernel", None, 0.75), ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", None, 0.5),
+             ("cast_transpose_kernel", None, 0.5), ("rowwise_cast_kernel", None, 0.25),
+             ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", None, 0.25), ("triton_tem_fused_0", None, 0.25),
              ("nvjet_tst_256x128", "lm head + loss", 1.5), ("_adamw_kernel", "optimizer", 0.25),
              ("cast_transpose_kernel", "fp8 scales + weight casts", 0.25), ("mystery", None, 0.25)]
     b = breakdown(items, wall_ms=14.0)
-    assert (b["gemm"], b["attention"], b["fp8 casts"], b["norms + elementwise"]) == (7.0, 2.0, 0.75, 0.5)
+    assert (b["gemm"], b["attention"], b["fp8 casts"], b["norms + elementwise"]) == (7.0, 2.25, 0.75, 0.25)
     assert (b["lm head + loss"], b["optimizer"], b["fp8 scales + weight casts"], b["other"]) == (1.5, 0.25, 0.25, 0.25)
     assert b["kernels"] == 12.5 and b["idle (host gaps)"] == 1.5 and b["step (profiled)"] == 14.0
     c = ceiling(b)
