@@ -366,3 +366,14 @@ def test_lora_memory_ids_leave_out_the_mask_id():
     cfg = load_model_config("tiny").replace(vocab_size=8, mask_token_id=3)
     ids = random_ids(cfg, (4000,), "cpu")
     assert sorted(ids.unique().tolist()) == [0, 1, 2, 4, 5, 6, 7]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_fp8_cast_sweep_rowwise_smoke(tmp_path):
+    """The rowwise casts' sweep in Triton's interpreter: every tile agrees bitwise with the torch casts."""
+    env = _env(TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_cast_sweep.py"), "--smoke", "--kinds",
+                          "rowwise"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "WRONG" not in res.stdout and res.stdout.count(" ok") == 6, res.stdout[-3000:]
+    assert res.stdout.splitlines()[-1].startswith("qwen gate weight fp32"), res.stdout[-3000:]
