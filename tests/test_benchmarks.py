@@ -377,3 +377,33 @@ def test_fp8_cast_sweep_rowwise_smoke(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "WRONG" not in res.stdout and res.stdout.count(" ok") == 6, res.stdout[-3000:]
     assert res.stdout.splitlines()[-1].startswith("qwen gate weight fp32"), res.stdout[-3000:]
+
+
+def test_step_breakdown_charges_gpu_kernels_to_the_scope_that_launched_them():
+    """On a GPU each kernel event is linked to the host op that launched it; a kernel under the LM head's range is
+    charged to it, one under no range (or linked to none, as a CUDA-graph replay's may be) by its name."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_breakdown import breakdown, profiled_items
+
+    def ev(i, name, start, end, device=DeviceType.CPU, link=0):
+        return FunctionEvent(id=i, name=name, thread=0, start_us=start, end_us=end, device_type=device,
+                             linked_correlation_id=link)
+
+    scope, head_mm, mm = ev(1, "lm head + loss", 0, 100), ev(2, "aten::mm", 10, 20), ev(3, "aten::mm", 200, 210)
+    head_mm.set_cpu_parent(scope)
+    kernels = [ev(10, "nvjet_tst_256x128", 20, 1520, DeviceType.CUDA, link=2),
+               ev(11, "nvjet_tst_128x256", 300, 2300, DeviceType.CUDA, link=3),
+               ev(12, "triton_tem_fused_0", 2400, 3400, DeviceType.CUDA)]
+
+    class Prof:
+        def events(self):
+            return [scope, head_mm, mm, *kernels]
+
+    items = profiled_items(Prof(), cuda=True)
+    assert items == [("nvjet_tst_256x128", "lm head + loss", 1.5), ("nvjet_tst_128x256", None, 2.0),
+                     ("triton_tem_fused_0", None, 1.0)]
+    b = breakdown(items, wall_ms=5.0)
+    assert (b["lm head + loss"], b["gemm"], b["attention"], b["idle (host gaps)"]) == (1.5, 2.0, 1.0, 0.5)
