@@ -240,7 +240,7 @@ KERNEL_CLASSES = (  # first match wins
     ("attention", ("fmha", "flash", "attention", "cudnn", "sdpa", "mha")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas", "scaled_mm", "wgmma")),
     ("fp8 swiglu + cast (fused)", ("swiglu_cast", "swiglu_bwd_cast")),
-    ("fp8 cast", ("cast_transpose", "clamp", "clone_t", "absmax", "amax", "norm_kernel", "normops")),
+    ("fp8 cast", ("cast_transpose", "rowwise_cast", "clamp", "clone_t", "absmax", "amax", "norm_kernel", "normops")),
     ("triton (norm/rope/swiglu/...)", ("triton",)),
     ("aten elementwise", ("elementwise", "vectorized", "reduce", "copy", "fill", "cat", "index")),
 )

@@ -11,7 +11,10 @@ against ATen's reduction, each call of both timed inside a CUDA graph (the host'
 longer than these kernels, would otherwise be timed), bandwidth counted as one read of x. `--kinds swiglu_amax`
 does the same for the amax passes of the fused FP8 MLP under current scaling (`triton_swiglu.swiglu_amax`, one
 read of y = [gate, up]; `swiglu_bwd_amax`, one read of dh, gate and up) by (rows, columns, warps, programs per
-SM), against the amax kernel over a tensor of the same bytes.
+SM), against the amax kernel over a tensor of the same bytes. `--kinds rowwise` times the rowwise recipe's casts
+(`triton_cast.rowwise_cast`: both copies, scaled per row and per column, from two reads of x) by tile against the
+torch casts they replace, each checked bitwise against them, bandwidth counted as two reads of x and the writes of
+q and q^T.
 
     python3 benchmarks/fp8_cast_sweep.py            # on a GPU
     TRITON_INTERPRET=1 python3 benchmarks/fp8_cast_sweep.py --smoke   # small shapes on the CPU (a check)
@@ -87,7 +90,8 @@ def main() -> None:
     p.add_argument("--tiles", default="", help="tiles to try, e.g. 64x64x4,64x128x4 (rows x columns x warps); "
                    "default: all of TILES")
     p.add_argument("--kinds", default="cast,swiglu", help="which kernels: cast (triton_cast), swiglu (triton_swiglu), "
-                   "amax (triton_cast.amax), swiglu_amax (triton_swiglu.swiglu_amax, swiglu_bwd_amax)")
+                   "amax (triton_cast.amax), swiglu_amax (triton_swiglu.swiglu_amax, swiglu_bwd_amax), rowwise "
+                   "(triton_cast.rowwise_cast)")
     p.add_argument("--smoke", action="store_true", help="shapes / 64, two tiles, CPU (with TRITON_INTERPRET=1)")
     a = p.parse_args()
     dev = torch.device("cpu" if a.smoke else "cuda")
@@ -141,6 +145,10 @@ def main() -> None:
         sweep_amax(dev, a)
     if "swiglu_amax" in kinds:
         sweep_swiglu_amax(dev, a)
+    if "rowwise" in kinds:
+        sweep_rowwise(dev, a)
+    if "cast" not in kinds and "swiglu" not in kinds:
+        return
     print("\nbytes moved = read x + write q + write q^T; copy = a device copy of the same bytes")
     print("now = the library's tile and the first (formulation, rounding) in its order that passed; best = the "
           "fastest that passed; a formulation with 's': rounded in fp32 arithmetic")
@@ -329,6 +337,43 @@ def sweep_swiglu_amax(dev, a) -> None:
     print("\nswiglu amax: one read of the inputs; amax = triton_cast.amax over the same bytes; now = the library's "
           "tile (AMAX_TILES); best = the fastest that agreed with torch")
     print_summary("swiglu amax", "amax", "best tile (rows, cols, warps, programs/SM)", results,
+                  lambda best: f"{best[1] if best else '-'}")
+
+
+ROWWISE_TILES = [(64, 128, 8), (64, 128, 4), (32, 128, 4), (128, 64, 8), (64, 64, 4), (128, 128, 8)]
+
+
+def sweep_rowwise(dev, a) -> None:
+    """The rowwise recipe's casts (both copies, as the layers ask for an input or a gradient) by tile, checked
+    bitwise against the torch casts they replace and timed against them."""
+    from megadlms.fp8.kernels.primitives import quantize_rowwise
+
+    # smoke: three shapes / 64 (bf16 inputs and gradients, an fp32 weight)
+    shapes = [(n, r // 64, c // 64, dt, f8) for n, r, c, dt, f8, _, _ in (SHAPES[1], SHAPES[3], SHAPES[4])] \
+        if a.smoke else [(n, r, c, dt, f8) for n, r, c, dt, f8, _, _ in SHAPES]
+    tiles = ROWWISE_TILES[:2] if a.smoke else ROWWISE_TILES
+    timer = graph_us if dev.type == "cuda" else (lambda fn: time_us(fn, 2))
+    results = []
+    for name, r, c, dt, f8 in shapes:
+        x = (torch.randn(r, c, device=dev, generator=torch.Generator(device=dev).manual_seed(0))
+             * torch.logspace(-2, 2, r, device=dev)[:, None]).to(dt)
+        want = triton_cast._rowwise_reference(x, f8, True, True, 0)
+
+        def torch_casts(x=x, f8=f8):
+            q, si = quantize_rowwise(x, f8, 1)
+            qc, sc = quantize_rowwise(x, f8, 0)
+            return q, qc.t().contiguous(), si, sc
+
+        torch_us = timer(torch_casts)
+        moved = 2 * x.nbytes + 2 * x.numel()
+        now, best = time_tiles(f"rowwise {name:24s}", tiles,
+                               lambda tile, x=x, f8=f8: triton_cast.rowwise_cast(x, f8, True, True, 0, tile),
+                               lambda got, want=want: all(triton_cast._same_bits(g, w) for g, w in zip(got, want)),
+                               moved, timer, triton_cast.ROWWISE_TILE)
+        results.append((name, moved, torch_us, now, best))
+    print("\nrowwise: two reads of x, writes of q and q^T; torch = the torch casts of both copies; now = the library's "
+          "tile (ROWWISE_TILE); best = the fastest that agreed with torch")
+    print_summary("rowwise", "torch", "best tile (rows, cols, warps)", results,
                   lambda best: f"{best[1] if best else '-'}")
 
 

@@ -10,8 +10,10 @@ the FP8 ablations (e4m3, BF16 weight gradient, unfused projections, tensorwise w
 forward accumulation, BF16 first/last layers) locate where a gap comes from; the `fp8-attention` variants add FP8
 attention (`--fp8-dot-product-attention`: needs `nvidia-cudnn-frontend` on a GPU).
 
-Variants run as separate processes, `--parallel` at a time (several small runs share one GPU well:
-each alone leaves it idle between eager kernels; qwen3-0.6b at micro-batch 16 x 512 needs ~29 GiB each).
+Variants run as separate processes, up to `--parallel` at a time (several small runs share one GPU well:
+each alone leaves it idle between eager kernels). On a GPU the first run starts alone; once it logs its first
+training line, the device's free memory gives its share, and as many more start beside it as fit (each given
+1.25x the first's share: benchmarks/memory_fit.py).
 
 Data: the bundled corpus (default) is procedurally generated English of ~3M tokens, which a 0.6B
 model learns by heart within a few hundred iterations, in a sharp drop whose timing is chaotic.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -95,6 +98,38 @@ def build_code_corpus(folder: Path, mb: float, smoke: bool = False) -> str:
     return data
 
 
+def loss_by_mask_ratio(trainer, buckets: int) -> dict[str, float]:
+    """The validation loss at each mask ratio t = (i + 0.5) / buckets (the bucket [i / buckets, (i + 1) / buckets)
+    at its middle): the trainer's validation batches and masks with every row's t set to it, the loss as training
+    computes it (the ELBO weight 1 / t included). Where FP8 departs from BF16 by how much of the sequence is
+    masked."""
+    import torch
+
+    from megadlms.diffusion.objective import MaskSampler
+
+    loader, iters = trainer.loaders.valid, trainer.run_config.train.eval_iters
+    if loader is None or iters <= 0 or buckets <= 0:
+        return {}
+    out = {}
+    trainer.model.eval()
+    with torch.no_grad(), trainer._fp8_eval_weights():
+        for i in range(buckets):
+            t = (i + 0.5) / buckets
+            loader.load_state_dict({"consumed_samples": 0})  # the same batches and masks in every bucket
+            it = iter(loader)
+            sampler = MaskSampler(trainer.run_config.train.seed + 2, device=trainer.device)
+            total, n = torch.zeros((), device=trainer.device), 0
+            for _ in range(iters):
+                noise = trainer.objective.draw_noise(sampler, trainer.global_batch, trainer.accum, evaluation=True)
+                noise.t.fill_(t)
+                for batch in trainer.objective.micro_batches(it, noise, trainer.accum, trainer.device):
+                    total += trainer._loss(batch)
+                    n += 1
+            out[f"{t:.2f}"] = (total / max(n, 1)).item()
+    trainer.model.train()
+    return out
+
+
 def run_variant(a: argparse.Namespace, name: str) -> dict:
     """Train one variant in this process; its losses every --log-interval and the final eval loss."""
     import torch
@@ -108,10 +143,15 @@ def run_variant(a: argparse.Namespace, name: str) -> dict:
     state = trainer.run()
     logs = [m for m in state.history if "loss" in m and "eval_loss" not in m]
     evals = [m["eval_loss"] for m in state.history if "eval_loss" in m]
+    bad = [m["iteration"] for m in logs if m.get("skipped_steps") or not math.isfinite(m["loss"])]
+    if bad or not evals or not all(math.isfinite(v) for v in evals):
+        raise SystemExit(f"variant {name!r}: non-finite loss or skipped steps at the log intervals ending at "
+                         f"iterations {bad}, validation losses {evals}")
     tail = [m["loss"] for m in logs[-2:]]
     row = {"variant": name, "final_train_loss": sum(tail) / len(tail), "eval_loss": evals[-1],
            "seconds": time.perf_counter() - t0, "curve": {m["iteration"]: m["loss"] for m in logs},
-           "tokens_per_s": logs[-1].get("tokens_per_s") if logs else None}
+           "tokens_per_s": logs[-1].get("tokens_per_s") if logs else None,
+           "eval_by_t": loss_by_mask_ratio(trainer, a.t_buckets)}
     if torch.cuda.is_available():
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return row
@@ -124,15 +164,26 @@ def run_parallel(a: argparse.Namespace, names: list[str]) -> list[dict]:
     if a.log_dir:
         os.makedirs(a.log_dir, exist_ok=True)
     pending, running, rows = list(enumerate(names)), [], {}
+    from memory_fit import GIB, concurrent_runs, free_bytes
+
+    free_before = None if a.smoke or a.parallel == 1 else free_bytes()
+    limit = a.parallel if free_before is None else 1  # on a GPU: one run until its memory is measured
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         while pending or running:
-            while pending and len(running) < a.parallel:
+            if free_before is not None and running and "\niter " in "\n" + Path(running[0][3].name).read_text():
+                free_now = free_bytes() or 0
+                limit = concurrent_runs(free_before, free_now, a.parallel)
+                print(f"one run holds {(free_before - free_now) / GIB:.1f} GiB of the {free_before / GIB:.1f} GiB "
+                      f"free: {limit} at a time", flush=True)
+                free_before = None
+            while pending and len(running) < limit:
                 i, name = pending.pop(0)
                 out = os.path.join(tmp, f"{i}.json")
                 log = open(os.path.join(a.log_dir or tmp, f"variant{i}.log"), "w")
                 argv = [sys.executable, os.path.abspath(__file__), "--model-path", a.model_path, "--iters",
                         str(a.iters), "--seq-length", str(a.seq_length), "--mbs", str(a.mbs), "--lr", str(a.lr),
+                        "--t-buckets", str(a.t_buckets),
                         f"--extra={a.extra}", "--variants", name, "--parallel", "1", "--json-out", out]
                 argv += (["--smoke"] if a.smoke else []) + (["--save-baseline", a.save_baseline]
                                                              if a.save_baseline else [])
@@ -144,6 +195,8 @@ def run_parallel(a: argparse.Namespace, names: list[str]) -> list[dict]:
                     continue
                 running.remove(item)
                 log.close()
+                if free_before is not None:  # ended before its first log line: run the rest one at a time
+                    free_before = None
                 if proc.returncode != 0 or not os.path.exists(out):
                     print(f"variant {name!r} failed (exit {proc.returncode}): see {log.name}", file=sys.stderr)
                     continue
@@ -170,7 +223,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
                    help=f"comma-separated, or 'all': {', '.join(VARIANTS)}")
-    p.add_argument("--parallel", type=int, default=1, help="variants trained at once, each in its own process")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="at most this many variants trained at once, each in its own process (on a GPU, as many as "
+                        "the free memory holds)")
     p.add_argument("--extra", default="", help="more train flags, space separated")
     p.add_argument("--json-out", default=None)
     p.add_argument("--log-dir", default=None, help="where the per-variant logs go (with --parallel > 1)")
@@ -179,6 +234,9 @@ def main() -> None:
     p.add_argument("--corpus-mb", type=float, default=60.0, help="MB of text for --corpus code")
     p.add_argument("--corpus-dir", default="/tmp/megadlms_code_corpus", help="where --corpus code is built")
     p.add_argument("--save-baseline", default=None, help="checkpoint folder for the bf16 run's final weights")
+    p.add_argument("--t-buckets", type=int, default=10,
+                   help="after training, the validation loss at this many mask ratios (t at each bucket's middle), "
+                        "each variant's gap to BF16 per bucket (0: off)")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args()
     if a.smoke:  # small enough for several processes on a laptop (the 151k-vocab logits dominate memory)
@@ -201,7 +259,11 @@ def main() -> None:
             json.dump(rows, f, indent=2)
     if a.parallel == 1 and a.json_out and len(names) == 1:
         return  # a child of run_parallel: the parent prints
-    report(rows)
+    if rows:
+        report(rows)
+    if len(rows) < len(names):
+        missing = sorted(set(names) - {r["variant"] for r in rows})
+        raise SystemExit(f"{len(missing)} of {len(names)} variants failed: {', '.join(missing)} (logs above)")
 
 
 def report(rows: list[dict]) -> None:
@@ -218,6 +280,7 @@ def report(rows: list[dict]) -> None:
         print("GiB: peak allocated. FP8 variants record telemetry (--fp8-stats), whose steps run the layers\n"
               "eagerly with their activations allocated; in other steps (and in BF16) CUDA graphs keep them in the\n"
               "graphs' pool, which this does not count. Memory against BF16: benchmarks/train_throughput.py.")
+    report_by_mask_ratio(rows, base)
     iters = sorted({int(i) for r in rows for i in r["curve"]})
     marks = [i for i in iters if i % 50 == 0] or iters[-6:]
     print("\ntraining loss (mean of the 10 iterations up to)")
@@ -225,6 +288,25 @@ def report(rows: list[dict]) -> None:
     for r in rows:
         curve = {int(k): v for k, v in r["curve"].items()}
         print(f"{r['variant']:<28}" + "".join(f"{curve.get(i, float('nan')):>8.3f}" for i in marks))
+
+
+def report_by_mask_ratio(rows: list[dict], base: dict, budget_pct: float = 0.5) -> None:
+    """The validation loss per mask-ratio bucket of each variant, and its gap to BF16 (marked `!` past the budget)."""
+    ts = list(base.get("eval_by_t") or {})
+    if not ts:
+        return
+    print(f"\nvalidation loss by mask ratio t (gap to {base['variant']} in %, '!' past {budget_pct}%)")
+    print(f"{'variant':<28}" + "".join(f"{'t=' + t:>14}" for t in ts) + f"{'worst gap':>11}")
+    for r in rows:
+        by = r.get("eval_by_t") or {}
+        cells, worst = "", 0.0
+        for t in ts:
+            v, b = by.get(t, float("nan")), base["eval_by_t"][t]
+            gap = (v - b) / b * 100
+            worst = max(worst, abs(gap)) if math.isfinite(gap) else float("nan")
+            cells += f"{v:8.3f}" + (f"{gap:+5.1f}{'!' if abs(gap) > budget_pct else ' '}" if r is not base else " " * 6)
+        r["worst_bucket_gap_pct"] = worst
+        print(f"{r['variant']:<28}{cells}" + (f"{worst:>10.2f}%" if r is not base else ""))
 
 
 if __name__ == "__main__":

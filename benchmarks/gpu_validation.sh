@@ -10,8 +10,14 @@
 #     bash benchmarks/gpu_validation.sh quality       FP8 vs BF16 loss curves, the samplers, torchrun overhead
 #     bash benchmarks/gpu_validation.sh models        the MoE block (BF16 vs FP8, grouped GEMMs); LoRA on an FP8 base
 #                                                     against a BF16 base at llada-8b shapes (memory, tokens/s)
+#     bash benchmarks/gpu_validation.sh e2e           FP8 against BF16 where users run it, each with the kernel time
+#                                                     by category and peak memory: the 8B-class block per recipe,
+#                                                     the trainer (qwen3-1.7b), pre-training and packed SFT
+#                                                     (qwen3-0.6b), LLaDA-8B packed SFT with recompute (16 layers;
+#                                                     LLADA_LAYERS=N), LoRA on LLaDA-8B (E2E_WORKLOADS=a,b: some)
 #     bash benchmarks/gpu_validation.sh llada         LLaDA-8B packed SFT at seq 4096, BF16 and FP8, activation
-#                                                     recompute: losses, tokens/s, MFU, peak memory
+#                                                     recompute: losses, tokens/s, MFU, peak memory; as many of
+#                                                     its 32 layers as the free memory holds (LLADA_LAYERS=N: N)
 set -u
 PART=${1:-correctness}
 export OUT=${OUT:-gpu_validation_logs}; mkdir -p "$OUT"
@@ -53,12 +59,14 @@ speed)
     ;;
 quality)
     step generate 120 $PY benchmarks/generate.py
-    step fp8_convergence 250 $PY benchmarks/fp8_convergence.py --model-path qwen3-0.6b --iters 150 \
+    # up to 3 runs at once: as many as the free memory holds beside the first, the rest after them
+    step fp8_convergence 300 $PY benchmarks/fp8_convergence.py --model-path qwen3-0.6b --iters 150 \
         --seq-length 512 --mbs 16 --extra=--no-compile --parallel 3 --json-out "$OUT/fp8_convergence.json"
     step torchrun_overhead 150 $PY benchmarks/torchrun_overhead.py --rounds 1 --iters 30
     echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
     echo "=== generate"; tail -8 "$OUT/generate.log"
-    echo "=== fp8 convergence"; tail -5 "$OUT/fp8_convergence.log"
+    echo "=== fp8 convergence"; grep -h "at a time" "$OUT/fp8_convergence.log"
+    sed -n '/train loss/,/^training loss/p' "$OUT/fp8_convergence.log"
     echo "=== torchrun overhead"; tail -6 "$OUT/torchrun_overhead.log"
     ;;
 models)
@@ -68,19 +76,35 @@ models)
     echo "=== MoE block"; tail -10 "$OUT/moe_block.log"
     echo "=== LoRA, FP8 vs BF16 base"; tail -8 "$OUT/lora_memory.log"
     ;;
+e2e)
+    # about 8 minutes in all: the workloads the budget leaves out say so in the table (run them with
+    # `python3 benchmarks/step_breakdown.py --workloads NAME,...`)
+    step fp8_block 120 $PY benchmarks/fp8_block.py --no-attention-bench --no-gemm-bench --iters 10 --warmup 3 \
+        --variants bf16+graphs,fp8-rowwise+graphs --profile bf16+graphs,fp8-rowwise+graphs
+    step step_breakdown 360 $PY benchmarks/step_breakdown.py --workloads ${E2E_WORKLOADS:-trainer,pretrain,sft,llada-sft,lora} \
+        --warmup 3 --steps 2 --llada-layers "${LLADA_LAYERS:-16}" --budget 340 --out "$OUT/step_breakdown"
+    echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
+    echo "=== block (B=2 S=4096, 8B-class): GPU ms by kernel class, then the table"
+    grep -A1 "^profile " "$OUT/fp8_block.log"; tail -5 "$OUT/fp8_block.log"
+    echo "=== where each workload's step goes, BF16 beside FP8 (table last)"
+    grep -E "^[a-z-]+/(bf16|fp8)(:| )" "$OUT/step_breakdown.log"
+    sed -n '/one step.s GPU time/,$p' "$OUT/step_breakdown.log"
+    ;;
 llada)
     # full fine-tuning keeps ~16 bytes a parameter (fp32 weights, gradients, AdamW moments): ~130 GB for 8.0B
-    # parameters before activations, more than one H100 holds; LLADA_LAYERS=16 measures half the stack there
+    # parameters before activations, more than one H100 holds: the layers that fit are measured there
+    LAYERS=${LLADA_LAYERS:-$($PY benchmarks/memory_fit.py llada-8b --seq 4096 --recompute --fp8 --print layers)}
     step llada_sft 500 env OUT="$OUT/llada_sft" SFT_MODEL=llada-8b SFT_MBS=1 \
-        SFT_EXTRA="--recompute-granularity full${LLADA_LAYERS:+ --num-layers $LLADA_LAYERS}" \
+        SFT_EXTRA="--recompute-granularity full --num-layers $LAYERS" \
         bash benchmarks/sft_paths.sh 6 bf16,fp8
     echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
-    echo "=== LLaDA-8B packed SFT (seq 4096, micro-batch 1, recompute): the last line of each run, then the table"
+    echo "=== LLaDA-8B packed SFT ($LAYERS of 32 layers, seq 4096, micro-batch 1, recompute): the last line of each"\
+         "run, then the table"
     grep -h "iter      6/6" "$OUT"/llada_sft/sft_*.log
     tail -12 "$OUT/llada_sft.log"
     ;;
 *)
-    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed, quality, models or llada" >&2
+    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed, quality, models, e2e or llada" >&2
     exit 2
     ;;
 esac

@@ -138,6 +138,9 @@ def main() -> None:
         step_ms, waits = host_times(trainer, a.steps)
         if cuda:
             torch.cuda.synchronize()
+        skipped = int(float(trainer.guard.window_skipped))
+        if skipped:  # the probe's steps must be training steps: none skipped on a non-finite loss
+            raise SystemExit(f"host sync probe: {skipped} of the probed steps skipped on a non-finite loss")
         print("host ms per train_step:      " + " ".join(f"{v:7.1f}" for v in step_ms))
         print("host ms waiting for the count: " + (" ".join(f"{v:5.1f}" for v in waits) or "(no fused LM head)"))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -24,8 +25,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def measure(args: argparse.Namespace) -> dict:
-    """One base: setup, warm-up, timed steps. Returns the row of the table."""
+def random_ids(cfg, shape: tuple[int, ...], device):
+    """long `shape`: uniform ids of cfg's vocabulary without its mask id (never a token of real text)."""
+    import torch
+
+    mask = cfg.mask_token_id
+    if mask is None or not 0 <= mask < cfg.vocab_size:
+        return torch.randint(0, cfg.vocab_size, shape, device=device)
+    ids = torch.randint(0, cfg.vocab_size - 1, shape, device=device)
+    return ids + (ids >= mask).long()  # the ids above the mask id shifted up by one
+
+
+def build_step(args: argparse.Namespace):
+    """One base's model, adapters and optimizer: (step, setup), where step() runs one training step and returns its
+    loss (a 0-dim tensor) and setup holds the memory after setup (bytes) and `memory_accounting`'s figures. The LM
+    head + loss and the optimizer run under profiler ranges of those names (benchmarks/step_breakdown.py)."""
     import torch
     import torch.nn.functional as F
 
@@ -56,40 +70,57 @@ def measure(args: argparse.Namespace) -> dict:
     acc = memory_accounting(model)
     if cuda:
         torch.cuda.synchronize()
-        setup_bytes = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+    setup = {"bytes": torch.cuda.memory_allocated() if cuda else float("nan"), **acc}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    ids = torch.randint(0, cfg.vocab_size, (args.mbs, args.seq), device=device)
+    ids = random_ids(cfg, (args.mbs, args.seq), device)
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         with autocast:
             hidden = model(ids, output_hidden=True)
         # the loss over chunks of positions (as the trainer's fused head + loss): no [tokens, V] fp32 logits
-        loss = torch.zeros((), device=device)
-        flat, target = hidden.reshape(-1, cfg.hidden_size), ids.reshape(-1)
-        for h, t in zip(flat.split(1024), target.split(1024)):
-            with autocast:
-                logits = model.logits(h)
-            loss = loss + F.cross_entropy(logits.float(), t, reduction="sum")
-        (loss / target.numel()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with torch.profiler.record_function("lm head + loss"):
+            loss = torch.zeros((), device=device)
+            flat, target = hidden.reshape(-1, cfg.hidden_size), ids.reshape(-1)
+            for h, t in zip(flat.split(1024), target.split(1024)):
+                with autocast:
+                    logits = model.logits(h)
+                loss = loss + F.cross_entropy(logits.float(), t, reduction="sum")
+            loss = loss / target.numel()
+        loss.backward()
+        with torch.profiler.record_function("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, setup
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """One base: setup, warm-up, timed steps. Returns the row of the table."""
+    import torch
+
+    step, setup = build_step(args)
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
 
     for _ in range(args.warmup):
         step()
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
+    losses = [step() for _ in range(args.steps)]
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    return {"base": args.base, "tokens_per_s": args.steps * args.mbs * args.seq / seconds,
+    losses_f = torch.stack(losses).float().tolist()
+    if not all(math.isfinite(v) for v in losses_f):
+        raise SystemExit(f"{args.base} base: non-finite loss in the timed steps {losses_f}")
+    return {"base": args.base, "loss": sum(losses_f) / len(losses_f),
+            "tokens_per_s": args.steps * args.mbs * args.seq / seconds,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-            "setup_gib": setup_bytes / 2**30 if cuda else float("nan"),
-            "base_fp8_gib": acc["base_fp8"] / 2**30, "frozen_gib": acc["frozen"] / 2**30,
-            "trainable_m": acc["trainable_params"] / 1e6}
+            "setup_gib": setup["bytes"] / 2**30, "base_fp8_gib": setup["base_fp8"] / 2**30,
+            "frozen_gib": setup["frozen"] / 2**30, "trainable_m": setup["trainable_params"] / 1e6}
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Packed SFT on one GPU along each attention / precision path, losses per iteration side by side:
 # the default (compiled layers replayed from CUDA graphs, FlexAttention document masks), without the graphs,
-# --no-compile, --no-reset-attention-mask, FP8, and pre-training at the same shape for tokens/s. Logs to $OUT (or ./sft_paths_logs); a table prints last.
+# --no-compile, --no-reset-attention-mask, FP8, and pre-training at the same shape for tokens/s. Logs to $OUT (or
+# ./sft_paths_logs); a table prints last, and the script exits 1 when a run logged a non-finite loss or skipped steps.
 #     bash benchmarks/sft_paths.sh [ITERS] [VARIANTS]      (VARIANTS: comma-separated names below)
 #     SFT_MODEL=llada-8b SFT_MBS=1 SFT_EXTRA="--recompute-granularity full" bash benchmarks/sft_paths.sh 6 bf16,fp8
 #                                                          (another model / micro-batch / flags; default qwen3-0.6b x 4)
@@ -40,17 +41,19 @@ run pretrain_bf16 "${M[@]}" --eval-iters 0 --difflm-varilen-prob 0
 run pretrain_fp8 "${M[@]}" --eval-iters 0 --difflm-varilen-prob 0 --fp8-format hybrid
 cat "$OUT/sft_status.txt"
 $PY - "$OUT" <<'EOF'
-import re, sys, pathlib
+import math, re, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-runs = {}
+runs, bad = {}, []
 for log in sorted(out.glob("sft_*.log")):
     if log.stem == "sft_data":
         continue
     rows = {}
     for line in log.read_text().splitlines():
-        m = re.match(r"iter\s+(\d+)/\d+ \| loss ([\d.na]+) .*?\| ([\d,]+) tok/s", line)
+        m = re.match(r"iter\s+(\d+)/\d+ \| loss (\S+) .*?\| ([\d,]+) tok/s", line)
         if m:
             rows[int(m[1])] = (m[2], m[3])
+            if "skipped" in line or not math.isfinite(float(m[2])):
+                bad.append(f"{log.name}: {line.strip()}")
         m = re.match(r"validation at iter (\d+) \| loss ([\d.]+)", line)
         if m:
             rows[f"val{m[1]}"] = (m[2], "")
@@ -60,4 +63,6 @@ print(f"{'iter':<8}" + "".join(f"{n:>18}" for n in runs))
 for k in keys:
     print(f"{str(k):<8}" + "".join(f"{r.get(k, ('-', ''))[0]:>18}" for r in runs.values()))
 print(f"{'tok/s':<8}" + "".join(f"{(list(r.values())[-1][1] if r else '-'):>18}" for r in runs.values()))
+if bad:
+    sys.exit("non-finite loss or skipped steps (the tok/s above are not of training steps):\n" + "\n".join(bad))
 EOF

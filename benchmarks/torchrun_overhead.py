@@ -7,8 +7,9 @@ trainer's own tokens/s per log interval (metrics.jsonl), the median over the int
 `--skip` warm-up intervals (compilation, allocator growth). Prints a table and whether the torchrun
 path is within `--tolerance` (default 2%) of the plain one; exits 1 when it is not.
 
-The data is a synthetic Megatron corpus of random token ids (written to a temporary folder), with
-varying-length batches off so every step has the same shape. torchrun also sets OMP_NUM_THREADS=1
+The data is a synthetic Megatron corpus of random ordinary token ids (no special ids; written to a temporary
+folder), with varying-length batches off so every step has the same shape. A run with a non-finite loss or a
+skipped step fails the benchmark. torchrun also sets OMP_NUM_THREADS=1
 for its workers unless it is set: that is part of the difference measured (on a busy CPU-only machine
 it can make the torchrun path the faster one).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -53,9 +55,14 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def interval_throughput(metrics_dir: Path, skip: int) -> list[float]:
+def interval_throughput(metrics_dir: Path, skip: int, name: str = "run") -> list[float]:
+    """Tokens/s of the training log intervals after the first `skip`; exits with one line when any interval had
+    a non-finite loss or skipped steps (its time would be of steps without an update)."""
     lines = (metrics_dir / "metrics.jsonl").read_text().splitlines()
     rows = [r for r in map(json.loads, lines) if r.get("split") == "train"]
+    bad = [r.get("iteration") for r in rows if r.get("skipped_steps") or not math.isfinite(r.get("loss", math.nan))]
+    if bad:
+        sys.exit(f"{name}: non-finite loss or skipped steps in the log intervals ending at iterations {bad}")
     return [r["tokens_per_s"] for r in rows[skip:]]
 
 
@@ -88,7 +95,7 @@ def main() -> None:
                 if rc:
                     tail = "\n".join(text.strip().splitlines()[-15:])
                     sys.exit(f"{name} (round {r}) failed with exit code {rc}:\n{tail}")
-                tok = interval_throughput(metrics, a.skip)
+                tok = interval_throughput(metrics, a.skip, f"{name} (round {r})")
                 samples[name] += tok
                 print(f"round {r} {name}: median {statistics.median(tok):,.0f} tok/s over {len(tok)} intervals",
                       flush=True)

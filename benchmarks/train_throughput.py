@@ -9,9 +9,10 @@ memory of the timed steps. `--hf-peer` also runs benchmarks/hf_peer.py (the Hugg
 transformers baseline) in the same command and prints our speed-ups over it.
 
 The data is a synthetic Megatron corpus (.bin/.idx of random token ids) written to a temporary
-folder, with ids of the bundled tokenizer (the one the trainer loads; the ids' values do not change
-the cost of any kernel). Varying-length batches are off (--difflm-varilen-prob 0)
-so that every timed step has the same shape.
+folder, with the ordinary ids of the bundled tokenizer (the one the trainer loads; never its special
+ids: a mask id among the targets makes the loss non-finite and the step is skipped). Every timed step
+must have a finite loss and a taken optimizer step, or the configuration fails. Varying-length batches
+are off (--difflm-varilen-prob 0) so that every timed step has the same shape.
 
     python benchmarks/train_throughput.py --hf-peer        # on a GPU: the full table
     python benchmarks/train_throughput.py --smoke          # the tiny preset on the CPU
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import re
 import subprocess
@@ -62,15 +64,34 @@ VARIANTS: dict[str, list[str]] = {"": [], "nographs": ["--cuda-graphs", "off"], 
                                   "mxfp8": ["--fp8-recipe", "mxfp8", "--fp8-format", "e4m3"]}
 
 
-# micro-batch per model where --batch would not fit one 141 GB GPU (llada-moe-7b-a1b-4L: one 80 GB GPU; BF16 and FP8
-# run the same batch)
-MAX_BATCH = {"llama3-8b-16L": 2, "llada-moe-7b-a1b-4L": 2}
+def config_of(flags: list[str], seq: int):
+    """The `TransformerConfig` a configuration's flags build (for its memory estimate)."""
+    from megadlms.presets import load_model_config
+
+    opts = dict(zip(flags[::2], flags[1::2]))
+    layers = {"num_layers": int(opts["--num-layers"])} if "--num-layers" in opts else {}
+    return load_model_config(opts["--model-path"], seq_length=seq, **layers)
+
+
+def micro_batch_for(name: str, flags: list[str], a: argparse.Namespace, free: float | None,
+                    caps: dict[str, int]) -> int:
+    """--batch, or less where the memory estimate says it does not fit the free memory, or where a run of the same
+    model ran out of memory at more (BF16 and FP8 of one model run the same micro-batch where both fit)."""
+    from memory_fit import fitting_micro_batch
+
+    model = name.split("/")[0]
+    want = min(a.batch, caps.get(model, a.batch))
+    if model not in caps:  # one estimate per model, BF16 and FP8 alike (FP8's caches are a small share)
+        caps[model] = fitting_micro_batch(config_of(flags, a.seq), a.seq, want, free, fp8=True)
+    return min(want, caps[model])
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="qwen3-1.7b/bf16,qwen3-1.7b/fp8,llama3-8b-8L/bf16,llama3-8b-8L/fp8")
-    p.add_argument("--batch", type=int, default=4, help="micro-batch size (sequences)")
+    p.add_argument("--batch", type=int, default=4,
+                   help="micro-batch size (sequences); on a GPU, less where the memory estimate or an out-of-memory "
+                        "run says it does not fit (benchmarks/memory_fit.py)")
     p.add_argument("--accum", type=int, default=1,
                    help="micro-batches per optimizer step (gradient accumulation): the optimizer step and gradient "
                         "clipping are paid once per this many micro-batches, as in pre-training at a real global "
@@ -104,25 +125,51 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
+def special_ids(tok) -> set[int]:
+    """The tokenizer's special ids: EOD, mask and pad as resolved, and every added token marked special."""
+    ids = {i for i in (tok.eod_id, tok.mask_id, tok.pad_id) if i is not None}
+    added = getattr(tok.backend, "get_added_tokens_decoder", dict)()
+    return ids | {int(i) for i, t in added.items() if getattr(t, "special", False)}
+
+
+def ordinary_ids(vocab: int):
+    """int32 [n]: the bundled tokenizer's ids below `vocab` that are not special (what a synthetic document may
+    hold: a mask id among the targets makes the loss non-finite, a pad or EOD id changes the batch's documents)."""
+    import numpy as np
+
+    from megadlms.data import load_tokenizer
+
+    tok = load_tokenizer()  # the bundled tokenizer, as the trainer loads it: ids must lie in its vocabulary
+    ids = np.arange(min(vocab, tok.vocab_size), dtype=np.int32)
+    return ids[~np.isin(ids, sorted(special_ids(tok)))]
+
+
 def write_corpus(prefix: Path, vocab: int, n_tokens: int, seed: int = 0) -> None:
-    """A Megatron indexed dataset of random documents (100..6000 token ids in [0, vocab) but the [MASK] id, which
-    the trainer refuses in the data, then the EOD token)."""
+    """A Megatron indexed dataset of random documents (100..6000 ordinary token ids below `vocab`, then the EOD
+    token)."""
     import numpy as np
 
     from megadlms.data import IndexedDatasetBuilder, load_tokenizer
 
-    tok = load_tokenizer()  # the bundled tokenizer, as the trainer loads it: ids must lie in its vocabulary
-    eod, vocab = tok.eod_id, min(vocab, tok.vocab_size)
+    eod, pool = load_tokenizer().eod_id, ordinary_ids(vocab)
     rng = np.random.default_rng(seed)
     with IndexedDatasetBuilder(prefix, np.int32) as b:
         done = 0
         while done < n_tokens:
             n = int(rng.integers(100, 6000))
-            doc = rng.integers(0, vocab - 1, n + 1, dtype=np.int32)
-            doc[doc >= tok.mask_id] += 1  # every id but the mask's
-            doc[-1] = eod
+            doc = np.append(rng.choice(pool, n), np.int32(eod)).astype(np.int32)
             b.add_document(doc)
             done += n + 1
+
+
+def check_timed_steps(name: str, losses: list[float], skipped: int) -> None:
+    """Exit with one line unless every timed step had a finite loss and took its optimizer step: the timings of
+    skipped steps (no optimizer update) are not those of training."""
+    bad = [i for i, v in enumerate(losses) if not math.isfinite(v)]
+    if bad or skipped:
+        raise SystemExit(f"{name}: {skipped} of {len(losses)} timed steps skipped, non-finite loss at steps {bad} "
+                         f"(losses {[round(v, 3) for v in losses]}): the data or the configuration gives non-finite "
+                         "losses; a timing of skipped steps is not a training step's")
 
 
 def build_trainer(flags: list[str], seq: int, batch: int, accum: int, data: str | Path, device: str | None = None,
@@ -182,6 +229,7 @@ def worker(spec: dict) -> None:
 
     gc.callbacks.append(on_gc)
     trainer.data_wait_s = 0.0
+    skipped_before = float(trainer.guard.window_skipped)
     t0 = time.perf_counter()
     for i in range(spec["steps"]):
         if events:
@@ -197,13 +245,16 @@ def worker(spec: dict) -> None:
     dt = time.perf_counter() - t0
     gc.callbacks.remove(on_gc)
     gpu_step_ms = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
-    loss = float(torch.stack(losses).float().mean())
+    step_losses = torch.stack(losses).float().tolist()
+    check_timed_steps(spec["name"], step_losses, int(float(trainer.guard.window_skipped) - skipped_before))
+    loss = sum(step_losses) / len(step_losses)
     tok_s = tokens / dt
     mc = trainer.model_config
     fpt = mc.flops_per_token(mc.seq_length)
     res = {"config": spec["name"], "batch": spec["batch"], "accum": trainer.accum, "tokens_per_s": tok_s,
            "ms_per_step": dt / spec["steps"] * 1e3,
            "tflops": tok_s * fpt / 1e12, "mfu": tok_s * fpt / 989e12, "loss": loss,
+           "step_losses": step_losses,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            # what the process holds: with CUDA graphs the activations live in the graphs' pool, reserved but not
            # "allocated" between replays, so the allocated peak alone would flatter them
@@ -419,16 +470,20 @@ def main() -> None:
             print(text.strip().splitlines()[-1], flush=True)
         else:
             print(f"hf_peer FAILED rc={rc}\n" + "\n".join(text.strip().splitlines()[-10:]), flush=True)
+    from memory_fit import free_bytes
+
+    free = None if a.smoke else free_bytes()
+    caps: dict[str, int] = {}  # micro-batch per model: the estimate's, lowered by runs out of memory
     with tempfile.TemporaryDirectory() as tmp:
         prefix = Path(tmp) / "synthetic_text_document"
         write_corpus(prefix, vocab=128000,
                      n_tokens=(a.warmup + a.steps + 2) * a.accum * a.batch * (a.seq + 1) * 2)
         for name in [c for c in a.configs.split(",") if c]:
-            batch = min(a.batch, MAX_BATCH.get(name.split("/")[0], a.batch))
             base, _, variant = name.partition("+")  # the same configuration with one switch turned off
             if variant not in VARIANTS:
                 raise SystemExit(f"unknown variant +{variant} in {name!r}; variants: {', '.join(VARIANTS)}")
             flags = CONFIGS[base] + VARIANTS[variant]
+            batch = micro_batch_for(name, CONFIGS[base], a, free, caps)
             spec = {"name": name, "flags": flags, "seq": a.seq, "batch": batch, "accum": a.accum,
                     "data": str(prefix),
                     "warmup": a.warmup, "steps": a.steps, "extra": a.extra.split() if a.extra else [],
@@ -440,10 +495,15 @@ def main() -> None:
             t0 = time.time()
             log = out / "runs.log" if out else None
             rc, text = run_logged([sys.executable, __file__, "--worker", json.dumps(spec)], log, a.timeout)
+            while rc and "out of memory" in text.lower() and spec["batch"] > 1:  # the estimate was short
+                spec["batch"] = caps[name.split("/")[0]] = spec["batch"] // 2
+                print(f"{name}: out of memory; again at micro-batch {spec['batch']}", flush=True)
+                rc, text = run_logged([sys.executable, __file__, "--worker", json.dumps(spec)], log, a.timeout)
             m = re.search(r"^RESULT (.*)$", text, re.M)
             if m:
                 r = json.loads(m.group(1))
-                print(f"{name}: {r['tokens_per_s']:.0f} tok/s, MFU {r['mfu'] * 100:.1f}%, peak {r['peak_gib']:.1f} GiB "
+                print(f"{name}: loss {r['loss']:.3f}, {r['tokens_per_s']:.0f} tok/s, MFU {r['mfu'] * 100:.1f}%, "
+                      f"peak {r['peak_gib']:.1f} GiB "
                       f"(reserved {r.get('reserved_gib', float('nan')):.1f}) "
                       f"(setup {r['setup_s']:.0f} s, warm-up {r['warmup_s']:.0f} s, wall {time.time() - t0:.0f} s)",
                       flush=True)

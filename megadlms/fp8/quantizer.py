@@ -42,6 +42,7 @@ from .formats.mx import check_mx_gemm_support, quantize_mx
 from .gemm import aligned_scalars, dequant_scale
 from .kernels.ops import amax_of, cast_fp8, cast_fp8_cat, cast_fp8_cols, current_scale, transpose_fp8
 from .kernels.primitives import quantize_rowwise
+from .kernels.triton_cast import checked_rowwise_cast
 from .recipe import (
     DelayedScaling,
     Float8BlockwiseScaling,
@@ -229,9 +230,26 @@ class _SeparateCastsQuantizer(Quantizer):
 
 
 class RowwiseQuantizer(_SeparateCastsQuantizer):
-    """One scale per row (`Float8RowwiseScaling`): `rows` scaled per row of x, `cols` per column of x."""
+    """One scale per row (`Float8RowwiseScaling`): `rows` scaled per row of x, `cols` per column of x. Where the
+    Triton kernels run, both copies come from two reads of x (the row and column maxima, then both casts:
+    `triton_cast.rowwise_cast`); elsewhere each is a torch cast of its own."""
 
     recipe: Float8RowwiseScaling
+    # a cached weight's transposed copy (scaled per input channel) is made with its rows, from the same two reads
+    cols_in_same_pass = True
+
+    def quantize(self, x: torch.Tensor, rows: bool = True, cols: bool = False, record: bool = False,
+                 amax: torch.Tensor | None = None, step: StepScales | None = None) -> FP8Copies:
+        fused = checked_rowwise_cast(x, self.fp8_dtype, rows, cols, self.recipe.margin)
+        if fused is None:
+            return super().quantize(x, rows, cols, record, amax, step)
+        q, t, row_si, col_si = fused
+        return FP8Copies(FP8Tensor(q, row_si, Scaling.ROW) if q is not None and row_si is not None else None,
+                         FP8Tensor(t, col_si, Scaling.ROW, transposed=True) if t is not None and col_si is not None
+                         else None)
+
+    def cols_of(self, rows: FP8Tensor, source: Callable[[], torch.Tensor]) -> FP8Tensor:
+        return self.quantize(source(), rows=False, cols=True).col_copy()
 
     def _rows(self, x: torch.Tensor) -> FP8Tensor:
         q, si = quantize_rowwise(x, self.fp8_dtype, 1, self.recipe.margin)  # si [R, 1]

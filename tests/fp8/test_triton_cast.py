@@ -275,3 +275,97 @@ def test_cpu_amax_and_cast_equal_the_references(dtype):
         y = (torch.randn(64, 64) * 2.0 ** torch.randint(-12, 9, (64, 64))).clamp(-448, 448)
         assert torch.equal(kernels._to_fp8(y, fp8).view(torch.uint8),
                            round_to_fp8_grid(y, fp8).to(fp8).view(torch.uint8))
+
+
+ROWWISE_SCRIPT = textwrap.dedent("""
+    import torch
+    from megadlms.fp8.kernels import triton_cast
+    from megadlms.fp8.kernels.primitives import quantize_rowwise
+    from megadlms.fp8.quantizer import make_quantizer
+    from megadlms.fp8.recipe import Float8RowwiseScaling
+    from megadlms.fp8.tensor import Scaling
+
+    torch.manual_seed(0)
+    # rows spanning six decades (per-row scales differ), a zero row (scale 1), partial tiles or whole ones
+    for src, shape, margin in ((torch.float32, (80, 144), 0), (torch.bfloat16, (128, 256), 0),
+                               (torch.bfloat16, (48, 200), 1)):
+        x = (torch.randn(*shape) * torch.logspace(-3, 3, shape[0])[:, None]).to(src)
+        x[3] = 0
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for want_q, want_t in ((True, True), (True, False), (False, True)):
+                q, t, rsi, csi = triton_cast.checked_rowwise_cast(x, fp8, want_q, want_t, margin)
+                if want_q:
+                    ref, ref_si = quantize_rowwise(x, fp8, 1, margin)
+                    assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8)), (src, fp8, "q")
+                    assert torch.equal(rsi, ref_si) and rsi.shape == (shape[0], 1)
+                    assert rsi[3, 0] == 1.0
+                else:
+                    assert q is None and rsi is None
+                if want_t:
+                    ref, ref_si = quantize_rowwise(x, fp8, 0, margin)
+                    assert torch.equal(t.view(torch.uint8), ref.t().contiguous().view(torch.uint8)), (src, fp8, "t")
+                    assert torch.equal(csi, ref_si.reshape(-1, 1))
+                else:
+                    assert t is None and csi is None
+    assert len(triton_cast._state["rowwise_ok"]) == 18 and all(triton_cast._state["rowwise_ok"].values())
+
+    # the rowwise quantizer takes both copies from the kernels: the torch path's bits and scales
+    quant = make_quantizer(Float8RowwiseScaling(), torch.float8_e4m3fn, None, 0)
+    x = torch.randn(64, 96, dtype=torch.bfloat16) * 5
+    got = quant.quantize(x, rows=True, cols=True)
+    want_rows, want_cols = quant._rows(x), quant._cols(x)
+    for g, w in ((got.rows, want_rows), (got.cols, want_cols)):
+        assert torch.equal(g.data.view(torch.uint8), w.data.view(torch.uint8)) and torch.equal(g.scale_inv, w.scale_inv)
+        assert g.scaling is Scaling.ROW and g.transposed == w.transposed
+    assert torch.equal(quant.cols_of(got.rows, lambda: x).data.view(torch.uint8), want_cols.data.view(torch.uint8))
+
+    # a rowwise Float8Linear (odd shapes: padded operands) gives the same output and gradients with the kernels
+    # as with the torch casts
+    from megadlms.fp8 import Float8Linear, fp8_autocast
+
+    def run(kernels):
+        triton_cast._state["ok"] = kernels
+        torch.manual_seed(1)
+        layer = Float8Linear(40, 24, recipe=Float8RowwiseScaling())
+        x = torch.randn(3, 7, 40, requires_grad=True)
+        with fp8_autocast(fp8_recipe=layer.recipe):
+            y = layer(x)
+        y.backward(torch.randn_like(y))
+        return y, x.grad, layer.weight.grad
+
+    calls, kernel = [], triton_cast.rowwise_cast
+    triton_cast.rowwise_cast = lambda x, *a: calls.append(tuple(x.shape)) or kernel(x, *a)
+    with_kernels = run(True)
+    # padded to multiples of 16, both copies of each in one call: the input, the weight (its transpose for dx made
+    # with its rows and kept in the step's cache), the gradient
+    assert sorted(calls) == [(32, 32), (32, 48), (32, 48)], calls
+    without = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(with_kernels, without))
+    print("OK")
+""")
+
+
+def test_rowwise_cast_matches_the_torch_cast_in_interpreter():
+    """The rowwise recipe's casts in two reads of x (row and column maxima, then q per row and q^T per column of x):
+    the bits and scales of `quantize_rowwise`, for every output choice, both formats, a margin and partial tiles."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", ROWWISE_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("margin", [0, 2])
+def test_the_rowwise_first_call_reference_is_built_in_row_blocks(monkeypatch, margin):
+    """The first call's reference of the rowwise kernels, built a few rows at a time (fp32 temporaries of that height,
+    not the whole tensor's), has quantize_rowwise's bits and scales; the columns' scales span every block."""
+    from megadlms.fp8.kernels.primitives import quantize_rowwise
+
+    monkeypatch.setattr(triton_cast, "CHECK_ROWS", 16)
+    x = (torch.randn(72, 48) * torch.logspace(-2, 2, 72)[:, None]).to(torch.bfloat16)
+    q, t, row_si, col_si = triton_cast._rowwise_reference(x, torch.float8_e4m3fn, True, True, margin)
+    ref_q, ref_row = quantize_rowwise(x, torch.float8_e4m3fn, 1, margin)
+    ref_c, ref_col = quantize_rowwise(x, torch.float8_e4m3fn, 0, margin)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(row_si, ref_row)
+    assert torch.equal(t.view(torch.uint8), ref_c.t().contiguous().view(torch.uint8))
+    assert torch.equal(col_si, ref_col.reshape(-1, 1))

@@ -36,7 +36,7 @@ except Exception:  # no Triton: the compiled torch path is used
 # ok: the kernels are on; checked: per cast variant, whether its first call agreed with ATen (False: off); scale_ok:
 # the current-scale kernel agreed with torch on its first call (None: not called yet); amax_ok: the same for the
 # amax kernel, per input dtype
-_state: dict[str, Any] = {"ok": None, "checked": {}, "scale_ok": None, "amax_ok": {}}
+_state: dict[str, Any] = {"ok": None, "checked": {}, "scale_ok": None, "amax_ok": {}, "rowwise_ok": {}}
 
 
 def available(x: torch.Tensor) -> bool:
@@ -181,6 +181,73 @@ if triton is not None:
         # the max of a 1-D fp32 block, NaN if it holds one (a NaN may not survive tl.max: put back)
         m = tl.max(acc, 0)
         return tl.where(tl.max((acc != acc).to(tl.int32), 0) > 0, float("nan"), m)
+
+    @triton.jit
+    def row_col_amax_kernel(x_ptr, row_ptr, col_ptr, R, C, WANT_ROW: tl.constexpr, WANT_COL: tl.constexpr,
+                            EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        # max |x| of each row (into row_ptr [R]) and of each column (into col_ptr [C]) of x [R, C], fp32, zero before
+        # the call: a tile's row and column maxima, then one atomic max per row and per column of the tile
+        r0 = tl.program_id(0) * BR
+        c0 = tl.program_id(1) * BC
+        lr = tl.arange(0, BR)
+        lc = tl.arange(0, BC)
+        offs = lr[:, None] * C + lc[None, :]
+        x_tile = x_ptr + r0.to(tl.int64) * C + c0
+        if EVEN:
+            a = tl.abs(tl.load(x_tile + offs).to(tl.float32))
+        else:
+            a = tl.abs(tl.load(x_tile + offs, mask=(r0 + lr[:, None] < R) & (c0 + lc[None, :] < C),
+                               other=0.0).to(tl.float32))
+        if WANT_ROW:
+            tl.atomic_max(row_ptr + r0 + lr, tl.max(a, axis=1), mask=r0 + lr < R)
+        if WANT_COL:
+            tl.atomic_max(col_ptr + c0 + lc, tl.max(a, axis=0), mask=c0 + lc < C)
+
+    @triton.jit
+    def amax_scale(amax, FMAX: tl.constexpr, MARGIN_DIV: tl.constexpr):
+        # `primitives.amax_to_scale` elementwise: (fp8_max / amax) / 2**margin with correctly rounded divisions,
+        # 1.0 where amax is 0 or not finite or the scale overflows
+        scale = tl.math.div_rn(tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), amax),
+                               tl.full(amax.shape, MARGIN_DIV, tl.float32))
+        ok = (amax > 0) & (amax < float("inf")) & (scale < float("inf"))
+        return tl.where(ok, scale, 1.0)
+
+    @triton.jit
+    def rowwise_cast_kernel(x_ptr, row_amax_ptr, col_amax_ptr, q_ptr, t_ptr, row_si_ptr, col_si_ptr, R, C,
+                            FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, MARGIN_DIV: tl.constexpr,
+                            WANT_Q: tl.constexpr, WANT_T: tl.constexpr, SW_ROUND: tl.constexpr, EVEN: tl.constexpr,
+                            BR: tl.constexpr, BC: tl.constexpr):
+        # x [R, C] -> q [R, C] scaled per row and q^T [C, R] scaled per column of x, from the maxima of
+        # row_col_amax_kernel, in one read of x; the programs of the first tile column / row also write the rows' /
+        # columns' scale_inv (1 / scale, correctly rounded as ATen's reciprocal)
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        r0 = pid_r * BR
+        c0 = pid_c * BC
+        lr = tl.arange(0, BR)
+        lc = tl.arange(0, BC)
+        rmask = r0 + lr < R
+        cmask = c0 + lc < C
+        x_tile = x_ptr + r0.to(tl.int64) * C + c0
+        offs = lr[:, None] * C + lc[None, :]
+        if EVEN:
+            x = tl.load(x_tile + offs).to(tl.float32)
+        else:
+            x = tl.load(x_tile + offs, mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        if WANT_Q:
+            rs = amax_scale(tl.load(row_amax_ptr + r0 + lr, mask=rmask, other=1.0), FMAX, MARGIN_DIV)
+            store_q_qt(x, rs[:, None], r0, c0, R, C, q_ptr, q_ptr, C, R, FMAX, MBITS, EMIN, True, False, 0,
+                       SW_ROUND, EVEN, BR, BC)
+            if pid_c == 0:
+                tl.store(row_si_ptr + r0 + lr, tl.math.div_rn(tl.full((BR,), 1.0, tl.float32), rs), mask=rmask)
+        if WANT_T:
+            cs = amax_scale(tl.load(col_amax_ptr + c0 + lc, mask=cmask, other=1.0), FMAX, MARGIN_DIV)
+            # cast with the column scales, then the FP8 tile transposed (formulation 1: the scales broadcast over
+            # the untransposed tile)
+            store_q_qt(x, cs[None, :], r0, c0, R, C, t_ptr, t_ptr, C, R, FMAX, MBITS, EMIN, False, True, 1,
+                       SW_ROUND, EVEN, BR, BC)
+            if pid_r == 0:
+                tl.store(col_si_ptr + c0 + lc, tl.math.div_rn(tl.full((BC,), 1.0, tl.float32), cs), mask=cmask)
 
 
 # Formulations of the transposed store (`cast_transpose`'s t_mode, `store_q_qt`'s T_MODE): 0 transposes the fp32
@@ -464,5 +531,112 @@ def _first_differences(x: torch.Tensor, scale: torch.Tensor, got: torch.Tensor, 
     return f"{int(diff.sum())} of {diff.numel()} elements differ, e.g. {examples}"
 
 
+# (rows, columns, warps) of one program of the rowwise kernels
+ROWWISE_TILE = (64, 128, 8)
+
+
+def rowwise_cast(x: torch.Tensor, fp8_dtype: torch.dtype, want_q: bool, want_t: bool, margin: int = 0,
+                 tile: tuple[int, int, int] | None = None, sw_round: bool | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Current scaling per row and per column of x [R, C] contiguous (any float dtype) in two reads of x: the row and
+    column maxima (one pass), then q [R, C] with one scale per row and q^T [C, R] with one scale per column of x
+    (each row of q^T scaled by its own maximum: what the backward GEMMs contract), from one more pass.
+
+    Returns (q | None, q^T | None, scale_inv per row [R, 1] | None, scale_inv per column [C, 1] | None), fp32 scales
+    as `primitives.quantize_rowwise(x, fp8_dtype, 1 / 0, margin)` gives them. sw_round: as `cast_transpose`'s
+    (default: the production formulation's)."""
+    r, c = x.shape
+    br, bc, warps = tile or ROWWISE_TILE
+    if sw_round is None:
+        sw_round = production_formulation()[1]
+    dev = x.device
+    row_amax = torch.zeros(r, dtype=torch.float32, device=dev) if want_q else None
+    col_amax = torch.zeros(c, dtype=torch.float32, device=dev) if want_t else None
+    grid = (triton_cdiv(r, br), triton_cdiv(c, bc))
+    even = r % br == 0 and c % bc == 0
+    kwargs = {} if _interpret() else {"num_warps": warps}
+    dummy = row_amax if row_amax is not None else col_amax
+    row_col_amax_kernel[grid](x, dummy if row_amax is None else row_amax, dummy if col_amax is None else col_amax,
+                              r, c, WANT_ROW=want_q, WANT_COL=want_t, EVEN=even, BR=br, BC=bc, **kwargs)
+    q = torch.empty(r, c, dtype=fp8_dtype, device=dev) if want_q else None
+    t = torch.empty(c, r, dtype=fp8_dtype, device=dev) if want_t else None
+    row_si = torch.empty(r, 1, dtype=torch.float32, device=dev) if want_q else None
+    col_si = torch.empty(c, 1, dtype=torch.float32, device=dev) if want_t else None
+    any_q = q if q is not None else t
+    any_si = row_si if row_si is not None else col_si
+    rowwise_cast_kernel[grid](x, dummy if row_amax is None else row_amax, dummy if col_amax is None else col_amax,
+                              any_q if q is None else q, any_q if t is None else t,
+                              any_si if row_si is None else row_si, any_si if col_si is None else col_si, r, c,
+                              FMAX=FP8_MAX[fp8_dtype], MBITS=FP8_GRID[fp8_dtype][0], EMIN=FP8_GRID[fp8_dtype][1],
+                              MARGIN_DIV=2.0 ** margin, WANT_Q=want_q, WANT_T=want_t, SW_ROUND=sw_round,
+                              EVEN=even, BR=br, BC=bc, **kwargs)
+    return q, t, row_si, col_si
+
+
+def _rowwise_reference(x: torch.Tensor, fp8_dtype: torch.dtype, want_q: bool, want_t: bool, margin: int
+                       ) -> tuple[torch.Tensor | None, ...]:
+    """`rowwise_cast`'s results by the torch path (`primitives.quantize_rowwise`'s arithmetic), in its layout, built
+    CHECK_ROWS rows at a time (its fp32 temporaries stay that many rows tall: see `reference_cast`)."""
+    from .primitives import quantize
+
+    r, c = x.shape
+    fmax = FP8_MAX[fp8_dtype]
+    q = torch.empty(r, c, dtype=fp8_dtype, device=x.device) if want_q else None
+    t = torch.empty(c, r, dtype=fp8_dtype, device=x.device) if want_t else None
+    row_si = torch.empty(r, 1, dtype=torch.float32, device=x.device) if want_q else None
+    col_scale = col_si = None
+    if want_t:  # the columns' maxima over all rows first
+        col_amax = torch.zeros(1, c, dtype=torch.float32, device=x.device)
+        for r0, r1 in row_blocks(r):
+            col_amax = torch.maximum(col_amax, x[r0:r1].abs().amax(dim=0, keepdim=True).float())
+        col_scale = amax_to_scale(col_amax, fmax, margin)
+        col_si = col_scale.reciprocal().reshape(-1, 1)
+    for r0, r1 in row_blocks(r):
+        block = x[r0:r1]
+        if q is not None and row_si is not None:
+            scale = amax_to_scale(block.abs().amax(dim=1, keepdim=True).float(), fmax, margin)
+            q[r0:r1] = quantize(block, scale, fp8_dtype)
+            row_si[r0:r1] = scale.reciprocal()
+        if t is not None and col_scale is not None:
+            t[:, r0:r1] = quantize(block, col_scale, fp8_dtype).t()
+    return q, t, row_si, col_si
+
+
+def checked_rowwise_cast(x: torch.Tensor, fp8_dtype: torch.dtype, want_q: bool, want_t: bool, margin: int = 0
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+                                    torch.Tensor | None] | None:
+    """`rowwise_cast` where the kernels take x (`available`), checked bitwise against the torch path on the first
+    call of each variant (input dtype, FP8 format, outputs, margin); None where they do not take x or the variant
+    failed its check (with a warning): the caller casts with torch."""
+    if not (want_q or want_t) or not available(x) or x.numel() >= 2**31:
+        return None
+    key = (x.dtype, fp8_dtype, want_q, want_t, margin)
+    verdicts = _state["rowwise_ok"]
+    if verdicts.get(key) is not None:
+        return rowwise_cast(x, fp8_dtype, want_q, want_t, margin) if verdicts[key] else None
+    want = _rowwise_reference(x, fp8_dtype, want_q, want_t, margin)
+    try:
+        got = rowwise_cast(x, fp8_dtype, want_q, want_t, margin)
+        names = ("q", "q^T", "row scale_inv", "column scale_inv")
+        problems = [f"{n} differs" for n, g, w in zip(names, got, want) if w is not None and not _same_bits(g, w)]
+    except Exception as e:  # e.g. a Triton build without these FP8 conversions: the torch path computes it
+        got, problems = None, [f"{type(e).__name__}: {str(e)[:200]}"]
+    verdicts[key] = not problems
+    if problems:
+        warnings.warn(f"megadlms.fp8: the Triton rowwise cast disagreed with the torch cast for {x.dtype} -> "
+                      f"{fp8_dtype} ({'; '.join(problems)}); this variant uses the torch cast instead",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return got
+
+
+def _same_bits(got: torch.Tensor | None, want: torch.Tensor) -> bool:
+    if got is None or got.shape != want.shape:
+        return False
+    if got.element_size() == 1:
+        return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    return torch.equal(got, want)
+
+
 __all__ = ["available", "enabled", "amax", "checked_amax", "cast_transpose", "checked_cast_transpose", "current_scale",
-           "checked_current_scale", "TRANSPOSE_MODES", "E4M3", "E5M2"]
+           "checked_current_scale", "rowwise_cast", "checked_rowwise_cast", "TRANSPOSE_MODES", "E4M3", "E5M2"]
