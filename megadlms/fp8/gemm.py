@@ -23,8 +23,10 @@ import warnings
 
 import torch
 
+from ..grouped_gemm import gmm, gmm_wgrad
 from .formats.blockwise import blockwise_gemm, dequantize_blocks, dequantize_tiles
 from .formats.mx import dequantize_mx, mx_gemm
+from .kernels.triton_grouped_cast import group_ids
 from .recipe import E5M2
 from .tensor import FP8Tensor, Scaling
 
@@ -167,6 +169,44 @@ def fp8_gemm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype, fast_accum: boo
 _SCALED_MM = (Scaling.TENSOR, Scaling.ROW)  # the scalings `torch._scaled_mm` takes
 
 
+_GROUPED = (Scaling.ROW, Scaling.EXPERT)  # the scalings `torch._scaled_grouped_mm` takes (as per-row scales)
+
+
+def fp8_grouped_gemm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """The experts' grouped GEMMs, a @ b^T per expert group (`expert_quantizer.py`; layouts in `tensor.py`):
+
+    a rows [M, K] grouped by a.offs, b expert weights [E, N, K]      -> [M, N]     (fprop, dgrad)
+    a [N, M] and b [K, M], transposed copies grouped along M         -> [E, N, K]  (wgrad)
+
+    in out_dtype, fp32 accumulation (`fast_accum`: Hopper's faster one). Rows of a past a.offs[-1] give no output
+    rows worth keeping (callers keep none). CUDA: `torch._scaled_grouped_mm` (Hopper; K and N multiples of 16, every
+    group's rows too); elsewhere the FP8 operands dequantized to fp32 and multiplied by `grouped_gemm.gmm` /
+    `gmm_wgrad` (the same products; only the summation order differs)."""
+    if a.scaling not in _GROUPED or b.scaling not in _GROUPED or a.offs is None:
+        raise ValueError(f"fp8_grouped_gemm: takes per-row or per-expert scaled operands grouped by expert, got {a} "
+                         f"and {b}")
+    offs = a.offs
+    if a.transposed:  # wgrad: both operands grouped along the contracted M
+        if not b.transposed or b.data.dim() != 2 or b.offs is None:
+            raise ValueError(f"fp8_grouped_gemm: a transposed grouped {a} multiplies another one, got {b}")
+        if a.data.is_cuda:
+            return torch._scaled_grouped_mm(a.data, b.data.t(), a.scale_inv.reshape(-1), b.scale_inv.reshape(-1),
+                                            offs=offs, out_dtype=torch.bfloat16,
+                                            use_fast_accum=fast_accum).to(out_dtype)
+        gid = group_ids(offs, a.data.shape[1])
+        ad = a.data.float() * a.scale_inv[gid].t()
+        bd = b.data.float() * b.scale_inv[gid].t()
+        return gmm_wgrad(ad, bd.t(), offs).to(out_dtype)
+    if b.data.dim() != 3:
+        raise ValueError(f"fp8_grouped_gemm: grouped rows {a} multiply expert weights [E, N, K], got {b}")
+    if a.data.is_cuda:
+        return torch._scaled_grouped_mm(a.data, b.data.transpose(-2, -1), a.scale_inv, b.scale_inv, offs=offs,
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast_accum).to(out_dtype)
+    ad = a.data.float() * a.scale_inv[:, None]
+    bd = b.data.float() * b.scale_inv[:, :, None]
+    return gmm(ad, bd.transpose(-2, -1), offs).to(out_dtype)
+
+
 def wgrad_high_precision(g: torch.Tensor, x: torch.Tensor, compute_dtype: torch.dtype,
                          w_dtype: torch.dtype) -> torch.Tensor:
     """dW = g^T @ x in the compute dtype from the unquantized g [M, N] and x [M, K] (fp8_wgrad=False) -> [N, K]."""
@@ -178,5 +218,5 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return g.float().sum(0).to(dtype)
 
 
-__all__ = ["dequant_scale", "fp8_gemm", "scaled_mm", "cpu_scaled_mm",
+__all__ = ["dequant_scale", "fp8_gemm", "fp8_grouped_gemm", "scaled_mm", "cpu_scaled_mm",
            "aligned_scalars", "wgrad_high_precision", "bias_grad"]

@@ -9,10 +9,12 @@ from megadlms import TransformerConfig, build_model
 from megadlms.fp8 import Float8Linear, fp8_autocast
 from megadlms.fp8.grouped import Float8GroupedExperts, fp8_grouped_linear
 from megadlms.fp8.kernels.primitives import quantize
-from megadlms.fp8.recipe import E4M3, FP8_MAX
+from megadlms.fp8.recipe import E4M3, FP8_MAX, DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling
+from megadlms.fp8.tensor import Scaling
 from megadlms.grouped_gemm import grouped_linear
 from megadlms.moe import Router, add_aux_losses
 
+RECIPES = {"rowwise": Float8RowwiseScaling(), "tensorwise": Float8CurrentScaling()}
 SIZES = [16, 0, 32, 48]  # dispatched groups are multiples of 16; one expert without tokens
 
 
@@ -44,7 +46,7 @@ def test_fprop_is_the_fp8_product_per_expert(scaling):
     torch.manual_seed(0)
     x, w = torch.randn(96, 32), torch.randn(4, 48, 32)
     x[20:30] *= 50  # an expert whose rows are larger: its own scales
-    y = fp8_grouped_linear(x, w, _offs(), scaling)
+    y = fp8_grouped_linear(x, w, _offs(), RECIPES[scaling])
     torch.testing.assert_close(y, _ref_fprop(x, w, scaling), atol=1e-4, rtol=1e-5)
 
 
@@ -54,7 +56,7 @@ def test_gradients_track_high_precision(scaling):
     x = torch.randn(96, 32, requires_grad=True)
     w = torch.randn(4, 48, 32, requires_grad=True)
     g = torch.randn(96, 48)
-    fp8_grouped_linear(x, w, _offs(), scaling).backward(g)
+    fp8_grouped_linear(x, w, _offs(), RECIPES[scaling]).backward(g)
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     grouped_linear(xr, wr, _offs()).backward(g)
 
@@ -72,11 +74,16 @@ def test_gradients_track_high_precision(scaling):
     torch.testing.assert_close(w.grad[e], _qdq(gs, ga).t() @ _qdq(xs, xa), atol=1e-4, rtol=1e-5)
 
 
+def test_delayed_scaling_is_refused_for_the_experts_with_its_reason():
+    with pytest.raises(ValueError, match="tokens of each expert change with the routing"):
+        Float8GroupedExperts(4, 32, 48, torch.nn.Identity(), recipe=DelayedScaling())
+
+
 def test_high_precision_weight_gradient():
     """fp8_wgrad=False: the weight gradient is exactly the grouped GEMM of the unquantized g and x."""
     torch.manual_seed(0)
     x, w, g = torch.randn(96, 32), torch.randn(4, 48, 32, requires_grad=True), torch.randn(96, 48)
-    fp8_grouped_linear(x, w, _offs(), "rowwise", fp8_wgrad=False).backward(g)
+    fp8_grouped_linear(x, w, _offs(), RECIPES["rowwise"], fp8_wgrad=False).backward(g)
     wr = w.detach().clone().requires_grad_()
     grouped_linear(x, wr, _offs()).backward(g)
     torch.testing.assert_close(w.grad, wr.grad)
@@ -90,7 +97,7 @@ def test_fp8_moe_model_converts_and_trains():
                             fp8_recipe="rowwise", fp8_format="e4m3")
     model = build_model(cfg)
     mlp = model.layers[0].mlp
-    assert isinstance(mlp.experts, Float8GroupedExperts) and mlp.experts.scaling == "rowwise"
+    assert isinstance(mlp.experts, Float8GroupedExperts) and mlp.experts.scaling is Scaling.ROW
     assert type(mlp.gate) is Router  # the router stays in high precision
     assert isinstance(mlp.shared_expert.gate_proj, Float8Linear)
     ref = build_model(cfg.replace(fp8=False))

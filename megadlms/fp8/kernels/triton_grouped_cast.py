@@ -1,0 +1,241 @@
+"""One-pass FP8 casts of the MoE experts' grouped operands on CUDA (Triton), scales computed in the kernel.
+
+The rows of a dispatched [M, K] are grouped by expert (`offs`: int32 [E], cumulative group ends, read on the device;
+rows past offs[-1] count as the last expert's). Three kernels, each one launch, no host synchronisation:
+
+    row_cast     x [R, K] -> q [R, K], scale_inv [R]: one scale per row (its amax, found in the same program:
+                 the row block is read twice, the second time from L2), or per expert (from `expert_amax`)
+    col_cast     x [M, C] -> q^T [C, M] (or per expert [E, C, N] for a weight [E*N, C]), scale_inv [E, C]: one
+                 scale per (expert, column) over the expert's rows (or per expert); one program per (expert,
+                 column block) walks its group's rows twice (amax, then cast and transposed store)
+    expert_amax  x [R, K] -> fp32 [E]: max |x| over each expert's rows (one atomic max per expert and row block),
+                 the amax pass of per-expert current scaling (a scale that depends on a whole group cannot come
+                 out of the cast that needs it)
+
+Scales as `primitives.amax_to_scale`: scale = (fp8_max / amax) / 2**margin with correctly rounded divisions, 1.0
+where amax is zero or not finite or the scale overflows; scale_inv = 1 / scale (correctly rounded). Each element is
+cast(clamp(x * scale)) with round-to-nearest-even (`triton_cast.to_fp8`). `torch_*` are the same casts in torch
+(the CPU path and the reference the kernels are checked against, bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..recipe import FP8_MAX
+from . import triton_cast
+from .primitives import FP8_GRID, amax_to_scale
+
+triton = triton_cast.triton
+if triton is not None:
+    import triton.language as tl
+
+    from .triton_cast import to_fp8
+
+    @triton.jit
+    def _expert_of(rows, offs_ptr, E, BE: tl.constexpr):
+        # rows [BM] -> the expert of each row: how many group ends are <= the row (clamped to the last expert)
+        e = tl.arange(0, BE)
+        ends = tl.load(offs_ptr + e, mask=e < E, other=2147483647)
+        gid = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+        return tl.minimum(gid, E - 1)
+
+    @triton.jit
+    def _scale_of(amax, FMAX: tl.constexpr, MARGIN_DIV: tl.constexpr):
+        # amax (fp32, any shape) -> scale as primitives.amax_to_scale (1.0 where amax is 0 / not finite / overflows)
+        scale = tl.math.div_rn(tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), amax),
+                               tl.full(amax.shape, MARGIN_DIV, tl.float32))
+        ok = (amax > 0) & (amax < float("inf")) & (scale < float("inf"))
+        return tl.where(ok, scale, 1.0)
+
+    @triton.jit
+    def row_cast_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, offs_ptr, R, K, E, FMAX: tl.constexpr,
+                        MARGIN_DIV: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, PER_EXPERT: tl.constexpr,
+                        SW_ROUND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        rmask = rows < R
+        cols = tl.arange(0, BK)
+        base = rows.to(tl.int64)[:, None] * K
+        if PER_EXPERT:
+            amax = tl.load(amax_ptr + _expert_of(rows, offs_ptr, E, BE), mask=rmask, other=0.0)
+        else:
+            amax = tl.zeros((BM,), tl.float32)
+            for k0 in range(0, K, BK):
+                m = rmask[:, None] & (k0 + cols[None, :] < K)
+                v = tl.load(x_ptr + base + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        scale = _scale_of(amax, FMAX, MARGIN_DIV)
+        tl.store(si_ptr + rows, tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), scale), mask=rmask)
+        for k0 in range(0, K, BK):
+            m = rmask[:, None] & (k0 + cols[None, :] < K)
+            v = tl.load(x_ptr + base + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            q = to_fp8(v, scale[:, None], q_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
+            tl.store(q_ptr + base + k0 + cols[None, :], q, mask=m)
+
+    @triton.jit
+    def col_cast_kernel(x_ptr, t_ptr, si_ptr, amax_ptr, offs_ptr, M, C, E, stride_e, stride_c, LOCAL: tl.constexpr,
+                        FMAX: tl.constexpr, MARGIN_DIV: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                        PER_EXPERT: tl.constexpr, SW_ROUND: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+        # program (e, c-block): the rows of expert e (the last expert also takes the rows past offs[-1])
+        e = tl.program_id(0)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        cmask = cols < C
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.where(e == E - 1, M, tl.load(offs_ptr + e))
+        lr = tl.arange(0, BM)
+        if PER_EXPERT:
+            amax = tl.zeros((BC,), tl.float32) + tl.load(amax_ptr + e)
+        else:
+            amax = tl.zeros((BC,), tl.float32)
+            for r0 in range(start, end, BM):
+                rows = r0 + lr
+                m = (rows[:, None] < end) & cmask[None, :]
+                v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=m, other=0.0)
+                amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=0))
+        scale = _scale_of(amax, FMAX, MARGIN_DIV)
+        tl.store(si_ptr + e * C + cols, tl.math.div_rn(tl.full((BC,), 1.0, tl.float32), scale), mask=cmask)
+        out = t_ptr + e.to(tl.int64) * stride_e + cols.to(tl.int64)[:, None] * stride_c
+        for r0 in range(start, end, BM):
+            rows = r0 + lr
+            m = (rows[:, None] < end) & cmask[None, :]
+            v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            q = to_fp8(v, scale[None, :], t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
+            if LOCAL:  # each expert's own [C, N] block
+                rel = rows - start
+            else:
+                rel = rows
+            tl.store(out + rel[None, :], tl.trans(q), mask=tl.trans(m))
+
+    @triton.jit
+    def expert_amax_kernel(x_ptr, amax_ptr, offs_ptr, R, K, E, BM: tl.constexpr, BK: tl.constexpr,
+                           BE: tl.constexpr):
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        rmask = rows < R
+        cols = tl.arange(0, BK)
+        acc = tl.zeros((BM,), tl.float32)
+        for k0 in range(0, K, BK):
+            m = rmask[:, None] & (k0 + cols[None, :] < K)
+            v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + k0 + cols[None, :], mask=m, other=0.0)
+            acc = tl.maximum(acc, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+        gid = _expert_of(rows, offs_ptr, E, BE)
+        first = tl.min(tl.where(rmask, gid, E), axis=0)
+        last = tl.max(tl.where(rmask, gid, -1), axis=0)
+        for g in range(first, last + 1):  # the experts this row block touches (mostly one): one atomic each
+            tl.atomic_max(amax_ptr + g, tl.max(tl.where(rmask & (gid == g), acc, 0.0), axis=0))
+
+
+def _constants(fp8_dtype: torch.dtype, margin: int) -> dict:
+    mbits, emin = FP8_GRID[fp8_dtype]
+    return dict(FMAX=FP8_MAX[fp8_dtype], MARGIN_DIV=float(2 ** margin), MBITS=mbits, EMIN=emin,
+                SW_ROUND=triton_cast.production_formulation()[1])
+
+
+def _block_e(e: int) -> int:
+    return max(16, triton.next_power_of_2(e))
+
+
+def _warps(n: int) -> dict:
+    return {} if triton_cast._interpret() else {"num_warps": n}
+
+
+def row_cast(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, offs: torch.Tensor | None = None,
+             expert_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] contiguous -> (q [R, K], scale_inv fp32 [R]): per row, or with `expert_amax` (fp32 [E]) and `offs`
+    per expert."""
+    r, k = x.shape
+    q = torch.empty(r, k, dtype=fp8_dtype, device=x.device)
+    si = torch.empty(r, dtype=torch.float32, device=x.device)
+    per_expert = expert_amax is not None
+    e = offs.shape[0] if offs is not None else 1
+    bm, bk = (16, 128) if triton_cast._interpret() else (8, 256)
+    row_cast_kernel[(triton_cast.triton_cdiv(r, bm),)](
+        x, q, si, expert_amax if per_expert else si, offs if offs is not None else si, r, k, e,
+        PER_EXPERT=per_expert, BM=bm, BK=bk, BE=_block_e(e), **_constants(fp8_dtype, margin), **_warps(4))
+    return q, si
+
+
+def col_cast(x: torch.Tensor, offs: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0,
+             expert_amax: torch.Tensor | None = None, per_expert_out: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, C] contiguous, rows grouped by `offs` -> (q^T, scale_inv fp32 [E, C]), one scale per (expert, column),
+    or with `expert_amax` (fp32 [E]) per expert. q^T: [C, M], or with `per_expert_out` (equal groups of N = M / E
+    rows: a weight [E, N, C] viewed as [E*N, C]) [E, C, N], each expert's transpose."""
+    m, c = x.shape
+    e = offs.shape[0]
+    if per_expert_out:
+        n = m // e
+        t = torch.empty(e, c, n, dtype=fp8_dtype, device=x.device)
+        stride_e, stride_c = c * n, n
+    else:
+        t = torch.empty(c, m, dtype=fp8_dtype, device=x.device)
+        stride_e, stride_c = 0, m
+    si = torch.empty(e, c, dtype=torch.float32, device=x.device)
+    per_expert = expert_amax is not None
+    bm, bc = (16, 32) if triton_cast._interpret() else (64, 64)
+    col_cast_kernel[(e, triton_cast.triton_cdiv(c, bc))](
+        x, t, si, expert_amax if per_expert else si, offs, m, c, e, stride_e, stride_c, LOCAL=per_expert_out,
+        PER_EXPERT=per_expert, BM=bm, BC=bc, **_constants(fp8_dtype, margin), **_warps(4))
+    return t, si
+
+
+def expert_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [R, K] contiguous, rows grouped by `offs` -> fp32 [E]: max |x| over each expert's rows (0 without rows)."""
+    r, k = x.shape
+    e = offs.shape[0]
+    out = torch.zeros(e, dtype=torch.float32, device=x.device)
+    bm, bk = (16, 128) if triton_cast._interpret() else (16, 256)
+    expert_amax_kernel[(triton_cast.triton_cdiv(r, bm),)](x, out, offs, r, k, e, BM=bm, BK=bk, BE=_block_e(e),
+                                                          **_warps(4))
+    return out
+
+
+# ------------------------------------------------------------------ the same casts in torch
+def group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows] int64: the expert of each row (rows past offs[-1] count as the last expert's)."""
+    ids = torch.bucketize(torch.arange(rows, device=offs.device, dtype=offs.dtype), offs, right=True)
+    return ids.clamp_(max=offs.shape[0] - 1)
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    fmax = FP8_MAX[fp8_dtype]
+    return (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
+
+
+def torch_expert_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`expert_amax` in torch."""
+    gid = group_ids(offs, x.shape[0])
+    return x.new_zeros(offs.shape[0], dtype=torch.float32).scatter_reduce(0, gid, x.abs().amax(1).float(), "amax")
+
+
+def torch_row_cast(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, offs: torch.Tensor | None = None,
+                   expert_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`row_cast` in torch."""
+    if expert_amax is not None:
+        assert offs is not None  # per-expert scales need the groups
+        amax = expert_amax[group_ids(offs, x.shape[0])]
+    else:
+        amax = x.abs().amax(1).float()
+    scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
+    return _cast(x, scale[:, None], fp8_dtype), scale.reciprocal()
+
+
+def torch_col_cast(x: torch.Tensor, offs: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0,
+                   expert_amax: torch.Tensor | None = None, per_expert_out: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`col_cast` in torch."""
+    m, c = x.shape
+    e = offs.shape[0]
+    gid = group_ids(offs, m)
+    if expert_amax is not None:
+        amax = expert_amax[:, None].expand(e, c)
+    else:
+        amax = x.new_zeros(e, c, dtype=torch.float32).scatter_reduce(0, gid[:, None].expand(m, c), x.abs().float(),
+                                                                    "amax")
+    scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
+    q = _cast(x, scale[gid], fp8_dtype)
+    t = q.reshape(e, m // e, c).transpose(1, 2).contiguous() if per_expert_out else q.t().contiguous()
+    return t, scale.reciprocal().contiguous()
+
+
+__all__ = ["row_cast", "col_cast", "expert_amax", "group_ids", "torch_row_cast", "torch_col_cast",
+           "torch_expert_amax"]
