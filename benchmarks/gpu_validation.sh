@@ -10,6 +10,9 @@
 #     bash benchmarks/gpu_validation.sh quality       FP8 vs BF16 loss curves, the samplers, torchrun overhead
 #     bash benchmarks/gpu_validation.sh models        the MoE block (BF16 vs FP8, grouped GEMMs); LoRA on an FP8 base
 #                                                     against a BF16 base at llada-8b shapes (memory, tokens/s)
+#     bash benchmarks/gpu_validation.sh moe           the MoE experts' FP8 path: grouped casts against torch, grouped
+#                                                     GEMMs and a layer's gradients against fp32, per recipe; the
+#                                                     grouped casts' bandwidth against a copy's; the MoE block
 #     bash benchmarks/gpu_validation.sh llada         LLaDA-8B packed SFT at seq 4096, BF16 and FP8, activation
 #                                                     recompute: losses, tokens/s, MFU, peak memory
 set -u
@@ -68,6 +71,15 @@ models)
     echo "=== MoE block"; tail -10 "$OUT/moe_block.log"
     echo "=== LoRA, FP8 vs BF16 base"; tail -8 "$OUT/lora_memory.log"
     ;;
+moe)
+    step fp8_grouped_check 200 $PY benchmarks/fp8_grouped_check.py
+    step fp8_grouped_cast 150 $PY benchmarks/fp8_grouped_cast.py --sweep
+    step moe_block 200 $PY benchmarks/moe_block.py
+    echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
+    echo "=== FP8 experts against torch casts and fp32"; tail -28 "$OUT/fp8_grouped_check.log"
+    echo "=== grouped cast bandwidth"; tail -14 "$OUT/fp8_grouped_cast.log"
+    echo "=== MoE block"; tail -10 "$OUT/moe_block.log"
+    ;;
 llada)
     # full fine-tuning keeps ~16 bytes a parameter (fp32 weights, gradients, AdamW moments): ~130 GB for 8.0B
     # parameters before activations, more than one H100 holds; LLADA_LAYERS=16 measures half the stack there
@@ -80,7 +92,7 @@ llada)
     tail -12 "$OUT/llada_sft.log"
     ;;
 *)
-    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed, quality, models or llada" >&2
+    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed, quality, models, moe or llada" >&2
     exit 2
     ;;
 esac

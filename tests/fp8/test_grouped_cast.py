@@ -127,3 +127,26 @@ def test_quantizer_states_scaling_and_grouped_layouts(recipe, scaling):
     if scaling is Scaling.EXPERT:  # one value per expert, written out per row / column
         assert (rows.scale_inv[:16] == rows.scale_inv[0]).all()
         assert (w_cols.scale_inv[1] == w_cols.scale_inv[1, 0]).all()
+
+
+def _script(name: str, *args: str) -> str:
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, f"benchmarks/{name}", *args], cwd=root, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_grouped_check_script_passes_on_the_cpu():
+    out = _script("fp8_grouped_check.py", "--smoke")
+    lines = [line for line in out.splitlines() if line.startswith(("gemm ", "layer "))]
+    assert len(lines) == 12 and all(line.endswith(" ok") for line in lines), out
+    assert out.strip().endswith("0 failed")
+
+
+def test_grouped_cast_bandwidth_script_prints_every_cast():
+    out = _script("fp8_grouped_cast.py", "--smoke")
+    rows = [line.split("|") for line in out.splitlines() if line.count("|") == 4 and "ms" not in line]
+    rows = [r for r in rows if not r[0].startswith("-")]
+    assert len(rows) == 10 and all(float(r[2]) > 0 for r in rows), out
+    assert "of copy (goal >= 70%)" in out

@@ -134,32 +134,43 @@ def _block_e(e: int) -> int:
     return max(16, triton.next_power_of_2(e))
 
 
-def _warps(n: int) -> dict:
-    return {} if triton_cast._interpret() else {"num_warps": n}
+# (rows, columns, warps) of one program of each kernel on the GPU (benchmarks/fp8_grouped_cast.py --sweep measures
+# them); under the interpreter smaller tiles (less emulation per test)
+TILES = {"row_cast": (8, 256, 4), "col_cast": (64, 64, 4), "expert_amax": (16, 256, 4)}
+INTERPRETER_TILES = {"row_cast": (16, 128, 1), "col_cast": (16, 32, 1), "expert_amax": (16, 128, 1)}
+
+
+def _tile(name: str, tile: tuple[int, int, int] | None) -> tuple[int, int, dict]:
+    if triton_cast._interpret():
+        bm, bn, _ = tile or INTERPRETER_TILES[name]
+        return bm, bn, {}
+    bm, bn, warps = tile or TILES[name]
+    return bm, bn, {"num_warps": warps}
 
 
 def row_cast(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, offs: torch.Tensor | None = None,
-             expert_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             expert_amax: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] contiguous -> (q [R, K], scale_inv fp32 [R]): per row, or with `expert_amax` (fp32 [E]) and `offs`
-    per expert."""
+    per expert. tile: (rows, columns, warps) of a program (`TILES` when None)."""
     r, k = x.shape
     q = torch.empty(r, k, dtype=fp8_dtype, device=x.device)
     si = torch.empty(r, dtype=torch.float32, device=x.device)
     per_expert = expert_amax is not None
     e = offs.shape[0] if offs is not None else 1
-    bm, bk = (16, 128) if triton_cast._interpret() else (8, 256)
+    bm, bk, warps = _tile("row_cast", tile)
     row_cast_kernel[(triton_cast.triton_cdiv(r, bm),)](
         x, q, si, expert_amax if per_expert else si, offs if offs is not None else si, r, k, e,
-        PER_EXPERT=per_expert, BM=bm, BK=bk, BE=_block_e(e), **_constants(fp8_dtype, margin), **_warps(4))
+        PER_EXPERT=per_expert, BM=bm, BK=bk, BE=_block_e(e), **_constants(fp8_dtype, margin), **warps)
     return q, si
 
 
 def col_cast(x: torch.Tensor, offs: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0,
-             expert_amax: torch.Tensor | None = None, per_expert_out: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             expert_amax: torch.Tensor | None = None, per_expert_out: bool = False,
+             tile: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, C] contiguous, rows grouped by `offs` -> (q^T, scale_inv fp32 [E, C]), one scale per (expert, column),
     or with `expert_amax` (fp32 [E]) per expert. q^T: [C, M], or with `per_expert_out` (equal groups of N = M / E
-    rows: a weight [E, N, C] viewed as [E*N, C]) [E, C, N], each expert's transpose."""
+    rows: a weight [E, N, C] viewed as [E*N, C]) [E, C, N], each expert's transpose. tile: as `row_cast`'s."""
     m, c = x.shape
     e = offs.shape[0]
     if per_expert_out:
@@ -171,21 +182,22 @@ def col_cast(x: torch.Tensor, offs: torch.Tensor, fp8_dtype: torch.dtype, margin
         stride_e, stride_c = 0, m
     si = torch.empty(e, c, dtype=torch.float32, device=x.device)
     per_expert = expert_amax is not None
-    bm, bc = (16, 32) if triton_cast._interpret() else (64, 64)
+    bm, bc, warps = _tile("col_cast", tile)
     col_cast_kernel[(e, triton_cast.triton_cdiv(c, bc))](
         x, t, si, expert_amax if per_expert else si, offs, m, c, e, stride_e, stride_c, LOCAL=per_expert_out,
-        PER_EXPERT=per_expert, BM=bm, BC=bc, **_constants(fp8_dtype, margin), **_warps(4))
+        PER_EXPERT=per_expert, BM=bm, BC=bc, **_constants(fp8_dtype, margin), **warps)
     return t, si
 
 
-def expert_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [R, K] contiguous, rows grouped by `offs` -> fp32 [E]: max |x| over each expert's rows (0 without rows)."""
+def expert_amax(x: torch.Tensor, offs: torch.Tensor, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [R, K] contiguous, rows grouped by `offs` -> fp32 [E]: max |x| over each expert's rows (0 without rows).
+    tile: as `row_cast`'s."""
     r, k = x.shape
     e = offs.shape[0]
     out = torch.zeros(e, dtype=torch.float32, device=x.device)
-    bm, bk = (16, 128) if triton_cast._interpret() else (16, 256)
+    bm, bk, warps = _tile("expert_amax", tile)
     expert_amax_kernel[(triton_cast.triton_cdiv(r, bm),)](x, out, offs, r, k, e, BM=bm, BK=bk, BE=_block_e(e),
-                                                          **_warps(4))
+                                                          **warps)
     return out
 
 
