@@ -14,7 +14,8 @@ gradient without FP8 (fp8_wgrad=False), `bias_grad` the bias gradient.
 
 `fp8_gemm` dispatches on the operands' `Scaling`: per tensor or per row -> `torch._scaled_mm`; 1x128 tiles /
 128x128 blocks (`blockwise.py`) -> `blockwise.blockwise_gemm`; 1x32 MX (`mx.py`) -> `mx.mx_gemm`. A new scaling
-recipe adds its `Scaling` and its GEMM here; the layers do not change.
+recipe adds its `Scaling` and its GEMM here; the layers do not change. `fp8_grouped_gemm` is the MoE experts' FP8
+GEMM: the same products per expert group (`torch._scaled_grouped_mm`), over per-row or per-expert scaled operands.
 """
 
 from __future__ import annotations
