@@ -46,10 +46,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _run(key: tuple, x: torch.Tensor, kernel: Callable[[], tuple[torch.Tensor, ...]],
          reference: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """kernel() where the Triton kernels run for x and this variant agreed with reference() on its first call."""
+    """kernel() where the Triton kernels run for x and this variant agreed with reference() on its first call (a first
+    call inside CUDA-graph capture, where the comparison cannot synchronise, runs reference() and checks later)."""
     if not triton_cast.enabled(x.device):
         return reference()
     ok = _CHECKED.get(key)
+    if ok is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return reference()
     if ok is None:
         try:
             got = kernel()
@@ -116,14 +119,28 @@ class ExpertQuantizer:
             c = FP8Tensor(t, si, self.scaling, transposed=True, offs=offs)
         return r, c
 
-    def quantize_weight(self, w: torch.Tensor, rows: bool = True, cols: bool = False
-                        ) -> tuple[FP8Tensor | None, FP8Tensor | None]:
-        """w [E, N, K] -> (rows [E, N, K] with scale_inv [E, N], cols = each expert's W^T [E, K, N] with scale_inv
-        [E, K]), each when asked for."""
+    def weight_amax(self, w: torch.Tensor) -> torch.Tensor | None:
+        """Per-expert scaling: max |w[e]| of w [E, N, K] (fp32 [E]), which `quantize_weight` takes to cast w again
+        without another amax pass; None for per-row scaling (nothing to keep)."""
+        if not self.per_expert:
+            return None
+        flat, offs = self._weight_groups(w)
+        return self._amax(flat, offs)
+
+    def _weight_groups(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """w [E, N, K] as [E*N, K] rows and the ends of its experts' row groups."""
         e, n, k = w.shape
-        flat = w.detach().contiguous().reshape(e * n, k)
-        offs = torch.arange(1, e + 1, device=w.device, dtype=torch.int32) * n
-        amax = self._amax(flat, offs) if self.per_expert else None
+        return w.detach().contiguous().reshape(e * n, k), torch.arange(1, e + 1, device=w.device,
+                                                                       dtype=torch.int32) * n
+
+    def quantize_weight(self, w: torch.Tensor, rows: bool = True, cols: bool = False,
+                        amax: torch.Tensor | None = None) -> tuple[FP8Tensor | None, FP8Tensor | None]:
+        """w [E, N, K] -> (rows [E, N, K] with scale_inv [E, N], cols = each expert's W^T [E, K, N] with scale_inv
+        [E, K]), each when asked for. amax: `weight_amax(w)` when the caller kept it (per-expert scaling)."""
+        e, n, k = w.shape
+        flat, offs = self._weight_groups(w)
+        if self.per_expert and amax is None:
+            amax = self._amax(flat, offs)
         r = c = None
         if rows:
             q, si = self._rows(flat, offs, amax)

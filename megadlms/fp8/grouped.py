@@ -32,7 +32,8 @@ class _Float8GroupedLinearFn(torch.autograd.Function):
                 fast_accum: bool, out_dtype: torch.dtype, fp8_wgrad: bool) -> torch.Tensor:
         want_x_t = ctx.needs_input_grad[1] and fp8_wgrad
         xq, x_t = quantizer.quantize(x, offs, rows=True, cols=want_x_t)
-        wq, _ = quantizer.quantize_weight(w, rows=True)
+        w_amax = quantizer.weight_amax(w)  # per-expert scaling: kept for the backward's cast of W^T
+        wq, _ = quantizer.quantize_weight(w, rows=True, amax=w_amax)
         assert xq is not None and wq is not None  # asked for
         y = fp8_grouped_gemm(xq, wq, out_dtype, fast_accum)
         saved_x = saved_si = None
@@ -40,19 +41,19 @@ class _Float8GroupedLinearFn(torch.autograd.Function):
             saved_x, saved_si = x_t.data, x_t.scale_inv
         elif ctx.needs_input_grad[1]:
             saved_x = x.to(out_dtype)  # the weight gradient in the compute dtype needs the unquantized input
-        ctx.save_for_backward(saved_x, saved_si, w, offs)
+        ctx.save_for_backward(saved_x, saved_si, w, offs, w_amax)
         ctx.quantizer, ctx.x_dtype, ctx.fp8_wgrad = quantizer, x.dtype, fp8_wgrad
         return y
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        saved_x, saved_si, w, offs = ctx.saved_tensors
+        saved_x, saved_si, w, offs, w_amax = ctx.saved_tensors
         quantizer: ExpertQuantizer = ctx.quantizer
         want_dw = ctx.needs_input_grad[1]
         gq, g_t = quantizer.quantize(g, offs, rows=ctx.needs_input_grad[0], cols=want_dw and ctx.fp8_wgrad)
         dx = dw = None
         if gq is not None:
-            _, w_t = quantizer.quantize_weight(w, rows=False, cols=True)
+            _, w_t = quantizer.quantize_weight(w, rows=False, cols=True, amax=w_amax)
             assert w_t is not None  # asked for
             dx = fp8_grouped_gemm(gq, w_t, ctx.x_dtype, False)
         if g_t is not None:

@@ -150,3 +150,26 @@ def test_grouped_cast_bandwidth_script_prints_every_cast():
     rows = [r for r in rows if not r[0].startswith("-")]
     assert len(rows) == 10 and all(float(r[2]) > 0 for r in rows), out
     assert "of copy (goal >= 70%)" in out
+
+
+def test_a_kernel_that_disagrees_with_torch_falls_back_with_a_warning(monkeypatch):
+    from megadlms.fp8 import expert_quantizer
+
+    monkeypatch.setattr(expert_quantizer, "_CHECKED", {})
+    monkeypatch.setattr(expert_quantizer.triton_cast, "enabled", lambda device: True)
+    calls = []
+
+    def wrong_row_cast(x, *args):
+        calls.append(1)
+        q, si = k.torch_row_cast(x, *args)
+        return q, si * 2  # wrong scales
+
+    monkeypatch.setattr(expert_quantizer.kernels, "row_cast", wrong_row_cast)
+    quant = ExpertQuantizer(Float8RowwiseScaling())
+    x, offs = torch.randn(32, 48), torch.tensor([16, 32], dtype=torch.int32)
+    with pytest.warns(RuntimeWarning, match="row_cast disagreed with the torch cast"):
+        rows, _ = quant.quantize(x, offs)
+    ref_q, ref_si = k.torch_row_cast(x, E4M3)
+    assert torch.equal(rows.scale_inv, ref_si) and torch.equal(rows.data.view(torch.uint8), ref_q.view(torch.uint8))
+    rows, _ = quant.quantize(x, offs)  # decided once: the torch cast from now on, the kernel not called again
+    assert len(calls) == 1 and torch.equal(rows.scale_inv, ref_si)
