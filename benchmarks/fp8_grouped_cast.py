@@ -29,7 +29,7 @@ from megadlms.fp8.kernels import triton_grouped_cast as k  # noqa: E402
 from megadlms.fp8.recipe import E4M3  # noqa: E402
 from megadlms.moe import dispatch_plan  # noqa: E402
 
-SWEEP = {"row_cast": [(4, 256, 4), (8, 256, 4), (8, 512, 8), (16, 256, 8), (4, 1024, 8), (2, 2048, 8)],
+SWEEP = {"row_cast": [(0, 0, 8), (0, 0, 4), (0, 0, 16), (8, 256, 4), (16, 256, 8), (4, 1024, 8), (2, 2048, 8)],
          "col_cast": [(32, 64, 4), (64, 64, 4), (128, 64, 8), (64, 128, 8), (128, 32, 4), (256, 32, 8)],
          "expert_amax": [(16, 256, 4), (8, 512, 8), (32, 256, 8), (4, 2048, 8)]}
 
@@ -105,7 +105,8 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--sweep", action="store_true", help="time each kernel's tiles (SWEEP), report the fastest")
+    p.add_argument("--sweep", action="store_true",
+                   help="time each kernel's tiles (SWEEP: rows x columns, warps; whole: whole rows), show the fastest")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script)")
     args = p.parse_args()
     if args.smoke:
@@ -136,7 +137,8 @@ def main() -> None:
         share = gbs / copy_gbs
         if kernel != "expert_amax":
             worst = min(worst, share)
-        tile_s = "x".join(map(str, tile or k.TILES[kernel])) if device.type == "cuda" else "-"
+        t = tile or k.TILES[kernel]  # (rows, columns, warps); columns 0: whole rows
+        tile_s = "-" if device.type != "cuda" else f"{'whole' if t[1] == 0 else f'{t[0]}x{t[1]}'} {t[2]}w"
         print(f"{label:32} | {tile_s:>13} | {ms:7.3f} | {gbs:7,.0f} | {share:7.0%}")
     print(f"slowest one-pass cast: {worst:.0%} of copy (goal >= 70%)")
 

@@ -120,3 +120,25 @@ def test_fp8_moe_model_converts_and_trains():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
+def test_forward_and_backward_read_nothing_back_to_the_host(scaling, monkeypatch):
+    """No .item(), .tolist(), .cpu(), bool() or int() of a tensor in the FP8 experts' forward or backward: the
+    expert offsets stay on the device (on a GPU each such read would stall the stream)."""
+    torch.manual_seed(0)
+    x = torch.randn(96, 32, requires_grad=True)
+    w = torch.randn(4, 48, 32, requires_grad=True)
+    grouped_linear(x, w, _offs())  # the one-time backend probe of the grouped GEMM
+    reads = []
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    fp8_grouped_linear(x, w, _offs(), RECIPES[scaling]).backward(torch.ones(96, 48))
+    monkeypatch.undo()
+    assert reads == [] and x.grad is not None and w.grad is not None

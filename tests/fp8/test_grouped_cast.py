@@ -45,8 +45,10 @@ SCRIPT = textwrap.dedent("""
             a = k.expert_amax(x, offs)
             assert same(a, k.torch_expert_amax(x, offs)), (dtype, margin)
             for amax in (None, a):
-                q, si = k.row_cast(x, E4, margin, offs, amax)
-                assert all(map(same, (q, si), k.torch_row_cast(x, E4, margin, offs, amax))), (dtype, margin, amax)
+                for tile in (None, (16, 128, 1)):  # rows in column blocks, or whole rows in one tile
+                    q, si = k.row_cast(x, E4, margin, offs, amax, tile)
+                    ref = k.torch_row_cast(x, E4, margin, offs, amax)
+                    assert all(map(same, (q, si), ref)), (dtype, margin, amax, tile)
                 t, si = k.col_cast(x, offs, E4, margin, amax)
                 assert all(map(same, (t, si), k.torch_col_cast(x, offs, E4, margin, amax))), (dtype, margin, amax)
         w = torch.randn(3, 48, 80).to(dtype)

@@ -4,7 +4,8 @@ The rows of a dispatched [M, K] are grouped by expert (`offs`: int32 [E], cumula
 rows past offs[-1] count as the last expert's). Three kernels, each one launch, no host synchronisation:
 
     row_cast     x [R, K] -> q [R, K], scale_inv [R]: one scale per row (its amax, found in the same program:
-                 the row block is read twice, the second time from L2), or per expert (from `expert_amax`)
+                 whole rows kept in registers where they fit, else the row block read twice, the second time
+                 from L2), or per expert (from `expert_amax`)
     col_cast     x [M, C] -> q^T [C, M] (or per expert [E, C, N] for a weight [E*N, C]), scale_inv [E, C]: one
                  scale per (expert, column) over the expert's rows (or per expert); one program per (expert,
                  column block) walks its group's rows twice (amax, then cast and transposed store)
@@ -51,26 +52,40 @@ if triton is not None:
     @triton.jit
     def row_cast_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, offs_ptr, R, K, E, FMAX: tl.constexpr,
                         MARGIN_DIV: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, PER_EXPERT: tl.constexpr,
-                        SW_ROUND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
+                        SW_ROUND: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
+                        WHOLE_ROWS: tl.constexpr):
+        # WHOLE_ROWS (K <= BK): each row is read once, kept in registers between its amax and its cast
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         rmask = rows < R
         cols = tl.arange(0, BK)
         base = rows.to(tl.int64)[:, None] * K
-        if PER_EXPERT:
-            amax = tl.load(amax_ptr + _expert_of(rows, offs_ptr, E, BE), mask=rmask, other=0.0)
+        if WHOLE_ROWS:
+            m = rmask[:, None] & (cols[None, :] < K)
+            v = tl.load(x_ptr + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            if PER_EXPERT:
+                amax = tl.load(amax_ptr + _expert_of(rows, offs_ptr, E, BE), mask=rmask, other=0.0)
+            else:
+                amax = tl.max(tl.abs(v), axis=1)
+            scale = _scale_of(amax, FMAX, MARGIN_DIV)
+            tl.store(si_ptr + rows, tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), scale), mask=rmask)
+            q = to_fp8(v, scale[:, None], q_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
+            tl.store(q_ptr + base + cols[None, :], q, mask=m)
         else:
-            amax = tl.zeros((BM,), tl.float32)
+            if PER_EXPERT:
+                amax = tl.load(amax_ptr + _expert_of(rows, offs_ptr, E, BE), mask=rmask, other=0.0)
+            else:
+                amax = tl.zeros((BM,), tl.float32)
+                for k0 in range(0, K, BK):
+                    m = rmask[:, None] & (k0 + cols[None, :] < K)
+                    v = tl.load(x_ptr + base + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+            scale = _scale_of(amax, FMAX, MARGIN_DIV)
+            tl.store(si_ptr + rows, tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), scale), mask=rmask)
             for k0 in range(0, K, BK):
                 m = rmask[:, None] & (k0 + cols[None, :] < K)
                 v = tl.load(x_ptr + base + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-        scale = _scale_of(amax, FMAX, MARGIN_DIV)
-        tl.store(si_ptr + rows, tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), scale), mask=rmask)
-        for k0 in range(0, K, BK):
-            m = rmask[:, None] & (k0 + cols[None, :] < K)
-            v = tl.load(x_ptr + base + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            q = to_fp8(v, scale[:, None], q_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
-            tl.store(q_ptr + base + k0 + cols[None, :], q, mask=m)
+                q = to_fp8(v, scale[:, None], q_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
+                tl.store(q_ptr + base + k0 + cols[None, :], q, mask=m)
 
     @triton.jit
     def col_cast_kernel(x_ptr, t_ptr, si_ptr, amax_ptr, offs_ptr, M, C, E, stride_e, stride_c, LOCAL: tl.constexpr,
@@ -135,9 +150,11 @@ def _block_e(e: int) -> int:
 
 
 # (rows, columns, warps) of one program of each kernel on the GPU (benchmarks/fp8_grouped_cast.py --sweep measures
-# them); under the interpreter smaller tiles (less emulation per test)
-TILES = {"row_cast": (8, 256, 4), "col_cast": (64, 64, 4), "expert_amax": (16, 256, 4)}
-INTERPRETER_TILES = {"row_cast": (16, 128, 1), "col_cast": (16, 32, 1), "expert_amax": (16, 128, 1)}
+# them; row_cast's columns 0: whole rows, up to WHOLE_ROW_ELEMENTS a program); under the interpreter smaller tiles
+# (less emulation per test)
+TILES = {"row_cast": (0, 0, 8), "col_cast": (64, 64, 4), "expert_amax": (16, 256, 4)}
+WHOLE_ROW_ELEMENTS = 8192
+INTERPRETER_TILES = {"row_cast": (16, 64, 1), "col_cast": (16, 32, 1), "expert_amax": (16, 128, 1)}
 
 
 def _tile(name: str, tile: tuple[int, int, int] | None) -> tuple[int, int, dict]:
@@ -159,9 +176,13 @@ def row_cast(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, offs: tor
     per_expert = expert_amax is not None
     e = offs.shape[0] if offs is not None else 1
     bm, bk, warps = _tile("row_cast", tile)
+    if bk == 0:  # whole rows in one tile where they fit, else row blocks of 8 x 256
+        whole = triton.next_power_of_2(k)
+        bm, bk = (max(1, WHOLE_ROW_ELEMENTS // whole), whole) if whole <= WHOLE_ROW_ELEMENTS else (8, 256)
     row_cast_kernel[(triton_cast.triton_cdiv(r, bm),)](
         x, q, si, expert_amax if per_expert else si, offs if offs is not None else si, r, k, e,
-        PER_EXPERT=per_expert, BM=bm, BK=bk, BE=_block_e(e), **_constants(fp8_dtype, margin), **warps)
+        PER_EXPERT=per_expert, BM=bm, BK=bk, BE=_block_e(e), WHOLE_ROWS=k <= bk, **_constants(fp8_dtype, margin),
+        **warps)
     return q, si
 
 
