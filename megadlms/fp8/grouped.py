@@ -14,7 +14,7 @@ import torch
 
 from ..grouped_gemm import gmm_wgrad
 from ..model import compute_dtype
-from ..moe import GroupedExperts
+from ..moe import GroupedExperts, _local
 from .expert_quantizer import ExpertQuantizer
 from .gemm import fp8_grouped_gemm
 from .recipe import Recipe
@@ -29,9 +29,14 @@ class _Float8GroupedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, quantizer: ExpertQuantizer,
-                fast_accum: bool, out_dtype: torch.dtype, fp8_wgrad: bool) -> torch.Tensor:
+                fast_accum: bool, out_dtype: torch.dtype, fp8_wgrad: bool,
+                x_fp8: tuple[FP8Tensor, FP8Tensor | None] | None) -> torch.Tensor:
         want_x_t = ctx.needs_input_grad[1] and fp8_wgrad
-        xq, x_t = quantizer.quantize(x, offs, rows=True, cols=want_x_t)
+        xq: FP8Tensor | None
+        if x_fp8 is not None and (x_fp8[1] is not None or not want_x_t):  # x's casts, shared with another weight
+            xq, x_t = x_fp8[0], x_fp8[1] if want_x_t else None
+        else:
+            xq, x_t = quantizer.quantize(x, offs, rows=True, cols=want_x_t)
         w_amax = quantizer.weight_amax(w)  # per-expert scaling: kept for the backward's cast of W^T
         wq, _ = quantizer.quantize_weight(w, rows=True, amax=w_amax)
         assert xq is not None and wq is not None  # asked for
@@ -61,19 +66,21 @@ class _Float8GroupedLinearFn(torch.autograd.Function):
             dw = fp8_grouped_gemm(g_t, x_t, w.dtype, False)
         elif want_dw:
             dw = gmm_wgrad(g.to(saved_x.dtype).t(), saved_x, offs).to(w.dtype)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, quantizer: ExpertQuantizer | Recipe,
-                       fast_accum: bool = True, fp8_wgrad: bool = True) -> torch.Tensor:
+                       fast_accum: bool = True, fp8_wgrad: bool = True,
+                       x_fp8: tuple[FP8Tensor, FP8Tensor | None] | None = None) -> torch.Tensor:
     """x [M, K] (rows grouped by `offs`, int32 [E]) and w [E, N, K] -> [M, N] in the compute dtype, its GEMMs in
     FP8 with `quantizer` (or one of the recipe given). K and N must be multiples of 16, and so must every group's
     rows on CUDA (`moe.dispatch_plan` pads them). fp8_wgrad=False: the weight gradient as a grouped GEMM in the
-    compute dtype from the unquantized x (saved in that dtype) and g."""
+    compute dtype from the unquantized x (saved in that dtype) and g. x_fp8: `quantizer.quantize(x, offs)`'s
+    (rows, cols) when the caller cast x already (projections sharing their input)."""
     if not isinstance(quantizer, ExpertQuantizer):
         quantizer = ExpertQuantizer(quantizer)
     out_dtype = compute_dtype(x)
-    return _Float8GroupedLinearFn.apply(x, w, offs, quantizer, fast_accum, out_dtype, fp8_wgrad)
+    return _Float8GroupedLinearFn.apply(x, w, offs, quantizer, fast_accum, out_dtype, fp8_wgrad, x_fp8)
 
 
 def scaled_gmm(a: torch.Tensor, sa_inv: torch.Tensor, b: torch.Tensor, sb_inv: torch.Tensor, offs: torch.Tensor,
@@ -118,10 +125,24 @@ class Float8GroupedExperts(GroupedExperts):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.scaling.value}, fp8_wgrad={self.fp8_wgrad}"
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+               x_fp8: tuple[FP8Tensor, FP8Tensor | None] | None = None) -> torch.Tensor:
         if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0:
             return super().linear(x, w, offs)
-        return fp8_grouped_linear(x, w, offs, self.quantizer, self.fprop_fast_accum, self.fp8_wgrad)
+        return fp8_grouped_linear(x, w, offs, self.quantizer, self.fprop_fast_accum, self.fp8_wgrad, x_fp8)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """`GroupedExperts.forward`, with x cast to FP8 once for the gate and up projections (its rows for their
+        fprop, its transposed copy for their weight gradients)."""
+        if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0:
+            return super().forward(x, offs)
+        gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        cols = self.fp8_wgrad and torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+        rows_fp8, cols_fp8 = self.quantizer.quantize(x, offs, rows=True, cols=cols)
+        assert rows_fp8 is not None  # asked for
+        x_fp8 = (rows_fp8, cols_fp8)
+        h = self.act_fn(self.linear(x, gate, offs, x_fp8), self.linear(x, up, offs, x_fp8))
+        return self.linear(h, down, offs)
 
 
 def fp8_grouped_eligible(experts: torch.nn.Module) -> bool:

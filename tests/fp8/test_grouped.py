@@ -142,3 +142,24 @@ def test_forward_and_backward_read_nothing_back_to_the_host(scaling, monkeypatch
     fp8_grouped_linear(x, w, _offs(), RECIPES[scaling]).backward(torch.ones(96, 48))
     monkeypatch.undo()
     assert reads == [] and x.grad is not None and w.grad is not None
+
+
+def test_gate_and_up_projections_share_one_cast_of_their_input(monkeypatch):
+    torch.manual_seed(0)
+    from megadlms.model import SwiGLU
+
+    experts = Float8GroupedExperts(4, 32, 48, SwiGLU(), recipe=Float8RowwiseScaling())
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, 0, 0.1)
+    x = torch.randn(96, 32, requires_grad=True)
+    with fp8_autocast(enabled=False):
+        ref = experts(x, _offs())
+    casts = []
+    original = experts.quantizer.quantize
+    monkeypatch.setattr(experts.quantizer, "quantize", lambda t, *a, **k: casts.append(t.shape) or original(t, *a, **k))
+    with fp8_autocast(enabled=True, fp8_recipe=experts.recipe):
+        y = experts(x, _offs())
+    assert casts == [(96, 32), (96, 48)]  # x once for gate and up, h for down
+    y.backward(torch.ones_like(y))
+    assert casts[2:] == [(96, 32), (96, 48), (96, 48)]  # the three output gradients
+    assert ((y - ref).norm() / ref.norm()) < 0.1 and x.grad is not None
