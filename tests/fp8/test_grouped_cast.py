@@ -131,23 +131,30 @@ def test_quantizer_states_scaling_and_grouped_layouts(recipe, scaling):
         assert (w_cols.scale_inv[1] == w_cols.scale_inv[1, 0]).all()
 
 
-def _script(name: str, *args: str) -> str:
-    root = Path(__file__).resolve().parents[2]
-    res = subprocess.run([sys.executable, f"benchmarks/{name}", *args], cwd=root, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
-    assert res.returncode == 0, res.stdout + res.stderr
-    return res.stdout
+def _script(name: str, args: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run benchmarks/<name>'s main() in this process (no interpreter start-up) and return what it printed."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / name
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [str(path), *args])
+    try:
+        module.main()
+    except SystemExit as e:
+        assert e.code == 0, capsys.readouterr().out
+    return capsys.readouterr().out
 
 
-def test_grouped_check_script_passes_on_the_cpu():
-    out = _script("fp8_grouped_check.py", "--smoke")
+def test_grouped_check_script_passes_on_the_cpu(capsys, monkeypatch):
+    out = _script("fp8_grouped_check.py", ["--smoke"], capsys, monkeypatch)
     lines = [line for line in out.splitlines() if line.startswith(("gemm ", "layer "))]
     assert len(lines) == 12 and all(line.endswith(" ok") for line in lines), out
     assert out.strip().endswith("0 failed")
 
 
-def test_grouped_cast_bandwidth_script_prints_every_cast():
-    out = _script("fp8_grouped_cast.py", "--smoke")
+def test_grouped_cast_bandwidth_script_prints_every_cast(capsys, monkeypatch):
+    out = _script("fp8_grouped_cast.py", ["--smoke"], capsys, monkeypatch)
     rows = [line.split("|") for line in out.splitlines() if line.count("|") == 4 and "ms" not in line]
     rows = [r for r in rows if not r[0].startswith("-")]
     assert len(rows) == 10 and all(float(r[2]) > 0 for r in rows), out
