@@ -163,3 +163,22 @@ def test_gate_and_up_projections_share_one_cast_of_their_input(monkeypatch):
     y.backward(torch.ones_like(y))
     assert casts[2:] == [(96, 32), (96, 48), (96, 48)]  # the three output gradients
     assert ((y - ref).norm() / ref.norm()) < 0.1 and x.grad is not None
+
+
+def test_grouped_gemm_refuses_what_the_gpu_kernel_would_on_every_backend():
+    from megadlms.fp8.gemm import fp8_grouped_gemm
+    from megadlms.fp8.tensor import FP8Tensor
+
+    offs = _offs()
+    x = FP8Tensor(torch.zeros(96, 32, dtype=E4M3), torch.ones(96), Scaling.ROW, offs=offs)
+    w = FP8Tensor(torch.zeros(4, 48, 32, dtype=E4M3), torch.ones(4, 48), Scaling.ROW)
+    assert fp8_grouped_gemm(x, w, torch.float32, False).shape == (96, 48)
+    bad = [(x.with_data(x.data, torch.ones(96, 1)), w, r"scale_inv is torch.float32 \(96, 1\), not fp32 \(96,\)"),
+           (x, w.with_data(w.data.to(torch.float8_e5m2)), "must be E4M3, row-major"),
+           (x, w.with_data(torch.zeros(3, 48, 32, dtype=E4M3)), "multiply 4 expert weights"),
+           (x.with_data(torch.zeros(96, 24, dtype=E4M3)), w, "multiply 4 expert weights"),
+           (FP8Tensor(x.data, x.scale_inv, Scaling.ROW, offs=offs.long()), w, "offsets must be int32"),
+           (FP8Tensor(x.data, x.scale_inv, Scaling.TENSOR, offs=offs), w, "per-row or per-expert scaled")]
+    for a, b, message in bad:
+        with pytest.raises(ValueError, match=message):
+            fp8_grouped_gemm(a, b, torch.float32, False)
