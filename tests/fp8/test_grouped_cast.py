@@ -182,3 +182,16 @@ def test_a_kernel_that_disagrees_with_torch_falls_back_with_a_warning(monkeypatc
     assert torch.equal(rows.scale_inv, ref_si) and torch.equal(rows.data.view(torch.uint8), ref_q.view(torch.uint8))
     rows, _ = quant.quantize(x, offs)  # decided once: the torch cast from now on, the kernel not called again
     assert len(calls) == 1 and torch.equal(rows.scale_inv, ref_si)
+
+
+def test_torch_casts_in_row_chunks_equal_the_whole(monkeypatch):
+    torch.manual_seed(0)
+    x, offs = torch.randn(80, 32).to(torch.bfloat16), torch.tensor([16, 16, 48, 80], dtype=torch.int32)
+    x[20:30] *= 40
+    whole = [k.torch_row_cast(x, E4M3), k.torch_col_cast(x, offs, E4M3), (k.torch_expert_amax(x, offs),)]
+    monkeypatch.setattr(k, "REFERENCE_ROWS", 24)  # chunks that cut through expert groups
+    chunked = [k.torch_row_cast(x, E4M3), k.torch_col_cast(x, offs, E4M3), (k.torch_expert_amax(x, offs),)]
+    for a, b in zip(whole, chunked):
+        for ta, tb in zip(a, b):
+            assert torch.equal(ta.view(torch.uint8) if ta.dtype == E4M3 else ta,
+                               tb.view(torch.uint8) if tb.dtype == E4M3 else tb)

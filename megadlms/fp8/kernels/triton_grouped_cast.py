@@ -21,6 +21,8 @@ cast(clamp(x * scale)) with round-to-nearest-even (`triton_cast.to_fp8`). `torch
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..recipe import FP8_MAX
@@ -223,21 +225,40 @@ def expert_amax(x: torch.Tensor, offs: torch.Tensor, tile: tuple[int, int, int] 
 
 
 # ------------------------------------------------------------------ the same casts in torch
+# Rows of a torch cast computed at once: its fp32 temporaries stay this many rows tall (the first-call check of a
+# kernel on a GPU runs them at the full routed shapes: hundreds of MiB each otherwise). Fixed by shape: no sync.
+REFERENCE_ROWS = 8192
+
+
+def _chunks(rows: int) -> list[slice]:
+    return [slice(s, min(s + REFERENCE_ROWS, rows)) for s in range(0, rows, REFERENCE_ROWS)]
+
+
 def group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
     """[rows] int64: the expert of each row (rows past offs[-1] count as the last expert's)."""
     ids = torch.bucketize(torch.arange(rows, device=offs.device, dtype=offs.dtype), offs, right=True)
     return ids.clamp_(max=offs.shape[0] - 1)
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+def _cast_rows(x: torch.Tensor, scale_of: Callable[[slice], torch.Tensor], fp8_dtype: torch.dtype) -> torch.Tensor:
+    """x [R, C] -> cast(clamp(x * scale)) computed in row chunks, scale_of(rows) giving the fp32 scales of a chunk of
+    rows ([rows, 1] or [rows, C])."""
     fmax = FP8_MAX[fp8_dtype]
-    return (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    for c in _chunks(x.shape[0]):
+        q[c] = (x[c].float() * scale_of(c)).clamp(-fmax, fmax).to(fp8_dtype)
+    return q
+
+
+def _row_amax(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x[c].abs().amax(1).float() for c in _chunks(x.shape[0])]) if x.shape[0] else \
+        x.new_zeros(0, dtype=torch.float32)
 
 
 def torch_expert_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """`expert_amax` in torch."""
     gid = group_ids(offs, x.shape[0])
-    return x.new_zeros(offs.shape[0], dtype=torch.float32).scatter_reduce(0, gid, x.abs().amax(1).float(), "amax")
+    return x.new_zeros(offs.shape[0], dtype=torch.float32).scatter_reduce(0, gid, _row_amax(x), "amax")
 
 
 def torch_row_cast(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, offs: torch.Tensor | None = None,
@@ -247,9 +268,9 @@ def torch_row_cast(x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, off
         assert offs is not None  # per-expert scales need the groups
         amax = expert_amax[group_ids(offs, x.shape[0])]
     else:
-        amax = x.abs().amax(1).float()
+        amax = _row_amax(x)
     scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
-    return _cast(x, scale[:, None], fp8_dtype), scale.reciprocal()
+    return _cast_rows(x, lambda rows: scale[rows, None], fp8_dtype), scale.reciprocal()
 
 
 def torch_col_cast(x: torch.Tensor, offs: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0,
@@ -262,10 +283,11 @@ def torch_col_cast(x: torch.Tensor, offs: torch.Tensor, fp8_dtype: torch.dtype, 
     if expert_amax is not None:
         amax = expert_amax[:, None].expand(e, c)
     else:
-        amax = x.new_zeros(e, c, dtype=torch.float32).scatter_reduce(0, gid[:, None].expand(m, c), x.abs().float(),
-                                                                    "amax")
+        amax = x.new_zeros(e, c, dtype=torch.float32)
+        for ch in _chunks(m):
+            amax.scatter_reduce_(0, gid[ch, None].expand(-1, c), x[ch].abs().float(), "amax")
     scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin)
-    q = _cast(x, scale[gid], fp8_dtype)
+    q = _cast_rows(x, lambda rows: scale[gid[rows]], fp8_dtype)  # each row's expert's scales
     t = q.reshape(e, m // e, c).transpose(1, 2).contiguous() if per_expert_out else q.t().contiguous()
     return t, scale.reciprocal().contiguous()
 
