@@ -131,6 +131,9 @@ class Float8GroupedExperts(GroupedExperts):
             return super().linear(x, w, offs)
         return fp8_grouped_linear(x, w, offs, self.quantizer, self.fprop_fast_accum, self.fp8_wgrad, x_fp8)
 
+    # Outside torch.compile's graphs, as `Float8Linear.forward`: a compiled layer runs the FP8 experts eagerly (their
+    # casts are Triton kernels with a first-call check, the GEMMs torch._scaled_grouped_mm)
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """`GroupedExperts.forward`, with x cast to FP8 once for the gate and up projections (its rows for their
         fprop, its transposed copy for their weight gradients)."""
