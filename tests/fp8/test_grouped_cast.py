@@ -155,9 +155,9 @@ def test_grouped_check_script_passes_on_the_cpu(capsys, monkeypatch):
 
 def test_grouped_cast_bandwidth_script_prints_every_cast(capsys, monkeypatch):
     out = _script("fp8_grouped_cast.py", ["--smoke"], capsys, monkeypatch)
-    rows = [line.split("|") for line in out.splitlines() if line.count("|") == 4 and "ms" not in line]
+    rows = [line.split("|") for line in out.splitlines() if line.count("|") == 5 and "ms" not in line]
     rows = [r for r in rows if not r[0].startswith("-")]
-    assert len(rows) == 10 and all(float(r[2]) > 0 for r in rows), out
+    assert len(rows) == 10 and all(float(r[2]) > 0 and float(r[4].replace(",", "")) > 0 for r in rows), out
     assert "of copy (goal >= 70%)" in out
 
 
