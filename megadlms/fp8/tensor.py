@@ -79,4 +79,5 @@ class FP8Tensor:
 
     def __repr__(self) -> str:
         t = ", transposed" if self.transposed else ""
+        t += f", {self.offs.shape[0]} expert groups" if self.offs is not None else ""
         return f"FP8Tensor({tuple(self.data.shape)}, {self.data.dtype}, {self.scaling.value}{t})"
