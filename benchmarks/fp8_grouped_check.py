@@ -65,7 +65,7 @@ def to_cpu(t: FP8Tensor) -> FP8Tensor:
                      t.offs.cpu() if t.offs is not None else None)
 
 
-def check_casts(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> None:
+def check_casts(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, repeats: int) -> None:
     if not triton_cast.enabled(x.device):
         print("casts: the Triton kernels do not run here (off CUDA): skipped")
         return
@@ -81,6 +81,14 @@ def check_casts(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> None:
         for label, ea in (("per (expert, column)", None), ("per expert", amax)):
             got, ref = k.col_cast(xs, offs, E4M3, 0, ea), k.torch_col_cast(xs, offs, E4M3, 0, ea)
             report(f"cast {dtype}: x^T {label}", max(map(differing, got, ref)), 0)
+    # the transposed stores again on fresh inputs, other kernels in between (a store that goes wrong only sometimes)
+    worst = 0.0
+    for i in range(repeats):
+        xs = torch.randn_like(x) * (i + 1)
+        for ea in (None, k.expert_amax(xs, offs)):
+            got, ref = k.col_cast(xs, offs, E4M3, 0, ea), k.torch_col_cast(xs, offs, E4M3, 0, ea)
+            worst = max(worst, *map(differing, got, ref))
+    report(f"cast bf16: x^T on {repeats} fresh inputs (worst)", worst, 0)
     wa = k.expert_amax(wflat, woffs)
     for label, ea in (("per (expert, column)", None), ("per expert", wa)):
         got = k.col_cast(wflat, woffs, E4M3, 0, ea, True)
@@ -132,10 +140,11 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=1024)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=10, help="fresh inputs for the transposed stores' second check")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script)")
     args = p.parse_args()
     if args.smoke:
-        args.tokens, args.hidden, args.ffn, args.experts, args.topk = 48, 64, 32, 4, 2
+        args.tokens, args.hidden, args.ffn, args.experts, args.topk, args.repeats = 48, 64, 32, 4, 2, 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         from megadlms.triton_setup import use_torch_ptxas
@@ -152,7 +161,7 @@ def main() -> None:
     x[: m // 8] *= 30  # a few experts with larger inputs: their own scales
     w = torch.randn(args.experts, args.ffn, args.hidden, device=device) * 0.02
     g = torch.randn(m, args.ffn, device=device).to(torch.bfloat16)
-    check_casts(x, offs, w)
+    check_casts(x, offs, w, args.repeats)
     check_gemms(x, offs, w, g)
     check_layer(x, offs, w, g)
     print(f"{len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))

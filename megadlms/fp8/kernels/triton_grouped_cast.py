@@ -116,12 +116,13 @@ if triton is not None:
             rows = r0 + lr
             m = (rows[:, None] < end) & cmask[None, :]
             v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            q = to_fp8(v, scale[None, :], t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
+            # the fp32 tile transposed, then converted (the one-pass cast's production formulation, triton_cast)
+            qt = to_fp8(tl.trans(v), scale[:, None], t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
             if LOCAL:  # each expert's own [C, N] block
                 rel = rows - start
             else:
                 rel = rows
-            tl.store(out + rel[None, :], tl.trans(q), mask=tl.trans(m))
+            tl.store(out + rel[None, :], qt, mask=cmask[:, None] & (rows[None, :] < end))
 
     @triton.jit
     def expert_amax_kernel(x_ptr, amax_ptr, offs_ptr, R, K, E, BM: tl.constexpr, BK: tl.constexpr,
