@@ -1,11 +1,11 @@
 """The quantizers of the MoE experts' grouped operands: the recipe's scaling for the three grouped GEMMs.
 
 An expert projection y = x @ W_e^T (x's rows grouped by expert, `offs`) takes these FP8 operands
-(`tensor.FP8Tensor`s, their layouts in `tensor.py`):
+(`tensor.FP8Tensor`s, their layouts in `tensor.py`; rows / cols: what `quantize` and `quantize_weight` return):
 
-    fprop:  y  = x @ W_e^T        rows(x)  [M, K]            weight(W)      [E, N, K]
-    dgrad:  dx = g @ W_e          rows(g)  [M, N]            weight_cols(W) [E, K, N]
-    wgrad:  dW_e = g_e^T @ x_e    cols(g)  [N, M] grouped    cols(x)        [K, M] grouped
+    fprop:  y  = x @ W_e^T        x rows         [M, K]            W rows         [E, N, K]
+    dgrad:  dx = g @ W_e          g rows         [M, N]            W cols (W^T)   [E, K, N]
+    wgrad:  dW_e = g_e^T @ x_e    g cols (g^T)   [N, M] grouped    x cols (x^T)   [K, M] grouped
 
 Every scale runs along a dimension its GEMM does not contract (what `torch._scaled_grouped_mm` takes), so `cols`
 are casts of their own, grouped by expert. The recipe says the granularity (`Recipe.experts`):
