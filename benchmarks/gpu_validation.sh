@@ -10,6 +10,9 @@
 #     bash benchmarks/gpu_validation.sh quality       FP8 vs BF16 loss curves, the samplers, torchrun overhead
 #     bash benchmarks/gpu_validation.sh models        the MoE block (BF16 vs FP8, grouped GEMMs); LoRA on an FP8 base
 #                                                     against a BF16 base at llada-8b shapes (memory, tokens/s)
+#     bash benchmarks/gpu_validation.sh moe           the MoE experts' FP8 path: grouped casts against torch, grouped
+#                                                     GEMMs and a layer's gradients against fp32, per recipe; the
+#                                                     grouped casts' bandwidth against a copy's; the MoE block
 #     bash benchmarks/gpu_validation.sh e2e           FP8 against BF16 where users run it, each with the kernel time
 #                                                     by category and peak memory: the 8B-class block per recipe,
 #                                                     the trainer (qwen3-1.7b), pre-training and packed SFT
@@ -76,6 +79,15 @@ models)
     echo "=== MoE block"; tail -10 "$OUT/moe_block.log"
     echo "=== LoRA, FP8 vs BF16 base"; tail -8 "$OUT/lora_memory.log"
     ;;
+moe)
+    step fp8_grouped_check 200 $PY benchmarks/fp8_grouped_check.py
+    step fp8_grouped_cast 150 $PY benchmarks/fp8_grouped_cast.py --sweep
+    step moe_block 200 $PY benchmarks/moe_block.py
+    echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
+    echo "=== FP8 experts against torch casts and fp32"; tail -28 "$OUT/fp8_grouped_check.log"
+    echo "=== grouped cast bandwidth"; tail -14 "$OUT/fp8_grouped_cast.log"
+    echo "=== MoE block"; tail -10 "$OUT/moe_block.log"
+    ;;
 e2e)
     # about 8 minutes in all: the workloads the budget leaves out say so in the table (run them with
     # `python3 benchmarks/step_breakdown.py --workloads NAME,...`)
@@ -104,7 +116,7 @@ llada)
     tail -12 "$OUT/llada_sft.log"
     ;;
 *)
-    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed, quality, models, e2e or llada" >&2
+    echo "gpu_validation.sh: unknown part '$PART'; use correctness, speed, quality, models, moe, e2e or llada" >&2
     exit 2
     ;;
 esac

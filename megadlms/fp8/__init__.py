@@ -10,9 +10,10 @@ Which code runs where (the core at the top, the rest in four packages below it):
     recipe.py      the five recipes (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling,
                    Float8BlockwiseScaling, Float8MXScaling), each stating its capabilities; every rule about recipes
     tensor.py      FP8Tensor, the one type of FP8 data: data, scale_inv, the scaling it states and its axis
-    quantizer.py   one quantizer per (tensor role, recipe): a recipe is a kind of quantizer
+    quantizer.py   one quantizer per (tensor role, recipe): a recipe is a kind of quantizer; expert_quantizer.py:
+                   the MoE experts' grouped operands (per row or per expert)
     gemm.py        the FP8 GEMMs (fprop, dgrad, wgrad) dispatched on the operands' scaling; the only caller of
-                   torch._scaled_mm
+                   torch._scaled_mm and (fp8_grouped_gemm, the experts') torch._scaled_grouped_mm
     linear.py      Float8Linear and its state: one autograd function over its quantizers and the GEMM helper,
                    which also runs the fused groups' concatenated weights
     convert.py     convert_to_fp8, fp8_step; state.py: fp8_autocast; hardware.py: which devices run FP8
@@ -20,7 +21,8 @@ Which code runs where (the core at the top, the rest in four packages below it):
                    (LoRA bases); export.py: FP8 inference export
     formats/       the finer scalings with their casts and GEMMs: blockwise.py (1x128 / 128x128), mx.py (MXFP8)
     kernels/       ops.py (the cast / transpose / amax interface), primitives.py (the torch casts, the
-                   references), triton_cast.py and triton_swiglu.py (the Triton kernels)
+                   references), triton_cast.py, triton_swiglu.py and triton_grouped_cast.py (the
+                   Triton kernels)
     fusions/       registry.py (the fusions conversion installs, as modules in the model's fusion slots),
                    fused_linear.py (q/k/v and gate/up as one GEMM), fused_mlp.py (the MLP as one function, the
                    SwiGLU fused into its casts), swiglu.py (FP8 activation storage)

@@ -64,7 +64,8 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
     Float8Linear holding the same weight/bias Parameter objects, so optimizers, initialisation
     and tied references are unaffected. The embedding, final norm and LM head stay in high
     precision, as do the first/last `num_layers_at_{start,end}_in_bf16` transformer layers. The experts of an MoE
-    block become `grouped.Float8GroupedExperts` (FP8 grouped GEMMs, per-expert scales); its router stays fp32.
+    block become `grouped.Float8GroupedExperts` (FP8 grouped GEMMs, per-row or per-expert scales); its router stays
+    fp32.
     activation_func_fp8_input_store: the SwiGLU of each FP8 layer keeps its inputs for backward
         in E4M3. fp8_wgrad=False: weight gradients in BF16 (fprop/dgrad stay FP8).
     fuse_projections: q/k/v and gate/up of each FP8 layer run as one FP8 GEMM each, sharing one cast of

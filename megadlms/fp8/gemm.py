@@ -14,7 +14,8 @@ gradient without FP8 (fp8_wgrad=False), `bias_grad` the bias gradient.
 
 `fp8_gemm` dispatches on the operands' `Scaling`: per tensor or per row -> `torch._scaled_mm`; 1x128 tiles /
 128x128 blocks (`blockwise.py`) -> `blockwise.blockwise_gemm`; 1x32 MX (`mx.py`) -> `mx.mx_gemm`. A new scaling
-recipe adds its `Scaling` and its GEMM here; the layers do not change.
+recipe adds its `Scaling` and its GEMM here; the layers do not change. `fp8_grouped_gemm` is the MoE experts' FP8
+GEMM: the same products per expert group (`torch._scaled_grouped_mm`), over per-row or per-expert scaled operands.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import warnings
 
 import torch
 
+from ..grouped_gemm import gmm, gmm_wgrad
 from .formats.blockwise import blockwise_gemm, dequantize_blocks, dequantize_tiles
 from .formats.mx import dequantize_mx, mx_gemm
-from .recipe import E5M2
+from .kernels.triton_grouped_cast import group_ids
+from .recipe import E4M3, E5M2
 from .tensor import FP8Tensor, Scaling
 
 
@@ -167,6 +170,70 @@ def fp8_gemm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype, fast_accum: boo
 _SCALED_MM = (Scaling.TENSOR, Scaling.ROW)  # the scalings `torch._scaled_mm` takes
 
 
+_GROUPED = (Scaling.ROW, Scaling.EXPERT)  # the scalings `torch._scaled_grouped_mm` takes (as per-row scales)
+
+
+def fp8_grouped_gemm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """The experts' grouped GEMMs, a @ b^T per expert group (`expert_quantizer.py`; layouts in `tensor.py`):
+
+    a rows [M, K] grouped by a.offs, b expert weights [E, N, K]      -> [M, N]     (fprop, dgrad)
+    a [N, M] and b [K, M], transposed copies grouped along M         -> [E, N, K]  (wgrad)
+
+    in out_dtype, fp32 accumulation (`fast_accum`: Hopper's faster one). Rows of a past a.offs[-1] give no output
+    rows worth keeping (callers keep none). CUDA: `torch._scaled_grouped_mm` (Hopper; K and N multiples of 16, every
+    group's rows too); elsewhere the FP8 operands dequantized to fp32 and multiplied by `grouped_gemm.gmm` /
+    `gmm_wgrad` (the same products; only the summation order differs)."""
+    if a.scaling not in _GROUPED or b.scaling not in _GROUPED or a.offs is None:
+        raise ValueError(f"fp8_grouped_gemm: takes per-row or per-expert scaled operands grouped by expert, got {a} "
+                         f"and {b}")
+    _check_grouped_operands(a, b)
+    offs = a.offs
+    if a.transposed:  # wgrad: both operands grouped along the contracted M
+        if a.data.is_cuda:
+            return torch._scaled_grouped_mm(a.data, b.data.t(), a.scale_inv.reshape(-1), b.scale_inv.reshape(-1),
+                                            offs=offs, out_dtype=torch.bfloat16,
+                                            use_fast_accum=fast_accum).to(out_dtype)
+        gid = group_ids(offs, a.data.shape[1])
+        ad = a.data.float() * a.scale_inv[gid].t()
+        bd = b.data.float() * b.scale_inv[gid].t()
+        return gmm_wgrad(ad, bd.t(), offs).to(out_dtype)
+    if a.data.is_cuda:
+        return torch._scaled_grouped_mm(a.data, b.data.transpose(-2, -1), a.scale_inv, b.scale_inv, offs=offs,
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast_accum).to(out_dtype)
+    ad = a.data.float() * a.scale_inv[:, None]
+    bd = b.data.float() * b.scale_inv[:, :, None]
+    return gmm(ad, bd.transpose(-2, -1), offs).to(out_dtype)
+
+
+def _check_grouped_operands(a: FP8Tensor, b: FP8Tensor) -> None:
+    """What CUDA's `torch._scaled_grouped_mm` requires of the operands (E4M3 row-major data, K and N multiples of
+    16, fp32 scales of the layouts in `tensor.py`, int32 offsets, one group per expert), checked on every backend
+    so that CPU tests catch what would fail on a GPU. Metadata only: no sync (every group's rows being a multiple
+    of 16, which the GPU also needs, is `moe.dispatch_plan`'s to keep)."""
+    assert a.offs is not None  # checked by the caller
+    e = a.offs.shape[0]
+    scale_shapes: tuple[tuple[int, ...], tuple[int, ...]]
+    if a.transposed:
+        if not b.transposed or b.offs is None or a.data.dim() != 2 or b.data.dim() != 2:
+            raise ValueError(f"fp8_grouped_gemm: a transposed grouped {a} multiplies another one, got {b}")
+        scale_shapes = ((e, a.data.shape[0]), (e, b.data.shape[0]))
+        if a.data.shape[1] != b.data.shape[1]:
+            raise ValueError(f"fp8_grouped_gemm: {a} and {b} are grouped along different lengths")
+    else:
+        if a.data.dim() != 2 or b.data.dim() != 3 or b.data.shape[0] != e or a.data.shape[1] != b.data.shape[2]:
+            raise ValueError(f"fp8_grouped_gemm: grouped rows {a} multiply {e} expert weights [E, N, K], got {b}")
+        scale_shapes = ((a.data.shape[0],), tuple(b.data.shape[:2]))
+    for t, shape in zip((a, b), scale_shapes):
+        if t.data.dtype != E4M3 or t.data.stride(-1) != 1 or t.data.shape[-1] % 16 or t.data.shape[-2] % 16:
+            raise ValueError(f"fp8_grouped_gemm: {t} must be E4M3, row-major, with both dims multiples of 16")
+        if t.scale_inv.dtype != torch.float32 or tuple(t.scale_inv.shape) != shape:
+            raise ValueError(f"fp8_grouped_gemm: {t}'s scale_inv is {t.scale_inv.dtype} {tuple(t.scale_inv.shape)}, "
+                             f"not fp32 {shape}")
+    if a.offs.dtype != torch.int32 or a.offs.dim() != 1:
+        raise ValueError(f"fp8_grouped_gemm: the expert offsets must be int32 [E], got {a.offs.dtype} "
+                         f"{tuple(a.offs.shape)}")
+
+
 def wgrad_high_precision(g: torch.Tensor, x: torch.Tensor, compute_dtype: torch.dtype,
                          w_dtype: torch.dtype) -> torch.Tensor:
     """dW = g^T @ x in the compute dtype from the unquantized g [M, N] and x [M, K] (fp8_wgrad=False) -> [N, K]."""
@@ -178,5 +245,5 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return g.float().sum(0).to(dtype)
 
 
-__all__ = ["dequant_scale", "fp8_gemm", "scaled_mm", "cpu_scaled_mm",
+__all__ = ["dequant_scale", "fp8_gemm", "fp8_grouped_gemm", "scaled_mm", "cpu_scaled_mm",
            "aligned_scalars", "wgrad_high_precision", "bias_grad"]

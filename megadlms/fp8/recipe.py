@@ -29,6 +29,8 @@ from typing import Any, ClassVar, TypeGuard
 
 import torch
 
+from .tensor import Scaling
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: float(torch.finfo(E4M3).max), E5M2: float(torch.finfo(E5M2).max)}  # 448, 57344
@@ -73,7 +75,9 @@ class RecipeCapabilities:
         per-tensor amax (which the optimizer can keep up to date: `integrations/weight_amax.py`).
     param_gather: its FP8 weight can be all-gathered exactly (one weight scale per tensor or per 128x128 block).
     attention: FP8 dot-product attention runs under it (it needs per-step scales kept across steps).
-    experts: how the FP8 MoE expert GEMMs scale under it ("tensorwise", "rowwise"), None where they cannot.
+    experts: the `Scaling` of the FP8 MoE expert GEMMs' operands under it (ROW: per token row, per (expert, output
+        row) of a weight, per (expert, column) of the weight gradient's operands; EXPERT: one scale per expert for
+        each operand), None where they cannot run (experts_why: why not).
     weight_scaling: how its weights are scaled: "tensor", "row" (per output channel), "block" (128x128) or "mx".
     export_scaling: the weight scaling of an FP8 export of a model trained with it ("tensor" or "block").
     gpu_majors: the compute-capability majors whose GPUs run its GEMM (None: every FP8 GPU, >= 8.9; the GEMM's own
@@ -89,7 +93,8 @@ class RecipeCapabilities:
     current_weight_scale: ClassVar[bool] = False
     param_gather: ClassVar[bool] = False
     attention: ClassVar[bool] = False
-    experts: ClassVar[str | None] = None
+    experts: ClassVar[Scaling | None] = None
+    experts_why: ClassVar[str] = ""
     weight_scaling: ClassVar[str] = "tensor"
     export_scaling: ClassVar[str] = "tensor"
     gpu_majors: ClassVar[tuple[int, ...] | None] = None
@@ -130,7 +135,8 @@ class DelayedScaling(RecipeCapabilities):
     keeps_history: ClassVar[bool] = True
     param_gather: ClassVar[bool] = True
     attention: ClassVar[bool] = True
-    experts: ClassVar[str | None] = "tensorwise"
+    experts_why: ClassVar[str] = ("delayed scaling takes a step's scales from past steps' amaxes, while the tokens "
+                                  "of each expert change with the routing every step")
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
@@ -159,7 +165,7 @@ class Float8CurrentScaling(RecipeCapabilities):
     per_tensor: ClassVar[bool] = True
     current_weight_scale: ClassVar[bool] = True
     param_gather: ClassVar[bool] = True
-    experts: ClassVar[str | None] = "tensorwise"
+    experts: ClassVar[Scaling | None] = Scaling.EXPERT
 
     fp8_format: Format = Format.HYBRID
     margin: int = 0
@@ -182,7 +188,7 @@ class Float8RowwiseScaling(RecipeCapabilities):
 
     name: ClassVar[str] = "rowwise"
     weight_scaling: ClassVar[str] = "row"
-    experts: ClassVar[str | None] = "rowwise"
+    experts: ClassVar[Scaling | None] = Scaling.ROW
 
     fp8_format: Format = Format.HYBRID
     margin: int = 0
@@ -332,7 +338,8 @@ def experts_problem(recipe: str | Recipe) -> str | None:
     cls = recipe_class(recipe)
     if cls.experts is not None:
         return None
-    return (f"fp8_recipe={cls.name!r}: the FP8 expert GEMMs take {names_with('experts')}; use --fp8-recipe "
+    why = f" ({cls.experts_why})" if cls.experts_why else ""
+    return (f"fp8_recipe={cls.name!r}: the FP8 expert GEMMs take {names_with('experts')}{why}; use --fp8-recipe "
             "rowwise or tensorwise with MoE")
 
 

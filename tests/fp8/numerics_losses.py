@@ -13,7 +13,9 @@ Under TRITON_INTERPRET=1 the Triton kernels (one-pass casts, the fused MLP's Swi
 interpreter: those cases are recorded under "interpret/<name>" (only the fused per-tensor ones: `--only` picks).
 
 Each case: a 2-layer model (hidden 64, token counts not multiples of 16), 3 optimizer steps of 2 micro-batches,
-`fp8_step` after each; the losses of every micro-batch and a checksum of the final weights are recorded.
+`fp8_step` after each; the losses of every micro-batch and a checksum of the final weights are recorded. The `moe-`
+cases train the `tiny-moe` preset's model (vocabulary 128) instead: FP8 grouped experts, the router in fp32, the
+auxiliary losses in the loss.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from megadlms.fp8 import (
     fp8_step,
 )
 from megadlms.model import TransformerLM
+from megadlms.moe import add_aux_losses
+from megadlms.presets import PRESETS
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "fp8_losses.json")
 RECIPES = {"delayed": lambda fmt: DelayedScaling(fp8_format=fmt, amax_history_len=4),
@@ -47,9 +51,9 @@ FUSED = dict(fuse_projections=True, fuse_mlp=True)
 UNFUSED = dict(fuse_projections=False, fuse_mlp=False)
 
 
-def cases() -> dict[str, tuple[str, str, dict, bool]]:
-    """name -> (recipe, format, convert_to_fp8 options, bf16 autocast)."""
-    out: dict[str, tuple[str, str, dict, bool]] = {}
+def cases() -> dict[str, tuple]:
+    """name -> (recipe, format, convert_to_fp8 options, bf16 autocast[, model: "dense" or "moe"])."""
+    out: dict[str, tuple] = {}
     for recipe in RECIPES:
         for fmt in ("hybrid", "e4m3"):
             out[f"{recipe}-{fmt}-fused"] = (recipe, fmt, FUSED, False)
@@ -63,12 +67,21 @@ def cases() -> dict[str, tuple[str, str, dict, bool]]:
     out["rowwise-e4m3-fused-fp8store"] = ("rowwise", "e4m3", {**FUSED, "activation_func_fp8_input_store": True}, False)
     out["delayed-hybrid-fused-fp8attention"] = ("delayed", "hybrid", {**FUSED, "dot_product_attention": True}, False)
     out["delayed-hybrid-bf16edges"] = ("delayed", "hybrid", {**FUSED, "num_layers_at_start_in_bf16": 1}, False)
+    for recipe in ("rowwise", "tensorwise"):  # the recipes the FP8 experts take
+        out[f"moe-{recipe}-hybrid"] = (recipe, "hybrid", FUSED, False, "moe")
+        out[f"moe-{recipe}-e4m3-autocast"] = (recipe, "e4m3", FUSED, True, "moe")
+    out["moe-rowwise-hybrid-bf16wgrad"] = ("rowwise", "hybrid", {**FUSED, "fp8_wgrad": False}, False, "moe")
     return out
 
 
-def train(recipe: str, fmt: str, options: dict, autocast: bool, steps: int = 3, accum: int = 2) -> dict:
-    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                            ffn_hidden_size=96, vocab_size=128, seq_length=32, untie_embeddings_and_output_weights=True)
+def train(recipe: str, fmt: str, options: dict, autocast: bool, model_kind: str = "dense", steps: int = 3,
+          accum: int = 2) -> dict:
+    if model_kind == "moe":
+        cfg = TransformerConfig(**{**PRESETS["tiny-moe"], "vocab_size": 128, "seq_length": 32})
+    else:
+        cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                ffn_hidden_size=96, vocab_size=128, seq_length=32,
+                                untie_embeddings_and_output_weights=True)
     torch.manual_seed(0)
     model = convert_to_fp8(TransformerLM(cfg), RECIPES[recipe](Format(fmt)), **options)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -81,6 +94,8 @@ def train(recipe: str, fmt: str, options: dict, autocast: bool, steps: int = 3, 
             with ctx:
                 logits = model(ids)
             loss = F.cross_entropy(logits.float().flatten(0, 1), torch.roll(ids, -1, 1).flatten())
+            if model_kind == "moe":
+                loss = add_aux_losses(model, loss)
             (loss / accum).backward()
             losses.append(loss.item())
         opt.step()

@@ -9,10 +9,12 @@ from megadlms import TransformerConfig, build_model
 from megadlms.fp8 import Float8Linear, fp8_autocast
 from megadlms.fp8.grouped import Float8GroupedExperts, fp8_grouped_linear
 from megadlms.fp8.kernels.primitives import quantize
-from megadlms.fp8.recipe import E4M3, FP8_MAX
+from megadlms.fp8.recipe import E4M3, FP8_MAX, DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling
+from megadlms.fp8.tensor import Scaling
 from megadlms.grouped_gemm import grouped_linear
 from megadlms.moe import Router, add_aux_losses
 
+RECIPES = {"rowwise": Float8RowwiseScaling(), "tensorwise": Float8CurrentScaling()}
 SIZES = [16, 0, 32, 48]  # dispatched groups are multiples of 16; one expert without tokens
 
 
@@ -44,7 +46,7 @@ def test_fprop_is_the_fp8_product_per_expert(scaling):
     torch.manual_seed(0)
     x, w = torch.randn(96, 32), torch.randn(4, 48, 32)
     x[20:30] *= 50  # an expert whose rows are larger: its own scales
-    y = fp8_grouped_linear(x, w, _offs(), scaling)
+    y = fp8_grouped_linear(x, w, _offs(), RECIPES[scaling])
     torch.testing.assert_close(y, _ref_fprop(x, w, scaling), atol=1e-4, rtol=1e-5)
 
 
@@ -54,7 +56,7 @@ def test_gradients_track_high_precision(scaling):
     x = torch.randn(96, 32, requires_grad=True)
     w = torch.randn(4, 48, 32, requires_grad=True)
     g = torch.randn(96, 48)
-    fp8_grouped_linear(x, w, _offs(), scaling).backward(g)
+    fp8_grouped_linear(x, w, _offs(), RECIPES[scaling]).backward(g)
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     grouped_linear(xr, wr, _offs()).backward(g)
 
@@ -72,11 +74,16 @@ def test_gradients_track_high_precision(scaling):
     torch.testing.assert_close(w.grad[e], _qdq(gs, ga).t() @ _qdq(xs, xa), atol=1e-4, rtol=1e-5)
 
 
+def test_delayed_scaling_is_refused_for_the_experts_with_its_reason():
+    with pytest.raises(ValueError, match="tokens of each expert change with the routing"):
+        Float8GroupedExperts(4, 32, 48, torch.nn.Identity(), recipe=DelayedScaling())
+
+
 def test_high_precision_weight_gradient():
     """fp8_wgrad=False: the weight gradient is exactly the grouped GEMM of the unquantized g and x."""
     torch.manual_seed(0)
     x, w, g = torch.randn(96, 32), torch.randn(4, 48, 32, requires_grad=True), torch.randn(96, 48)
-    fp8_grouped_linear(x, w, _offs(), "rowwise", fp8_wgrad=False).backward(g)
+    fp8_grouped_linear(x, w, _offs(), RECIPES["rowwise"], fp8_wgrad=False).backward(g)
     wr = w.detach().clone().requires_grad_()
     grouped_linear(x, wr, _offs()).backward(g)
     torch.testing.assert_close(w.grad, wr.grad)
@@ -90,7 +97,7 @@ def test_fp8_moe_model_converts_and_trains():
                             fp8_recipe="rowwise", fp8_format="e4m3")
     model = build_model(cfg)
     mlp = model.layers[0].mlp
-    assert isinstance(mlp.experts, Float8GroupedExperts) and mlp.experts.scaling == "rowwise"
+    assert isinstance(mlp.experts, Float8GroupedExperts) and mlp.experts.scaling is Scaling.ROW
     assert type(mlp.gate) is Router  # the router stays in high precision
     assert isinstance(mlp.shared_expert.gate_proj, Float8Linear)
     ref = build_model(cfg.replace(fp8=False))
@@ -113,3 +120,65 @@ def test_fp8_moe_model_converts_and_trains():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
+def test_forward_and_backward_read_nothing_back_to_the_host(scaling, monkeypatch):
+    """No .item(), .tolist(), .cpu(), bool() or int() of a tensor in the FP8 experts' forward or backward: the
+    expert offsets stay on the device (on a GPU each such read would stall the stream)."""
+    torch.manual_seed(0)
+    x = torch.randn(96, 32, requires_grad=True)
+    w = torch.randn(4, 48, 32, requires_grad=True)
+    grouped_linear(x, w, _offs())  # the one-time backend probe of the grouped GEMM
+    reads = []
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    fp8_grouped_linear(x, w, _offs(), RECIPES[scaling]).backward(torch.ones(96, 48))
+    monkeypatch.undo()
+    assert reads == [] and x.grad is not None and w.grad is not None
+
+
+def test_gate_and_up_projections_share_one_cast_of_their_input(monkeypatch):
+    torch.manual_seed(0)
+    from megadlms.model import SwiGLU
+
+    experts = Float8GroupedExperts(4, 32, 48, SwiGLU(), recipe=Float8RowwiseScaling())
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, 0, 0.1)
+    x = torch.randn(96, 32, requires_grad=True)
+    with fp8_autocast(enabled=False):
+        ref = experts(x, _offs())
+    casts = []
+    original = experts.quantizer.quantize
+    monkeypatch.setattr(experts.quantizer, "quantize", lambda t, *a, **k: casts.append(t.shape) or original(t, *a, **k))
+    with fp8_autocast(enabled=True, fp8_recipe=experts.recipe):
+        y = experts(x, _offs())
+    assert casts == [(96, 32), (96, 48)]  # x once for gate and up, h for down
+    y.backward(torch.ones_like(y))
+    assert casts[2:] == [(96, 32), (96, 48), (96, 48)]  # the three output gradients
+    assert ((y - ref).norm() / ref.norm()) < 0.1 and x.grad is not None
+
+
+def test_grouped_gemm_refuses_what_the_gpu_kernel_would_on_every_backend():
+    from megadlms.fp8.gemm import fp8_grouped_gemm
+    from megadlms.fp8.tensor import FP8Tensor
+
+    offs = _offs()
+    x = FP8Tensor(torch.zeros(96, 32, dtype=E4M3), torch.ones(96), Scaling.ROW, offs=offs)
+    w = FP8Tensor(torch.zeros(4, 48, 32, dtype=E4M3), torch.ones(4, 48), Scaling.ROW)
+    assert fp8_grouped_gemm(x, w, torch.float32, False).shape == (96, 48)
+    bad = [(x.with_data(x.data, torch.ones(96, 1)), w, r"scale_inv is torch.float32 \(96, 1\), not fp32 \(96,\)"),
+           (x, w.with_data(w.data.to(torch.float8_e5m2)), "must be E4M3, row-major"),
+           (x, w.with_data(torch.zeros(3, 48, 32, dtype=E4M3)), "multiply 4 expert weights"),
+           (x.with_data(torch.zeros(96, 24, dtype=E4M3)), w, "multiply 4 expert weights"),
+           (FP8Tensor(x.data, x.scale_inv, Scaling.ROW, offs=offs.long()), w, "offsets must be int32"),
+           (FP8Tensor(x.data, x.scale_inv, Scaling.TENSOR, offs=offs), w, "per-row or per-expert scaled")]
+    for a, b, message in bad:
+        with pytest.raises(ValueError, match=message):
+            fp8_grouped_gemm(a, b, torch.float32, False)

@@ -8,7 +8,8 @@ import pytest
 
 from .numerics_losses import cases, exact_fixture, load_fixture, train
 
-CROSS_SECTION = ("delayed-hybrid-fused-autocast", "tensorwise-hybrid-unfused-bf16wgrad", "rowwise-e4m3-fused-fp8store")
+CROSS_SECTION = ("delayed-hybrid-fused-autocast", "tensorwise-hybrid-unfused-bf16wgrad", "rowwise-e4m3-fused-fp8store",
+                 "moe-tensorwise-hybrid")
 
 
 @pytest.mark.parametrize("name", CROSS_SECTION)

@@ -130,7 +130,7 @@ def test_each_recipe_states_its_capabilities():
     assert [r.recipe_class(n).name for n in r.RECIPE_NAMES] == list(r.RECIPE_NAMES)
     assert r.names_with("param_gather") == ["delayed", "tensorwise", "blockwise"]
     assert r.names_with("attention") == ["delayed"]
-    assert r.names_with("experts") == ["delayed", "tensorwise", "rowwise"]
+    assert r.names_with("experts") == ["tensorwise", "rowwise"]  # delayed: refused (experts_why)
     assert r.names_with("per_tensor") == ["delayed", "tensorwise"]
     assert [n for n in r.RECIPE_NAMES if r.recipe_class(n).formats == (Format.E4M3,)] == ["blockwise", "mxfp8"]
     assert [r.recipe_class(n).export_scaling for n in r.RECIPE_NAMES] == ["tensor"] * 3 + ["block", "tensor"]
@@ -153,3 +153,4 @@ def test_the_rules_are_asked_of_the_recipe():
     assert r.attention_problem(DelayedScaling()) is None and "delayed" in r.attention_problem("tensorwise")
     assert r.param_gather_problem("blockwise") is None and "not rowwise" in r.param_gather_problem("rowwise")
     assert r.experts_problem(Float8RowwiseScaling()) is None and "expert GEMMs" in r.experts_problem("blockwise")
+    assert "tokens of each expert change with the routing" in r.experts_problem("delayed")

@@ -1,0 +1,173 @@
+"""The MoE experts' FP8 path on this device, checked (`gpu_validation.sh moe`):
+
+1. casts: each grouped cast kernel (`triton_grouped_cast`: per row, per (expert, column), per expert, the weights'
+   transposes, the per-expert amax) against its torch cast, bit for bit, for bf16 and fp32 inputs;
+2. GEMMs: `fp8_grouped_gemm` (CUDA: `torch._scaled_grouped_mm`) against the same FP8 operands dequantized and
+   multiplied in fp32 on the CPU, for fprop, dgrad and wgrad;
+3. layer: an FP8 expert projection's forward and both gradients (x in bf16, fp32 master weight, BF16 autocast as in
+   training) against the fp32 product, for each recipe the experts take.
+
+    python benchmarks/fp8_grouped_check.py            # LLaDA-MoE shapes: 4096 tokens, top-8, 64 experts, 2048 x 1024
+    python benchmarks/fp8_grouped_check.py --smoke    # tiny shapes (on the CPU: the torch casts and the emulation)
+
+Prints one line per check with its error and ok / FAILED; exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megadlms.fp8.expert_quantizer import ExpertQuantizer  # noqa: E402
+from megadlms.fp8.gemm import fp8_grouped_gemm  # noqa: E402
+from megadlms.fp8.grouped import fp8_grouped_linear  # noqa: E402
+from megadlms.fp8.kernels import triton_cast  # noqa: E402
+from megadlms.fp8.kernels import triton_grouped_cast as k  # noqa: E402
+from megadlms.fp8.recipe import E4M3, Float8CurrentScaling, Float8RowwiseScaling, Recipe  # noqa: E402
+from megadlms.fp8.tensor import FP8Tensor  # noqa: E402
+from megadlms.grouped_gemm import grouped_linear  # noqa: E402
+from megadlms.moe import dispatch_plan  # noqa: E402
+
+RECIPES: dict[str, Recipe] = {"rowwise": Float8RowwiseScaling(), "tensorwise": Float8CurrentScaling()}
+# an FP8 product's relative error against fp32 (two E4M3 roundings of ~2**-4 relative, averaged over the sums)
+LAYER_TOL = 0.08
+failed: list[str] = []
+
+
+def report(name: str, err: float, tol: float) -> None:
+    ok = err <= tol
+    if not ok:
+        failed.append(name)
+    print(f"{name:58} {err:10.3e}  (<= {tol:.0e}) {'ok' if ok else 'FAILED'}")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def differing(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The share of elements whose bits differ (0: equal)."""
+    if a.shape != b.shape:
+        return 1.0
+    if a.dtype != torch.float32:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return (a != b).float().mean().item()
+
+
+def to_cpu(t: FP8Tensor) -> FP8Tensor:
+    return FP8Tensor(t.data.cpu(), t.scale_inv.cpu(), t.scaling, t.transposed,
+                     t.offs.cpu() if t.offs is not None else None)
+
+
+def check_casts(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, repeats: int) -> None:
+    if not triton_cast.enabled(x.device):
+        print("casts: the Triton kernels do not run here (off CUDA): skipped")
+        return
+    e, n, c = w.shape
+    wflat, woffs = w.reshape(e * n, c), torch.arange(1, e + 1, device=w.device, dtype=torch.int32) * n
+    for dtype in (torch.bfloat16, torch.float32):
+        xs = x.to(dtype)
+        amax = k.expert_amax(xs, offs)
+        report(f"cast {dtype}: per-expert amax", differing(amax, k.torch_expert_amax(xs, offs)), 0)
+        for label, ea in (("per row", None), ("per expert", amax)):
+            got, ref = k.row_cast(xs, E4M3, 0, offs, ea), k.torch_row_cast(xs, E4M3, 0, offs, ea)
+            report(f"cast {dtype}: rows {label}", max(map(differing, got, ref)), 0)
+        for label, ea in (("per (expert, column)", None), ("per expert", amax)):
+            got, ref = k.col_cast(xs, offs, E4M3, 0, ea), k.torch_col_cast(xs, offs, E4M3, 0, ea)
+            report(f"cast {dtype}: x^T {label}", max(map(differing, got, ref)), 0)
+    # the transposed stores again on fresh inputs, other kernels in between (a store that goes wrong only sometimes)
+    worst = 0.0
+    for i in range(repeats):
+        xs = torch.randn_like(x) * (i + 1)
+        for ea in (None, k.expert_amax(xs, offs)):
+            got, ref = k.col_cast(xs, offs, E4M3, 0, ea), k.torch_col_cast(xs, offs, E4M3, 0, ea)
+            worst = max(worst, *map(differing, got, ref))
+    report(f"cast bf16: x^T on {repeats} fresh inputs (worst)", worst, 0)
+    wa = k.expert_amax(wflat, woffs)
+    for label, ea in (("per (expert, column)", None), ("per expert", wa)):
+        got = k.col_cast(wflat, woffs, E4M3, 0, ea, True)
+        ref = k.torch_col_cast(wflat, woffs, E4M3, 0, ea, True)
+        report(f"cast fp32 weight: W^T {label}", max(map(differing, got, ref)), 0)
+
+
+def check_gemms(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> None:
+    for name, recipe in RECIPES.items():
+        quant = ExpertQuantizer(recipe)
+        xq, x_t = quant.quantize(x, offs, rows=True, cols=True)
+        gq, g_t = quant.quantize(g, offs, rows=True, cols=True)
+        wq, w_t = quant.quantize_weight(w, rows=True, cols=True)
+        assert xq is not None and x_t is not None and gq is not None and g_t is not None
+        assert wq is not None and w_t is not None
+        for label, a, b in (("fprop", xq, wq), ("dgrad", gq, w_t), ("wgrad", g_t, x_t)):
+            got = fp8_grouped_gemm(a, b, torch.float32, False)
+            ref = fp8_grouped_gemm(to_cpu(a), to_cpu(b), torch.float32, False)
+            if label != "wgrad":  # rows past offs[-1] are not computed by every backend
+                rows = int(offs[-1])
+                got, ref = got[:rows], ref[:rows]
+            report(f"gemm {name}: {label} vs dequantized fp32", rel(got, ref), 1e-2)
+
+
+def check_layer(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> None:
+    dev = x.device.type
+    for name, recipe in RECIPES.items():
+        xf = x.detach().clone().requires_grad_()
+        wf = w.detach().clone().requires_grad_()
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+            y = fp8_grouped_linear(xf, wf, offs, recipe)
+        y.backward(g.to(y.dtype))
+        xr = x.detach().float().requires_grad_()
+        wr = w.detach().clone().requires_grad_()
+        grouped_linear(xr, wr, offs, impl="loop").backward(g.float())
+        with torch.no_grad():
+            yr = grouped_linear(x.float(), w, offs, impl="loop")
+        rows = int(offs[-1])
+        report(f"layer {name}: forward vs fp32", rel(y[:rows], yr[:rows]), LAYER_TOL)
+        assert xf.grad is not None and xr.grad is not None and wf.grad is not None and wr.grad is not None
+        report(f"layer {name}: input gradient vs fp32", rel(xf.grad[:rows], xr.grad[:rows]), LAYER_TOL)
+        report(f"layer {name}: weight gradient vs fp32", rel(wf.grad, wr.grad), LAYER_TOL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=10, help="fresh inputs for the transposed stores' second check")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script)")
+    args = p.parse_args()
+    if args.smoke:
+        args.tokens, args.hidden, args.ffn, args.experts, args.topk, args.repeats = 48, 64, 32, 4, 2, 2
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        from megadlms.triton_setup import use_torch_ptxas
+
+        use_torch_ptxas()  # as the megadlms commands do: the FP8 Triton kernels compile with torch's ptxas
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"device {name}, torch {torch.__version__}; tokens {args.tokens} top-{args.topk} hidden {args.hidden} "
+          f"ffn {args.ffn} experts {args.experts}")
+    torch.manual_seed(0)
+    logits = torch.randn(args.tokens, args.experts, device=device)
+    logits[:, 1] = -1e9  # an expert without tokens
+    plan = dispatch_plan(logits.topk(args.topk, dim=-1).indices, args.experts)
+    offs, m = plan.offs, plan.rows
+    x = torch.randn(m, args.hidden, device=device).to(torch.bfloat16)
+    x[: m // 8] *= 30  # a few experts with larger inputs: their own scales
+    w = torch.randn(args.experts, args.ffn, args.hidden, device=device) * 0.02
+    g = torch.randn(m, args.ffn, device=device).to(torch.bfloat16)
+    check_casts(x, offs, w, args.repeats)
+    check_gemms(x, offs, w, g)
+    check_layer(x, offs, w, g)
+    print(f"{len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
