@@ -10,13 +10,19 @@ idle rest, and the host-side causes that can leave the GPU idle, counted over th
 Idle time without syncs, retries or mallocs is the host launching too slowly (Python and launch overhead per
 kernel): compiling the layers or replaying them from CUDA graphs removes it.
 
-Workloads: `recompute` (the trainer as `megadlms train` builds it: LLaDA-8B with --num-layers layers, micro-batch 1,
-full activation recompute, on a synthetic corpus) and `lora` (rank-64 LoRA on all linears of LLaDA-8B, base in BF16 or
-FP8, the eager step of benchmarks/lora_memory.py; `lora-compiled` compiles each layer as the trainer does). Each run is
-its own process (fresh memory); --alloc-conf repeats every run with PYTORCH_CUDA_ALLOC_CONF set (e.g. expandable
-segments, against fragmentation).
+Workloads:
+    recompute           the trainer as `megadlms train` builds it: LLaDA-8B with --layers layers, micro-batch 1,
+                        full activation recompute, on a synthetic corpus (layers compiled, no CUDA graphs)
+    recompute-graphs    the same with --cuda-graphs on (the recomputation captured in the backward graph)
+    lora                rank-64 LoRA on all linears of LLaDA-8B, base in BF16 or FP8: the eager step of
+                        benchmarks/lora_memory.py
+    lora-compiled       the same with each layer compiled
+    lora-graphs         the same with the layers compiled and replayed from CUDA graphs, as the trainer runs LoRA
+                        on one GPU by default
+Each run is its own process (fresh memory); --alloc-conf repeats every run with PYTORCH_CUDA_ALLOC_CONF set (e.g.
+expandable segments, against fragmentation).
 
-    python benchmarks/host_gaps.py                                   # recompute, lora, lora-compiled; bf16, fp8
+    python benchmarks/host_gaps.py                                   # every workload, bf16 and fp8
     python benchmarks/host_gaps.py --workloads recompute --alloc-conf expandable_segments:True
     python benchmarks/host_gaps.py --smoke                           # tiny shapes on the CPU
 """
@@ -36,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-WORKLOADS = ("recompute", "lora", "lora-compiled")
+WORKLOADS = ("recompute", "recompute-graphs", "lora", "lora-compiled", "lora-graphs")
 PRECISIONS = ("bf16", "fp8")
 MEMORY_COUNTERS = {"retries": "num_alloc_retries", "mallocs": "num_device_alloc", "frees": "num_device_free"}
 
@@ -72,18 +78,22 @@ def write_corpus(prefix: Path, vocab: int, n_tokens: int) -> None:
 
 
 def trainer_step(spec: dict):
-    """The trainer's step (loss tensor) for the `recompute` workload."""
+    """(the trainer's step, returning its loss tensor; the count of its layers' graph replays) for the `recompute`
+    workloads."""
     from benchmarks.train_throughput import build_trainer
 
     flags = ["--model-path", spec["preset"], "--recompute-granularity", "full"]
+    flags += ["--cuda-graphs", "on"] if spec["workload"] == "recompute-graphs" else []
     flags += ["--fp8-format", "hybrid"] if spec["precision"] == "fp8" else []
     flags += ["--num-layers", str(spec["layers"])] if spec["layers"] else []
     trainer = build_trainer(flags, spec["seq"], spec["batch"], 1, spec["data"], spec["device"], spec["extra"])
-    return lambda: trainer.train_step()["loss"]
+    graphs = trainer.layer_graphs
+    return (lambda: trainer.train_step()["loss"]), (lambda: graphs.num_replays if graphs is not None else 0)
 
 
 def lora_step(spec: dict):
-    """One LoRA training step of benchmarks/lora_memory.py (random base weights), base in spec's precision."""
+    """(one LoRA training step of benchmarks/lora_memory.py, random base weights, base in spec's precision; the count
+    of its layers' graph replays)."""
     import torch
     import torch.nn.functional as F
 
@@ -91,6 +101,7 @@ def lora_step(spec: dict):
     from megadlms.distributed.parallelize import apply_compile
     from megadlms.lora import LoraConfig, apply_lora
     from megadlms.presets import load_model_config
+    from megadlms.training.cuda_graphs import LayerGraphs
     from megadlms.training.optim import build_optimizer
 
     device = torch.device(spec["device"])
@@ -102,8 +113,11 @@ def lora_step(spec: dict):
     torch.manual_seed(0)
     model = apply_lora(construct_model(cfg, device=device),
                        LoraConfig(rank=spec["rank"], alpha=2 * spec["rank"], base=spec["precision"]))
-    if spec["workload"] == "lora-compiled":
+    if spec["workload"] == "lora-compiled" or (spec["workload"] == "lora-graphs" and device.type == "cuda"):
         apply_compile(model)
+    graphs = None
+    if spec["workload"] == "lora-graphs":  # emulated on the CPU; captured after the first step, as the trainer does
+        graphs = LayerGraphs(model, emulate=device.type != "cuda", strict=True)
     opt = build_optimizer(model, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (spec["batch"], seq), device=device)
@@ -120,9 +134,11 @@ def lora_step(spec: dict):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if graphs is not None:
+            graphs.arm()
         return loss.detach()
 
-    return step
+    return step, lambda: graphs.num_replays if graphs is not None else 0
 
 
 def count_syncs(step) -> int:
@@ -155,7 +171,7 @@ def worker(spec: dict) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    step = (trainer_step if spec["workload"] == "recompute" else lora_step)(spec)
+    step, replays = (trainer_step if spec["workload"].startswith("recompute") else lora_step)(spec)
     cuda = spec["device"] == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(spec["warmup"]):
@@ -185,6 +201,7 @@ def worker(spec: dict) -> dict:
         wall = (time.perf_counter() - t0) * 1e3
     kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if "CUDA" in str(e.device_type)]
     res["profiled_ms"] = wall
+    res["replays"] = replays()
     res["busy_ms"] = busy_ms(kernels) / 1e3 if cuda else float("nan")
     res["idle_ms"] = wall - res["busy_ms"] if cuda else float("nan")
     return res
@@ -245,7 +262,7 @@ def main() -> None:
     device = "cpu" if a.smoke else "cuda"
     print(f"host gaps | {a.preset} | seq {a.seq} x micro-batch {a.batch} | {device}")
     print(f"{'run':34s} {'ms/step':>8s} {'busy ms':>8s} {'idle ms':>8s} {'syncs':>6s} {'retries':>8s} "
-          f"{'mallocs':>8s} {'frees':>6s} {'peak GiB':>9s} {'rsv GiB':>8s}")
+          f"{'mallocs':>8s} {'frees':>6s} {'peak GiB':>9s} {'rsv GiB':>8s} {'replays':>8s}")
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "synthetic_text_document"
         write_corpus(data, 128000, (a.warmup + a.steps + 4) * a.batch * (a.seq + 1) * 2)
@@ -258,7 +275,7 @@ def main() -> None:
                                                 "--num-query-groups", "1", "--kv-channels", "16"] if a.smoke else [])
                     spec = {"name": name, "workload": w, "precision": prec, "preset": a.preset, "seq": a.seq,
                             "batch": a.batch, "rank": a.rank, "warmup": a.warmup, "steps": a.steps,
-                            "layers": a.layers if w == "recompute" else a.lora_layers, "data": str(data),
+                            "layers": a.layers if w.startswith("recompute") else a.lora_layers, "data": str(data),
                             "extra": extra, "device": device}
                     r = worker(spec) if a.smoke else run(spec, conf, a.timeout)
                     if "error" in r:
@@ -266,9 +283,9 @@ def main() -> None:
                         continue
                     print(f"{name:34s} {r['ms_per_step']:8.1f} {r['busy_ms']:8.1f} {r['idle_ms']:8.1f} "
                           f"{r['syncs']:6.0f} {r['retries']:8.1f} {r['mallocs']:8.1f} {r['frees']:6.1f} "
-                          f"{r['peak_gib']:9.2f} {r['reserved_gib']:8.2f}", flush=True)
+                          f"{r['peak_gib']:9.2f} {r['reserved_gib']:8.2f} {r['replays']:8d}", flush=True)
     print("busy: the union of one profiled step's kernels; idle: that step's wall time less busy; syncs: in one "
-          "step; retries, mallocs, frees: per timed step")
+          "step; retries, mallocs, frees: per timed step; replays: of the layers' CUDA graphs, over the run")
 
 
 if __name__ == "__main__":
