@@ -41,21 +41,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 WORKLOADS = ("recompute", "recompute-graphs", "lora", "lora-compiled", "lora-graphs")
 PRECISIONS = ("bf16", "fp8")
 MEMORY_COUNTERS = {"retries": "num_alloc_retries", "mallocs": "num_device_alloc", "frees": "num_device_free"}
 
 
-def busy_ms(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of (start, end) intervals (any unit): the time at least one kernel ran."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total
+def gpu_busy_ms(trace: Path) -> float:
+    """The time at least one kernel, memcpy or memset ran in a torch.profiler Chrome trace, in ms (the union of
+    their intervals, as benchmarks/trace_gaps.py finds them)."""
+    from trace_gaps import GPU_CATS, busy_intervals, load
+
+    return sum(end - start for start, end, _ in busy_intervals([e for e in load(trace) if e.get("cat") in GPU_CATS])
+               ) / 1e3
 
 
 def write_corpus(prefix: Path, vocab: int, n_tokens: int) -> None:
@@ -199,11 +198,15 @@ def worker(spec: dict) -> dict:
         step()
         sync()
         wall = (time.perf_counter() - t0) * 1e3
-    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if "CUDA" in str(e.device_type)]
     res["profiled_ms"] = wall
     res["replays"] = replays()
-    res["busy_ms"] = busy_ms(kernels) / 1e3 if cuda else float("nan")
-    res["idle_ms"] = wall - res["busy_ms"] if cuda else float("nan")
+    res["busy_ms"] = res["idle_ms"] = float("nan")
+    if cuda:
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "step.json"
+            prof.export_chrome_trace(str(trace))
+            res["busy_ms"] = gpu_busy_ms(trace)
+        res["idle_ms"] = wall - res["busy_ms"]
     return res
 
 

@@ -1,5 +1,6 @@
 """benchmarks/host_gaps.py: the GPU's busy time as the union of kernel intervals, and the CPU smoke run."""
 
+import json
 import os
 import subprocess
 import sys
@@ -8,13 +9,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from host_gaps import busy_ms  # noqa: E402
+from host_gaps import gpu_busy_ms  # noqa: E402
 
 
-def test_busy_time_counts_overlapping_and_nested_kernels_once():
-    assert busy_ms([]) == 0.0
-    assert busy_ms([(0.0, 2.0), (1.0, 3.0), (1.5, 2.5), (5.0, 6.0)]) == 4.0  # [0, 3] and [5, 6]
-    assert busy_ms([(4.0, 5.0), (0.0, 1.0), (0.5, 0.75)]) == 2.0
+def test_gpu_busy_time_counts_overlapping_and_nested_kernels_once(tmp_path):
+    events = [{"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 2000},
+              {"ph": "X", "cat": "kernel", "name": "b", "ts": 1000, "dur": 2000},  # overlaps a: [0, 3000]
+              {"ph": "X", "cat": "gpu_memset", "name": "c", "ts": 1500, "dur": 500},  # inside
+              {"ph": "X", "cat": "gpu_memcpy", "name": "d", "ts": 5000, "dur": 1000},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 3000, "dur": 2000}]  # host: not counted
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    assert gpu_busy_ms(trace) == 4.0
 
 
 def test_host_gaps_smoke(tmp_path):
