@@ -42,7 +42,7 @@ from .integrations.param_gather import gathered_fp8
 from .kernels.primitives import amax_to_scale, pad_2d, quant_stats, round_up16
 from .quantizer import FP8Copies, Quantizer, StepScales, make_quantizer
 from .recipe import DelayedScaling, Recipe, check_recipe, keeps_history
-from .state import FP8GlobalStateManager
+from .state import FP8GlobalStateManager, cast_from_forward, keep_for_recompute
 from .tensor import FP8Tensor
 
 ROLES = ("input", "weight", "grad")
@@ -445,6 +445,8 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
             return FP8WeightCache(None, gathered, self.step_scales())
         key = self.weight_key()
         cache = self.weight_cache
+        if cache is None and not self.cache_weight:
+            cache = cast_from_forward(self, key)  # a recomputation: the checkpointed forward's cast
         if cache is None or (key is not None and cache.key != key) or (self.training and not cache.recorded):
             n, k = w.shape
             wp = pad_2d(w.detach(), round_up16(n), round_up16(k))
@@ -460,6 +462,8 @@ class Float8Linear(FP8Telemetry, DelayedScalingState, nn.Linear):
             self.num_weight_casts += 1
             if self.cache_weight:
                 self.weight_cache = cache
+            else:
+                keep_for_recompute(self, cache)
         if self.collect_fp8_stats and cache.stats_epoch != self.stats_epoch:
             q = cache.rows.data
             self.record_stats(WEIGHT, pad_2d(w.detach(), *q.shape), q, dequant_scale(cache.rows).reciprocal(),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .recipe import DelayedScaling, Recipe, check_recipe
@@ -20,6 +20,10 @@ class FP8State:
     enabled: bool = False
     recipe: Recipe | None = None  # None: not given (modules use their own; get_fp8_recipe() gives the default)
     amax_reduction_group: Any = None
+    # inside a checkpointed forward (recomputing=False) or its recomputation (True): the FP8 weights cast in the one
+    # for the other to reuse
+    checkpoint_weights: CheckpointWeights | None = None
+    recomputing: bool = False
 
 
 class FP8GlobalStateManager:
@@ -82,7 +86,7 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None,
         check_recipe(fp8_recipe)
     prev = FP8GlobalStateManager._state
     group = amax_reduction_group if amax_reduction_group is not None else prev.amax_reduction_group
-    FP8GlobalStateManager._state = FP8State(bool(enabled), fp8_recipe, group)
+    FP8GlobalStateManager._state = replace(prev, enabled=bool(enabled), recipe=fp8_recipe, amax_reduction_group=group)
     try:
         yield
     finally:
@@ -99,11 +103,49 @@ def _restored(state: FP8State) -> Iterator[None]:
         FP8GlobalStateManager._state = prev
 
 
+class CheckpointWeights:
+    """The FP8 weights that the layers of one checkpointed forward cast, by layer, for the recomputation of that
+    forward to take instead of casting them again. A layer without a per-step weight cache (one micro-batch per step)
+    would otherwise cast each weight twice per step; the forward's autograd graph holds these weights until the
+    backward anyway, and the recomputation takes each out, so keeping them here costs no memory."""
+
+    def __init__(self) -> None:
+        self._casts: dict[int, Any] = {}
+
+    def keep(self, module: Any, cast: Any) -> None:
+        self._casts[id(module)] = cast
+
+    def take(self, module: Any, key: Any) -> Any:
+        """The cast `module` kept in the forward when it was made from the weight version `key`, else None."""
+        cast = self._casts.pop(id(module), None)
+        return cast if cast is not None and key is not None and cast.key == key else None
+
+
+def keep_for_recompute(module: Any, cast: Any) -> None:
+    """Inside a checkpointed forward: keep `module`'s FP8 weight cast (an `FP8WeightCache`) for its recomputation."""
+    weights = FP8GlobalStateManager._state.checkpoint_weights
+    if weights is not None and not FP8GlobalStateManager._state.recomputing:
+        weights.keep(module, cast)
+
+
+def cast_from_forward(module: Any, key: Any) -> Any:
+    """Inside a recomputation: the FP8 weight cast `module` made in the checkpointed forward from the same weight
+    version `key` (`keep_for_recompute`), or None (cast it)."""
+    state = FP8GlobalStateManager._state
+    if state.checkpoint_weights is None or not state.recomputing:
+        return None
+    return state.checkpoint_weights.take(module, key)
+
+
 def fp8_checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """`context_fn` for `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`.
 
     Activation checkpointing recomputes a layer's forward during backward, i.e. outside the
     `fp8_autocast` of the original forward. This captures the FP8 state at forward time and
-    re-enters it for the recomputation, so the recomputed forward takes the same FP8 path.
+    re-enters it for the recomputation, so the recomputed forward takes the same FP8 path, with the
+    FP8 weights the forward cast (`CheckpointWeights`) instead of casting them again.
     """
-    return contextlib.nullcontext(), _restored(FP8GlobalStateManager._state)
+    weights = CheckpointWeights()
+    state = FP8GlobalStateManager._state
+    return (_restored(replace(state, checkpoint_weights=weights)),
+            _restored(replace(state, checkpoint_weights=weights, recomputing=True)))

@@ -173,7 +173,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="replay the transformer layers' training forward and backward from CUDA graphs, so the "
                         "host issues two graph launches per micro-batch instead of every kernel (auto: on for a "
                         "single CUDA process without activation checkpointing, eager layers if the capture fails; "
-                        "on: also under DDP, a failed capture is an error)")
+                        "on: also under DDP and with activation checkpointing, a failed capture is an error)")
     g.add_argument("--enable-cuda-graph", dest="cuda_graphs", action="store_const", const="on",
                    help="same as --cuda-graphs on")
     g.add_argument("--loss-chunk-tokens", type=int, default=None,

@@ -321,8 +321,11 @@ class Trainer:
             blockers.append("expert parallelism (each all-to-all's split sizes are read on the host)")
         if self.ctx.dp_strategy not in ("none", "no_shard"):
             blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
-        if self.run_config.train.recompute_granularity:
-            blockers.append("activation checkpointing (--recompute-granularity) re-runs the forward in backward")
+        if self.run_config.train.recompute_granularity and mode == "auto":
+            # the backward graph then holds the recomputed forward too; its memory pool stays reserved for the run,
+            # which a recomputing run (one near the card's memory) asks for explicitly
+            blockers.append("activation checkpointing (--recompute-granularity; --cuda-graphs on captures the "
+                            "recomputation too)")
         if self.run_config.rl.rl is not None:
             blockers.append(f"--rl {self.run_config.rl.rl} batches change shape from step to step")
         if mode == "on" and blockers:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -66,3 +68,34 @@ def test_activation_checkpoint_recomputes_in_fp8():
     with fp8_autocast():
         layer(x).sum().backward()
     assert torch.equal(grad_ckpt, x.grad)
+
+
+def test_recomputation_takes_the_forwards_fp8_weights_instead_of_casting_them_again(monkeypatch):
+    """One micro-batch per step (no per-step weight cache) and every layer checkpointed: each FP8 weight, fused
+    groups and the fused MLP included, is cast once per step, as without recomputation, with the same gradients."""
+    from megadlms.distributed.parallelize import apply_activation_checkpointing
+    from megadlms.fp8 import fp8_modules, fp8_step, set_fp8_weight_caching
+
+    from .test_weight_release import _fp8_lm
+
+    base, ids = _fp8_lm(monkeypatch)
+    base.config.fp8 = True  # what apply_activation_checkpointing reads to enter the FP8 state in the recomputation
+    casts, grads = [], []
+    for recompute in (False, True):
+        model = copy.deepcopy(base)
+        set_fp8_weight_caching(model, False)
+        if recompute:
+            apply_activation_checkpointing(model)
+        per_step = []
+        for _ in range(3):  # the fused MLP runs from the second step on (it needs the scales of a first fp8_step)
+            before = sum(m.num_weight_casts for m in fp8_modules(model))
+            with fp8_autocast():
+                model(ids).float().logsumexp(-1).mean().backward()
+            per_step.append(sum(m.num_weight_casts for m in fp8_modules(model)) - before)
+            fp8_step(model)
+        casts.append(per_step)
+        grads.append([p.grad for p in model.parameters()])
+    n_linears = len(list(fp8_modules(base)))
+    assert casts[0] == casts[1] == [n_linears] * 3, casts
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -370,3 +370,27 @@ def test_fp8_weight_refresh_frees_each_fresh_cast_before_the_next(monkeypatch):
         loss.backward()
     assert not weights.stale()
     assert all(c.dgrad is None for c in weights.captured_groups + weights.captured_single)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_recomputed_layers_replay_when_asked(monkeypatch, accum):
+    """Full activation recompute with FP8 layers: --cuda-graphs auto leaves the layers eager; --cuda-graphs on
+    captures the checkpointed forward and the backward with its recomputation, and the run is the eager one's
+    (FP8 weights cast in the graph at one micro-batch per step, outside it with accumulation)."""
+    from megadlms.training import trainer as trainer_mod
+    from megadlms.training.args import parse_train_args
+
+    argv = SMALL + ["--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", str(2 * accum),
+                    "--difflm-varilen-prob", "0", "--log-interval", "1", "--recompute-granularity", "full",
+                    "--fp8-format", "hybrid"]
+    eager = trainer_mod.setup(parse_train_args(argv))
+    eager.run()
+    monkeypatch.setenv("MEGADLMS_EMULATE_CUDA_GRAPHS", "1")
+    assert trainer_mod.setup(parse_train_args(argv)).layer_graphs is None  # auto
+    graphed = trainer_mod.setup(parse_train_args(argv + ["--cuda-graphs", "on"]))
+    graphed.run()
+    assert graphed.layer_graphs.num_replays == 3 * accum  # every micro-batch after the first step
+    ref = [m["loss"] for m in eager.state.history]
+    assert [m["loss"] for m in graphed.state.history] == pytest.approx(ref, rel=1e-5)
+    for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)

@@ -178,3 +178,20 @@ def test_ddp_buckets_hold_the_adapters_alone(tmp_path):
         assert data["total_parameter_size_bytes"] == sum(t.numel() * 4 for t in adapters.values())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lora_base", ["bf16", "fp8"])
+def test_lora_layers_replay_from_cuda_graphs_as_they_run_eagerly(base, monkeypatch, lora_base):
+    """The layers of a LoRA model (adapters trained, the base frozen in BF16 or FP8) replayed from CUDA graphs, as
+    the trainer runs them on one GPU by default (emulated here): every step after the first replays, with the eager
+    run's losses and adapters."""
+    argv = lora(base, "--train-iters", "4", "--lora-base", lora_base)
+    eager = setup(parse_train_args(argv))
+    eager.run()
+    monkeypatch.setenv("MEGADLMS_EMULATE_CUDA_GRAPHS", "1")
+    graphed = setup(parse_train_args(argv + ["--cuda-graphs", "on"]))
+    graphed.run()
+    assert graphed.layer_graphs.num_replays == 3
+    assert losses(graphed.state) == pytest.approx(losses(eager.state), rel=1e-5)
+    for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)

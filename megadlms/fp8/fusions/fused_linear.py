@@ -61,7 +61,7 @@ from ..linear import (
     weight_dgrad,
 )
 from ..quantizer import FP8Copies, GroupQuantizer, StepScales
-from ..state import FP8GlobalStateManager
+from ..state import FP8GlobalStateManager, cast_from_forward, keep_for_recompute
 from ..tensor import FP8Tensor
 
 # what the members of a fusion share (decided at conversion, checked on every forward)
@@ -257,7 +257,11 @@ class FusedFloat8Projection(nn.Module):
             if want_t and c.keep_dgrad:
                 self.fp8_weight_dgrad(c)  # made now and kept for the step's later micro-batches
         else:
-            c = self._cast_weights(keys, want_t)
+            c = None if self.cache_weight else cast_from_forward(self, tuple(keys))  # a recomputation
+            if c is None:
+                c = self._cast_weights(keys, want_t)
+                if not self.cache_weight:
+                    keep_for_recompute(self, c)
         if mods[0].collect_fp8_stats:
             self._record_weight_stats(c)
         return c
