@@ -99,8 +99,9 @@ class TorchaoExperts(GroupedExperts):
         self.grouped_mm, _ = torchao_grouped_mm()
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        # the dispatch already pads each expert's rows to a multiple of 16 (`moe.ALIGN`), as torchao asks
         return self.grouped_mm(x.to(torch.bfloat16), w.to(torch.bfloat16).transpose(-2, -1), offs,
-                               out_dtype=torch.bfloat16)
+                               out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False)
 
 
 class _OneLayer(torch.nn.Module):
