@@ -112,7 +112,7 @@ def loss_by_mask_ratio(trainer, buckets: int) -> dict[str, float]:
         return {}
     out = {}
     trainer.model.eval()
-    with torch.no_grad(), trainer._fp8_eval_weights():
+    with torch.no_grad(), trainer.hooks.evaluation():  # as the trainer's own evaluation (FP8 weight caching)
         for i in range(buckets):
             t = (i + 0.5) / buckets
             loader.load_state_dict({"consumed_samples": 0})  # the same batches and masks in every bucket
