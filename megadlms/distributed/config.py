@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ConfigError, check_at_least, check_choice
-from ..fp8.recipe import param_gather_problem
+from ..config import check_at_least, check_choice
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 BACKENDS = ("nccl", "gloo")
@@ -33,32 +32,12 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_at_least(self, {"tensor_model_parallel_size": 1, "context_parallel_size": 1,
                               "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1})
-        ep = self.expert_model_parallel_size
-        if ep > 1:
-            for flag, size in (("--tensor-model-parallel-size", self.tensor_model_parallel_size),
-                               ("--context-parallel-size", self.context_parallel_size),
-                               ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size)):
-                if size > 1:
-                    raise ConfigError(f"--expert-model-parallel-size {ep} takes data parallelism alone for now, not "
-                                      f"{flag} {size}; drop one of them")
         check_choice(self, "pipeline_schedule", PIPELINE_SCHEDULES)
         check_choice(self, "cp_comm_type", CP_COMM_TYPES)
-        pp, virtual = self.pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage
-        if virtual is not None:
-            check_at_least(self, {"num_layers_per_virtual_pipeline_stage": 1})
-            if pp == 1:
-                raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {virtual} interleaves the stages of a "
-                                  "pipeline; add --pipeline-model-parallel-size 2 or more, or drop it")
-            if self.pipeline_schedule != "1f1b":
-                raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {virtual} runs the interleaved 1F1B "
-                                  f"schedule, not --pipeline-schedule {self.pipeline_schedule}; use 1f1b")
+        check_at_least(self, {"num_layers_per_virtual_pipeline_stage": 1})
         check_choice(self, "data_parallel_sharding_strategy", SHARDING_STRATEGIES)
         if self.distributed_backend is not None:
             check_choice(self, "distributed_backend", BACKENDS)
-        if self.overlap_param_gather and self.sharding_strategy == "no_shard":
-            raise ConfigError("--overlap-param-gather overlaps the all-gather of sharded parameters, and "
-                              "--data-parallel-sharding-strategy no_shard has none; add --use-distributed-optimizer "
-                              "or pick optim, optim_grads or optim_grads_params")
 
     @property
     def sharding_strategy(self) -> str:
@@ -66,21 +45,3 @@ class ParallelConfig:
         if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
             return "optim"
         return self.data_parallel_sharding_strategy
-
-
-def check_fp8_param_gather(fp8: bool, fp8_recipe: str, parallel: ParallelConfig) -> None:
-    """Raise ConfigError (one line) where --fp8-param-gather has nothing to gather in FP8 or could not be exact
-    whatever the world size (`parallelize.apply_fp8_param_gather` checks the rest: ranks and shapes)."""
-    if not fp8:
-        raise ConfigError("--fp8-param-gather gathers the weights of FP8 layers; add --fp8-format e4m3 (or hybrid) "
-                          "or drop --fp8-param-gather")
-    problem = param_gather_problem(fp8_recipe)
-    if problem:
-        raise ConfigError(problem)
-    if parallel.sharding_strategy == "no_shard":
-        raise ConfigError("--fp8-param-gather casts the weight shards FSDP2 all-gathers, and --data-parallel-"
-                          "sharding-strategy no_shard shards none; add --use-distributed-optimizer or pick optim, "
-                          "optim_grads or optim_grads_params")
-    if parallel.tensor_model_parallel_size > 1:
-        raise ConfigError(f"--fp8-param-gather takes FSDP2 alone, not with --tensor-model-parallel-size "
-                          f"{parallel.tensor_model_parallel_size}; drop one of them")

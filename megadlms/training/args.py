@@ -391,9 +391,6 @@ def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train",
         if args.fp8_format not in (None, "hybrid"):
             p.error(f"--fp8-hybrid conflicts with --fp8-format {args.fp8_format}; pass one of them")
         args.fp8_format = "hybrid"
-    if args.fp8_dot_product_attention and args.fp8_format is None:
-        p.error("--fp8-dot-product-attention runs attention in FP8 inside the FP8 layers; add --fp8-format "
-                "hybrid (or e4m3), or drop it")
     if args.generate_sample is None:  # on for the demo
         args.generate_sample = bool(config and config.endswith(DEMO_CONFIG))
     try:

@@ -28,7 +28,7 @@ from ..config import (
 from ..data.args import DataSourceConfig
 from ..diffusion.clip_search import CLIP_SEARCH_DELTA, CLIP_SEARCH_WIDTHS
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES, ObjectiveConfig
-from ..distributed.config import ParallelConfig, check_fp8_param_gather
+from ..distributed.config import ParallelConfig
 from ..lora import TARGETS as LORA_TARGETS
 from ..lora import LoraConfig, parse_targets
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
@@ -74,11 +74,6 @@ class ModelConfig:
         """The TransformerConfig fields this config sets (those not None)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name in _MODEL_FIELDS and getattr(self, f.name) is not None}
-
-
-# DiffusionConfig's fields that only bd3lm reads
-BD3LM_FIELDS = ("bd3lm_clip_min", "bd3lm_clip_max", "bd3lm_noise_per", "bd3lm_antithetic", "bd3lm_resample",
-                "bd3lm_clip_search", "bd3lm_clip_search_widths", "bd3lm_clip_search_delta")
 
 
 @dataclass
@@ -129,20 +124,6 @@ class DiffusionConfig:
             raise ConfigError("--model-running-mode difflm-noshift, but the model predicts token i + 1 at position i "
                               "(diffusion_shift, as Dream does): drop the flag or use difflm-shift")
         return mode
-
-    def check_bd3lm_flags(self, mode: str) -> None:
-        """A bd3lm option in another mode, or a clip-search option without the search, would change nothing: an
-        error naming it, not silently dropped."""
-        default = DiffusionConfig()
-        given = [f for f in BD3LM_FIELDS if getattr(self, f) != getattr(default, f)]
-        flags = ", ".join("--no-bd3lm-antithetic" if f == "bd3lm_antithetic" else flag_name(f) for f in given)
-        if given and mode != "bd3lm":
-            raise ConfigError(f"{flags}: only used with --model-running-mode bd3lm (this run is {mode}); "
-                              f"drop {'it' if len(given) == 1 else 'them'}")
-        search = [flag_name(f) for f in given if f.startswith("bd3lm_clip_search_")]
-        if search and not self.bd3lm_clip_search:
-            raise ConfigError(f"{', '.join(search)}: the candidates of --bd3lm-clip-search, which is off; add "
-                              f"--bd3lm-clip-search or drop {'it' if len(search) == 1 else 'them'}")
 
     def objective(self, mode: str, mask_token_id: int | None, loss: str) -> ObjectiveConfig:
         """The objective of a run in `mode` with the model's [MASK] id and its diffusion loss (`TransformerConfig.loss`,
@@ -373,47 +354,6 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataSourceConfig = field(default_factory=DataSourceConfig)
     rl: RLConfig = field(default_factory=RLConfig)
-
-    def __post_init__(self) -> None:
-        if self.rl.rl is not None and self.data.sft:
-            raise ConfigError(f"--rl {self.rl.rl} reads its records from --rl-data; drop --sft")
-        if self.rl.rl is not None and not self.lora.enabled and self.parallel.sharding_strategy != "no_shard":
-            raise ConfigError(f"--rl {self.rl.rl} with --data-parallel-sharding-strategy "
-                              f"{self.parallel.sharding_strategy}: the reference would be a copy of sharded weights; "
-                              "add --lora-rank R (the frozen base is the reference) or use no_shard (DDP)")
-        if self.fp8.fp8_param_gather:
-            check_fp8_param_gather(self.fp8.enabled, self.fp8.fp8_recipe, self.parallel)
-        pp = self.parallel.pipeline_model_parallel_size
-        if pp > 1 and self.rl.rl is not None:
-            raise ConfigError(f"--rl {self.rl.rl} samples rollouts from the whole model, which "
-                              f"--pipeline-model-parallel-size {pp} splits over ranks; use data parallelism")
-        if self.fp8.fp8_dot_product_attention and not self.fp8.enabled:
-            raise ConfigError("--fp8-dot-product-attention runs attention in FP8 inside the FP8 layers; add "
-                              "--fp8-format hybrid (or e4m3), or drop it")
-        if self.lora.enabled:
-            self._check_lora()
-
-    def _check_lora(self) -> None:
-        """LoRA trains adapters on a frozen base: flags that act on the base's training, and layouts the adapters
-        do not support, are refused."""
-        rank = f"--lora-rank {self.lora.lora_rank}"
-        if self.fp8.fp8_param_gather:
-            raise ConfigError(f"{rank} freezes the base, so --fp8-param-gather has no trained FP8 weights to gather; "
-                              "drop --fp8-param-gather")
-        if not self.fp8.fp8_wgrad:
-            raise ConfigError(f"{rank} freezes the base, whose layers compute no weight gradient: drop --no-fp8-wgrad")
-        if self.parallel.tensor_model_parallel_size > 1:
-            raise ConfigError(f"{rank} with --tensor-model-parallel-size {self.parallel.tensor_model_parallel_size}"
-                              ": LoRA runs with data parallelism only (DDP / FSDP2); drop tensor parallelism")
-        if self.parallel.pipeline_model_parallel_size > 1:
-            raise ConfigError(f"{rank} with --pipeline-model-parallel-size "
-                              f"{self.parallel.pipeline_model_parallel_size}: LoRA runs with data parallelism only "
-                              "(DDP / FSDP2); drop pipeline parallelism")
-        if self.lora.lora_base == "fp8" and self.fp8.enabled and self.fp8.fp8_format not in ("hybrid", "e4m3"):
-            raise ConfigError(f"--lora-base fp8 takes --fp8-format hybrid or e4m3, got {self.fp8.fp8_format}")
-        if not self.checkpoint.load:
-            raise ConfigError(f"{rank} adapts a base model: pass --load BASE (a checkpoint, e.g. written by "
-                              "`megadlms convert hf-to-megadlms`), or --load a LoRA checkpoint to resume")
 
     @classmethod
     def sections(cls) -> dict[str, type]:
