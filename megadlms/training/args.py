@@ -24,6 +24,8 @@ from ..diffusion.clip_search import CLIP_SEARCH_DELTA, CLIP_SEARCH_WIDTHS
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES
 from ..fp8.recipe import RECIPE_NAMES
 from ..lora import TARGETS as LORA_TARGETS
+from ..presets import PRESETS
+from ..rl.rewards import REWARDS
 from .config import RunConfig
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
 
@@ -54,35 +56,82 @@ def _layer_freq(text: str) -> int | list[int]:
     return values
 
 
+class TrainHelpFormatter(argparse.HelpFormatter):
+    """`--help` with each default shown once, where there is one: never "(default: None)" or "(default: False)",
+    and not again where the help text already speaks of the default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default in (None, False, argparse.SUPPRESS) or not action.option_strings
+        if "%(default)" in text:  # BooleanOptionalAction's own suffix (Python < 3.14)
+            return text.replace(" (default: %(default)s)", "") if unset else text
+        if unset or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+# argument placeholders in --help: by kind of value (the dest in capitals, argparse's own, doubles each long flag)
+METAVARS = {"save": "DIR", "load": "DIR", "tensorboard_dir": "DIR", "wandb_save_dir": "DIR",
+            "data_cache_path": "DIR", "lora_base_path": "DIR", "data_path": "PREFIX", "train_data_path": "PREFIX",
+            "valid_data_path": "PREFIX", "test_data_path": "PREFIX", "tokenizer_model": "PATH",
+            "model_path": "NAME|PATH", "device": "DEVICE", "rl_reward": "NAME[:W],...",
+            "lora_targets": "q,k,v,...", "moe_layer_freq": "N|0,1,..", "split": "A,B,C"}
+
+
+def _short_metavars(p: argparse.ArgumentParser) -> None:
+    """Placeholders that say the kind of value (N, X, DIR, ...) instead of the dest in capitals."""
+    for action in p._actions:
+        if not action.option_strings or action.nargs == 0 or action.metavar is not None or action.choices:
+            continue
+        kind = "N" if action.type is int else "X" if action.type is float else "VALUE"
+        action.metavar = METAVARS.get(action.dest, kind)
+
+
 def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.formatter_class = TrainHelpFormatter
+    p.usage = "%(prog)s [-h] [--config FILE.yaml] [--FLAG VALUE ...]"
     p.epilog = DEMO_RULE
     p.add_argument("--config", metavar="FILE.yaml", help="YAML file of flag values (keys = flag names)")
 
     g = p.add_argument_group("model")
     g.add_argument("--model-path", default="tiny",
-                   help="a preset name (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama3-8b, llada-8b, "
-                        "megatron-13b), a Hugging Face config.json, or a folder holding one")
-    for flag, typ in (("--num-layers", int), ("--hidden-size", int), ("--num-attention-heads", int),
-                      ("--num-query-groups", int), ("--kv-channels", int), ("--ffn-hidden-size", int),
-                      ("--seq-length", int), ("--max-position-embeddings", int), ("--rotary-base", float),
-                      ("--norm-epsilon", float), ("--init-method-std", float)):
-        g.add_argument(flag, type=typ, default=None, help="override the preset's value")
-    g.add_argument("--qk-layernorm", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--untie-embeddings-and-output-weights", action=argparse.BooleanOptionalAction, default=None)
+                   help=f"a preset name ({', '.join(PRESETS)}), a Hugging Face config.json, or a folder holding one")
+    g.description = "The architecture: a preset or config file, and flags that override its values."
+    for flag, typ, text in (
+            ("--num-layers", int, "transformer layers"), ("--hidden-size", int, "model width"),
+            ("--num-attention-heads", int, "query heads"),
+            ("--num-query-groups", int, "key/value heads (grouped-query attention)"),
+            ("--kv-channels", int, "width of one attention head"),
+            ("--ffn-hidden-size", int, "the MLP's inner width"),
+            ("--seq-length", int, "tokens per training window"),
+            ("--max-position-embeddings", int, "positions the model supports (default: at least --seq-length)"),
+            ("--rotary-base", float, "RoPE's base (theta)"), ("--norm-epsilon", float, "RMSNorm's epsilon"),
+            ("--init-method-std", float, "std of the initial weights")):
+        g.add_argument(flag, type=typ, default=None, help=text)
+    g.add_argument("--qk-layernorm", action=argparse.BooleanOptionalAction, default=None,
+                   help="RMSNorm on each head's queries and keys (Qwen3)")
+    g.add_argument("--untie-embeddings-and-output-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="an output layer of its own instead of the input embedding's weights")
 
     g = p.add_argument_group("mixture of experts (Megatron-Core's flags; docs/moe.md)")
     g.add_argument("--num-moe-experts", type=int, default=None, help="routed experts per MoE layer (none: dense)")
-    for flag, typ in (("--moe-router-topk", int), ("--moe-ffn-hidden-size", int),
-                      ("--moe-shared-expert-intermediate-size", int), ("--moe-router-topk-scaling-factor", float),
-                      ("--moe-aux-loss-coeff", float), ("--moe-z-loss-coeff", float),
-                      ("--moe-router-bias-update-rate", float)):
-        g.add_argument(flag, type=typ, default=None, help="override the preset's value")
+    for flag, typ, text in (
+            ("--moe-router-topk", int, "experts each token is routed to"),
+            ("--moe-ffn-hidden-size", int, "each expert's inner width"),
+            ("--moe-shared-expert-intermediate-size", int, "an always-on shared expert of this width"),
+            ("--moe-router-topk-scaling-factor", float, "multiplies the routing weights"),
+            ("--moe-aux-loss-coeff", float, "weight of the load-balancing loss"),
+            ("--moe-z-loss-coeff", float, "weight of the router's z-loss (ST-MoE)"),
+            ("--moe-router-bias-update-rate", float, "the expert bias's step per optimizer step")):
+        g.add_argument(flag, type=typ, default=None, help=text)
     g.add_argument("--moe-layer-freq", type=_layer_freq, default=None,
                    help="N: every Nth layer is MoE; or a 0/1 pattern per layer, e.g. 0,1,1,1 (dense first layer)")
-    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default=None)
-    g.add_argument("--moe-router-pre-softmax", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--moe-router-enable-expert-bias", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default=None,
+                   help="how the router scores the experts")
+    g.add_argument("--moe-router-pre-softmax", action=argparse.BooleanOptionalAction, default=None,
+                   help="softmax over all experts before the top-k (else over the k chosen)")
+    g.add_argument("--moe-router-enable-expert-bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="aux-loss-free load balancing: a per-expert bias on the routing scores")
 
     g = p.add_argument_group("diffusion objective")
     g.add_argument("--model-running-mode", choices=RUNNING_MODES, default=None,
@@ -97,9 +146,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "iterations (each future key open with probability (i + 1) / N at iteration i; DiffuLLaMA)")
     g.add_argument("--mask-token", type=int, default=None,
                    help="mask token id (default: the tokenizer's <|mask|>, else the preset's)")
-    g.add_argument("--difflm-eps", type=float, default=1e-3)
-    g.add_argument("--difflm-pmask", choices=PMASK_MODES, default="sampled")
-    g.add_argument("--difflm-varilen-prob", type=float, default=0.01)
+    g.add_argument("--difflm-eps", type=float, default=1e-3,
+                   help="each token is masked with probability p = (1 - eps) t + eps, t ~ U[0, 1]")
+    g.add_argument("--difflm-pmask", choices=PMASK_MODES, default="sampled",
+                   help="the loss's 1/p weight: sampled, the drawn p; actual, the row's masked fraction")
+    g.add_argument("--difflm-varilen-prob", type=float, default=0.01,
+                   help="share of micro-batches cut to a random length in [2, --seq-length]")
     g.add_argument("--diffusion-loss", choices=DIFFUSION_LOSSES, default=None,
                    help="the diffusion modes' cross-entropy (pre-training, SFT, bd3lm). subs: MDLM's SUBS "
                         "parameterisation, the [MASK] logit is -inf before the softmax (the bound of the model the "
@@ -134,7 +186,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "with BOS)")
 
     g = p.add_argument_group("training")
-    g.add_argument("--train-iters", type=int, default=1000)
+    g.add_argument("--train-iters", type=int, default=1000, help="optimizer steps")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, if --save) when the iteration is a multiple of this")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
@@ -143,25 +195,27 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=True,
                    help="on SIGTERM, SIGINT or SIGUSR1 finish the step, save (if --save) and exit 0; a second "
                         "signal exits at once")
-    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per forward on each rank")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default: micro-batch-size x data-parallel size (no accumulation)")
-    g.add_argument("--lr", type=float, default=3e-4)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
+    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine", help="decay after the warm-up")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: length of the final decay")
-    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="linear")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="linear",
+                   help="WSD: the final decay's shape")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW's first-moment decay")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="AdamW's second-moment decay")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon")
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
     g.add_argument("--max-skipped-steps", type=int, default=10,
                    help="stop the run after this many consecutive steps skipped for a non-finite loss or gradient "
                         "norm (0: never stop)")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=1234,
+                   help="seed of the weights' initialisation, the masks and the data order")
     g.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     g.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast (default on GPU)")
     g.add_argument("--fp32", action="store_true", help="no autocast, also on GPU")
@@ -191,9 +245,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "weight blocks; Hopper, e4m3), mxfp8 (32-element E8M0 blocks; Blackwell, e4m3)")
     g.add_argument("--fp8-pow2-scales", action="store_true",
                    help="blockwise: scales rounded down to powers of two (dequantisation is exact)")
-    g.add_argument("--fp8-margin", type=int, default=fp8.fp8_margin)
-    g.add_argument("--fp8-amax-history-len", type=int, default=fp8.fp8_amax_history_len)
-    g.add_argument("--fp8-amax-compute-algo", choices=FP8_AMAX_ALGOS, default=fp8.fp8_amax_compute_algo)
+    g.add_argument("--fp8-margin", type=int, default=fp8.fp8_margin,
+                   help="scales divided by 2**margin (headroom above the amax)")
+    g.add_argument("--fp8-amax-history-len", type=int, default=fp8.fp8_amax_history_len,
+                   help="delayed scaling: steps of amax history")
+    g.add_argument("--fp8-amax-compute-algo", choices=FP8_AMAX_ALGOS, default=fp8.fp8_amax_compute_algo,
+                   help="delayed scaling: the scale's amax, the history's max or its most recent")
     g.add_argument("--fp8-wgrad", action=argparse.BooleanOptionalAction, default=fp8.fp8_wgrad,
                    help="the weight-gradient GEMM in FP8 (--no-fp8-wgrad: in BF16)")
     g.add_argument("--activation-func-fp8-input-store", action="store_true",
@@ -214,8 +271,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "shard first (delayed, tensorwise, blockwise; needs a sharding strategy)")
     g.add_argument("--first-last-layers-bf16", action="store_true",
                    help="keep the first/last transformer layers in BF16 (counts below)")
-    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=fp8.num_layers_at_start_in_bf16)
-    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=fp8.num_layers_at_end_in_bf16)
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=fp8.num_layers_at_start_in_bf16,
+                   help="with --first-last-layers-bf16: first layers kept in BF16")
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=fp8.num_layers_at_end_in_bf16,
+                   help="with --first-last-layers-bf16: last layers kept in BF16")
     g.add_argument("--fp8-stats", action=argparse.BooleanOptionalAction, default=False,
                    help="log FP8 amax / underflow / saturation per tensor role every --log-interval; the steps it "
                         "records run their layers outside the CUDA graphs (eagerly: slower, and with their "
@@ -254,7 +313,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--grpo-prompt-mask", type=float, default=0.15,
                    help="grpo: probability of masking each prompt token in the one-step log-likelihood estimate")
     g.add_argument("--rl-reward", default="exact_match",
-                   help="grpo: comma list of rewards, NAME or NAME:WEIGHT (exact_match, format)")
+                   help=f"grpo: comma list of rewards, NAME or NAME:WEIGHT ({', '.join(sorted(REWARDS))})")
     g.add_argument("--rl-gen-length", type=int, default=32, help="grpo: tokens per completion")
     g.add_argument("--rl-block-length", type=int, default=32, help="grpo: the rollout sampler's block length")
     g.add_argument("--rl-threshold", type=float, default=0.9,
@@ -262,10 +321,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rl-temperature", type=float, default=0.9, help="grpo: sampling temperature of the rollouts")
 
     g = p.add_argument_group("evaluation, logging, checkpoints")
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--eval-interval", type=int, default=1000, help="validate every this many steps (0: never)")
+    g.add_argument("--eval-iters", type=int, default=10, help="global batches per validation")
+    g.add_argument("--log-interval", type=int, default=10, help="log every this many steps")
+    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard events here")
     g.add_argument("--wandb-project", default=None, help="log what TensorBoard gets to this Weights & Biases "
                    "project (pip install 'megadlms[wandb]'; WANDB_MODE=offline works without a network)")
     g.add_argument("--wandb-exp-name", default=None, help="the W&B run name (default: W&B's)")
@@ -291,12 +350,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     add_data_arguments(p)
     add_distributed_arguments(p)
+    _short_metavars(p)
     return p
 
 
 def build_parser(prog: str = "megadlms train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Pre-train or fine-tune a diffusion (or AR) language model.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description="Pre-train or fine-tune a diffusion (or AR) language model.")
     return add_train_arguments(p)
 
 

@@ -1,6 +1,7 @@
 """megadlms.training.config: the typed run configuration, its mapping from flags and its validation."""
 
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -115,3 +116,20 @@ def test_fp8_wgrad_takes_both_forms_and_the_help_names_both():
     assert parse_train_args(base + ["--no-fp8-wgrad"]).fp8.fp8_wgrad is False
     assert parse_train_args(base + ["--no-fp8-wgrad", "--fp8-wgrad"]).fp8.fp8_wgrad is True
     assert "--fp8-wgrad, --no-fp8-wgrad" in build_parser().format_help()  # not a lone --no- flag "(default: True)"
+
+
+def test_the_help_describes_every_flag_and_shows_each_default_once():
+    from megadlms.presets import PRESETS
+    from megadlms.rl.rewards import REWARDS
+
+    parser = build_parser()
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+    text = parser.format_help()
+    assert "(default: None)" not in text and "(default: False)" not in text
+    entries = re.split(r"\n  (?=-)", text.split("\n\nWithout --config")[0])  # one entry per flag, no epilog
+    assert [e.split()[0] for e in entries if e.count("default") > 1] == []
+    assert "(default: 0.95)" in next(e for e in entries if e.startswith("--adam-beta2"))
+    reward = " ".join(next(e for e in entries if e.startswith("--rl-reward")).split())
+    assert all(name in reward for name in REWARDS) and all(name in text for name in PRESETS)
+    assert text.splitlines()[0] == "usage: megadlms train [-h] [--config FILE.yaml] [--FLAG VALUE ...]"
+    assert "MOE_SHARED_EXPERT_INTERMEDIATE_SIZE" not in text  # placeholders say the kind of value
