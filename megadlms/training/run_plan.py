@@ -463,7 +463,7 @@ def resolve_model_config(config: RunConfig, vocab_size: int | None, mask_id: int
     if ck.use_checkpoint_args:
         assert ck.load is not None  # CheckpointConfig requires --load with --use-checkpoint-args
         base = ckpt.read_meta(ckpt.find_checkpoint(ck.load, ck.ckpt_step))["config"]
-        arch = config.model.overrides()
+        arch = dict(config.model.overrides)
         # the window length is the run's choice (within the positions the model has); the architecture is the
         # checkpoint's, and a flag that says otherwise is an error rather than silently dropped
         if "seq_length" in arch:
@@ -478,7 +478,7 @@ def resolve_model_config(config: RunConfig, vocab_size: int | None, mask_id: int
                               "flags, or leave out --use-checkpoint-args to build the architecture from the flags")
     else:
         base = load_model_config(config.model.model_path, tokenizer_vocab_size=vocab_size).to_dict()
-        arch = config.model.overrides()
+        arch = dict(config.model.overrides)
         if "seq_length" in arch and "max_position_embeddings" not in arch:
             arch["max_position_embeddings"] = max(base["max_position_embeddings"], arch["seq_length"])
         base.update(arch)

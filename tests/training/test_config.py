@@ -9,6 +9,7 @@ import yaml
 from megadlms.config import ConfigError, TransformerConfig
 from megadlms.training.args import PARSE_ONLY, build_parser, parse_train_args, run_config_from_args
 from megadlms.training.config import (
+    MODEL_FLAGS,
     CheckpointConfig,
     DiffusionConfig,
     FP8Config,
@@ -85,8 +86,12 @@ def test_bd3lm_options_are_refused_where_they_would_change_nothing():
 
 def test_model_overrides_are_the_set_transformer_fields():
     model_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    assert {f.name for f in dataclasses.fields(ModelConfig)} - model_fields == {"model_path"}
-    assert ModelConfig(num_layers=3, qk_layernorm=False).overrides() == {"num_layers": 3, "qk_layernorm": False}
+    assert set(MODEL_FLAGS) <= model_fields  # the model flags are TransformerConfig's own fields, not a mirror
+    model = ModelConfig(num_layers=3, qk_layernorm=False, hidden_size=None)
+    assert model.overrides == {"num_layers": 3, "qk_layernorm": False} and model.num_layers == 3
+    assert model.hidden_size is None  # not overridden: the preset's
+    with pytest.raises(ConfigError, match="model override 'num_layer' is not a TransformerConfig field"):
+        ModelConfig(num_layer=3)
     fp8 = FP8Config(fp8_format="e4m3", fp8_recipe="tensorwise", num_layers_at_start_in_bf16=2)
     fields = fp8.model_fields()
     assert fields["fp8"] is True and fields["fp8_recipe"] == "tensorwise"
