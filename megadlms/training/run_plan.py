@@ -40,12 +40,6 @@ GRPO_FIELDS = ("rl_kl_beta", "grpo_group_size", "grpo_inner_updates", "grpo_clip
 FP8_ONLY_FIELDS = tuple(f.name for f in dataclasses.fields(FP8Settings) if f.name != "fp8_dot_product_attention")
 SFT_ONLY_FIELDS = ("sft_pad", "truncate")
 SAVE_ONLY_FIELDS = ("save_interval", "async_save", "ckpt_keep_last", "ckpt_save_failures_ok")
-# a negative flag spells these fields' non-default value
-NEGATIVE_FLAGS = {"bd3lm_antithetic": "--no-bd3lm-antithetic", "fp8_wgrad": "--no-fp8-wgrad",
-                  "fp8_fuse_projections": "--no-fp8-fuse-projections", "fp8_fuse_mlp": "--no-fp8-fuse-mlp",
-                  "fp8_fprop_fast_accum": "--no-fp8-fprop-fast-accum"}
-
-
 def _given(section: Any, names: tuple[str, ...]) -> list[str]:
     """The fields among `names` whose value differs from the default of `section`'s dataclass."""
     default = type(section)()
@@ -53,12 +47,13 @@ def _given(section: Any, names: tuple[str, ...]) -> list[str]:
 
 
 def _flags(section: Any, names: list[str]) -> str:
-    """The flags the user set for `names`, as typed: `--flag value`, a switch alone, or its negative."""
-    parts = []
+    """The flags the user set for `names`, as typed: `--flag value`, a switch alone, or the negative of one that
+    defaults to on."""
+    default, parts = type(section)(), []
     for n in names:
         value = getattr(section, n)
-        if n in NEGATIVE_FLAGS and value is False:
-            parts.append(NEGATIVE_FLAGS[n])
+        if value is False and getattr(default, n) is True:
+            parts.append("--no-" + flag_name(n)[2:])
         elif value is True:
             parts.append(flag_name(n))
         else:
@@ -85,8 +80,11 @@ class RunPlan:
     @classmethod
     def resolve(cls, config: RunConfig, model: TransformerConfig, world_size: int | None = None,
                 device_type: str | None = None) -> RunPlan:
-        """The plan of this process's run: by default the world size from torchrun's WORLD_SIZE (1 without it) and
-        the device `--device` names, else cuda when one is visible."""
+        """The plan of this process's run: by default the world size of the process group the caller has already
+        made, else torchrun's WORLD_SIZE (1 without it), and the device `--device` names, else cuda when one is
+        visible."""
+        if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            world_size = torch.distributed.get_world_size()
         if world_size is None:
             try:
                 world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -149,6 +147,30 @@ class RunPlan:
     @property
     def moe(self) -> bool:
         return self.model.is_moe
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step: --global-batch-size, else one micro-batch per data-parallel rank."""
+        t = self.config.train
+        return t.global_batch_size or t.micro_batch_size * self.dp
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches each rank accumulates per step."""
+        return self.global_batch // (self.config.train.micro_batch_size * self.dp)
+
+    def describe(self) -> str:
+        """The plan in one line, for the run's log."""
+        t, fp8 = self.config.train, self.config.fp8
+        precision = (f"FP8 {fp8.fp8_format}/{fp8.fp8_recipe}" if self.fp8 else
+                     "fp32" if t.fp32 else "bf16" if t.bf16 or self.device_type == "cuda" else "fp32")
+        objective = (f"RL {self.rl}" if self.rl else "SFT" if self.config.data.sft else "pre-training")
+        layout = f"world {self.world_size} (pp {self.pp} x dp {self.dp} x cp {self.cp} x tp {self.tp}, ep {self.ep})"
+        lora = f"LoRA rank {self.config.lora.lora_rank}" if self.lora else "no LoRA"
+        graphs = "CUDA graphs" if self.layer_graphs() else "no CUDA graphs"
+        compiled = "compiled" if t.compile_on(torch.device(self.device_type)) else "eager"
+        return (f"{objective} ({self.mode}) | {precision} | {layout} | global batch {self.global_batch} (micro "
+                f"{t.micro_batch_size} x accum {self.accumulation} x dp {self.dp}) | {lora} | {compiled}, {graphs}")
 
     def attention_resets(self) -> bool:
         """Whether the data asks for document-level attention, position resets or annealed attention."""
@@ -413,6 +435,12 @@ RULES: tuple[Rule, ...] = (
          lambda p: "--overlap-param-gather overlaps the all-gather of sharded parameters, and "
                    "--data-parallel-sharding-strategy no_shard has none",
          "add --use-distributed-optimizer or pick optim, optim_grads or optim_grads_params"),
+    Rule("--global-batch-size", "a multiple of --micro-batch-size x data-parallel size",
+         lambda p: p.config.train.global_batch_size is not None
+         and p.global_batch % (p.config.train.micro_batch_size * p.dp) != 0,
+         lambda p: f"--global-batch-size {p.global_batch} is not divisible by --micro-batch-size "
+                   f"{p.config.train.micro_batch_size} x data-parallel size {p.dp}",
+         "pass a multiple of their product"),
     # ---- CUDA graphs
     Rule("--cuda-graphs on", "any of the CUDA-graph blockers below",
          lambda p: p.config.train.cuda_graphs == "on" and bool(p.graph_blockers()),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import sys
 import time
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..config import ConfigError, TransformerConfig
+from ..config import TransformerConfig
 from ..diffusion import bd3lm
 from ..diffusion.objective import MaskSampler
 from ..distributed.data_parallel import grad_sync_context
@@ -139,20 +140,22 @@ class Trainer:
     """Owns the model, optimizer, schedule, data and objective of one run."""
 
     def __init__(self, run_config: RunConfig, ctx: ParallelContext, model_config: TransformerConfig,
-                 model: nn.Module, loaders: Any, tokenizer: Any | None = None):
+                 model: nn.Module, loaders: Any, tokenizer: Any | None = None, plan: RunPlan | None = None):
         """run_config: the run's settings; model_config: the model's architecture (`resolve_model_config`); model:
-        built by `build_parallel_model`; loaders: `megadlms.data.build_loaders`'s."""
+        built by `build_parallel_model`; loaders: `megadlms.data.build_loaders`'s; plan: the checked run plan
+        (default: resolved here for `ctx`'s world and device)."""
         self.run_config, self.ctx, self.model_config, self.model = run_config, ctx, model_config, model
         self.loaders, self.tokenizer = loaders, tokenizer
         self.device = ctx.device
+        if plan is None or (plan.world_size, plan.device_type) != (ctx.world_size, self.device.type):
+            plan = RunPlan.resolve(run_config, model_config, world_size=ctx.world_size,
+                                   device_type=self.device.type).check()
+        self.plan = plan
         train_cfg = run_config.train
         self.compiled = train_cfg.compile_on(self.device)
         self.mbs = train_cfg.micro_batch_size
-        self.global_batch = train_cfg.global_batch_size or self.mbs * ctx.dp_size
-        if self.global_batch % (self.mbs * ctx.dp_size):
-            raise ConfigError(f"--global-batch-size {self.global_batch} is not divisible by --micro-batch-size "
-                             f"{self.mbs} x data-parallel size {ctx.dp_size}")
-        self.accum = self.global_batch // (self.mbs * ctx.dp_size)
+        self.global_batch = self.plan.global_batch  # a multiple of micro-batch x data-parallel size (the plan's rule)
+        self.accum = self.plan.accumulation
         self.sampler = MaskSampler(train_cfg.seed + 1, device=self.device)
         self.attention = _attention_plan(run_config, model_config, getattr(loaders, "eod_id", None), self.device)
         # large vocabularies: the fused, masked-rows-only LM head + loss (the [tokens, V] logits dominate memory)
@@ -218,8 +221,7 @@ class Trainer:
         mode = self.run_config.train.cuda_graphs
         if mode == "off":
             return None
-        plan = RunPlan.resolve(self.run_config, self.model_config, world_size=self.ctx.world_size,
-                               device_type=self.device.type)
+        plan = self.plan
         if not plan.layer_graphs():  # `--cuda-graphs on` with a blocker was refused before the build
             blockers = plan.graph_blockers()
             if blockers and self.ctx.is_main and self.device.type == "cuda":
@@ -591,7 +593,10 @@ def setup(config: RunConfig) -> Trainer:
     train_cfg, data = config.train, config.data
     # the plan first: every clash of the settings is reported before a process group, model or loader exists
     tokenizer = run_tokenizer(config)
-    cfg = plan_run(config, tokenizer).model
+    plan = plan_run(config, tokenizer)
+    cfg = plan.model
+    if os.environ.get("RANK", "0") == "0":
+        log.info("run plan: %s", plan.describe())
     ctx = init_parallel(train_cfg.device, config.parallel.tensor_model_parallel_size,
                         config.parallel.distributed_backend, cp_size=config.parallel.context_parallel_size,
                         pp_size=config.parallel.pipeline_model_parallel_size,
@@ -638,7 +643,7 @@ def setup(config: RunConfig) -> Trainer:
         loaders = build_loaders(data_cfg, tokenizer, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
     if ctx.distributed and ctx.is_main:
         dist.barrier()
-    trainer = Trainer(config, ctx, cfg, model, loaders, tokenizer)
+    trainer = Trainer(config, ctx, cfg, model, loaders, tokenizer, plan=plan)
     n_params = _count_parameters(model, ctx)
     if ctx.is_main:
         log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention (%s)%s | device %s%s | "

@@ -29,6 +29,9 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "run_plan.md"
     (["--save-interval", "10"], "^--save-interval 10: this run saves no checkpoint; add --save DIR or drop it$"),
     (["--async-save"], "^--async-save: this run saves no checkpoint"),
     (["--ckpt-keep-last", "2"], "^--ckpt-keep-last 2: this run saves no checkpoint"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], "^--global-batch-size 6 is not divisible by "
+                                                              "--micro-batch-size 4 x data-parallel size 1; pass a "
+                                                              "multiple of their product$"),
 ])
 def test_flags_that_would_change_nothing_are_refused_in_one_line(flags, message):
     config = parse_train_args(OWN + flags)
@@ -60,6 +63,17 @@ def test_every_clash_is_reported_at_once_one_line_each():
     starts = ["--truncate: only read with --sft", "--save-interval 5: this run saves no checkpoint",
               "--rl vrpo samples rollouts from the whole model", "--pipeline-model-parallel-size 2 runs micro-batches"]
     assert [x.strip()[:len(start)] for x, start in zip(lines[1:], starts)] == starts and len(lines) == 5
+
+
+def test_the_plan_in_one_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    config = parse_train_args(OWN + ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2",
+                                     "--micro-batch-size", "2", "--global-batch-size", "8", "--no-compile"])
+    plan = plan_run(config)
+    assert (plan.dp, plan.global_batch, plan.accumulation) == (2, 8, 2)
+    assert plan.describe() == ("pre-training (difflm-noshift) | FP8 hybrid/delayed | world 4 (pp 1 x dp 2 x cp 1 x "
+                               "tp 2, ep 1) | global batch 8 (micro 2 x accum 2 x dp 2) | no LoRA | eager, no CUDA "
+                               "graphs")
 
 
 def test_the_check_runs_before_any_process_group_model_or_loader(monkeypatch):
