@@ -26,9 +26,8 @@ class ParallelConfig:
         1, "split each sequence's positions over this many ranks (attention all-gathers K/V); --seq-length must be "
            "divisible by 2 x this size")
     cp_comm_type: str = setting(
-        "all_gather", "context parallelism's K/V exchange: all_gather (each layer gathers the whole sequence's K/V) "
-                      "or p2p (ring attention: K/V blocks passed around the cp ranks, partial results merged by their "
-                      "log-sum-exp; fp32 block products, no fused kernel)", choices=CP_COMM_TYPES)
+        "all_gather", "context parallelism's K/V exchange: all_gather (the whole sequence's K/V per layer) or p2p "
+                      "(ring attention; docs/distributed.md)", choices=CP_COMM_TYPES)
     pipeline_model_parallel_size: int = setting(
         1, "split the layers into this many consecutive stages, one per rank (torch.distributed.pipelining); must "
            "divide --num-layers; composes with DDP, FSDP2, CP and TP")

@@ -141,10 +141,9 @@ class DiffusionConfig:
     """The training objective: masked diffusion (difflm-noshift, bidirectional) or autoregressive (vanilla)."""
 
     model_running_mode: str | None = setting(
-        None, "default: the mode the model records (difflm-shift for Dream, bd3lm for a block-diffusion checkpoint), "
-              "else difflm-noshift. difflm-noshift: masked diffusion, bidirectional; difflm-shift: masked diffusion "
-              "whose logits at position i predict token i + 1 (Dream; keeps an AR model's head alignment); vanilla: "
-              "autoregressive, causal; bd3lm: block diffusion (blocks of --block-size, AR across blocks)",
+        None, "difflm-noshift: masked diffusion; difflm-shift: position i predicts token i + 1 (Dream); vanilla: "
+              "autoregressive; bd3lm: block diffusion (default: the mode the model records, else difflm-noshift; "
+              "docs/training.md)",
         choices=RUNNING_MODES, group=OBJECTIVE_GROUP)
     attention_anneal_iters: int = setting(
         0, "adapting an AR model: anneal causal attention into bidirectional over this many iterations (each future "
@@ -158,10 +157,8 @@ class DiffusionConfig:
     difflm_varilen_prob: float = setting(0.01, "share of micro-batches cut to a random length in [2, --seq-length]",
                                          group=OBJECTIVE_GROUP)
     diffusion_loss: str | None = setting(
-        None, "the diffusion modes' cross-entropy (pre-training, SFT, bd3lm). subs: MDLM's SUBS parameterisation, "
-              "the [MASK] logit is -inf before the softmax (the bound of the model the sampler draws from); "
-              "full-vocab: [MASK] stays in the softmax, as LLaDA trains. Default: the one the model records "
-              "(full-vocab for LLaDA, LLaDA-MoE and Dream), else subs", choices=DIFFUSION_LOSSES,
+        None, "subs: [MASK] out of the softmax (MDLM); full-vocab: [MASK] in it, as LLaDA trains (default: the "
+              "loss the model records, else subs; docs/training.md)", choices=DIFFUSION_LOSSES,
         group=OBJECTIVE_GROUP)
     block_size: int | None = setting(None, "bd3lm: tokens per block (divides --seq-length)", group=OBJECTIVE_GROUP)
     bd3lm_clip_min: float = setting(1e-3, "bd3lm: training t ~ U[min, max]", group=OBJECTIVE_GROUP)
@@ -169,18 +166,15 @@ class DiffusionConfig:
     bd3lm_noise_per: str = setting("block", "bd3lm: one noise level t per block or per sequence",
                                    choices=("block", "sequence"), group=OBJECTIVE_GROUP)
     bd3lm_antithetic: bool = setting(
-        True, "bd3lm: stratify t over the global batch x blocks, the k-th of n levels in the k-th of n equal parts of "
-              "its range (the paper's antithetic sampling; lower-variance losses); --no-bd3lm-antithetic: "
+        True, "bd3lm: t stratified over the global batch x blocks (the paper's antithetic sampling); --no-: "
               "independent draws", group=OBJECTIVE_GROUP)
     bd3lm_resample: bool = setting(
         False, "bd3lm training: redraw a block's mask while its masked fraction is outside [--bd3lm-clip-min, "
                "--bd3lm-clip-max] (the reference's training.resample; a bound left at 1e-3 or 1 is not enforced)",
         group=OBJECTIVE_GROUP)
     bd3lm_clip_search: bool = setting(
-        False, "bd3lm: at every validation, score each candidate clip interval (the linear schedule and the intervals "
-               "of --bd3lm-clip-search-widths) by the variance of its per-block training loss on the validation "
-               "batches, and train on the lowest (the paper's search; costs one forward per candidate and validation "
-               "micro-batch, on up to 100 batches)", group=OBJECTIVE_GROUP)
+        False, "bd3lm: at every validation, train on the candidate clip interval whose per-block loss varies least "
+               "(the paper's search; docs/block_diffusion.md)", group=OBJECTIVE_GROUP)
     bd3lm_clip_search_widths: list[float] = setting(
         help="bd3lm clip search: the candidate widths (the paper's 0.5 0.6 0.7 0.8 0.9)",
         default_factory=lambda: list(CLIP_SEARCH_WIDTHS), metavar="W", group=OBJECTIVE_GROUP)
@@ -188,9 +182,8 @@ class DiffusionConfig:
         CLIP_SEARCH_DELTA, "bd3lm clip search: the step between the starts of one width's intervals",
         group=OBJECTIVE_GROUP)
     ignore_bos: bool = setting(
-        False, "difflm-noshift and bd3lm: never mask the first token of a window and leave it out of the validation "
-               "loss's denominator (MDLM / BD3-LM's ignore_bos, for data whose windows start with BOS)",
-        group=OBJECTIVE_GROUP)
+        False, "difflm-noshift and bd3lm: never mask a window's first token, nor count it in validation (for "
+               "windows that start with BOS)", group=OBJECTIVE_GROUP)
 
     def __post_init__(self) -> None:
         if self.model_running_mode is not None:
@@ -263,14 +256,13 @@ class TrainConfig:
     recompute_granularity: str | None = setting(None, "activation checkpointing of every transformer layer",
                                                 choices=("full",), group=TRAIN_GROUP)
     cuda_graphs: str = setting(
-        "auto", "replay the transformer layers' training forward and backward from CUDA graphs, so the host issues "
-                "two graph launches per micro-batch instead of every kernel (auto: on for a single CUDA process "
-                "without activation checkpointing, eager layers if the capture fails; on: also under DDP, a failed "
-                "capture is an error)", choices=("auto", "on", "off"), consts={"--enable-cuda-graph": "on"},
+        "auto", "replay the layers' forward and backward from CUDA graphs (auto: in a single CUDA process where "
+                "nothing blocks them, eager if the capture fails; on: also under DDP; docs/training.md)",
+        choices=("auto", "on", "off"), consts={"--enable-cuda-graph": "on"},
         group=TRAIN_GROUP)
     loss_chunk_tokens: int | None = setting(
-        None, "fuse the LM head with the loss over chunks of this many tokens, computing logits only where the loss "
-              "has weight (0: plain logits; default: 8192 when the vocabulary has >= 32768 tokens, else 0)",
+        None, "LM head fused with the loss over chunks of this many tokens, logits only where the loss has weight "
+              "(0: plain logits; default: 8192 for vocabularies >= 32768, else 0)",
         group=TRAIN_GROUP)
     eval_interval: int = setting(1000, "validate every this many steps (0: never)", group=EVAL_GROUP)
     eval_iters: int = setting(10, "global batches per validation", group=EVAL_GROUP)
@@ -335,9 +327,8 @@ class FP8Config(FP8Settings):
     fp8_format: str | None = setting(None, "enable FP8: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients)",
                                      choices=FP8_FORMATS, group=FP8_GROUP)
     fp8_stats: bool = setting(
-        False, "log FP8 amax / underflow / saturation per tensor role every --log-interval; the steps it records run "
-               "their layers outside the CUDA graphs (eagerly: slower, and with their activations allocated beside "
-               "the graphs' memory pool)", negatable=True, group=FP8_GROUP)
+        False, "log FP8 amax / underflow / saturation per tensor role every --log-interval (those steps run "
+               "outside the CUDA graphs)", negatable=True, group=FP8_GROUP)
     fp8_param_gather: bool = setting(
         False, "FSDP2 all-gathers the FP8 layers' weights in FP8 (1 byte per element): each rank casts its shard "
                "first (delayed, tensorwise, blockwise; needs a sharding strategy)", group=FP8_GROUP)
