@@ -238,6 +238,27 @@ def _other_rl_kind(p: RunPlan) -> list[str]:
     return _given(rl, unread)
 
 
+def _schedule_problem(p: RunPlan) -> str | None:
+    """Why the pipeline schedule cannot run this step's micro-batches (the schedule's own rule,
+    `pipeline_parallel.check_micro_batches`), or None; a layer count the stages do not divide is the build's
+    size check."""
+    if p.pp == 1:
+        return None
+    from ..distributed.pipeline_parallel import check_micro_batches, virtual_stages
+
+    par = p.config.parallel
+    try:
+        stages = virtual_stages(p.model.num_layers, p.pp, par.num_layers_per_virtual_pipeline_stage)
+    except ConfigError:
+        return None
+    try:
+        check_micro_batches(p.accumulation, p.pp, stages, par.pipeline_schedule,
+                            samples_per_micro_batch=p.config.train.micro_batch_size * p.dp)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def _clip_search_needs(p: RunPlan) -> bool:
     t = p.config.train
     return p.config.objective.bd3lm_clip_search and p.mode == "bd3lm" and (t.eval_iters <= 0 or not t.eval_interval)
@@ -419,6 +440,11 @@ RULES: tuple[Rule, ...] = (
          lambda p: p.pp > 1 and p.config.train.generate_sample,
          lambda p: f"--pipeline-model-parallel-size {p.pp}: the model is split over ranks, so it cannot sample at "
                    "the end", "add --no-generate-sample"),
+    Rule("--pipeline-model-parallel-size", "fewer micro-batches per step than its schedule runs",
+         lambda p: _schedule_problem(p) is not None,
+         lambda p: str(_schedule_problem(p)).split("; ", 1)[0],
+         "raise --global-batch-size, or use --pipeline-schedule gpipe",
+         lambda p: str(_schedule_problem(p)).split("; ", 1)[1]),
     Rule("--num-layers-per-virtual-pipeline-stage", "needs --pipeline-model-parallel-size > 1",
          lambda p: p.config.parallel.num_layers_per_virtual_pipeline_stage is not None and p.pp == 1,
          lambda p: f"--num-layers-per-virtual-pipeline-stage "

@@ -234,14 +234,11 @@ class Trainer:
     def _pipeline_runner(self) -> Any:
         if self.ctx.pp_size == 1:
             return None
-        from ..distributed.pipeline_parallel import check_micro_batches
         from .pipeline_step import PipelineRunner
 
-        pp = self.ctx.pp_size  # varying shapes and the final sample are refused before the build (`run_plan`)
+        # varying shapes, the final sample and too few micro-batches are refused before the build (`run_plan`)
         assert self.ctx.pp_group is not None  # a mesh with a pp dimension
         model = cast("RankStages", self.model)
-        check_micro_batches(self.accum, pp, len(model.stages), self.run_config.parallel.pipeline_schedule,
-                            samples_per_micro_batch=self.mbs * self.ctx.dp_size)
         return PipelineRunner(model, self.objective, self.ctx.pp_group,
                               self.device, self.accum, self.run_config.parallel.pipeline_schedule,
                               self.autocast_dtype or torch.float32)

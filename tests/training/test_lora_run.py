@@ -103,7 +103,7 @@ def test_lora_flags_need_a_base_and_refuse_base_training_flags():
     (["--fp8-format", "hybrid", "--fp8-param-gather", "--data-parallel-sharding-strategy", "optim_grads_params"],
      "--lora-rank 4 freezes the base, so --fp8-param-gather has no trained FP8 weights to gather; drop"),
     (["--tensor-model-parallel-size", "2"], "--lora-rank 4 with --tensor-model-parallel-size 2: .* drop tensor"),
-    (["--pipeline-model-parallel-size", "2", "--difflm-varilen-prob", "0"],
+    (["--pipeline-model-parallel-size", "2", "--difflm-varilen-prob", "0", "--pipeline-schedule", "gpipe"],
      "--lora-rank 4 with --pipeline-model-parallel-size 2: .* drop pipeline"),
     (["--lora-rank", "0"], "--lora-rank 0 must be an integer >= 1"),
     (["--lora-alpha", "-1"], "--lora-alpha -1.0 must be > 0"),

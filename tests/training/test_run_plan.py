@@ -59,10 +59,22 @@ def test_every_clash_is_reported_at_once_one_line_each():
     with pytest.raises(ConfigError) as e:
         plan_run(config)
     lines = str(e.value).splitlines()
-    assert lines[0] == "4 settings do not go together:"
+    assert lines[0] == "5 settings do not go together:"
     starts = ["--truncate: only read with --sft", "--save-interval 5: this run saves no checkpoint",
-              "--rl vrpo samples rollouts from the whole model", "--pipeline-model-parallel-size 2 runs micro-batches"]
-    assert [x.strip()[:len(start)] for x, start in zip(lines[1:], starts)] == starts and len(lines) == 5
+              "--rl vrpo samples rollouts from the whole model", "--pipeline-model-parallel-size 2 runs micro-batches",
+              "the 1F1B schedule needs at least --pipeline-model-parallel-size 2 micro-batches per step, got 1"]
+    assert [x.strip()[:len(start)] for x, start in zip(lines[1:], starts)] == starts and len(lines) == 6
+
+
+def test_a_pipeline_schedule_without_enough_micro_batches_is_refused_before_the_build(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    flags = OWN + ["--pipeline-model-parallel-size", "2", "--difflm-varilen-prob", "0", "--micro-batch-size", "2"]
+    with pytest.raises(ConfigError, match=r"^the 1F1B schedule needs at least --pipeline-model-parallel-size 2 "
+                                          r"micro-batches per step, got 1; pass --global-batch-size 4 \(2 "
+                                          r"micro-batches of 2 samples.*, or use --pipeline-schedule gpipe$"):
+        plan_run(parse_train_args(flags))
+    assert plan_run(parse_train_args(flags + ["--global-batch-size", "4"])).accumulation == 2
+    assert plan_run(parse_train_args(flags + ["--pipeline-schedule", "gpipe"])).clashes() == []
 
 
 def test_the_plan_in_one_line(monkeypatch):
