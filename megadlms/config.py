@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import MegaDLMsError
+from .settings import setting
 
 ATTN_MASK_TYPES = ("bidirectional", "causal")
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -24,6 +25,13 @@ class ConfigError(MegaDLMsError, ValueError):
     """A configuration value is invalid; the message says which, why, and what to use instead."""
 
 
+def _recipe_names() -> tuple[str, ...]:
+    """The --fp8-recipe choices (asked when a parser is built: the recipes import this module)."""
+    from .fp8.recipe import RECIPE_NAMES
+
+    return RECIPE_NAMES
+
+
 @dataclass
 class FP8Settings:
     """The FP8 settings of a model, defined once, with Megatron-Core's names and defaults (Transformer Engine
@@ -32,22 +40,33 @@ class FP8Settings:
     `fp8_format`; `FP8Config.fp8_format`, None for off). The `DelayedScaling` dataclass keeps Transformer Engine's
     own defaults (history 1024, 'max') as the Python API TE users know; `recipe_from_config` builds it from these."""
 
-    fp8_recipe: str = "delayed"  # megadlms.fp8.recipe.RECIPE_NAMES
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1  # Megatron's defaults (TE's DelayedScaling uses 1024, "max")
-    fp8_amax_compute_algo: str = "most_recent"
-    fp8_wgrad: bool = True
-    activation_func_fp8_input_store: bool = False
-    fp8_fuse_projections: bool = True  # q/k/v and gate/up as one FP8 GEMM each (megadlms.fp8.fusions.fused_linear)
-    fp8_fuse_mlp: bool = True  # the MLP as one FP8 function, SwiGLU fused into its casts (fp8.fusions.fused_mlp)
-    fp8_fprop_fast_accum: bool = True  # Hopper fast accumulation in the forward GEMM (TE's and torchao's default)
-    # the FP8 layers' attention in FP8 too (cuDNN; Megatron's --fp8-dot-product-attention); inert without fp8
-    fp8_dot_product_attention: bool = False
-    fp8_pow2_scales: bool = False  # blockwise: power-of-two scales (exact dequantisation)
+    fp8_recipe: str = setting("delayed", "scaling: delayed / tensorwise (per tensor), rowwise, blockwise (1x128 "
+                                         "tiles, 128x128 weight blocks; Hopper, e4m3), mxfp8 (32-element E8M0 blocks; "
+                                         "Blackwell, e4m3)", choices=_recipe_names)
+    fp8_margin: int = setting(0, "scales divided by 2**margin (headroom above the amax)")
+    # Megatron's defaults (TE's DelayedScaling uses 1024, "max")
+    fp8_amax_history_len: int = setting(1, "delayed scaling: steps of amax history")
+    fp8_amax_compute_algo: str = setting("most_recent", "delayed scaling: the scale's amax, the history's max or its "
+                                                        "most recent", choices=FP8_AMAX_ALGOS)
+    fp8_wgrad: bool = setting(True, "the weight-gradient GEMM in FP8 (--no-fp8-wgrad: in BF16)")
+    activation_func_fp8_input_store: bool = setting(False, "save the SwiGLU input for backward in FP8")
+    # megadlms.fp8.fusions.fused_linear
+    fp8_fuse_projections: bool = setting(True, "run q/k/v and gate/up as one FP8 GEMM each (same parameters and "
+                                               "checkpoints)")
+    fp8_fuse_mlp: bool = setting(True, "run the FP8 MLP as one function with the SwiGLU fused into its FP8 casts "
+                                       "(delayed and tensorwise scaling)")  # megadlms.fp8.fusions.fused_mlp
+    # Hopper fast accumulation in the forward GEMM (TE's and torchao's default)
+    fp8_fprop_fast_accum: bool = setting(True, "fast accumulation in the forward FP8 GEMM (off: full-precision "
+                                               "accumulation, slower)")
+    # the FP8 layers' attention in FP8 too (Megatron's --fp8-dot-product-attention); inert without fp8
+    fp8_dot_product_attention: bool = setting(
+        False, "attention in FP8 too: cuDNN's FP8 flash attention (Hopper or newer; needs the nvidia-cudnn-frontend "
+               "package), delayed scaling; a little faster, but it lowers model quality (docs/fp8.md)")
+    fp8_pow2_scales: bool = setting(False, "blockwise: scales rounded down to powers of two (dequantisation is exact)")
     # Megatron's --first-last-layers-bf16: keep num_layers_at_{start,end}_in_bf16 layers in BF16 (`bf16_edges`)
-    first_last_layers_bf16: bool = False
-    num_layers_at_start_in_bf16: int = 1
-    num_layers_at_end_in_bf16: int = 1
+    first_last_layers_bf16: bool = setting(False, "keep the first/last transformer layers in BF16 (counts below)")
+    num_layers_at_start_in_bf16: int = setting(1, "with --first-last-layers-bf16: first layers kept in BF16")
+    num_layers_at_end_in_bf16: int = setting(1, "with --first-last-layers-bf16: last layers kept in BF16")
 
     def bf16_edges(self) -> tuple[int, int]:
         """(layers at the start, layers at the end) kept in BF16: the counts with first_last_layers_bf16, else none."""

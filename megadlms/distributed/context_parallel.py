@@ -29,8 +29,8 @@ from .ring_attention import ring_attention
 
 
 def check_context_parallel(cfg: TransformerConfig, cp_size: int) -> None:
-    """Raise ConfigError (one line) where the model's sequence does not split into 2 x cp equal chunks, or the model
-    has what context parallelism does not take (MoE routing statistics, FP8 attention)."""
+    """Raise ConfigError (one line) where the model's sequence does not split into 2 x cp equal chunks (what context
+    parallelism does not combine with is the run plan's, `training.run_plan`)."""
     if cp_size == 1:
         return
     seq, step = cfg.seq_length, 2 * cp_size
@@ -38,12 +38,6 @@ def check_context_parallel(cfg: TransformerConfig, cp_size: int) -> None:
         raise ConfigError(f"--seq-length {seq} is not divisible by 2 x --context-parallel-size {cp_size} = {step} "
                           f"(each rank holds two equal chunks); use --seq-length {seq // step * step or step} or "
                           f"{(seq // step + 1) * step}")
-    if cfg.is_moe:
-        raise ConfigError(f"--context-parallel-size {cp_size} with an MoE model: the router's load-balancing loss "
-                          "and expert counts are per-sequence statistics; use --context-parallel-size 1")
-    if cfg.fp8_dot_product_attention:
-        raise ConfigError(f"--context-parallel-size {cp_size} with --fp8-dot-product-attention: FP8 attention takes "
-                          "no mask over gathered keys; drop one of them")
 
 
 @functools.lru_cache(maxsize=64)

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..build import apply_fp8, construct_model
 from ..config import ConfigError, TransformerConfig
 from ..model import TransformerLM
-from .config import ParallelConfig, check_fp8_param_gather
+from .config import ParallelConfig
 from .context_parallel import apply_context_parallel
 from .data_parallel import apply_ddp, apply_fsdp
 from .expert_parallel import apply_expert_parallel
@@ -100,7 +100,7 @@ def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel:
     from ..fp8.fusions.fused_mlp import fused_projections
     from ..fp8.integrations.param_gather import check_gather_shardable, enable_fp8_param_gather
 
-    check_fp8_param_gather(bool(model.config.fp8), model.config.fp8_recipe, parallel)
+    # the flags' clashes (no FP8, its recipe, no sharding, TP) are the run plan's (`training.run_plan`)
     if ctx.dp_cp_size < 2:
         raise ConfigError("--fp8-param-gather: this run has one data-parallel rank, so FSDP2 gathers nothing; launch "
                           "more ranks (torchrun --nproc-per-node N) or drop --fp8-param-gather")
@@ -118,24 +118,14 @@ def apply_fp8_param_gather(model: TransformerLM, ctx: ParallelContext, parallel:
 
 
 def check_parallel_plan(cfg: TransformerConfig, ctx: ParallelContext, parallel: ParallelConfig) -> None:
-    """Every rule joining the model to the (pp, dp, cp, tp) layout, in one place; each broken one is a one-line
-    ConfigError naming the values and the fix. (The flags' own rules are `ParallelConfig`'s; the world's split,
-    `init.build_mesh`'s; CUDA graphs, the trainer's.)"""
+    """The model's sizes against the (pp, dp, cp, tp) layout: each that does not divide is a one-line ConfigError
+    naming the values and the fix. (Which features combine is the run plan's, `training.run_plan`; the world's
+    split, `init.build_mesh`'s.)"""
     from .context_parallel import check_context_parallel
     from .pipeline_parallel import check_pipeline_parallel, virtual_stages
 
-    if ctx.tp_size > 1 and cfg.is_moe:
-        raise ConfigError(f"--tensor-model-parallel-size {ctx.tp_size} with an MoE model: tensor parallelism does "
-                          "not shard the experts; use --tensor-model-parallel-size 1 (data parallelism) instead")
     check_context_parallel(cfg, ctx.cp_size)
     if ctx.pp_size > 1:
-        if cfg.is_moe:
-            raise ConfigError(f"--pipeline-model-parallel-size {ctx.pp_size} with an MoE model: the router's "
-                              "statistics are reduced per model; use --pipeline-model-parallel-size 1")
-        if ctx.tp_size > 1 and ctx.dp_cp_size > 1 and parallel.sharding_strategy == "no_shard":
-            raise ConfigError(f"--pipeline-model-parallel-size {ctx.pp_size} x --tensor-model-parallel-size "
-                              f"{ctx.tp_size} over {ctx.dp_cp_size} data-parallel ranks: DDP takes no tensor-parallel "
-                              "parameters; add --use-distributed-optimizer (FSDP2) or another sharded strategy")
         local = cfg.seq_length // ctx.cp_size
         if parallel.sequence_parallel and ctx.tp_size > 1 and local % ctx.tp_size:
             raise ConfigError(f"--sequence-parallel with --pipeline-model-parallel-size {ctx.pp_size}: the stages "

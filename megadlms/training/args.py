@@ -1,7 +1,8 @@
 """Command-line flags of `megadlms train` / `pretrain_difflm.py`, with Megatron-LM names.
 
-A thin skin: the flags build the `RunConfig` the Python API takes (each flag's dest is the name of a field
-in one of its sections, `megadlms.training.config`); no logic hides here. `--config FILE.yaml` supplies
+Generated, not written: each flag is a field of one of `RunConfig`'s sections, whose metadata gives its help and
+spelling (`megadlms.settings`; the model flags are TransformerConfig fields, `MODEL_FLAGS`), and the parsed flags
+build the `RunConfig` the Python API takes; no logic hides here. `--config FILE.yaml` supplies
 defaults (keys = flag names, dashes or underscores); flags given on the command line win. Without `--config`
 the bundled demo config (megadlms/assets/demo.yaml) supplies them, unless a flag names a model, tokenizer or
 data of your own (`OWN_RUN_DESTS`: `--model-path`, `--use-checkpoint-args`, `--tokenizer-model`, `--data-path`,
@@ -19,13 +20,29 @@ from typing import Any, Sequence
 
 import yaml
 
-from ..config import FP8_AMAX_ALGOS, FP8_FORMATS, ConfigError, FP8Settings
-from ..diffusion.clip_search import CLIP_SEARCH_DELTA, CLIP_SEARCH_WIDTHS
-from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES
-from ..fp8.recipe import RECIPE_NAMES
-from ..lora import TARGETS as LORA_TARGETS
-from .config import RunConfig
-from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
+from ..config import ConfigError, TransformerConfig
+from ..data.args import DATA_GROUP, SFT_GROUP
+from ..distributed.config import PARALLEL_GROUP
+from ..settings import add_setting_arguments
+from .config import (
+    EVAL_GROUP,
+    FP8_GROUP,
+    LORA_GROUP,
+    MODEL_FLAGS,
+    MODEL_GROUP,
+    MOE_GROUP,
+    OBJECTIVE_GROUP,
+    RL_GROUP,
+    TRAIN_GROUP,
+    ModelConfig,
+    RunConfig,
+)
+
+# the --help groups, in order, and the group of each section's settings that name none of their own
+HELP_GROUPS = (MODEL_GROUP, MOE_GROUP, OBJECTIVE_GROUP, TRAIN_GROUP, FP8_GROUP, LORA_GROUP, RL_GROUP, EVAL_GROUP,
+               DATA_GROUP, SFT_GROUP, PARALLEL_GROUP)
+SECTION_GROUPS = {"objective": OBJECTIVE_GROUP, "train": TRAIN_GROUP, "fp8": FP8_GROUP, "lora": LORA_GROUP,
+                  "rl": RL_GROUP, "checkpoint": EVAL_GROUP, "data": DATA_GROUP, "parallel": PARALLEL_GROUP}
 
 DEMO_CONFIG = "demo.yaml"
 DEMO_CONFIG_NAME = "megadlms/assets/demo.yaml"  # as messages name it
@@ -41,262 +58,60 @@ DEMO_RULE = (f"Without --config, the run starts from the demo configuration ({DE
 log = logging.getLogger(__name__)
 
 
-def _layer_freq(text: str) -> int | list[int]:
-    """--moe-layer-freq: an int N, or a comma list of 0/1 per layer."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int or a comma list of 0/1, e.g. 1 or 0,1,1,1") from None
-    if len(values) == 1 and "," not in text:
-        return values[0]
-    if not values or any(v not in (0, 1) for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: a per-layer pattern holds only 0 (dense) and 1 (MoE)")
-    return values
+class TrainHelpFormatter(argparse.HelpFormatter):
+    """`--help` with each default shown once, where there is one: never "(default: None)" or "(default: False)",
+    and not again where the help text already speaks of the default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default in (None, False, argparse.SUPPRESS) or not action.option_strings
+        if "%(default)" in text:  # BooleanOptionalAction's own suffix (Python < 3.14)
+            return text.replace(" (default: %(default)s)", "") if unset else text
+        if unset or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+# argument placeholders in --help: by kind of value (the dest in capitals, argparse's own, doubles each long flag)
+METAVARS = {"save": "DIR", "load": "DIR", "tensorboard_dir": "DIR", "wandb_save_dir": "DIR",
+            "data_cache_path": "DIR", "lora_base_path": "DIR", "data_path": "PREFIX", "train_data_path": "PREFIX",
+            "valid_data_path": "PREFIX", "test_data_path": "PREFIX", "tokenizer_model": "PATH",
+            "model_path": "NAME|PATH", "device": "DEVICE", "rl_reward": "NAME[:W],...",
+            "lora_targets": "q,k,v,...", "moe_layer_freq": "N|0,1,..", "split": "A,B,C"}
+
+
+def _short_metavars(p: argparse.ArgumentParser) -> None:
+    """Placeholders that say the kind of value (N, X, DIR, ...) instead of the dest in capitals."""
+    for action in p._actions:
+        if not action.option_strings or action.nargs == 0 or action.metavar is not None or action.choices:
+            continue
+        kind = "N" if action.type is int else "X" if action.type is float else "VALUE"
+        action.metavar = METAVARS.get(action.dest, kind)
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    """Fill `p` with the flags of `megadlms train`: one per setting of `RunConfig`'s sections (their fields carry
+    the help and spelling, `megadlms.settings`), the model flags of `MODEL_FLAGS`, `--config` and `--fp8-hybrid`."""
+    p.formatter_class = TrainHelpFormatter
+    p.usage = "%(prog)s [-h] [--config FILE.yaml] [--FLAG VALUE ...]"
     p.epilog = DEMO_RULE
     p.add_argument("--config", metavar="FILE.yaml", help="YAML file of flag values (keys = flag names)")
-
-    g = p.add_argument_group("model")
-    g.add_argument("--model-path", default="tiny",
-                   help="a preset name (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama3-8b, llada-8b, "
-                        "megatron-13b), a Hugging Face config.json, or a folder holding one")
-    for flag, typ in (("--num-layers", int), ("--hidden-size", int), ("--num-attention-heads", int),
-                      ("--num-query-groups", int), ("--kv-channels", int), ("--ffn-hidden-size", int),
-                      ("--seq-length", int), ("--max-position-embeddings", int), ("--rotary-base", float),
-                      ("--norm-epsilon", float), ("--init-method-std", float)):
-        g.add_argument(flag, type=typ, default=None, help="override the preset's value")
-    g.add_argument("--qk-layernorm", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--untie-embeddings-and-output-weights", action=argparse.BooleanOptionalAction, default=None)
-
-    g = p.add_argument_group("mixture of experts (Megatron-Core's flags; docs/moe.md)")
-    g.add_argument("--num-moe-experts", type=int, default=None, help="routed experts per MoE layer (none: dense)")
-    for flag, typ in (("--moe-router-topk", int), ("--moe-ffn-hidden-size", int),
-                      ("--moe-shared-expert-intermediate-size", int), ("--moe-router-topk-scaling-factor", float),
-                      ("--moe-aux-loss-coeff", float), ("--moe-z-loss-coeff", float),
-                      ("--moe-router-bias-update-rate", float)):
-        g.add_argument(flag, type=typ, default=None, help="override the preset's value")
-    g.add_argument("--moe-layer-freq", type=_layer_freq, default=None,
-                   help="N: every Nth layer is MoE; or a 0/1 pattern per layer, e.g. 0,1,1,1 (dense first layer)")
-    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default=None)
-    g.add_argument("--moe-router-pre-softmax", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--moe-router-enable-expert-bias", action=argparse.BooleanOptionalAction, default=None)
-
-    g = p.add_argument_group("diffusion objective")
-    g.add_argument("--model-running-mode", choices=RUNNING_MODES, default=None,
-                   help="default: the mode the model records (difflm-shift for Dream, bd3lm for a block-diffusion "
-                        "checkpoint), else difflm-noshift. difflm-noshift: masked diffusion, bidirectional; "
-                        "difflm-shift: masked diffusion whose "
-                        "logits at position i predict token i + 1 (Dream; keeps an AR model's head alignment); "
-                        "vanilla: autoregressive, causal; "
-                        "bd3lm: block diffusion (blocks of --block-size, AR across blocks)")
-    g.add_argument("--attention-anneal-iters", type=int, default=0,
-                   help="adapting an AR model: anneal causal attention into bidirectional over this many "
-                        "iterations (each future key open with probability (i + 1) / N at iteration i; DiffuLLaMA)")
-    g.add_argument("--mask-token", type=int, default=None,
-                   help="mask token id (default: the tokenizer's <|mask|>, else the preset's)")
-    g.add_argument("--difflm-eps", type=float, default=1e-3)
-    g.add_argument("--difflm-pmask", choices=PMASK_MODES, default="sampled")
-    g.add_argument("--difflm-varilen-prob", type=float, default=0.01)
-    g.add_argument("--diffusion-loss", choices=DIFFUSION_LOSSES, default=None,
-                   help="the diffusion modes' cross-entropy (pre-training, SFT, bd3lm). subs: MDLM's SUBS "
-                        "parameterisation, the [MASK] logit is -inf before the softmax (the bound of the model the "
-                        "sampler draws from); full-vocab: [MASK] stays in the softmax, as LLaDA trains. Default: "
-                        "the one the model records (full-vocab for LLaDA, LLaDA-MoE and Dream), else subs")
-    # block diffusion (--model-running-mode bd3lm; megadlms.diffusion.bd3lm)
-    g.add_argument("--block-size", type=int, default=None, help="bd3lm: tokens per block (divides --seq-length)")
-    g.add_argument("--bd3lm-clip-min", type=float, default=1e-3, help="bd3lm: training t ~ U[min, max]")
-    g.add_argument("--bd3lm-clip-max", type=float, default=1.0, help="bd3lm: (1e-3, 1: the linear schedule)")
-    g.add_argument("--bd3lm-noise-per", choices=("block", "sequence"), default="block",
-                   help="bd3lm: one noise level t per block or per sequence")
-    g.add_argument("--bd3lm-antithetic", action=argparse.BooleanOptionalAction, default=True,
-                   help="bd3lm: stratify t over the global batch x blocks, the k-th of n levels in the k-th of n "
-                        "equal parts of its range (the paper's antithetic sampling; lower-variance losses); "
-                        "--no-bd3lm-antithetic: independent draws")
-    g.add_argument("--bd3lm-resample", action="store_true", default=False,
-                   help="bd3lm training: redraw a block's mask while its masked fraction is outside [--bd3lm-clip-min, "
-                        "--bd3lm-clip-max] (the reference's training.resample; a bound left at 1e-3 or 1 is not "
-                        "enforced)")
-    g.add_argument("--bd3lm-clip-search", action="store_true", default=False,
-                   help="bd3lm: at every validation, score each candidate clip interval (the linear schedule and "
-                        "the intervals of --bd3lm-clip-search-widths) by the variance of its per-block training "
-                        "loss on the validation batches, and train on the lowest (the paper's search; costs one "
-                        "forward per candidate and validation micro-batch, on up to 100 batches)")
-    g.add_argument("--bd3lm-clip-search-widths", type=float, nargs="+", default=list(CLIP_SEARCH_WIDTHS),
-                   metavar="W", help="bd3lm clip search: the candidate widths (the paper's 0.5 0.6 0.7 0.8 0.9)")
-    g.add_argument("--bd3lm-clip-search-delta", type=float, default=CLIP_SEARCH_DELTA,
-                   help="bd3lm clip search: the step between the starts of one width's intervals")
-    g.add_argument("--ignore-bos", action="store_true", default=False,
-                   help="difflm-noshift and bd3lm: never mask the first token of a window and leave it out of the "
-                        "validation loss's denominator (MDLM / BD3-LM's ignore_bos, for data whose windows start "
-                        "with BOS)")
-
-    g = p.add_argument_group("training")
-    g.add_argument("--train-iters", type=int, default=1000)
-    g.add_argument("--exit-interval", type=int, default=None,
-                   help="stop (after saving, if --save) when the iteration is a multiple of this")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="save (if --save) and stop once the run has trained this many minutes (before a job's "
-                        "wall-time limit)")
-    g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=True,
-                   help="on SIGTERM, SIGINT or SIGUSR1 finish the step, save (if --save) and exit 0; a second "
-                        "signal exits at once")
-    g.add_argument("--micro-batch-size", type=int, default=8)
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="default: micro-batch-size x data-parallel size (no accumulation)")
-    g.add_argument("--lr", type=float, default=3e-4)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: length of the final decay")
-    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="linear")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
-    g.add_argument("--max-skipped-steps", type=int, default=10,
-                   help="stop the run after this many consecutive steps skipped for a non-finite loss or gradient "
-                        "norm (0: never stop)")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
-    g.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast (default on GPU)")
-    g.add_argument("--fp32", action="store_true", help="no autocast, also on GPU")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model (default: on for CUDA)")
-    g.add_argument("--recompute-granularity", choices=("full",), default=None,
-                   help="activation checkpointing of every transformer layer")
-    g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
-                   help="replay the transformer layers' training forward and backward from CUDA graphs, so the "
-                        "host issues two graph launches per micro-batch instead of every kernel (auto: on for a "
-                        "single CUDA process without activation checkpointing, eager layers if the capture fails; "
-                        "on: also under DDP and with activation checkpointing, a failed capture is an error)")
-    g.add_argument("--enable-cuda-graph", dest="cuda_graphs", action="store_const", const="on",
-                   help="same as --cuda-graphs on")
-    g.add_argument("--loss-chunk-tokens", type=int, default=None,
-                   help="fuse the LM head with the loss over chunks of this many tokens, computing logits only "
-                        "where the loss has weight (0: plain logits; default: 8192 when the vocabulary has "
-                        ">= 32768 tokens, else 0)")
-
-    g = p.add_argument_group("FP8 (Transformer Engine / Megatron-Core semantics)")
-    g.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
-                   help="enable FP8: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients)")
-    g.add_argument("--fp8-hybrid", action="store_true", help="same as --fp8-format hybrid")
-    fp8 = FP8Settings()  # the FP8 settings' one set of defaults
-    g.add_argument("--fp8-recipe", choices=RECIPE_NAMES, default=fp8.fp8_recipe,
-                   help="scaling: delayed / tensorwise (per tensor), rowwise, blockwise (1x128 tiles, 128x128 "
-                        "weight blocks; Hopper, e4m3), mxfp8 (32-element E8M0 blocks; Blackwell, e4m3)")
-    g.add_argument("--fp8-pow2-scales", action="store_true",
-                   help="blockwise: scales rounded down to powers of two (dequantisation is exact)")
-    g.add_argument("--fp8-margin", type=int, default=fp8.fp8_margin)
-    g.add_argument("--fp8-amax-history-len", type=int, default=fp8.fp8_amax_history_len)
-    g.add_argument("--fp8-amax-compute-algo", choices=FP8_AMAX_ALGOS, default=fp8.fp8_amax_compute_algo)
-    g.add_argument("--fp8-wgrad", action=argparse.BooleanOptionalAction, default=fp8.fp8_wgrad,
-                   help="the weight-gradient GEMM in FP8 (--no-fp8-wgrad: in BF16)")
-    g.add_argument("--activation-func-fp8-input-store", action="store_true",
-                   help="save the SwiGLU input for backward in FP8")
-    g.add_argument("--fp8-fuse-projections", action=argparse.BooleanOptionalAction, default=fp8.fp8_fuse_projections,
-                   help="run q/k/v and gate/up as one FP8 GEMM each (same parameters and checkpoints)")
-    g.add_argument("--fp8-fuse-mlp", action=argparse.BooleanOptionalAction, default=fp8.fp8_fuse_mlp,
-                   help="run the FP8 MLP as one function with the SwiGLU fused into its FP8 casts (delayed and "
-                        "tensorwise scaling)")
-    g.add_argument("--fp8-fprop-fast-accum", action=argparse.BooleanOptionalAction, default=fp8.fp8_fprop_fast_accum,
-                   help="fast accumulation in the forward FP8 GEMM (off: full-precision accumulation, slower)")
-    g.add_argument("--fp8-dot-product-attention", action="store_true",
-                   help="attention in FP8 too: cuDNN's FP8 flash attention (Hopper or newer; needs the "
-                        "nvidia-cudnn-frontend package), delayed scaling; a little faster, but it lowers model "
-                        "quality (docs/fp8.md)")
-    g.add_argument("--fp8-param-gather", action="store_true",
-                   help="FSDP2 all-gathers the FP8 layers' weights in FP8 (1 byte per element): each rank casts its "
-                        "shard first (delayed, tensorwise, blockwise; needs a sharding strategy)")
-    g.add_argument("--first-last-layers-bf16", action="store_true",
-                   help="keep the first/last transformer layers in BF16 (counts below)")
-    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=fp8.num_layers_at_start_in_bf16)
-    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=fp8.num_layers_at_end_in_bf16)
-    g.add_argument("--fp8-stats", action=argparse.BooleanOptionalAction, default=False,
-                   help="log FP8 amax / underflow / saturation per tensor role every --log-interval; the steps it "
-                        "records run their layers outside the CUDA graphs (eagerly: slower, and with their "
-                        "activations allocated beside the graphs' memory pool)")
-
-    g = p.add_argument_group("LoRA (adapters on a frozen base; docs/lora.md)")
-    g.add_argument("--lora-rank", type=int, default=None,
-                   help="train rank-R LoRA adapters on the frozen base that --load names (off by default)")
-    g.add_argument("--lora-alpha", type=float, default=None, help="the adapters' scale is alpha / rank (default: "
-                   "alpha = rank)")
-    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
-    g.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
-                   help="the linears of each layer that get adapters: a comma list of q,k,v,o,gate,up,down")
-    g.add_argument("--lora-base", choices=("fp8", "bf16"), default=None,
-                   help="how the frozen base's layer weights are stored: fp8 (E4M3 + scale, 1 byte a weight, FP8 "
-                        "GEMMs) or bf16 (default: fp8 with --fp8-format, else bf16)")
-    g.add_argument("--lora-base-path", default=None, metavar="DIR",
-                   help="resuming a LoRA checkpoint: the base to put its adapters on (default: the base it records; "
-                        "its checksum must match)")
-
-    g = p.add_argument_group("reinforcement learning and preference optimisation (docs/rl.md)")
-    g.add_argument("--rl", choices=("vrpo", "grpo"), default=None,
-                   help="vrpo: LLaDA 1.5's DPO on ELBO estimates over preference pairs; grpo: d1's diffu-GRPO with "
-                        "verifiable rewards (off by default: pre-training or SFT)")
-    g.add_argument("--rl-data", default=None, metavar="FILE.jsonl",
-                   help='vrpo: {"prompt", "chosen", "rejected"} per line; grpo: {"prompt", ...} with the fields '
-                        "its rewards read (exact_match: \"answer\")")
-    g.add_argument("--vrpo-samples", type=int, default=8,
-                   help="vrpo: timesteps per ELBO estimate, one mask each, shared by policy and reference")
-    g.add_argument("--dpo-beta", type=float, default=0.1, help="vrpo: DPO's beta")
-    g.add_argument("--rl-kl-beta", type=float, default=0.04, help="grpo: weight of the KL to the frozen reference")
-    g.add_argument("--grpo-group-size", type=int, default=8, help="grpo: completions per prompt (G, at least 2)")
-    g.add_argument("--grpo-inner-updates", type=int, default=1,
-                   help="grpo: optimizer steps on each batch of rollouts (mu), each with a new prompt mask")
-    g.add_argument("--grpo-clip-eps", type=float, default=0.2, help="grpo: ratio clipped to [1 - eps, 1 + eps]")
-    g.add_argument("--grpo-prompt-mask", type=float, default=0.15,
-                   help="grpo: probability of masking each prompt token in the one-step log-likelihood estimate")
-    g.add_argument("--rl-reward", default="exact_match",
-                   help="grpo: comma list of rewards, NAME or NAME:WEIGHT (exact_match, format)")
-    g.add_argument("--rl-gen-length", type=int, default=32, help="grpo: tokens per completion")
-    g.add_argument("--rl-block-length", type=int, default=32, help="grpo: the rollout sampler's block length")
-    g.add_argument("--rl-threshold", type=float, default=0.9,
-                   help="grpo: the fast sampler's confidence threshold (parallel decoding)")
-    g.add_argument("--rl-temperature", type=float, default=0.9, help="grpo: sampling temperature of the rollouts")
-
-    g = p.add_argument_group("evaluation, logging, checkpoints")
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--wandb-project", default=None, help="log what TensorBoard gets to this Weights & Biases "
-                   "project (pip install 'megadlms[wandb]'; WANDB_MODE=offline works without a network)")
-    g.add_argument("--wandb-exp-name", default=None, help="the W&B run name (default: W&B's)")
-    g.add_argument("--wandb-save-dir", default=None, help="folder for W&B's files (default: --save, else ./wandb)")
-    g.add_argument("--save", default=None, help="checkpoint folder")
-    g.add_argument("--save-interval", type=int, default=None, help="default: only at the end")
-    g.add_argument("--ckpt-keep-last", type=int, default=None,
-                   help="keep only the newest N checkpoints (default: all)")
-    g.add_argument("--ckpt-save-failures-ok", type=int, default=0,
-                   help="go on training after up to N failed saves (a full disk, no permission); 0: stop at the "
-                        "first")
-    g.add_argument("--load", default=None, help="resume from this checkpoint folder")
-    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
-    g.add_argument("--finetune", action="store_true", help="load model weights only; fresh optimizer and iteration")
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="take the architecture from the checkpoint given by --load")
-    g.add_argument("--generate-sample", action=argparse.BooleanOptionalAction, default=None,
-                   help="print a sample from the trained model at the end (default: on for the demo)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
-
-    from ..data.args import add_data_arguments
-    from ..distributed.args import add_distributed_arguments
-
-    add_data_arguments(p)
-    add_distributed_arguments(p)
+    groups = {title: p.add_argument_group(title) for title in HELP_GROUPS}
+    groups[MODEL_GROUP].description = "The architecture: a preset or config file, and flags that override its values."
+    group = groups.__getitem__
+    sections = RunConfig.sections()
+    add_setting_arguments(group, ModelConfig, MODEL_GROUP)  # --model-path
+    add_setting_arguments(group, TransformerConfig, MODEL_GROUP, names=list(MODEL_FLAGS), meta=MODEL_FLAGS,
+                          optional=True)
+    for name, title in SECTION_GROUPS.items():
+        add_setting_arguments(group, sections[name], title)
+    groups[FP8_GROUP].add_argument("--fp8-hybrid", action="store_true", help="same as --fp8-format hybrid")
+    _short_metavars(p)
     return p
 
 
 def build_parser(prog: str = "megadlms train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Pre-train or fine-tune a diffusion (or AR) language model.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description="Pre-train or fine-tune a diffusion (or AR) language model.")
     return add_train_arguments(p)
 
 
@@ -391,9 +206,6 @@ def parse_train_args(argv: Sequence[str] | None, prog: str = "megadlms train",
         if args.fp8_format not in (None, "hybrid"):
             p.error(f"--fp8-hybrid conflicts with --fp8-format {args.fp8_format}; pass one of them")
         args.fp8_format = "hybrid"
-    if args.fp8_dot_product_attention and args.fp8_format is None:
-        p.error("--fp8-dot-product-attention runs attention in FP8 inside the FP8 layers; add --fp8-format "
-                "hybrid (or e4m3), or drop it")
     if args.generate_sample is None:  # on for the demo
         args.generate_sample = bool(config and config.endswith(DEMO_CONFIG))
     try:

@@ -1,10 +1,13 @@
 """The typed configuration of a training run: `RunConfig`, made of one dataclass per concern.
 
 Built once, from flags (`megadlms.training.args.parse_train_args`), a YAML file of flag values, or directly in
-Python; the trainer, the model pipeline and the data loaders read only these objects. Every field is named after
-its flag's dest (`--lr-warmup-iters` -> `TrainConfig.lr_warmup_iters`), so flags map onto fields by name: a new
-flag needs a field of the same name in one section, nothing else. Each section validates itself in
-`__post_init__`; errors name the flag, the value and the fix.
+Python; the trainer, the model pipeline and the data loaders read only these objects. Every setting is declared
+once, as a field whose metadata (`megadlms.settings.setting`) holds its help text: the command line is generated
+from the fields, named after them (`TrainConfig.lr_warmup_iters` -> `--lr-warmup-iters`), and so are the YAML keys
+and a checkpoint's record of the run (`to_flat`). A new flag is a new field in one section, nothing else. The
+model's architecture fields are TransformerConfig's own (`ModelConfig` holds overrides of them). Each section
+validates itself in `__post_init__`; errors name the flag, the value and the fix; how sections combine is the run
+plan's (`run_plan`).
 """
 
 from __future__ import annotations
@@ -28,85 +31,159 @@ from ..config import (
 from ..data.args import DataSourceConfig
 from ..diffusion.clip_search import CLIP_SEARCH_DELTA, CLIP_SEARCH_WIDTHS
 from ..diffusion.objective import DIFFUSION_LOSSES, PMASK_MODES, RUNNING_MODES, ObjectiveConfig
-from ..distributed.config import ParallelConfig, check_fp8_param_gather
+from ..distributed.config import ParallelConfig
 from ..lora import TARGETS as LORA_TARGETS
 from ..lora import LoraConfig, parse_targets
+from ..presets import PRESETS
+from ..rl.rewards import REWARDS
+from ..settings import setting
 from .optim import LR_DECAY_STYLES, WSD_DECAY_STYLES
 
+# the --help groups, in order
+MODEL_GROUP = "model"
+MOE_GROUP = "mixture of experts (Megatron-Core's flags; docs/moe.md)"
+OBJECTIVE_GROUP = "diffusion objective"
+TRAIN_GROUP = "training"
+FP8_GROUP = "FP8 (Transformer Engine / Megatron-Core semantics)"
+LORA_GROUP = "LoRA (adapters on a frozen base; docs/lora.md)"
+RL_GROUP = "reinforcement learning and preference optimisation (docs/rl.md)"
+EVAL_GROUP = "evaluation, logging, checkpoints"
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
 
 
-@dataclass
+def _layer_freq(text: str) -> int | list[int]:
+    """--moe-layer-freq: an int N, or a comma list of 0/1 per layer."""
+    import argparse
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int or a comma list of 0/1, e.g. 1 or 0,1,1,1") from None
+    if len(values) == 1 and "," not in text:
+        return values[0]
+    if not values or any(v not in (0, 1) for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: a per-layer pattern holds only 0 (dense) and 1 (MoE)")
+    return values
+
+
+# the TransformerConfig fields a run can override from the command line (each unset by default: the preset's value)
+MODEL_FLAGS: dict[str, dict[str, Any]] = {
+    "num_layers": {"help": "transformer layers"},
+    "hidden_size": {"help": "model width"},
+    "num_attention_heads": {"help": "query heads"},
+    "num_query_groups": {"help": "key/value heads (grouped-query attention)"},
+    "kv_channels": {"help": "width of one attention head"},
+    "ffn_hidden_size": {"help": "the MLP's inner width"},
+    "seq_length": {"help": "tokens per training window"},
+    "max_position_embeddings": {"help": "positions the model supports (default: at least --seq-length)"},
+    "rotary_base": {"help": "RoPE's base (theta)"},
+    "norm_epsilon": {"help": "RMSNorm's epsilon"},
+    "init_method_std": {"help": "std of the initial weights"},
+    "qk_layernorm": {"help": "RMSNorm on each head's queries and keys (Qwen3)"},
+    "untie_embeddings_and_output_weights": {"help": "an output layer of its own instead of the input embedding's "
+                                                    "weights"},
+    "num_moe_experts": {"help": "routed experts per MoE layer (none: dense)", "group": MOE_GROUP},
+    "moe_router_topk": {"help": "experts each token is routed to", "group": MOE_GROUP},
+    "moe_ffn_hidden_size": {"help": "each expert's inner width", "group": MOE_GROUP},
+    "moe_shared_expert_intermediate_size": {"help": "an always-on shared expert of this width", "group": MOE_GROUP},
+    "moe_layer_freq": {"help": "N: every Nth layer is MoE; or a 0/1 pattern per layer, e.g. 0,1,1,1 (dense first "
+                               "layer)", "type": _layer_freq, "group": MOE_GROUP},
+    "moe_router_score_function": {"help": "how the router scores the experts", "choices": ("softmax", "sigmoid"),
+                                  "group": MOE_GROUP},
+    "moe_router_pre_softmax": {"help": "softmax over all experts before the top-k (else over the k chosen)",
+                               "group": MOE_GROUP},
+    "moe_router_topk_scaling_factor": {"help": "multiplies the routing weights", "group": MOE_GROUP},
+    "moe_aux_loss_coeff": {"help": "weight of the load-balancing loss", "group": MOE_GROUP},
+    "moe_z_loss_coeff": {"help": "weight of the router's z-loss (ST-MoE)", "group": MOE_GROUP},
+    "moe_router_enable_expert_bias": {"help": "aux-loss-free load balancing: a per-expert bias on the routing "
+                                              "scores", "group": MOE_GROUP},
+    "moe_router_bias_update_rate": {"help": "the expert bias's step per optimizer step", "group": MOE_GROUP},
+}
+
+
+@dataclass(init=False)
 class ModelConfig:
-    """Which architecture: a preset name, a Hugging Face config.json (or a folder holding one), and overrides.
+    """Which architecture: a preset name, a Hugging Face config.json (or a folder holding one), and overrides of its
+    TransformerConfig fields, given as keywords (`ModelConfig("tiny", num_layers=2)`; `MODEL_FLAGS` are those the
+    command line sets). A field not overridden keeps the preset's value; reading it here gives None."""
 
-    Every other field is a TransformerConfig field of the same name; None keeps the preset's value."""
+    model_path: str = setting("tiny", f"a preset name ({', '.join(PRESETS)}), a Hugging Face config.json, or a "
+                                      "folder holding one", group=MODEL_GROUP)
+    overrides: dict[str, Any] = field(default_factory=dict)  # TransformerConfig field -> value
 
-    model_path: str = "tiny"
-    num_layers: int | None = None
-    hidden_size: int | None = None
-    num_attention_heads: int | None = None
-    num_query_groups: int | None = None
-    kv_channels: int | None = None
-    ffn_hidden_size: int | None = None
-    seq_length: int | None = None
-    max_position_embeddings: int | None = None
-    rotary_base: float | None = None
-    norm_epsilon: float | None = None
-    init_method_std: float | None = None
-    qk_layernorm: bool | None = None
-    untie_embeddings_and_output_weights: bool | None = None
-    # mixture of experts (Megatron-Core's flags; megadlms.moe)
-    num_moe_experts: int | None = None
-    moe_router_topk: int | None = None
-    moe_ffn_hidden_size: int | None = None
-    moe_shared_expert_intermediate_size: int | None = None
-    moe_layer_freq: int | list[int] | None = None
-    moe_router_score_function: str | None = None
-    moe_router_pre_softmax: bool | None = None
-    moe_router_topk_scaling_factor: float | None = None
-    moe_aux_loss_coeff: float | None = None
-    moe_z_loss_coeff: float | None = None
-    moe_router_enable_expert_bias: bool | None = None
-    moe_router_bias_update_rate: float | None = None
+    def __init__(self, model_path: str = "tiny", overrides: Mapping[str, Any] | None = None, **fields: Any):
+        self.model_path = model_path
+        self.overrides = {k: v for k, v in {**(overrides or {}), **fields}.items() if v is not None}
+        unknown = sorted(set(self.overrides) - _MODEL_FIELDS)
+        if unknown:
+            raise ConfigError(f"model override {unknown[0]!r} is not a TransformerConfig field")
 
-    def overrides(self) -> dict[str, Any]:
-        """The TransformerConfig fields this config sets (those not None)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name in _MODEL_FIELDS and getattr(self, f.name) is not None}
+    def __getattr__(self, name: str) -> Any:
+        if name in _MODEL_FIELDS:  # an architecture field: its override, None where the preset's value applies
+            return self.__dict__.get("overrides", {}).get(name)
+        raise AttributeError(name)
 
+    @classmethod
+    def flat_names(cls) -> list[str]:
+        """The flag dests of this section: the model path and the model flags."""
+        return ["model_path", *MODEL_FLAGS]
 
-# DiffusionConfig's fields that only bd3lm reads
-BD3LM_FIELDS = ("bd3lm_clip_min", "bd3lm_clip_max", "bd3lm_noise_per", "bd3lm_antithetic", "bd3lm_resample",
-                "bd3lm_clip_search", "bd3lm_clip_search_widths", "bd3lm_clip_search_delta")
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any]) -> ModelConfig:
+        return cls(**values)
+
+    def to_flat(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, **dict.fromkeys(MODEL_FLAGS), **self.overrides}
 
 
 @dataclass
 class DiffusionConfig:
     """The training objective: masked diffusion (difflm-noshift, bidirectional) or autoregressive (vanilla)."""
 
-    # None: the mode the model records (difflm-shift for a shifted model such as Dream, bd3lm for a block-diffusion
-    # checkpoint), else difflm-noshift
-    model_running_mode: str | None = None
-    mask_token: int | None = None  # None: the tokenizer's <|mask|>, else the model config's
-    difflm_eps: float = 1e-3
-    difflm_pmask: str = "sampled"
-    difflm_varilen_prob: float = 0.01
-    # the diffusion modes' cross-entropy: subs (MDLM / BD3-LM: [MASK] out of the softmax) or full-vocab (LLaDA's);
-    # None: the one the model records (full-vocab for LLaDA and Dream), else subs
-    diffusion_loss: str | None = None
-    attention_anneal_iters: int = 0  # AR -> DLM: causal attention annealed into bidirectional over this many steps
-    block_size: int | None = None  # bd3lm: tokens per block (divides seq_length)
-    bd3lm_clip_min: float = 1e-3  # bd3lm: the clipped noise schedule's range of t
-    bd3lm_clip_max: float = 1.0
-    bd3lm_noise_per: str = "block"  # bd3lm: one t per "block" or per "sequence"
-    bd3lm_antithetic: bool = True  # bd3lm: t stratified over the global batch x blocks (the paper's)
-    ignore_bos: bool = False  # difflm-noshift / bd3lm: never mask position 0; validation leaves it out
-    bd3lm_resample: bool = False  # bd3lm: redraw blocks whose masked fraction falls outside the clip
-    bd3lm_clip_search: bool = False  # bd3lm: validation adopts the clip interval of lowest loss variance
-    # bd3lm: the candidate intervals' widths
-    bd3lm_clip_search_widths: list[float] = field(default_factory=lambda: list(CLIP_SEARCH_WIDTHS))
-    bd3lm_clip_search_delta: float = CLIP_SEARCH_DELTA  # bd3lm: the step between one width's interval starts
+    model_running_mode: str | None = setting(
+        None, "difflm-noshift: masked diffusion; difflm-shift: position i predicts token i + 1 (Dream); vanilla: "
+              "autoregressive; bd3lm: block diffusion (default: the mode the model records, else difflm-noshift; "
+              "docs/training.md)",
+        choices=RUNNING_MODES, group=OBJECTIVE_GROUP)
+    attention_anneal_iters: int = setting(
+        0, "adapting an AR model: anneal causal attention into bidirectional over this many iterations (each future "
+           "key open with probability (i + 1) / N at iteration i; DiffuLLaMA)", group=OBJECTIVE_GROUP)
+    mask_token: int | None = setting(None, "mask token id (default: the tokenizer's <|mask|>, else the preset's)",
+                                     group=OBJECTIVE_GROUP)
+    difflm_eps: float = setting(1e-3, "each token is masked with probability p = (1 - eps) t + eps, t ~ U[0, 1]",
+                                group=OBJECTIVE_GROUP)
+    difflm_pmask: str = setting("sampled", "the loss's 1/p weight: sampled, the drawn p; actual, the row's masked "
+                                           "fraction", choices=PMASK_MODES, group=OBJECTIVE_GROUP)
+    difflm_varilen_prob: float = setting(0.01, "share of micro-batches cut to a random length in [2, --seq-length]",
+                                         group=OBJECTIVE_GROUP)
+    diffusion_loss: str | None = setting(
+        None, "subs: [MASK] out of the softmax (MDLM); full-vocab: [MASK] in it, as LLaDA trains (default: the "
+              "loss the model records, else subs; docs/training.md)", choices=DIFFUSION_LOSSES,
+        group=OBJECTIVE_GROUP)
+    block_size: int | None = setting(None, "bd3lm: tokens per block (divides --seq-length)", group=OBJECTIVE_GROUP)
+    bd3lm_clip_min: float = setting(1e-3, "bd3lm: training t ~ U[min, max]", group=OBJECTIVE_GROUP)
+    bd3lm_clip_max: float = setting(1.0, "bd3lm: (1e-3, 1: the linear schedule)", group=OBJECTIVE_GROUP)
+    bd3lm_noise_per: str = setting("block", "bd3lm: one noise level t per block or per sequence",
+                                   choices=("block", "sequence"), group=OBJECTIVE_GROUP)
+    bd3lm_antithetic: bool = setting(
+        True, "bd3lm: t stratified over the global batch x blocks (the paper's antithetic sampling); --no-: "
+              "independent draws", group=OBJECTIVE_GROUP)
+    bd3lm_resample: bool = setting(
+        False, "bd3lm training: redraw a block's mask while its masked fraction is outside [--bd3lm-clip-min, "
+               "--bd3lm-clip-max] (the reference's training.resample; a bound left at 1e-3 or 1 is not enforced)",
+        group=OBJECTIVE_GROUP)
+    bd3lm_clip_search: bool = setting(
+        False, "bd3lm: at every validation, train on the candidate clip interval whose per-block loss varies least "
+               "(the paper's search; docs/block_diffusion.md)", group=OBJECTIVE_GROUP)
+    bd3lm_clip_search_widths: list[float] = setting(
+        help="bd3lm clip search: the candidate widths (the paper's 0.5 0.6 0.7 0.8 0.9)",
+        default_factory=lambda: list(CLIP_SEARCH_WIDTHS), metavar="W", group=OBJECTIVE_GROUP)
+    bd3lm_clip_search_delta: float = setting(
+        CLIP_SEARCH_DELTA, "bd3lm clip search: the step between the starts of one width's intervals",
+        group=OBJECTIVE_GROUP)
+    ignore_bos: bool = setting(
+        False, "difflm-noshift and bd3lm: never mask a window's first token, nor count it in validation (for "
+               "windows that start with BOS)", group=OBJECTIVE_GROUP)
 
     def __post_init__(self) -> None:
         if self.model_running_mode is not None:
@@ -130,20 +207,6 @@ class DiffusionConfig:
                               "(diffusion_shift, as Dream does): drop the flag or use difflm-shift")
         return mode
 
-    def check_bd3lm_flags(self, mode: str) -> None:
-        """A bd3lm option in another mode, or a clip-search option without the search, would change nothing: an
-        error naming it, not silently dropped."""
-        default = DiffusionConfig()
-        given = [f for f in BD3LM_FIELDS if getattr(self, f) != getattr(default, f)]
-        flags = ", ".join("--no-bd3lm-antithetic" if f == "bd3lm_antithetic" else flag_name(f) for f in given)
-        if given and mode != "bd3lm":
-            raise ConfigError(f"{flags}: only used with --model-running-mode bd3lm (this run is {mode}); "
-                              f"drop {'it' if len(given) == 1 else 'them'}")
-        search = [flag_name(f) for f in given if f.startswith("bd3lm_clip_search_")]
-        if search and not self.bd3lm_clip_search:
-            raise ConfigError(f"{', '.join(search)}: the candidates of --bd3lm-clip-search, which is off; add "
-                              f"--bd3lm-clip-search or drop {'it' if len(search) == 1 else 'them'}")
-
     def objective(self, mode: str, mask_token_id: int | None, loss: str) -> ObjectiveConfig:
         """The objective of a run in `mode` with the model's [MASK] id and its diffusion loss (`TransformerConfig.loss`,
         which `--diffusion-loss` has already set when given)."""
@@ -156,42 +219,66 @@ class DiffusionConfig:
 class TrainConfig:
     """Optimization, schedule, precision and execution, evaluation and logging."""
 
-    train_iters: int = 1000
-    exit_interval: int | None = None  # stop (after saving) at a multiple of this
-    micro_batch_size: int = 8
-    global_batch_size: int | None = None  # None: micro_batch_size x data-parallel size
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_style: str = "cosine"
-    lr_decay_iters: int | None = None  # None: train_iters
-    lr_wsd_decay_iters: int | None = None  # None: a tenth of the decay iterations
-    lr_wsd_decay_style: str = "linear"
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # 0: no clipping
-    seed: int = 1234
-    device: str | None = None  # None: cuda when available
-    bf16: bool | None = None  # bf16 autocast; None: on for CUDA
-    fp32: bool = False  # no autocast, also on CUDA
-    compile: bool | None = None  # torch.compile the layers; None: on for CUDA
-    recompute_granularity: str | None = None  # "full": activation checkpointing of every layer
-    cuda_graphs: str = "auto"
-    loss_chunk_tokens: int | None = None  # None: 8192 for vocabularies >= 32768 tokens, else 0 (plain logits)
-    eval_interval: int = 1000
-    eval_iters: int = 10
-    log_interval: int = 10
-    tensorboard_dir: str | None = None
-    generate_sample: bool = False  # print a sample at the end
-    no_progress: bool = False
-    wandb_project: str | None = None  # log the metrics to Weights & Biases too (the wandb extra)
-    wandb_exp_name: str | None = None
-    wandb_save_dir: str | None = None
-    exit_signal_handler: bool = True  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 0
-    exit_duration_in_mins: float | None = None  # save and stop after this many minutes
-    max_skipped_steps: int = 10  # stop after this many consecutive steps skipped for a non-finite loss/gradient
+    train_iters: int = setting(1000, "optimizer steps", group=TRAIN_GROUP)
+    exit_interval: int | None = setting(None, "stop (after saving, if --save) when the iteration is a multiple of this",
+                                        group=TRAIN_GROUP)
+    exit_duration_in_mins: float | None = setting(
+        None, "save (if --save) and stop once the run has trained this many minutes (before a job's wall-time limit)",
+        group=TRAIN_GROUP)
+    exit_signal_handler: bool = setting(
+        True, "on SIGTERM, SIGINT or SIGUSR1 finish the step, save (if --save) and exit 0; a second signal exits at "
+              "once", group=TRAIN_GROUP)
+    micro_batch_size: int = setting(8, "sequences per forward on each rank", group=TRAIN_GROUP)
+    global_batch_size: int | None = setting(None, "default: micro-batch-size x data-parallel size (no accumulation)",
+                                            group=TRAIN_GROUP)
+    lr: float = setting(3e-4, "peak learning rate", group=TRAIN_GROUP)
+    min_lr: float = setting(0.0, "learning rate at the end of the decay", group=TRAIN_GROUP)
+    lr_warmup_iters: int = setting(0, "linear warm-up steps", group=TRAIN_GROUP)
+    lr_decay_style: str = setting("cosine", "decay after the warm-up", choices=LR_DECAY_STYLES, group=TRAIN_GROUP)
+    lr_decay_iters: int | None = setting(None, "default: --train-iters", group=TRAIN_GROUP)
+    lr_wsd_decay_iters: int | None = setting(None, "WSD: length of the final decay (default: a tenth of the decay "
+                                                   "iterations)", group=TRAIN_GROUP)
+    lr_wsd_decay_style: str = setting("linear", "WSD: the final decay's shape", choices=WSD_DECAY_STYLES,
+                                      group=TRAIN_GROUP)
+    weight_decay: float = setting(0.1, "AdamW's decoupled weight decay", group=TRAIN_GROUP)
+    adam_beta1: float = setting(0.9, "AdamW's first-moment decay", group=TRAIN_GROUP)
+    adam_beta2: float = setting(0.95, "AdamW's second-moment decay", group=TRAIN_GROUP)
+    adam_eps: float = setting(1e-8, "AdamW's epsilon", group=TRAIN_GROUP)
+    clip_grad: float = setting(1.0, "clip the gradient norm to this (0 disables clipping)", group=TRAIN_GROUP)
+    max_skipped_steps: int = setting(
+        10, "stop the run after this many consecutive steps skipped for a non-finite loss or gradient norm (0: never "
+            "stop)", group=TRAIN_GROUP)
+    seed: int = setting(1234, "seed of the weights' initialisation, the masks and the data order", group=TRAIN_GROUP)
+    device: str | None = setting(None, "cuda | cpu (default: cuda when available)", group=TRAIN_GROUP)
+    bf16: bool | None = setting(None, "bf16 autocast (default on GPU)", negatable=False, group=TRAIN_GROUP)
+    fp32: bool = setting(False, "no autocast, also on GPU", group=TRAIN_GROUP)
+    compile: bool | None = setting(None, "torch.compile the model (default: on for CUDA)", group=TRAIN_GROUP)
+    recompute_granularity: str | None = setting(None, "activation checkpointing of every transformer layer",
+                                                choices=("full",), group=TRAIN_GROUP)
+    cuda_graphs: str = setting(
+        "auto", "replay the layers' forward and backward from CUDA graphs (auto: in a single CUDA process where "
+                "nothing blocks them and nothing is recomputed, eager if the capture fails; on: also under DDP and with "
+                "activation checkpointing, a failed capture is an error; docs/training.md)",
+        choices=("auto", "on", "off"), consts={"--enable-cuda-graph": "on"},
+        group=TRAIN_GROUP)
+    loss_chunk_tokens: int | None = setting(
+        None, "LM head fused with the loss over chunks of this many tokens, logits only where the loss has weight "
+              "(0: plain logits; default: 8192 for vocabularies >= 32768, else 0)",
+        group=TRAIN_GROUP)
+    eval_interval: int = setting(1000, "validate every this many steps (0: never)", group=EVAL_GROUP)
+    eval_iters: int = setting(10, "global batches per validation", group=EVAL_GROUP)
+    log_interval: int = setting(10, "log every this many steps", group=EVAL_GROUP)
+    tensorboard_dir: str | None = setting(None, "write TensorBoard events here", group=EVAL_GROUP)
+    wandb_project: str | None = setting(
+        None, "log what TensorBoard gets to this Weights & Biases project (pip install 'megadlms[wandb]'; "
+              "WANDB_MODE=offline works without a network)", group=EVAL_GROUP)
+    wandb_exp_name: str | None = setting(None, "the W&B run name (default: W&B's)", group=EVAL_GROUP)
+    wandb_save_dir: str | None = setting(None, "folder for W&B's files (default: --save, else ./wandb)",
+                                         group=EVAL_GROUP)
+    # the flag's unset value: on for the demo configuration only (`parse_train_args`)
+    generate_sample: bool = setting(False, "print a sample from the trained model at the end (default: on for the "
+                                           "demo)", negatable=True, flag_default=None, group=EVAL_GROUP)
+    no_progress: bool = setting(False, "no progress bar, even on a terminal", group=EVAL_GROUP)
 
     def __post_init__(self) -> None:
         # 0 for an interval or count means "never" / "none"
@@ -238,9 +325,14 @@ class FP8Config(FP8Settings):
     The model's FP8 settings are `FP8Settings`, the one definition TransformerConfig shares (`model_fields` hands
     them over unchanged); this config adds the training-only ones."""
 
-    fp8_format: str | None = None  # "e4m3" | "hybrid" (E4M3 forward, E5M2 gradients)
-    fp8_stats: bool = False  # log amax / underflow / saturation per tensor role every log interval
-    fp8_param_gather: bool = False  # FSDP2 all-gathers the FP8 layers' weights in FP8 (fp8.integrations.param_gather)
+    fp8_format: str | None = setting(None, "enable FP8: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients)",
+                                     choices=FP8_FORMATS, group=FP8_GROUP)
+    fp8_stats: bool = setting(
+        False, "log FP8 amax / underflow / saturation per tensor role every --log-interval (those steps run "
+               "outside the CUDA graphs)", negatable=True, group=FP8_GROUP)
+    fp8_param_gather: bool = setting(
+        False, "FSDP2 all-gathers the FP8 layers' weights in FP8 (1 byte per element): each rank casts its shard "
+               "first (delayed, tensorwise, blockwise; needs a sharding strategy)", group=FP8_GROUP)
 
     def __post_init__(self) -> None:
         if self.fp8_format is not None:
@@ -263,12 +355,19 @@ class LoraSettings:
     """LoRA adapters on a frozen base (`megadlms.lora`); off while lora_rank is None. The base is the checkpoint
     `--load` names, or, where `--load` names a LoRA checkpoint, the base that checkpoint records."""
 
-    lora_rank: int | None = None
-    lora_alpha: float | None = None  # None: the rank (a scale of 1)
-    lora_dropout: float = 0.0
-    lora_targets: str = ",".join(LORA_TARGETS)
-    lora_base: str | None = None  # "fp8" | "bf16"; None: fp8 with --fp8-format, else bf16
-    lora_base_path: str | None = None  # resuming: the base to put the adapters on (default: the one recorded)
+    lora_rank: int | None = setting(None, "train rank-R LoRA adapters on the frozen base that --load names (off by "
+                                          "default)", group=LORA_GROUP)
+    lora_alpha: float | None = setting(None, "the adapters' scale is alpha / rank (default: alpha = rank)",
+                                       group=LORA_GROUP)
+    lora_dropout: float = setting(0.0, "dropout on the adapters' input", group=LORA_GROUP)
+    lora_targets: str = setting(",".join(LORA_TARGETS), "the linears of each layer that get adapters: a comma list "
+                                                        "of q,k,v,o,gate,up,down", group=LORA_GROUP)
+    lora_base: str | None = setting(
+        None, "how the frozen base's layer weights are stored: fp8 (E4M3 + scale, 1 byte a weight, FP8 GEMMs) or bf16 "
+              "(default: fp8 with --fp8-format, else bf16)", choices=("fp8", "bf16"), group=LORA_GROUP)
+    lora_base_path: str | None = setting(
+        None, "resuming a LoRA checkpoint: the base to put its adapters on (default: the base it records; its "
+              "checksum must match)", metavar="DIR", group=LORA_GROUP)
 
     def __post_init__(self) -> None:
         if self.lora_rank is None:
@@ -301,20 +400,30 @@ class LoraSettings:
 class RLConfig:
     """Reinforcement learning and preference optimisation (docs/rl.md); off while `rl` is None."""
 
-    rl: str | None = None  # "vrpo" (LLaDA 1.5) or "grpo" (d1's diffu-GRPO)
-    rl_data: str | None = None  # jsonl: preference pairs (vrpo) or prompts with the rewards' fields (grpo)
-    vrpo_samples: int = 8  # vrpo: timesteps (one mask each) per ELBO estimate
-    dpo_beta: float = 0.1  # vrpo: DPO's beta
-    rl_kl_beta: float = 0.04  # grpo: weight of the KL to the reference
-    grpo_group_size: int = 8  # grpo: completions per prompt (G)
-    grpo_inner_updates: int = 1  # grpo: optimizer steps per batch of rollouts (mu)
-    grpo_clip_eps: float = 0.2  # grpo: the ratio is clipped to [1 - eps, 1 + eps]
-    grpo_prompt_mask: float = 0.15  # grpo: each prompt token is masked with this probability in the estimate
-    rl_reward: str = "exact_match"  # grpo: comma list of rewards, each NAME or NAME:WEIGHT
-    rl_gen_length: int = 32  # grpo: completion tokens per rollout
-    rl_block_length: int = 32  # grpo: the sampler's block length (divides --rl-gen-length)
-    rl_threshold: float = 0.9  # grpo: the fast sampler's confidence threshold
-    rl_temperature: float = 0.9  # grpo: sampling temperature of the rollouts
+    rl: str | None = setting(None, "vrpo: LLaDA 1.5's DPO on ELBO estimates over preference pairs; grpo: d1's "
+                                   "diffu-GRPO with verifiable rewards (off by default: pre-training or SFT)",
+                             choices=("vrpo", "grpo"), group=RL_GROUP)
+    rl_data: str | None = setting(None, 'vrpo: {"prompt", "chosen", "rejected"} per line; grpo: {"prompt", ...} with '
+                                        'the fields its rewards read (exact_match: "answer")', metavar="FILE.jsonl",
+                                  group=RL_GROUP)
+    vrpo_samples: int = setting(8, "vrpo: timesteps per ELBO estimate, one mask each, shared by policy and "
+                                   "reference", group=RL_GROUP)
+    dpo_beta: float = setting(0.1, "vrpo: DPO's beta", group=RL_GROUP)
+    rl_kl_beta: float = setting(0.04, "grpo: weight of the KL to the frozen reference", group=RL_GROUP)
+    grpo_group_size: int = setting(8, "grpo: completions per prompt (G, at least 2)", group=RL_GROUP)
+    grpo_inner_updates: int = setting(1, "grpo: optimizer steps on each batch of rollouts (mu), each with a new "
+                                         "prompt mask", group=RL_GROUP)
+    grpo_clip_eps: float = setting(0.2, "grpo: ratio clipped to [1 - eps, 1 + eps]", group=RL_GROUP)
+    grpo_prompt_mask: float = setting(0.15, "grpo: probability of masking each prompt token in the one-step "
+                                            "log-likelihood estimate", group=RL_GROUP)
+    rl_reward: str = setting("exact_match", f"grpo: comma list of rewards, NAME or NAME:WEIGHT "
+                                            f"({', '.join(sorted(REWARDS))})", group=RL_GROUP)
+    rl_gen_length: int = setting(32, "grpo: tokens per completion", group=RL_GROUP)
+    rl_block_length: int = setting(32, "grpo: the rollout sampler's block length (divides --rl-gen-length)",
+                                   group=RL_GROUP)
+    rl_threshold: float = setting(0.9, "grpo: the fast sampler's confidence threshold (parallel decoding)",
+                                  group=RL_GROUP)
+    rl_temperature: float = setting(0.9, "grpo: sampling temperature of the rollouts", group=RL_GROUP)
 
     def __post_init__(self) -> None:
         from ..rl import RL_KINDS
@@ -344,15 +453,20 @@ class RLConfig:
 
 @dataclass
 class CheckpointConfig:
-    save: str | None = None  # checkpoint folder
-    save_interval: int | None = None  # None: only at the end
-    load: str | None = None  # resume from this folder
-    ckpt_step: int | None = None  # load this iteration instead of the latest
-    finetune: bool = False  # model weights only: fresh optimizer and iteration
-    use_checkpoint_args: bool = False  # the architecture of the checkpoint given by `load`
-    async_save: bool = False  # write in the background; committed at the next save or the end
-    ckpt_keep_last: int | None = None  # keep only the newest N checkpoints (None: all)
-    ckpt_save_failures_ok: int = 0  # go on training after up to N failed saves
+    save: str | None = setting(None, "checkpoint folder", group=EVAL_GROUP)
+    save_interval: int | None = setting(None, "save every this many steps (default: only at the end)",
+                                        group=EVAL_GROUP)
+    async_save: bool = setting(False, "write checkpoints in the background; each one is committed (renamed into "
+                                      "place, latest pointer updated) at the next save or at the end of training",
+                               group=EVAL_GROUP)
+    ckpt_keep_last: int | None = setting(None, "keep only the newest N checkpoints (default: all)", group=EVAL_GROUP)
+    ckpt_save_failures_ok: int = setting(0, "go on training after up to N failed saves (a full disk, no "
+                                            "permission); 0: stop at the first", group=EVAL_GROUP)
+    load: str | None = setting(None, "resume from this checkpoint folder", group=EVAL_GROUP)
+    ckpt_step: int | None = setting(None, "load this iteration instead of the latest", group=EVAL_GROUP)
+    finetune: bool = setting(False, "load model weights only; fresh optimizer and iteration", group=EVAL_GROUP)
+    use_checkpoint_args: bool = setting(False, "take the architecture from the checkpoint given by --load",
+                                        group=EVAL_GROUP)
 
     def __post_init__(self) -> None:
         check_at_least(self, {"save_interval": 0, "ckpt_step": 0, "ckpt_keep_last": 1, "ckpt_save_failures_ok": 0})
@@ -374,47 +488,6 @@ class RunConfig:
     data: DataSourceConfig = field(default_factory=DataSourceConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 
-    def __post_init__(self) -> None:
-        if self.rl.rl is not None and self.data.sft:
-            raise ConfigError(f"--rl {self.rl.rl} reads its records from --rl-data; drop --sft")
-        if self.rl.rl is not None and not self.lora.enabled and self.parallel.sharding_strategy != "no_shard":
-            raise ConfigError(f"--rl {self.rl.rl} with --data-parallel-sharding-strategy "
-                              f"{self.parallel.sharding_strategy}: the reference would be a copy of sharded weights; "
-                              "add --lora-rank R (the frozen base is the reference) or use no_shard (DDP)")
-        if self.fp8.fp8_param_gather:
-            check_fp8_param_gather(self.fp8.enabled, self.fp8.fp8_recipe, self.parallel)
-        pp = self.parallel.pipeline_model_parallel_size
-        if pp > 1 and self.rl.rl is not None:
-            raise ConfigError(f"--rl {self.rl.rl} samples rollouts from the whole model, which "
-                              f"--pipeline-model-parallel-size {pp} splits over ranks; use data parallelism")
-        if self.fp8.fp8_dot_product_attention and not self.fp8.enabled:
-            raise ConfigError("--fp8-dot-product-attention runs attention in FP8 inside the FP8 layers; add "
-                              "--fp8-format hybrid (or e4m3), or drop it")
-        if self.lora.enabled:
-            self._check_lora()
-
-    def _check_lora(self) -> None:
-        """LoRA trains adapters on a frozen base: flags that act on the base's training, and layouts the adapters
-        do not support, are refused."""
-        rank = f"--lora-rank {self.lora.lora_rank}"
-        if self.fp8.fp8_param_gather:
-            raise ConfigError(f"{rank} freezes the base, so --fp8-param-gather has no trained FP8 weights to gather; "
-                              "drop --fp8-param-gather")
-        if not self.fp8.fp8_wgrad:
-            raise ConfigError(f"{rank} freezes the base, whose layers compute no weight gradient: drop --no-fp8-wgrad")
-        if self.parallel.tensor_model_parallel_size > 1:
-            raise ConfigError(f"{rank} with --tensor-model-parallel-size {self.parallel.tensor_model_parallel_size}"
-                              ": LoRA runs with data parallelism only (DDP / FSDP2); drop tensor parallelism")
-        if self.parallel.pipeline_model_parallel_size > 1:
-            raise ConfigError(f"{rank} with --pipeline-model-parallel-size "
-                              f"{self.parallel.pipeline_model_parallel_size}: LoRA runs with data parallelism only "
-                              "(DDP / FSDP2); drop pipeline parallelism")
-        if self.lora.lora_base == "fp8" and self.fp8.enabled and self.fp8.fp8_format not in ("hybrid", "e4m3"):
-            raise ConfigError(f"--lora-base fp8 takes --fp8-format hybrid or e4m3, got {self.fp8.fp8_format}")
-        if not self.checkpoint.load:
-            raise ConfigError(f"{rank} adapts a base model: pass --load BASE (a checkpoint, e.g. written by "
-                              "`megadlms convert hf-to-megadlms`), or --load a LoRA checkpoint to resume")
-
     @classmethod
     def sections(cls) -> dict[str, type]:
         """Section name -> its dataclass."""
@@ -422,30 +495,53 @@ class RunConfig:
         return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
     @classmethod
+    def flat_names(cls, kind: type) -> list[str]:
+        """The flag dests a section holds: its fields (the model section: its path and `MODEL_FLAGS`)."""
+        names = getattr(kind, "flat_names", None)
+        return names() if names is not None else [f.name for f in dataclasses.fields(kind)]
+
+    @classmethod
     def section_of(cls) -> dict[str, str]:
         """Field (= flag dest) name -> the section holding it."""
         owner: dict[str, str] = {}
         for section, kind in cls.sections().items():
-            for f in dataclasses.fields(kind):
-                if f.name in owner:
-                    raise TypeError(f"field {f.name!r} is in both RunConfig.{owner[f.name]} and .{section}")
-                owner[f.name] = section
+            for name in cls.flat_names(kind):
+                if name in owner:
+                    raise TypeError(f"field {name!r} is in both RunConfig.{owner[name]} and .{section}")
+                owner[name] = section
         return owner
 
     @classmethod
     def from_flat(cls, values: Mapping[str, Any]) -> RunConfig:
         """A RunConfig from flag-named values (parsed flags, or a YAML file's keys with dashes or underscores);
         fields not given keep their defaults."""
-        owner = cls.section_of()
-        parts: dict[str, dict[str, Any]] = {name: {} for name in cls.sections()}
+        return cls().replace(**values)
+
+    def replace(self, **values: Any) -> RunConfig:
+        """This configuration with flag-named values changed (`dataclasses.replace` on the sections holding them;
+        each section validates itself again)."""
+        owner = self.section_of()
+        parts: dict[str, dict[str, Any]] = {}
         for key, value in values.items():
             name = str(key).lstrip("-").replace("-", "_")
             if name not in owner:
                 raise ConfigError(f"unknown setting {key!r}: not a training flag (keys are flag names, e.g. "
                                   "train-iters)")
-            parts[owner[name]][name] = value
-        return cls(**{name: kind(**parts[name]) for name, kind in cls.sections().items()})
+            parts.setdefault(owner[name], {})[name] = value
+        changed: dict[str, Any] = {}
+        for section, given in parts.items():
+            current = getattr(self, section)
+            if isinstance(current, ModelConfig):
+                flat = {**current.to_flat(), **given}
+                changed[section] = ModelConfig.from_flat(flat)
+            else:
+                changed[section] = dataclasses.replace(current, **given)
+        return dataclasses.replace(self, **changed)
 
     def to_flat(self) -> dict[str, Any]:
         """Flag dest -> value, over all sections (the inverse of `from_flat`)."""
-        return {k: v for section in self.sections() for k, v in dataclasses.asdict(getattr(self, section)).items()}
+        flat: dict[str, Any] = {}
+        for section in self.sections():
+            part = getattr(self, section)
+            flat.update(part.to_flat() if isinstance(part, ModelConfig) else dataclasses.asdict(part))
+        return flat

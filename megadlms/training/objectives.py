@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError, TransformerConfig
+from ..config import TransformerConfig
 from ..diffusion import bd3lm
 from ..diffusion.objective import (
     BatchNoise,
@@ -285,16 +285,8 @@ def build_objective(objective: ObjectiveConfig, model_config: TransformerConfig,
     """The run's objective: BD3-LM when the model has a block size, SFT on packed chat windows, else
     pre-training in the objective's running mode."""
     common = dict(flex=flex, loss_chunk_tokens=loss_chunk_tokens, on_data_wait=on_data_wait)
-    if bd3lm_config is not None:
-        if sft:
-            raise ConfigError("--model-running-mode bd3lm trains on token windows under its own block-diffusion "
-                              "mask: drop --sft")
-        if bd3lm_config.clip_search and sharding.cp_size > 1:
-            raise ConfigError(f"--bd3lm-clip-search scores whole windows per block; --context-parallel-size "
-                              f"{sharding.cp_size} splits them: drop one of the two")
+    if bd3lm_config is not None:  # which settings it refuses (--sft, CP with the clip search): `run_plan`
         return BlockDiffusion(bd3lm_config, model_config, attention, sharding, **common)
     if sft:
-        if objective.ignore_bos:
-            raise ConfigError("--ignore-bos applies to token windows; --sft never masks prompt tokens: drop it")
         return SupervisedFineTuning(objective, model_config, attention, sharding, **common)
     return Pretraining(objective, model_config, attention, sharding, **common)

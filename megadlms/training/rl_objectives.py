@@ -406,12 +406,7 @@ def build_rl_objective(rl: RLConfig, mode: str, model_config: TransformerConfig,
                        ) -> PreferenceOptimisation | DiffuGRPO:
     """The objective of `--rl` from the run's RLConfig `rl`, for a masked-diffusion model (difflm-noshift);
     diffusion_loss: the model's (`--diffusion-loss`), so that the log-likelihoods are the trained ones."""
-    if mode != "difflm-noshift":
-        raise ConfigError(f"--rl {rl.rl} trains a masked-diffusion model whose position i predicts token i "
-                          f"(difflm-noshift); this run's mode is {mode}: use --model-running-mode difflm-noshift")
-    if attention.needs_masks() or attention.reset_position_ids:
-        raise ConfigError(f"--rl {rl.rl} scores one record per row: drop --reset-attention-mask, "
-                          "--reset-position-ids and --attention-anneal-iters")
+    # the mode and attention settings RL refuses are the run plan's (`run_plan`)
     pad = tokenizer.eod_id if tokenizer is not None and tokenizer.eod_id is not None else 0
     if rl.rl == "vrpo":
         return PreferenceOptimisation(model_config, attention, sharding, autocast=autocast, samples=rl.vrpo_samples,

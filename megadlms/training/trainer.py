@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..config import ConfigError, TransformerConfig
+from ..config import TransformerConfig
 from ..diffusion import bd3lm
 from ..diffusion.objective import MaskSampler
 from ..distributed.data_parallel import grad_sync_context
@@ -31,7 +31,6 @@ from ..distributed.init import ParallelContext, destroy_parallel, init_parallel
 from ..distributed.parallelize import build_parallel_model
 from ..fp8.frozen import count_parameters
 from ..lora import describe_memory
-from ..presets import load_model_config
 from . import checkpoint as ckpt
 from .config import RunConfig
 from .cuda_graphs import LayerGraphs
@@ -52,6 +51,7 @@ from .objectives import Batch, Objective, Sharding, build_objective
 from .optim import LRSchedule, allocate_optimizer_state, build_optimizer, set_lr
 from .plugins import objective_plugins
 from .preemption import RunControl
+from .run_plan import RunPlan, plan_run, run_tokenizer
 from .save_folder import check_save_folder
 from .step_runner import PlainRunner, StepRunner, StepTotals
 
@@ -70,79 +70,12 @@ class TrainState:
     history: list[dict[str, Any]] = field(default_factory=list)  # logged metrics of this process's run
 
 
-def resolve_model_config(config: RunConfig, vocab_size: int | None, mask_id: int | None) -> TransformerConfig:
-    """The TransformerConfig of a run: the preset / HF config with the model overrides (or, with
-    use_checkpoint_args, the checkpoint's architecture), the objective's attention mask, the FP8 settings, the
-    mask token (the flag's, else the tokenizer's, else the model config's) and the diffusion loss (the flag's, else
-    the model config's)."""
-    ck = config.checkpoint
-    if ck.use_checkpoint_args:
-        assert ck.load is not None  # CheckpointConfig requires --load with --use-checkpoint-args
-        base = ckpt.read_meta(ckpt.find_checkpoint(ck.load, ck.ckpt_step))["config"]
-        arch = config.model.overrides()
-        # the window length is the run's choice (within the positions the model has); the architecture is the
-        # checkpoint's, and a flag that says otherwise is an error rather than silently dropped
-        if "seq_length" in arch:
-            base["seq_length"] = arch.pop("seq_length")
-            base["max_position_embeddings"] = max(base.get("max_position_embeddings") or 0, base["seq_length"])
-        arch.pop("max_position_embeddings", None)
-        differ = {k: v for k, v in arch.items() if base.get(k) != v}
-        if differ:
-            flags = ", ".join(f"--{k.replace('_', '-')} {v} (the checkpoint has {base.get(k)})"
-                              for k, v in differ.items())
-            raise ConfigError(f"--use-checkpoint-args takes the architecture from {ck.load}, but {flags}: drop those "
-                              "flags, or leave out --use-checkpoint-args to build the architecture from the flags")
-    else:
-        base = load_model_config(config.model.model_path, tokenizer_vocab_size=vocab_size).to_dict()
-        arch = config.model.overrides()
-        if "seq_length" in arch and "max_position_embeddings" not in arch:
-            arch["max_position_embeddings"] = max(base["max_position_embeddings"], arch["seq_length"])
-        base.update(arch)
-    obj = config.objective
-    mode = obj.running_mode(base)
-    cfg_dict = {**base, "attn_mask_type": "causal" if mode == "vanilla" else "bidirectional",
-                **config.fp8.model_fields(), "diffusion_shift": mode == "difflm-shift"}
-    # block diffusion: the block size is part of the model (its sampler and exports need it)
-    if obj.block_size is not None and mode != "bd3lm":
-        raise ConfigError(f"--block-size {obj.block_size} is only used with --model-running-mode bd3lm; drop it")
-    obj.check_bd3lm_flags(mode)
-    if mode == "bd3lm":
-        if obj.block_size is None and base.get("block_size") is None:
-            raise ConfigError("--model-running-mode bd3lm needs --block-size B (a divisor of --seq-length, e.g. 4)")
-        if obj.block_size is not None:
-            cfg_dict["block_size"] = obj.block_size
-    else:
-        cfg_dict["block_size"] = None
-    mask = obj.mask_token
-    if mask is None:
-        mask = mask_id if mask_id is not None else cfg_dict.get("mask_token_id")
-    if mode != "vanilla" and mask is None:
-        raise ConfigError("no mask token: pass --mask-token ID (the tokenizer has no <|mask|> and the preset none)")
-    cfg_dict["mask_token_id"] = mask
-    if obj.diffusion_loss is not None:  # the flag wins, and the checkpoint records the loss it trained with
-        cfg_dict["diffusion_loss"] = obj.diffusion_loss
-    if mode == "bd3lm":  # the flag-named errors before the config's own
-        bd3lm.Bd3lmConfig(block_size=cfg_dict["block_size"], seq_length=cfg_dict["seq_length"],
-                          clip_min=obj.bd3lm_clip_min, clip_max=obj.bd3lm_clip_max, noise_per=obj.bd3lm_noise_per)
-    cfg = TransformerConfig.from_dict(cfg_dict)
-    if vocab_size is not None and vocab_size > cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
-                         "use a tokenizer that fits the model or a model with a larger vocabulary")
-    return cfg
-
-
 def _attention_plan(config: RunConfig, cfg: TransformerConfig, eod_id: int | None,
                     device: torch.device) -> AttentionPlan:
     """The AttentionPlan of the run: document-level attention and position resets default on with --sft."""
     sft = config.data.sft
     reset_mask, reset_pos = config.data.reset_attention_mask, config.data.reset_position_ids
-    anneal = config.objective.attention_anneal_iters
-    if cfg.block_size is not None and (sft or reset_mask or reset_pos or anneal):
-        raise ConfigError("--model-running-mode bd3lm runs under its own block-diffusion attention mask: drop --sft, "
-                          "--reset-attention-mask, --reset-position-ids and --attention-anneal-iters")
-    if anneal and cfg.causal:
-        raise ConfigError(f"--attention-anneal-iters {anneal} anneals causal attention into bidirectional "
-                          "attention; use --model-running-mode difflm-shift or difflm-noshift, not vanilla")
+    anneal = config.objective.attention_anneal_iters  # bd3lm and vanilla refuse it (`run_plan`)
     return AttentionPlan(reset_attention_mask=sft if reset_mask is None else reset_mask,
                          reset_position_ids=sft if reset_pos is None else reset_pos, anneal_iters=anneal,
                          causal=cfg.causal, eod_id=eod_id, seed=config.train.seed + 3, device=device)
@@ -172,12 +105,6 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
             eval_eps=obj.difflm_eps, loss=model_config.loss, antithetic=obj.bd3lm_antithetic,
             ignore_bos=obj.ignore_bos, resample=obj.bd3lm_resample, clip_search=obj.bd3lm_clip_search,
             search_widths=tuple(obj.bd3lm_clip_search_widths), search_delta=obj.bd3lm_clip_search_delta)
-        if obj.bd3lm_clip_search and (config.train.eval_iters <= 0 or not config.train.eval_interval):
-            raise ConfigError("--bd3lm-clip-search chooses the interval during validation: give --eval-interval and "
-                              f"--eval-iters > 0 (now {config.train.eval_interval} and {config.train.eval_iters})")
-        if obj.bd3lm_clip_search and ctx.pp_size > 1:
-            raise ConfigError(f"--bd3lm-clip-search runs whole-model forwards; --pipeline-model-parallel-size "
-                              f"{ctx.pp_size} splits the model: drop one of the two")
     sharding = Sharding(config.train.micro_batch_size, ctx.dp_rank, ctx.dp_size,
                         ctx.dp_group if ctx.distributed else None, cp_rank=ctx.cp_rank, cp_size=ctx.cp_size)
     # FlexAttention's block-sparse kernel where the layers are compiled on the GPU, else a dense bool mask
@@ -185,17 +112,6 @@ def _objective(config: RunConfig, model_config: TransformerConfig, attention: At
     return build_objective(objective, model_config, attention, sharding, sft=config.data.sft,
                            bd3lm_config=bd3lm_config, flex=device.type == "cuda" and compiled,
                            loss_chunk_tokens=loss_chunk_tokens, on_data_wait=on_data_wait)
-
-
-def _checkpoint_tokenizer(load: str, iteration: int | None) -> str | None:
-    """The tokenizer folder saved with the --load checkpoint (its mask token and vocabulary are the model's), or
-    None where there is no checkpoint yet (a requeued job) or it was saved without one."""
-    try:
-        path = ckpt.find_checkpoint(load, iteration)
-    except ckpt.CheckpointError:
-        return None
-    tok = path / "tokenizer"
-    return str(tok) if tok.is_dir() else None
 
 
 def _seed_all(seed: int) -> None:
@@ -225,20 +141,22 @@ class Trainer:
     """Owns the model, optimizer, schedule, data and objective of one run."""
 
     def __init__(self, run_config: RunConfig, ctx: ParallelContext, model_config: TransformerConfig,
-                 model: nn.Module, loaders: Any, tokenizer: Any | None = None):
+                 model: nn.Module, loaders: Any, tokenizer: Any | None = None, plan: RunPlan | None = None):
         """run_config: the run's settings; model_config: the model's architecture (`resolve_model_config`); model:
-        built by `build_parallel_model`; loaders: `megadlms.data.build_loaders`'s."""
+        built by `build_parallel_model`; loaders: `megadlms.data.build_loaders`'s; plan: the checked run plan
+        (default: resolved here for `ctx`'s world and device)."""
         self.run_config, self.ctx, self.model_config, self.model = run_config, ctx, model_config, model
         self.loaders, self.tokenizer = loaders, tokenizer
         self.device = ctx.device
+        if plan is None or (plan.world_size, plan.device_type) != (ctx.world_size, self.device.type):
+            plan = RunPlan.resolve(run_config, model_config, world_size=ctx.world_size,
+                                   device_type=self.device.type).check()
+        self.plan = plan
         train_cfg = run_config.train
         self.compiled = train_cfg.compile_on(self.device)
         self.mbs = train_cfg.micro_batch_size
-        self.global_batch = train_cfg.global_batch_size or self.mbs * ctx.dp_size
-        if self.global_batch % (self.mbs * ctx.dp_size):
-            raise ConfigError(f"--global-batch-size {self.global_batch} is not divisible by --micro-batch-size "
-                             f"{self.mbs} x data-parallel size {ctx.dp_size}")
-        self.accum = self.global_batch // (self.mbs * ctx.dp_size)
+        self.global_batch = self.plan.global_batch  # a multiple of micro-batch x data-parallel size (the plan's rule)
+        self.accum = self.plan.accumulation
         self.sampler = MaskSampler(train_cfg.seed + 1, device=self.device)
         self.attention = _attention_plan(run_config, model_config, getattr(loaders, "eod_id", None), self.device)
         # large vocabularies: the fused, masked-rows-only LM head + loss (the [tokens, V] logits dominate memory)
@@ -306,56 +224,25 @@ class Trainer:
         mode = self.run_config.train.cuda_graphs
         if mode == "off":
             return None
-        # tests on CPU: the same replay logic with EmulatedGraph standing in for CUDA graphs
-        emulate = os.environ.get("MEGADLMS_EMULATE_CUDA_GRAPHS") == "1" and self.device.type != "cuda"
-        blockers = []
-        if self.device.type != "cuda" and not emulate:
-            blockers.append(f"the device is {self.device.type}, CUDA graphs need a GPU")
-        if self.ctx.tp_size > 1:
-            blockers.append("tensor parallelism (DTensor parameters)")
-        if self.ctx.cp_size > 1:
-            blockers.append("context parallelism (attention all-gathers K/V)")
-        if self.ctx.pp_size > 1:
-            blockers.append("pipeline parallelism (the schedule runs the layers)")
-        if self.ctx.ep_size > 1:
-            blockers.append("expert parallelism (each all-to-all's split sizes are read on the host)")
-        if self.ctx.dp_strategy not in ("none", "no_shard"):
-            blockers.append(f"sharded data parallelism ({self.ctx.dp_strategy}) gathers weights per use")
-        if self.run_config.train.recompute_granularity and mode == "auto":
-            # the backward graph then holds the recomputed forward too; its memory pool stays reserved for the run,
-            # which a recomputing run (one near the card's memory) asks for explicitly
-            blockers.append("activation checkpointing (--recompute-granularity; --cuda-graphs on captures the "
-                            "recomputation too)")
-        if self.run_config.rl.rl is not None:
-            blockers.append(f"--rl {self.run_config.rl.rl} batches change shape from step to step")
-        if mode == "on" and blockers:
-            raise ConfigError(f"--cuda-graphs on is not possible here: {'; '.join(blockers)}. "
-                             "Use --cuda-graphs auto or off.")
-        if blockers or (mode == "auto" and self.ctx.dp_size > 1):
+        plan = self.plan
+        if not plan.layer_graphs():  # `--cuda-graphs on` with a blocker was refused before the build
+            blockers = plan.graph_blockers()
             if blockers and self.ctx.is_main and self.device.type == "cuda":
                 log.info("CUDA graphs off: %s", "; ".join(blockers))
             return None
         # with accumulation the FP8 weights are cast once per step outside the graphs, not on every replay
-        return LayerGraphs(self.base_model, emulate=emulate, strict=mode == "on", fp8_weights_per_step=self.accum > 1)
+        return LayerGraphs(self.base_model, emulate=plan.emulate_graphs, strict=mode == "on",
+                           fp8_weights_per_step=self.accum > 1)
 
     def _step_runner(self) -> StepRunner:
         if self.ctx.pp_size == 1:
             full = self.model_config.seq_length if self.compiled and self.ctx.tp_size > 1 else None
             return PlainRunner(self.model, self._loss, self._grad_sync, self.device, eager_unless_length=full)
-        from ..distributed.pipeline_parallel import check_micro_batches
         from .pipeline_step import PipelineRunner
 
-        pp, train_cfg = self.ctx.pp_size, self.run_config.train
-        if self.run_config.objective.difflm_varilen_prob:
-            raise ConfigError(f"--pipeline-model-parallel-size {pp} runs micro-batches of one shape: add "
-                              "--difflm-varilen-prob 0")
-        if train_cfg.generate_sample:
-            raise ConfigError(f"--pipeline-model-parallel-size {pp}: the model is split over ranks, so it cannot "
-                              "sample at the end; add --no-generate-sample")
+        # varying shapes, the final sample and too few micro-batches are refused before the build (`run_plan`)
         assert self.ctx.pp_group is not None  # a mesh with a pp dimension
         model = cast("RankStages", self.model)
-        check_micro_batches(self.accum, pp, len(model.stages), self.run_config.parallel.pipeline_schedule,
-                            samples_per_micro_batch=self.mbs * self.ctx.dp_size)
         return PipelineRunner(model, self.objective, self.ctx.pp_group,
                               self.device, self.accum, self.run_config.parallel.pipeline_schedule,
                               self.autocast_dtype or torch.float32, autocast=self._autocast)
@@ -650,9 +537,15 @@ class Trainer:
 
 def setup(config: RunConfig) -> Trainer:
     """Everything a run needs, built from its configuration (also used by benchmarks and tests)."""
-    from ..data import build_loaders, load_tokenizer
+    from ..data import build_loaders
 
     train_cfg, data = config.train, config.data
+    # the plan first: every clash of the settings is reported before a process group, model or loader exists
+    tokenizer = run_tokenizer(config)
+    plan = plan_run(config, tokenizer)
+    cfg = plan.model
+    if os.environ.get("RANK", "0") == "0":
+        log.info("run plan: %s", plan.describe())
     ctx = init_parallel(train_cfg.device, config.parallel.tensor_model_parallel_size,
                         config.parallel.distributed_backend, cp_size=config.parallel.context_parallel_size,
                         pp_size=config.parallel.pipeline_model_parallel_size,
@@ -661,14 +554,6 @@ def setup(config: RunConfig) -> Trainer:
         logging.getLogger("megadlms").setLevel(logging.WARNING)
     check_save_folder(config)  # another run's --save folder is refused before anything is built
     _seed_all(train_cfg.seed)
-    tokenizer_model = data.tokenizer_model
-    if tokenizer_model is None and config.checkpoint.load:
-        tokenizer_model = _checkpoint_tokenizer(config.checkpoint.load, config.checkpoint.ckpt_step)
-        if tokenizer_model is not None and ctx.is_main:
-            log.info("tokenizer: the one saved with the checkpoint, %s (--tokenizer-model picks another)",
-                     tokenizer_model)
-    tokenizer = load_tokenizer(tokenizer_model, tokenizer_type=data.tokenizer_type)
-    cfg = resolve_model_config(config, tokenizer.vocab_size, tokenizer.mask_id)
     if cfg.fp8:
         from ..fp8 import check_fp8_support
         from ..fp8.hardware import fp8_backend_note
@@ -710,7 +595,7 @@ def setup(config: RunConfig) -> Trainer:
         loaders = build_loaders(data_cfg, tokenizer, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
     if ctx.distributed and ctx.is_main:
         dist.barrier()
-    trainer = Trainer(config, ctx, cfg, model, loaders, tokenizer)
+    trainer = Trainer(config, ctx, cfg, model, loaders, tokenizer, plan=plan)
     n_params = _count_parameters(model, ctx)
     if ctx.is_main:
         log.info("model %s: %.1fM parameters, %d layers, hidden %d, seq %d, %s attention (%s)%s | device %s%s | "

@@ -2,8 +2,10 @@
 
 import pytest
 
-from megadlms.config import ConfigError
+from megadlms.config import ConfigError, TransformerConfig
 from megadlms.distributed.config import ParallelConfig
+from megadlms.training.config import RunConfig
+from megadlms.training.run_plan import RunPlan
 
 
 def test_strategy_and_refusals():
@@ -18,4 +20,4 @@ def test_strategy_and_refusals():
     with pytest.raises(ConfigError, match="--distributed-backend 'mpi' is not one of \\['nccl', 'gloo'\\]"):
         ParallelConfig(distributed_backend="mpi")
     with pytest.raises(ConfigError, match="no_shard has none; add --use-distributed-optimizer"):
-        ParallelConfig(overlap_param_gather=True)
+        RunPlan(RunConfig(parallel=ParallelConfig(overlap_param_gather=True)), TransformerConfig()).check()

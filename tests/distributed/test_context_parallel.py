@@ -10,8 +10,11 @@ import json
 import pytest
 
 from megadlms.config import TransformerConfig
+from megadlms.distributed.config import ParallelConfig
 from megadlms.distributed.context_parallel import check_context_parallel, key_positions, rank_positions
 from megadlms.distributed.init import init_parallel
+from megadlms.training.config import FP8Config, RunConfig
+from megadlms.training.run_plan import RunPlan
 
 from .cp_worker import CASES
 from .launch import TINY, launch, train_iterations, train_losses
@@ -86,12 +89,21 @@ def test_zigzag_layout():
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(seq_length=30), "--seq-length 30 is not divisible by 2 x --context-parallel-size 2 = 4"),
-    (dict(num_moe_experts=4, moe_router_topk=2), "--context-parallel-size 2 with an MoE model"),
-    (dict(fp8=True, fp8_dot_product_attention=True), "--context-parallel-size 2 with --fp8-dot-product-attention"),
 ])
-def test_bad_combinations_are_refused(overrides, message):
+def test_bad_sizes_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         check_context_parallel(TransformerConfig(**overrides), 2)
+
+
+@pytest.mark.parametrize("model, fp8, message", [
+    (dict(num_moe_experts=4, moe_router_topk=2), FP8Config(), "--context-parallel-size 2 with an MoE model"),
+    (dict(), FP8Config(fp8_format="hybrid", fp8_dot_product_attention=True),
+     "--context-parallel-size 2 with --fp8-dot-product-attention"),
+])
+def test_bad_combinations_are_refused_by_the_plan(model, fp8, message):
+    run = RunConfig(fp8=fp8, parallel=ParallelConfig(context_parallel_size=2))
+    with pytest.raises(ValueError, match=message):
+        RunPlan(run, TransformerConfig(**model), world_size=2).check()
 
 
 def test_context_parallel_needs_that_many_processes(monkeypatch):

@@ -14,6 +14,8 @@ from megadlms.config import ConfigError, TransformerConfig
 from megadlms.distributed.config import ParallelConfig
 from megadlms.distributed.expert_parallel import check_expert_parallel
 from megadlms.distributed.init import init_parallel
+from megadlms.training.config import RunConfig
+from megadlms.training.run_plan import RunPlan
 
 from .ep_worker import CASES
 from .launch import TINY, launch, train_iterations, train_losses
@@ -90,11 +92,13 @@ def test_bad_expert_parallel_sizes_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="^--expert-model-parallel-size 2 shards the experts of an MoE model, and "
                                           "this model is dense; add --num-moe-experts"):
         check_expert_parallel(dense, 2)
-    with pytest.raises(ConfigError, match="^--expert-model-parallel-size 2 takes data parallelism alone for now, not "
-                                          "--tensor-model-parallel-size 2; drop one of them$"):
-        ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="\n  --expert-model-parallel-size 2 takes data parallelism alone for now, "
+                                          "not --tensor-model-parallel-size 2; drop one of them\n"):
+        RunPlan(RunConfig(parallel=ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2)),
+                moe, world_size=4).check()
     with pytest.raises(ConfigError, match="not --context-parallel-size 2"):
-        ParallelConfig(expert_model_parallel_size=2, context_parallel_size=2)
+        RunPlan(RunConfig(parallel=ParallelConfig(expert_model_parallel_size=2, context_parallel_size=2)), moe,
+                world_size=4).check()
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 0 must be >= 1"):
         ParallelConfig(expert_model_parallel_size=0)
     with pytest.raises(ConfigError, match="^--expert-model-parallel-size 2 needs at least 2 processes; launch with "

@@ -7,6 +7,7 @@ import pytest
 from megadlms.distributed.config import ParallelConfig
 from megadlms.distributed.data_parallel import grad_sync_context
 from megadlms.training.args import parse_train_args
+from megadlms.training.run_plan import plan_run
 
 
 def args(*flags: str) -> ParallelConfig:
@@ -25,7 +26,7 @@ def test_strategy_from_flags(flags, strategy):
 
 def test_param_gather_overlap_needs_sharded_parameters():
     with pytest.raises(ValueError, match="no_shard has none; add --use-distributed-optimizer"):
-        args("--overlap-param-gather")
+        plan_run(parse_train_args(["--device", "cpu", "--overlap-param-gather"]))
     assert args("--overlap-param-gather", "--use-distributed-optimizer").sharding_strategy == "optim"
 
 
@@ -48,17 +49,19 @@ def test_one_data_parallel_rank_needs_no_sync_control():
 ])
 def test_pipeline_combinations_not_supported_are_refused(flags, message):
     with pytest.raises(ValueError, match=message):
-        parse_train_args(["--device", "cpu", *flags])
+        plan_run(parse_train_args(["--device", "cpu", *flags]))
 
 
 def test_parallel_plan_refusals():
     from megadlms.config import TransformerConfig
     from megadlms.distributed.init import ParallelContext, build_mesh
     from megadlms.distributed.parallelize import check_parallel_plan
+    from megadlms.training.config import RunConfig
+    from megadlms.training.run_plan import RunPlan
 
     moe = TransformerConfig(num_layers=4, num_moe_experts=4)
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2 with an MoE model"):
-        check_parallel_plan(moe, ParallelContext(world_size=2, pp_size=2), ParallelConfig())
+        RunPlan(RunConfig(parallel=ParallelConfig(pipeline_model_parallel_size=2)), moe, world_size=2).check()
     with pytest.raises(ValueError, match="--seq-length 30 is not divisible by 2 x --context-parallel-size 2 = 4"):
         check_parallel_plan(TransformerConfig(seq_length=30), ParallelContext(world_size=2, cp_size=2),
                             ParallelConfig())
@@ -71,8 +74,8 @@ def test_parallel_plan_refusals():
                             ParallelConfig(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1))
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2 x --tensor-model-parallel-size 2 over 2 "
                                          "data-parallel ranks: DDP takes no tensor-parallel parameters"):
-        check_parallel_plan(TransformerConfig(num_layers=4), ParallelContext(world_size=8, pp_size=2, tp_size=2),
-                            ParallelConfig())
+        RunPlan(RunConfig(parallel=ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2)),
+                TransformerConfig(num_layers=4), world_size=8).check()
     with pytest.raises(ValueError, match="--sequence-parallel with --pipeline-model-parallel-size 2: the stages send "
                                          "equal sequence shards, and the 30 positions per context-parallel rank do "
                                          "not split over --tensor-model-parallel-size 4"):

@@ -72,12 +72,17 @@ def test_bad_virtual_stages_are_refused():
     with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage 3 does not divide the --num-layers 8 "
                                          "/ --pipeline-model-parallel-size 2 layers of each rank"):
         virtual_stages(8, 2, 3)
+    from megadlms.training.config import RunConfig
+    from megadlms.training.run_plan import RunPlan
+
+    def plan(**parallel) -> RunPlan:
+        return RunPlan(RunConfig(parallel=ParallelConfig(**parallel)), TransformerConfig(num_layers=8), world_size=2)
+
     with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage 2 interleaves the stages of a "
                                          "pipeline; add --pipeline-model-parallel-size 2"):
-        ParallelConfig(num_layers_per_virtual_pipeline_stage=2)
+        plan(num_layers_per_virtual_pipeline_stage=2).check()
     with pytest.raises(ValueError, match="not --pipeline-schedule gpipe; use 1f1b"):
-        ParallelConfig(pipeline_model_parallel_size=2, pipeline_schedule="gpipe",
-                       num_layers_per_virtual_pipeline_stage=1)
+        plan(pipeline_model_parallel_size=2, pipeline_schedule="gpipe", num_layers_per_virtual_pipeline_stage=1).check()
     with pytest.raises(ValueError, match="--num-layers 6 is not divisible by --pipeline-model-parallel-size 2 x 2 "
                                          "virtual stages = 4; use 8 layers"):
         check_pipeline_parallel(TransformerConfig(num_layers=6), 2, 2)

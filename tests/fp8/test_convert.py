@@ -191,7 +191,7 @@ def test_config_switches_fusion_and_forward_fast_accumulation():
     from megadlms.fp8.fusions.fused_linear import FusedFloat8Projection
     from megadlms.fp8.fusions.fused_mlp import FusedFloat8MLP
     from megadlms.training.args import parse_train_args
-    from megadlms.training.trainer import resolve_model_config
+    from megadlms.training.run_plan import resolve_model_config
 
     base = dict(hidden_size=64, num_attention_heads=4, num_layers=2, vocab_size=128, seq_length=32, fp8=True)
     layer = build_model(TransformerConfig(**base)).layers[0]

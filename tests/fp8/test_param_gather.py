@@ -110,8 +110,11 @@ def test_blockwise_needs_whole_row_blocks_per_shard():
      "not with --tensor-model-parallel-size 2"),
 ])
 def test_the_flag_refuses_what_it_cannot_gather(fp8, parallel, match):
+    from megadlms.training.run_plan import RunPlan
+
+    run = RunConfig(fp8=FP8Config(**{**fp8.__dict__, "fp8_param_gather": True}), parallel=parallel)
     with pytest.raises(ConfigError, match=match):
-        RunConfig(fp8=FP8Config(**{**fp8.__dict__, "fp8_param_gather": True}), parallel=parallel)
+        RunPlan(run, TransformerConfig(), world_size=4).check()
 
 
 def test_one_rank_or_undividable_shapes_fail_naming_the_fix():

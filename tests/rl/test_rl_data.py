@@ -70,9 +70,12 @@ def test_bad_settings_are_named(make, message):
 
 
 def test_rl_without_lora_refuses_sharded_weights():
+    from megadlms.config import TransformerConfig
     from megadlms.distributed.config import ParallelConfig
     from megadlms.training.config import RunConfig
+    from megadlms.training.run_plan import RunPlan
 
     with pytest.raises(ConfigError, match="add --lora-rank R .the frozen base is the reference. or use no_shard"):
-        RunConfig(rl=RLConfig(rl="vrpo", rl_data="x"),
-                  parallel=ParallelConfig(data_parallel_sharding_strategy="optim_grads_params"))
+        RunPlan(RunConfig(rl=RLConfig(rl="vrpo", rl_data="x"),
+                          parallel=ParallelConfig(data_parallel_sharding_strategy="optim_grads_params")),
+                TransformerConfig(), world_size=2).check()

@@ -1,6 +1,7 @@
 """megadlms.training.config: the typed run configuration, its mapping from flags and its validation."""
 
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -8,6 +9,7 @@ import yaml
 from megadlms.config import ConfigError, TransformerConfig
 from megadlms.training.args import PARSE_ONLY, build_parser, parse_train_args, run_config_from_args
 from megadlms.training.config import (
+    MODEL_FLAGS,
     CheckpointConfig,
     DiffusionConfig,
     FP8Config,
@@ -15,7 +17,7 @@ from megadlms.training.config import (
     RunConfig,
     TrainConfig,
 )
-from megadlms.training.trainer import resolve_model_config
+from megadlms.training.run_plan import RunPlan, resolve_model_config
 
 
 def test_every_flag_is_a_field_and_the_defaults_agree():
@@ -48,7 +50,8 @@ def test_flags_and_yaml_fill_the_sections_by_name(tmp_path):
     (lambda: FP8Config(fp8_amax_history_len=0), "--fp8-amax-history-len 0 must be >= 1"),
     (lambda: DiffusionConfig(model_running_mode="ar"), "--model-running-mode 'ar' is not one of"),
     (lambda: CheckpointConfig(use_checkpoint_args=True), "--use-checkpoint-args needs --load DIR"),
-    (lambda: RunConfig(fp8=FP8Config(fp8_dot_product_attention=True)), "add --fp8-format hybrid"),
+    (lambda: RunPlan(RunConfig(fp8=FP8Config(fp8_dot_product_attention=True)), TransformerConfig()).check(),
+     "add --fp8-format hybrid"),
     (lambda: FP8Config(fp8_format="hybrid", fp8_recipe="blockwise"),
      "^--fp8-format hybrid with --fp8-recipe blockwise: E4M3 is what torch's blockwise GEMM takes .*e4m3$"),
     (lambda: FP8Config(fp8_format="hybrid", fp8_recipe="mxfp8"), "MXFP8 is E4M3 for every operand; use --fp8-format"),
@@ -59,25 +62,36 @@ def test_each_section_validates_itself(make, message):
         make()
 
 
+def _plan(mode: str, **objective) -> RunPlan:
+    """The plan of a run with these DiffusionConfig settings on a model built for `mode`."""
+    model = TransformerConfig(attn_mask_type="causal" if mode == "vanilla" else "bidirectional",
+                              block_size=4 if mode == "bd3lm" else None)
+    return RunPlan(RunConfig(objective=DiffusionConfig(**objective)), model)
+
+
 def test_bd3lm_options_are_refused_where_they_would_change_nothing():
-    DiffusionConfig(bd3lm_clip_min=0.3, bd3lm_clip_search=True, bd3lm_clip_search_widths=[0.5]).check_bd3lm_flags(
-        "bd3lm")
-    DiffusionConfig(bd3lm_clip_search_widths=[0.5, 0.6, 0.7, 0.8, 0.9]).check_bd3lm_flags("bd3lm")  # the defaults
-    DiffusionConfig(ignore_bos=True).check_bd3lm_flags("difflm-noshift")  # not bd3lm's alone
+    _plan("bd3lm", bd3lm_clip_min=0.3, bd3lm_clip_search=True, bd3lm_clip_search_widths=[0.5]).check()
+    _plan("bd3lm", bd3lm_clip_search_widths=[0.5, 0.6, 0.7, 0.8, 0.9]).check()  # the defaults
+    _plan("difflm-noshift", ignore_bos=True).check()  # not bd3lm's alone
     with pytest.raises(ConfigError, match=r"^--bd3lm-clip-search: only used with --model-running-mode bd3lm \(this "
                                           r"run is difflm-noshift\); drop it$"):
-        DiffusionConfig(bd3lm_clip_search=True).check_bd3lm_flags("difflm-noshift")
-    with pytest.raises(ConfigError, match=r"^--bd3lm-clip-max, --no-bd3lm-antithetic: only .* vanilla\); drop them$"):
-        DiffusionConfig(bd3lm_clip_max=0.8, bd3lm_antithetic=False).check_bd3lm_flags("vanilla")
+        _plan("difflm-noshift", bd3lm_clip_search=True).check()
+    with pytest.raises(ConfigError, match=r"^--bd3lm-clip-max 0.8, --no-bd3lm-antithetic: only .* vanilla\); "
+                                          r"drop them$"):
+        _plan("vanilla", bd3lm_clip_max=0.8, bd3lm_antithetic=False).check()
     with pytest.raises(ConfigError, match=r"^--bd3lm-clip-search-delta: the candidates of --bd3lm-clip-search, which "
                                           r"is off; add --bd3lm-clip-search or drop it$"):
-        DiffusionConfig(bd3lm_clip_search_delta=0.1).check_bd3lm_flags("bd3lm")
+        _plan("bd3lm", bd3lm_clip_search_delta=0.1).check()
 
 
 def test_model_overrides_are_the_set_transformer_fields():
     model_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    assert {f.name for f in dataclasses.fields(ModelConfig)} - model_fields == {"model_path"}
-    assert ModelConfig(num_layers=3, qk_layernorm=False).overrides() == {"num_layers": 3, "qk_layernorm": False}
+    assert set(MODEL_FLAGS) <= model_fields  # the model flags are TransformerConfig's own fields, not a mirror
+    model = ModelConfig(num_layers=3, qk_layernorm=False, hidden_size=None)
+    assert model.overrides == {"num_layers": 3, "qk_layernorm": False} and model.num_layers == 3
+    assert model.hidden_size is None  # not overridden: the preset's
+    with pytest.raises(ConfigError, match="model override 'num_layer' is not a TransformerConfig field"):
+        ModelConfig(num_layer=3)
     fp8 = FP8Config(fp8_format="e4m3", fp8_recipe="tensorwise", num_layers_at_start_in_bf16=2)
     fields = fp8.model_fields()
     assert fields["fp8"] is True and fields["fp8_recipe"] == "tensorwise"
@@ -107,3 +121,20 @@ def test_fp8_wgrad_takes_both_forms_and_the_help_names_both():
     assert parse_train_args(base + ["--no-fp8-wgrad"]).fp8.fp8_wgrad is False
     assert parse_train_args(base + ["--no-fp8-wgrad", "--fp8-wgrad"]).fp8.fp8_wgrad is True
     assert "--fp8-wgrad, --no-fp8-wgrad" in build_parser().format_help()  # not a lone --no- flag "(default: True)"
+
+
+def test_the_help_describes_every_flag_and_shows_each_default_once():
+    from megadlms.presets import PRESETS
+    from megadlms.rl.rewards import REWARDS
+
+    parser = build_parser()
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+    text = parser.format_help()
+    assert "(default: None)" not in text and "(default: False)" not in text
+    entries = re.split(r"\n  (?=-)", text.split("\n\nWithout --config")[0])  # one entry per flag, no epilog
+    assert [e.split()[0] for e in entries if e.count("default") > 1] == []
+    assert "(default: 0.95)" in next(e for e in entries if e.startswith("--adam-beta2"))
+    reward = " ".join(next(e for e in entries if e.startswith("--rl-reward")).split())
+    assert all(name in reward for name in REWARDS) and all(name in text for name in PRESETS)
+    assert text.splitlines()[0] == "usage: megadlms train [-h] [--config FILE.yaml] [--FLAG VALUE ...]"
+    assert "MOE_SHARED_EXPERT_INTERMEDIATE_SIZE" not in text  # placeholders say the kind of value

@@ -8,6 +8,7 @@ from megadlms.config import ConfigError
 from megadlms.training import checkpoint as ckpt
 from megadlms.training.args import parse_train_args
 from megadlms.training.lora_run import base_checksum, load_lora_model
+from megadlms.training.run_plan import plan_run
 from megadlms.training.trainer import setup, train
 
 SMALL = ["--model-path", "tiny", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -86,30 +87,33 @@ def test_fp8_base_tracks_the_unquantized_base(base):
 
 def test_lora_flags_need_a_base_and_refuse_base_training_flags():
     with pytest.raises(ConfigError, match="pass --load BASE"):
-        parse_train_args(SMALL + ["--lora-rank", "4"])
+        plan_run(parse_train_args(SMALL + ["--lora-rank", "4"]))
     with pytest.raises(ConfigError, match="drop --no-fp8-wgrad"):
-        parse_train_args(SMALL + ["--lora-rank", "4", "--load", "x", "--fp8-format", "hybrid", "--no-fp8-wgrad"])
+        plan_run(parse_train_args(SMALL + ["--lora-rank", "4", "--load", "x", "--fp8-format", "hybrid",
+                                           "--no-fp8-wgrad"]))
     with pytest.raises(ConfigError, match="--lora-targets: unknown target 'qkv'"):
-        parse_train_args(SMALL + ["--lora-rank", "4", "--load", "x", "--lora-targets", "qkv"])
+        plan_run(parse_train_args(SMALL + ["--lora-rank", "4", "--load", "x", "--lora-targets", "qkv"]))
     with pytest.raises(ConfigError, match="--lora-rank -1 must be an integer >= 1"):
-        parse_train_args(SMALL + ["--lora-rank", "-1", "--load", "x"])
+        plan_run(parse_train_args(SMALL + ["--lora-rank", "-1", "--load", "x"]))
     with pytest.raises(ConfigError, match="add --lora-rank R"):
-        parse_train_args(SMALL + ["--lora-targets", "q"])
+        plan_run(parse_train_args(SMALL + ["--lora-targets", "q"]))
 
 
 @pytest.mark.parametrize("flags, match", [
     (["--fp8-format", "hybrid", "--fp8-param-gather", "--data-parallel-sharding-strategy", "optim_grads_params"],
      "--lora-rank 4 freezes the base, so --fp8-param-gather has no trained FP8 weights to gather; drop"),
     (["--tensor-model-parallel-size", "2"], "--lora-rank 4 with --tensor-model-parallel-size 2: .* drop tensor"),
-    (["--pipeline-model-parallel-size", "2"], "--lora-rank 4 with --pipeline-model-parallel-size 2: .* drop pipeline"),
+    (["--pipeline-model-parallel-size", "2", "--difflm-varilen-prob", "0", "--pipeline-schedule", "gpipe"],
+     "--lora-rank 4 with --pipeline-model-parallel-size 2: .* drop pipeline"),
     (["--lora-rank", "0"], "--lora-rank 0 must be an integer >= 1"),
     (["--lora-alpha", "-1"], "--lora-alpha -1.0 must be > 0"),
     (["--lora-dropout", "1"], "--lora-dropout 1.0 must be in"),
     (["--lora-targets", "q,,v"], "--lora-targets: unknown target ''"),
 ])
-def test_lora_with_flags_that_train_the_base_or_bad_values_is_one_line(flags, match):
+def test_lora_with_flags_that_train_the_base_or_bad_values_is_one_line(flags, match, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the plan of a run over two ranks: FSDP2 has shards to gather
     with pytest.raises(ConfigError, match=match) as e:
-        parse_train_args(SMALL + ["--lora-rank", "4", "--load", "x", *flags])
+        plan_run(parse_train_args(SMALL + ["--lora-rank", "4", "--load", "x", *flags]))
     assert "\n" not in str(e.value)
 
 

@@ -63,7 +63,7 @@ def test_moe_flags_turn_a_dense_preset_into_a_mixture_of_experts():
     flags = ["--model-path", "tiny", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
              "--seq-length", "32", "--num-moe-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "0,1",
              "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--train-iters", "2"]
-    over = parse_train_args(flags).model.overrides()
+    over = parse_train_args(flags).model.overrides
     assert over["num_moe_experts"] == 4 and over["moe_layer_freq"] == [0, 1]
     assert over["moe_router_score_function"] == "sigmoid" and over["moe_router_enable_expert_bias"] is True
     with pytest.raises(SystemExit):
