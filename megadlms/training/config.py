@@ -257,8 +257,8 @@ class TrainConfig:
                                                 choices=("full",), group=TRAIN_GROUP)
     cuda_graphs: str = setting(
         "auto", "replay the layers' forward and backward from CUDA graphs (auto: in a single CUDA process where "
-                "nothing blocks them and nothing is recomputed, eager if the capture fails; on: also under DDP and with "
-                "activation checkpointing, a failed capture is an error; docs/training.md)",
+                "nothing blocks them and nothing is recomputed, eager if the capture fails; on: also under DDP "
+                "and with activation checkpointing, a failed capture is an error; docs/training.md)",
         choices=("auto", "on", "off"), consts={"--enable-cuda-graph": "on"},
         group=TRAIN_GROUP)
     loss_chunk_tokens: int | None = setting(
