@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import swiglu_kernels
 from .attention_masks import BlockMask, run_flex_attention
 from .config import TransformerConfig
 from .moe import MoE
@@ -89,17 +90,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class _SwiGLUFn(torch.autograd.Function):
     """silu(gate) * up keeping only gate and up for the backward, which recomputes silu(gate). Eager autograd
-    would also keep silu(gate) for the product's backward: one more [tokens, ffn] tensor per layer. The gradients
-    are the ones eager autograd computes, op for op."""
+    would also keep silu(gate) for the product's backward: one more [tokens, ffn] tensor per layer. One fused
+    kernel each way where it runs (`swiglu_kernels`: fp32 math, one rounding); elsewhere the gradients are the ones
+    eager autograd computes, op for op."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
+        if swiglu_kernels.available(gate, up):
+            return swiglu_kernels.swiglu(gate, up)
         return F.silu(gate) * up
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate, up = ctx.saved_tensors
+        if swiglu_kernels.available(gate, up):
+            return swiglu_kernels.swiglu_backward(grad, gate, up)
         return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
 
 

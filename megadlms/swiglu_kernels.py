@@ -1,0 +1,121 @@
+"""SwiGLU as one Triton kernel each way, for the eager (uncompiled) MLPs and MoE experts.
+
+    swiglu           gate, up [M, F] -> h = silu(gate) * up                            (reads 2, writes 1)
+    swiglu_backward  dh, gate, up [M, F] -> d_gate = dh up s (1 + gate (1 - s)),       (reads 3, writes 2)
+                                            d_up = dh gate s          (s = sigmoid(gate))
+
+Eager PyTorch runs these as separate pointwise kernels (silu, mul; mul, silu_backward, silu, mul) whose
+intermediates make round trips through memory: about twice the traffic. Here every value is computed in fp32 from
+the inputs and rounded once to the output dtype (eager rounds each intermediate to it: BF16 results may differ
+in the last bit, fp32 ones agree to fp32 rounding).
+
+gate and up may be row-strided views (the two halves of one [M, 2F] product); the last dimension must be
+contiguous. The kernels run where Triton runs (CUDA, or its interpreter on the CPU with TRITON_INTERPRET=1, as the
+tests do); `available` says where, and MEGADLMS_SWIGLU_TRITON=0 turns them off (the eager ops run).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # the kernels exist where Triton does; `available` says whether they can run
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001  (any import failure of an optional dependency: the eager path runs)
+    triton = None
+
+BLOCK_ROWS, BLOCK_COLS = 8, 256
+
+
+def _rows_view(t: torch.Tensor) -> tuple[int, int] | None:
+    """(rows, row stride) of t seen as [rows, t.shape[-1]] with a unit last stride, or None where it is not one."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    f = t.shape[-1]
+    ld, expected = None, None
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size == 1:
+            continue
+        if ld is None:
+            ld = stride
+        elif stride != expected:  # the leading dimensions do not collapse into one row index
+            return None
+        expected = stride * size
+    return t.numel() // f, f if ld is None else ld
+
+
+def available(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether the kernels run for gate and up: Triton runs on their device, they match in shape and dtype, and
+    each is a row-strided matrix (see the module docstring); off with MEGADLMS_SWIGLU_TRITON=0."""
+    if triton is None or os.environ.get("MEGADLMS_SWIGLU_TRITON", "1") == "0":
+        return False
+    if not (gate.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.numel() == 0 or not gate.is_floating_point():
+        return False
+    return _rows_view(gate) is not None and _rows_view(up) is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile(r0, c0, M, F, BR: tl.constexpr, BC: tl.constexpr):
+        rows = r0 + tl.arange(0, BR)
+        cols = c0 + tl.arange(0, BC)
+        mask = (rows < M)[:, None] & (cols < F)[None, :]
+        return rows.to(tl.int64), cols, mask
+
+    @triton.jit
+    def swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, M, F, ld_g, ld_u, BR: tl.constexpr, BC: tl.constexpr):
+        """h = silu(gate) * up on one [BR, BC] tile, in fp32, stored in h's dtype (h contiguous [M, F])."""
+        rows, cols, mask = _tile(tl.program_id(0) * BR, tl.program_id(1) * BC, M, F, BR, BC)
+        g = tl.load(g_ptr + rows[:, None] * ld_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + rows[:, None] * ld_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = g * tl.sigmoid(g) * u
+        tl.store(h_ptr + rows[:, None] * F + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, M, F, ld_dh, ld_g, ld_u, BR: tl.constexpr,
+                          BC: tl.constexpr):
+        """d_gate and d_up of h = silu(gate) * up on one tile, in fp32 (d_gate, d_up contiguous [M, F])."""
+        rows, cols, mask = _tile(tl.program_id(0) * BR, tl.program_id(1) * BC, M, F, BR, BC)
+        dh = tl.load(dh_ptr + rows[:, None] * ld_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rows[:, None] * ld_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + rows[:, None] * ld_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        dg = dh * u * s * (1.0 + g * (1.0 - s))  # d silu(x) / dx = s(x) (1 + x (1 - s(x)))
+        du = dh * g * s
+        out = rows[:, None] * F + cols[None, :]
+        tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty), mask=mask)
+        tl.store(du_ptr + out, du.to(du_ptr.dtype.element_ty), mask=mask)
+
+
+def _grid(m: int, f: int) -> tuple[int, int]:
+    return triton.cdiv(m, BLOCK_ROWS), triton.cdiv(f, BLOCK_COLS)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, a new contiguous tensor of gate's shape and dtype (one kernel; `available` must hold)."""
+    (m, ld_g), (_, ld_u) = _rows_view(gate), _rows_view(up)  # type: ignore[misc]
+    f = gate.shape[-1]
+    h = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    swiglu_fwd_kernel[_grid(m, f)](gate, up, h, m, f, ld_g, ld_u, BR=BLOCK_ROWS, BC=BLOCK_COLS)
+    return h
+
+
+def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) of silu(gate) * up for the output gradient dh, contiguous, in gate's dtype (one kernel)."""
+    if _rows_view(dh) is None:
+        dh = dh.contiguous()
+    (m, ld_g), (_, ld_u), (_, ld_dh) = _rows_view(gate), _rows_view(up), _rows_view(dh)  # type: ignore[misc]
+    f = gate.shape[-1]
+    d_gate = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    d_up = torch.empty_like(d_gate)
+    swiglu_bwd_kernel[_grid(m, f)](dh, gate, up, d_gate, d_up, m, f, ld_dh, ld_g, ld_u, BR=BLOCK_ROWS,
+                                   BC=BLOCK_COLS)
+    return d_gate, d_up
+
+
+__all__ = ["available", "swiglu", "swiglu_backward"]
