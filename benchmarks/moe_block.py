@@ -3,7 +3,10 @@ and backward, at LLaDA-MoE-7B-A1B and Qwen3-30B-A3B shapes, with where the time 
 
 Shapes (--shapes): llada-moe-7b-a1b (hidden 2048, 64 experts, top-8, expert FFN 1024, softmax over all experts then
 top-k, as the preset) and qwen3-30b-a3b (hidden 2048, 128 experts, top-8, expert FFN 768, top-k renormalised).
-Tokens: --tokens (default 16384), fewer where the free GPU memory is short. fp32 master weights under BF16 autocast.
+Tokens: --tokens (default 16384), fewer where the free GPU memory is short. fp32 master weights under BF16 autocast,
+as the trainer keeps them: each forward casts the expert weights to BF16 and each backward casts their gradients
+back to fp32 (counted in "casts"). Gradients are set to None before each backward, as the trainer's optimizer step
+leaves them (`zero_grad(set_to_none=True)`): the step writes them, it does not add into earlier ones.
 
 Variants (--variants), all on the same block weights and inputs, hence the same routing:
   bf16             our grouped GEMMs (`torch._grouped_mm`)
@@ -14,13 +17,19 @@ Variants (--variants), all on the same block weights and inputs, hence the same 
 
 Per variant and shape:
   fwd / bwd ms      the block, CUDA events, median of --iters
-  routing share     router + top-k + aux losses, dispatch and combine kernels over all the block's kernels, forward
-                    and backward (torch profiler; forward ops by phase, backward ops by the forward op they undo)
+  routing share     the kernel time of router (its fp32 GEMM, top-k, aux losses), dispatch and combine over the
+                    kernel time of the whole block, forward and backward (torch profiler; forward ops by phase,
+                    backward ops by the forward op they undo)
   kernel breakdown  the kernel time by group: routing, dispatch, expert GEMMs, casts, activation, combine, other;
-                    and the top kernels
-  expert TFLOP/s    the experts' GEMM FLOPs (18 T k H F, forward + backward) over the block's time; over the expert
-                    GEMM kernels' time alone ("GEMM TFLOP/s"); and a dense GEMM of the same FLOPs in the same
-                    precision (BF16 mm; FP8: torch._scaled_mm) for comparison
+                    and the top kernels. Kernels, memory copies and sets only: the profiler's spans of the phase
+                    labels on the device timeline are not kernel time. Printed beside the timed fwd + bwd: the two
+                    agree where the device runs back to back
+  expert TFLOP/s    the routed pairs' expert GEMM FLOPs, 18 T k H F (3 projections x forward, dgrad and wgrad x
+                    2 T k H F; the padding rows' work not counted), over the whole block's timed forward +
+                    backward; the same FLOPs over the expert GEMM kernels' time alone ("GEMM TFLOP/s"); and a dense
+                    GEMM of one projection's shape ([T k, H] x [H, F]) in the same precision (BF16 mm; FP8:
+                    torch._scaled_mm). "expert/dense" is the first over the last: the block's speed as a share of
+                    what its expert math alone would run at as dense GEMMs
 First a check on the device: the fused routing kernels against eager PyTorch, the grouped GEMMs against per-expert
 GEMMs, and each variant's block output against the BF16 block ("check ... ok" or "FAILED"). The summary table is
 printed last.
@@ -164,6 +173,13 @@ def _phase(evt: Any, seq_phase: dict[int, str]) -> str | None:
     return None
 
 
+def _device_work(evt: Any) -> bool:
+    """Whether a profiler event is work on the device (a kernel, memory copy or set), not a record_function's span
+    drawn on the device timeline (a user annotation: it covers kernels counted on their own)."""
+    return (evt.device_type.name == "CUDA" and not getattr(evt, "is_user_annotation", False)
+            and evt.name not in PHASES)
+
+
 def kernel_breakdown(run, device, iters: int) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
     """Profile `iters` calls of run() (forward + backward): milliseconds per call by group (GROUPS) and the top
     kernels (name, group, ms per call). On the CPU the operators' own time stands for the kernels."""
@@ -186,11 +202,11 @@ def kernel_breakdown(run, device, iters: int) -> tuple[dict[str, float], list[tu
     work: list[tuple[str, float, Any]] = []
     for e in events:
         if device.type == "cuda":
-            work += [(k.name, k.duration / 1e3, e) for k in e.kernels]
+            work += [(k.name, k.duration / 1e3, e) for k in e.kernels if k.name not in PHASES]
         elif e.name.startswith("aten::"):
             work.append((e.name, e.self_cpu_time_total / 1e3, e))
     if device.type == "cuda":  # device work no operator launched (kept, as "other", so the shares stay true)
-        device_ms = sum(e.time_range.elapsed_us() for e in events if e.device_type.name == "CUDA") / 1e3
+        device_ms = sum(e.time_range.elapsed_us() for e in events if _device_work(e)) / 1e3
         unlinked = device_ms - sum(ms for _, ms, _ in work)
         if unlinked > 0.01 * device_ms:
             work.append(("(device time not linked to an operator)", unlinked, None))
@@ -273,6 +289,15 @@ def build(name: str, shape: dict[str, Any], tokens: int, device) -> tuple[torch.
     return block, ctx
 
 
+def backward_fresh(y: torch.Tensor, grad: torch.Tensor, leaves: list[torch.Tensor], retain_graph: bool = False
+                   ) -> None:
+    """y.backward(grad) into fresh gradients, as a training step after the optimizer's zero_grad(set_to_none=True)
+    runs it: the leaves' gradients are written, not added to the previous call's."""
+    for t in leaves:
+        t.grad = None
+    y.backward(grad, retain_graph=retain_graph)
+
+
 def run_variant(name: str, shape: dict[str, Any], tokens: int, device, args,
                 reference: torch.Tensor | None) -> dict[str, Any]:
     block, ctx = build(name, shape, tokens, device)
@@ -292,11 +317,13 @@ def run_variant(name: str, shape: dict[str, Any], tokens: int, device, args,
     def fwd() -> None:
         holder["y"] = forward()
 
+    leaves = [xb, *block.parameters()]
+
     def bwd() -> None:
-        holder["y"].backward(grad, retain_graph=True)
+        backward_fresh(holder["y"], grad, leaves, retain_graph=True)
 
     def step() -> None:
-        forward().backward(grad)
+        backward_fresh(forward(), grad, leaves)
 
     out = forward().detach()
     err = None if reference is None else _rel(out, reference)
@@ -406,7 +433,7 @@ def main() -> None:
             r["dense"] = dense[name != "bf16"]
             g = r["groups"]
             total = sum(g.values())
-            print(f"{name}: kernel time per fwd+bwd {total:.3f} ms: " + ", ".join(
+            print(f"{name}: kernel time per fwd+bwd {total:.3f} ms (timed {r['fwd'] + r['bwd']:.3f}): " + ", ".join(
                 f"{k} {g.get(k, 0.0):.3f} ({g.get(k, 0.0) / max(total, 1e-9):.0%})" for k in GROUPS))
             for kname, group, ms in r["top"]:
                 print(f"    {ms:8.3f} ms  {group:<13} {kname}")
