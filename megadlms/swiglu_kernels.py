@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from .copy_kernels import rows_view as _rows_view
+
 try:  # the kernels exist where Triton does; `available` says whether they can run
     import triton
     import triton.language as tl
@@ -27,23 +29,6 @@ except Exception:  # noqa: BLE001  (any import failure of an optional dependency
     triton = None
 
 BLOCK_ROWS, BLOCK_COLS = 8, 256
-
-
-def _rows_view(t: torch.Tensor) -> tuple[int, int] | None:
-    """(rows, row stride) of t seen as [rows, t.shape[-1]] with a unit last stride, or None where it is not one."""
-    if t.dim() == 0 or t.stride(-1) != 1:
-        return None
-    f = t.shape[-1]
-    ld, expected = None, None
-    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
-        if size == 1:
-            continue
-        if ld is None:
-            ld = stride
-        elif stride != expected:  # the leading dimensions do not collapse into one row index
-            return None
-        expected = stride * size
-    return t.numel() // f, f if ld is None else ld
 
 
 def available(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -77,9 +62,9 @@ if triton is not None:
         tl.store(h_ptr + rows[:, None] * F + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, M, F, ld_dh, ld_g, ld_u, BR: tl.constexpr,
+    def swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, M, F, ld_dh, ld_g, ld_u, ld_out, BR: tl.constexpr,
                           BC: tl.constexpr):
-        """d_gate and d_up of h = silu(gate) * up on one tile, in fp32 (d_gate, d_up contiguous [M, F])."""
+        """d_gate and d_up of h = silu(gate) * up on one tile, in fp32 (d_gate, d_up [M, F] of row stride ld_out)."""
         rows, cols, mask = _tile(tl.program_id(0) * BR, tl.program_id(1) * BC, M, F, BR, BC)
         dh = tl.load(dh_ptr + rows[:, None] * ld_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + rows[:, None] * ld_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -87,7 +72,7 @@ if triton is not None:
         s = tl.sigmoid(g)
         dg = dh * u * s * (1.0 + g * (1.0 - s))  # d silu(x) / dx = s(x) (1 + x (1 - s(x)))
         du = dh * g * s
-        out = rows[:, None] * F + cols[None, :]
+        out = rows[:, None] * ld_out + cols[None, :]
         tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty), mask=mask)
         tl.store(du_ptr + out, du.to(du_ptr.dtype.element_ty), mask=mask)
 
@@ -105,17 +90,33 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def adjacent_halves(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether gate and up are the two halves of one [..., 2F] tensor (gate its first F columns, up the rest)."""
+    g, u = _rows_view(gate), _rows_view(up)
+    f = gate.shape[-1]
+    return (g is not None and g == u and g[1] == 2 * f and gate.shape == up.shape and gate.dtype == up.dtype
+            and gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+            and up.data_ptr() == gate.data_ptr() + f * gate.element_size())
+
+
 def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_gate, d_up) of silu(gate) * up for the output gradient dh, contiguous, in gate's dtype (one kernel)."""
+    """(d_gate, d_up) of silu(gate) * up for the output gradient dh, in gate's dtype (one kernel). Where gate and
+    up are the two halves of one [..., 2F] tensor, so are d_gate and d_up (of a new one: the product that made
+    gate and up takes its gradient whole); else each is contiguous."""
     if _rows_view(dh) is None:
         dh = dh.contiguous()
     (m, ld_g), (_, ld_u), (_, ld_dh) = _rows_view(gate), _rows_view(up), _rows_view(dh)  # type: ignore[misc]
     f = gate.shape[-1]
-    d_gate = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
-    d_up = torch.empty_like(d_gate)
-    swiglu_bwd_kernel[_grid(m, f)](dh, gate, up, d_gate, d_up, m, f, ld_dh, ld_g, ld_u, BR=BLOCK_ROWS,
+    if adjacent_halves(gate, up):
+        both = torch.empty(*gate.shape[:-1], 2 * f, device=gate.device, dtype=gate.dtype)
+        d_gate, d_up = both[..., :f], both[..., f:]
+    else:
+        d_gate = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+        d_up = torch.empty_like(d_gate)
+    ld_out = _rows_view(d_gate)[1]  # type: ignore[index]
+    swiglu_bwd_kernel[_grid(m, f)](dh, gate, up, d_gate, d_up, m, f, ld_dh, ld_g, ld_u, ld_out, BR=BLOCK_ROWS,
                                    BC=BLOCK_COLS)
     return d_gate, d_up
 
 
-__all__ = ["available", "swiglu", "swiglu_backward"]
+__all__ = ["adjacent_halves", "available", "swiglu", "swiglu_backward"]
