@@ -84,21 +84,30 @@ def gmm_wgrad(a_t: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, impl: str 
     return out
 
 
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype: t itself where it is, else a copy made in one pass (`copy_rows`)."""
+    return t if t.dtype == dtype else copy_rows(t, torch.empty(t.shape, device=t.device, dtype=dtype))
+
+
 class _GroupedLinearFn(torch.autograd.Function):
-    """y[group e] = x[group e] @ w[e]^T; dx = g @ w[e] per group; dw[e] = g[group e]^T @ x[group e]."""
+    """y[group e] = x[group e] @ w[e]^T; dx = g @ w[e] per group; dw[e] = g[group e]^T @ x[group e]. The products
+    run in x's dtype: w is cast to it in the forward and dw back to w's dtype in the backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, impl: str) -> torch.Tensor:
-        ctx.save_for_backward(x, w, offs)
-        ctx.impl = impl
-        return gmm(x, w.transpose(-2, -1), offs, impl)
+        wc = _in_dtype(w, x.dtype)
+        ctx.save_for_backward(x, wc, offs)
+        ctx.impl, ctx.weight_dtype = impl, w.dtype
+        return gmm(x, wc.transpose(-2, -1), offs, impl)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w, offs = ctx.saved_tensors
         g = g.contiguous()
         dx = gmm(g, w, offs, ctx.impl) if ctx.needs_input_grad[0] else None
-        dw = gmm_wgrad(g.t(), x, offs, ctx.impl) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = _in_dtype(gmm_wgrad(g.t(), x, offs, ctx.impl), ctx.weight_dtype)
         return dx, dw, None, None
 
 
@@ -107,7 +116,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, impl: s
     its expert's weight transposed, in the compute dtype (the autocast dtype where autocast is on, else x's)."""
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    x, w = x.to(dtype), w.to(dtype)
+    x = x.to(dtype)
     with torch.autocast(dev, enabled=False):
         return _GroupedLinearFn.apply(x, w, offs, impl or backend(x.device, dtype))
 

@@ -85,17 +85,24 @@ def test_grouped_gate_up_is_the_two_projections(impl):
         assert leaves[1].grad.is_contiguous() and leaves[2].grad.is_contiguous()
 
 
-def test_grouped_gate_up_gradients_in_the_weights_dtype():
-    """fp32 weights under BF16 autocast: BF16 outputs, fp32 weight gradients (as `grouped_linear`'s)."""
+def test_gradients_in_the_weights_dtype():
+    """fp32 weights under BF16 autocast: BF16 outputs, fp32 weight gradients equal to the BF16 products' (the
+    weights' casts in and out are exact on the way back), from both `grouped_gate_up` and `grouped_linear`."""
     torch.manual_seed(0)
+    offs = _offs(SIZES)
     x = torch.randn(32, 16, requires_grad=True)
-    wg, wu = torch.randn(4, 8, 16, requires_grad=True), torch.randn(4, 8, 16, requires_grad=True)
+    wg, wu, wd = (torch.randn(4, 8, 16, requires_grad=True) for _ in range(3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        gate, up = grouped_gate_up(x, wg, wu, _offs(SIZES))
-    assert gate.dtype == up.dtype == torch.bfloat16
+        gate, up = grouped_gate_up(x, wg, wu, offs)
+        down = grouped_linear(x, wd, offs)
+    assert gate.dtype == up.dtype == down.dtype == torch.bfloat16
     torch.testing.assert_close(up.float(), _dense(x, wu, SIZES), atol=0.1, rtol=0.05)
-    (gate.float().sum() + up.float().sum()).backward()
-    assert wg.grad.dtype == wu.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    g = torch.randn(32, 8).to(torch.bfloat16)
+    ((gate.float() + up.float() + down.float()) * g.float()).sum().backward()
+    assert wg.grad.dtype == wu.grad.dtype == wd.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    xb = x.detach().to(torch.bfloat16)
+    for w in (wg, wu, wd):
+        assert torch.equal(w.grad, gmm_wgrad(g.t(), xb, offs).float())
 
 
 def test_joined_takes_adjacent_halves_whole():
