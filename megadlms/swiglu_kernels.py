@@ -99,15 +99,16 @@ def adjacent_halves(gate: torch.Tensor, up: torch.Tensor) -> bool:
             and up.data_ptr() == gate.data_ptr() + f * gate.element_size())
 
 
-def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_gate, d_up) of silu(gate) * up for the output gradient dh, in gate's dtype (one kernel). Where gate and
-    up are the two halves of one [..., 2F] tensor, so are d_gate and d_up (of a new one: the product that made
-    gate and up takes its gradient whole); else each is contiguous."""
+def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, joint: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) of silu(gate) * up for the output gradient dh, in gate's dtype (one kernel). With `joint`,
+    where gate and up are the two halves of one [..., 2F] tensor, so are d_gate and d_up (of a new one: for a
+    product that made gate and up and takes its gradient whole); else each is contiguous."""
     if _rows_view(dh) is None:
         dh = dh.contiguous()
     (m, ld_g), (_, ld_u), (_, ld_dh) = _rows_view(gate), _rows_view(up), _rows_view(dh)  # type: ignore[misc]
     f = gate.shape[-1]
-    if adjacent_halves(gate, up):
+    if joint and adjacent_halves(gate, up):
         both = torch.empty(*gate.shape[:-1], 2 * f, device=gate.device, dtype=gate.dtype)
         d_gate, d_up = both[..., :f], both[..., f:]
     else:

@@ -40,8 +40,12 @@ SCRIPT = textwrap.dedent("""
     # the SwiGLU backward of the halves of one product: the gradients are the halves of one new tensor
     y = torch.randn(9, 64, dtype=torch.bfloat16)
     gate, up = y.chunk(2, dim=-1)
-    d_gate, d_up = sk.swiglu_backward(torch.randn(9, 32, dtype=torch.bfloat16), gate, up)
+    dh = torch.randn(9, 32, dtype=torch.bfloat16)
+    d_gate, d_up = sk.swiglu_backward(dh, gate, up, joint=True)
     assert sk.adjacent_halves(d_gate, d_up) and d_gate.data_ptr() != gate.data_ptr()
+    separate = sk.swiglu_backward(dh, gate, up)  # as the other callers take them: a tensor each
+    assert separate[0].is_contiguous() and separate[1].is_contiguous()
+    assert torch.equal(separate[0], d_gate) and torch.equal(separate[1], d_up)
     print("copy kernels ok")
 """)
 
