@@ -31,7 +31,8 @@ Per variant and shape:
                     torch._scaled_mm). "expert/dense" is the first over the last: the block's speed as a share of
                     what its expert math alone would run at as dense GEMMs
 First a check on the device: the fused routing kernels against eager PyTorch, the grouped GEMMs against per-expert
-GEMMs, and each variant's block output against the BF16 block ("check ... ok" or "FAILED"). The summary table is
+GEMMs, the stacked gate/up product against two grouped GEMMs, the fused SwiGLU against eager PyTorch, and each
+variant's block output against the BF16 block ("check ... ok" or "FAILED"). The summary table is
 printed last.
 
     python benchmarks/moe_block.py            # on a GPU
@@ -54,14 +55,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megadlms import moe_kernels  # noqa: E402
+from megadlms import moe_kernels, swiglu_kernels  # noqa: E402
 from megadlms.config import TransformerConfig  # noqa: E402
 from megadlms.fp8 import Float8CurrentScaling, Float8RowwiseScaling, Format, convert_to_fp8  # noqa: E402
-from megadlms.grouped_gemm import backend, gmm, gmm_wgrad  # noqa: E402
-from megadlms.model import moe_block  # noqa: E402
+from megadlms.grouped_gemm import backend, gmm, gmm_wgrad, grouped_gate_up, grouped_linear  # noqa: E402
+from megadlms.model import SwiGLU, moe_block  # noqa: E402
 from megadlms.moe import GroupedExperts, dispatch_plan  # noqa: E402
 from megadlms.presets import PRESETS  # noqa: E402
 
@@ -263,6 +265,36 @@ def check_kernels(device, shape: dict[str, Any]) -> None:
     err = max(_rel(gmm(x, w.transpose(-2, -1), offs), gmm(x, w.transpose(-2, -1), offs, "loop")),
               _rel(gmm_wgrad(g.t(), x, offs), gmm_wgrad(g.t(), x, offs, "loop")))
     print(f"check gmm + wgrad ({backend(device, dt)}): rel err {err:.2e} {'ok' if err < 1e-2 else 'FAILED'}")
+    check_expert_kernels(device, shape, offs, m, dt)
+
+
+def check_expert_kernels(device, shape: dict[str, Any], offs: torch.Tensor, m: int, dt: torch.dtype) -> None:
+    """The experts' own kernels on the device: the stacked gate/up product (its weights' casts in and its gradients'
+    out) against two `grouped_linear`s, and the fused SwiGLU against eager PyTorch's, forward and backward."""
+    h, f = shape["hidden"], shape["ffn"]
+    gen = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(m, h, device=device, generator=gen).to(dt)
+    ws = [torch.randn(4, f, h, device=device, generator=gen).mul_(0.05).requires_grad_() for _ in range(2)]
+    dy = [torch.randn(m, f, device=device, generator=gen).to(dt) for _ in range(2)]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dt == torch.bfloat16):
+        fused = grouped_gate_up(x, ws[0], ws[1], offs)
+    sum((y.float() * d.float()).sum() for y, d in zip(fused, dy)).backward()
+    got = [*fused, *(w.grad for w in ws)]
+    for w in ws:
+        w.grad = None
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dt == torch.bfloat16):
+        apart = [grouped_linear(x, w, offs) for w in ws]
+    sum((y.float() * d.float()).sum() for y, d in zip(apart, dy)).backward()
+    err = max(_rel(a, b) for a, b in zip(got, [*apart, *(w.grad for w in ws)]))
+    print(f"check stacked gate/up product vs two grouped GEMMs: rel err {err:.2e} {'ok' if err < 1e-2 else 'FAILED'}")
+    gate, up = (torch.randn(m, f, device=device, generator=gen).mul_(3).to(dt).requires_grad_() for _ in range(2))
+    fused_h = SwiGLU()(gate, up)
+    fused_grads = torch.autograd.grad(fused_h, (gate, up), dy[0])
+    eager_h = F.silu(gate) * up
+    eager_grads = torch.autograd.grad(eager_h, (gate, up), dy[0])
+    err = max(_rel(a, b) for a, b in zip((fused_h, *fused_grads), (eager_h, *eager_grads)))
+    print(f"check fused SwiGLU ({'Triton' if swiglu_kernels.available(gate, up) else 'eager'}) vs eager: rel err "
+          f"{err:.2e} {'ok' if err < 1e-2 else 'FAILED'}")
 
 
 # ---------------------------------------------------------------- one variant
