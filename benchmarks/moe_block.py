@@ -3,7 +3,10 @@ and backward, at LLaDA-MoE-7B-A1B and Qwen3-30B-A3B shapes, with where the time 
 
 Shapes (--shapes): llada-moe-7b-a1b (hidden 2048, 64 experts, top-8, expert FFN 1024, softmax over all experts then
 top-k, as the preset) and qwen3-30b-a3b (hidden 2048, 128 experts, top-8, expert FFN 768, top-k renormalised).
-Tokens: --tokens (default 16384), fewer where the free GPU memory is short. fp32 master weights under BF16 autocast.
+Tokens: --tokens (default 16384), fewer where the free GPU memory is short. fp32 master weights under BF16 autocast,
+as the trainer keeps them: each forward casts the expert weights to BF16 and each backward casts their gradients
+back to fp32 (counted in "casts"). Gradients are set to None before each backward, as the trainer's optimizer step
+leaves them (`zero_grad(set_to_none=True)`): the step writes them, it does not add into earlier ones.
 
 Variants (--variants), all on the same block weights and inputs, hence the same routing:
   bf16             our grouped GEMMs (`torch._grouped_mm`)
@@ -14,15 +17,22 @@ Variants (--variants), all on the same block weights and inputs, hence the same 
 
 Per variant and shape:
   fwd / bwd ms      the block, CUDA events, median of --iters
-  routing share     router + top-k + aux losses, dispatch and combine kernels over all the block's kernels, forward
-                    and backward (torch profiler; forward ops by phase, backward ops by the forward op they undo)
+  routing share     the kernel time of router (its fp32 GEMM, top-k, aux losses), dispatch and combine over the
+                    kernel time of the whole block, forward and backward (torch profiler; forward ops by phase,
+                    backward ops by the forward op they undo)
   kernel breakdown  the kernel time by group: routing, dispatch, expert GEMMs, casts, activation, combine, other;
-                    and the top kernels
-  expert TFLOP/s    the experts' GEMM FLOPs (18 T k H F, forward + backward) over the block's time; over the expert
-                    GEMM kernels' time alone ("GEMM TFLOP/s"); and a dense GEMM of the same FLOPs in the same
-                    precision (BF16 mm; FP8: torch._scaled_mm) for comparison
+                    and the top kernels. Kernels, memory copies and sets only: the profiler's spans of the phase
+                    labels on the device timeline are not kernel time. Printed beside the timed fwd + bwd: the two
+                    agree where the device runs back to back
+  expert TFLOP/s    the routed pairs' expert GEMM FLOPs, 18 T k H F (3 projections x forward, dgrad and wgrad x
+                    2 T k H F; the padding rows' work not counted), over the whole block's timed forward +
+                    backward; the same FLOPs over the expert GEMM kernels' time alone ("GEMM TFLOP/s"); and a dense
+                    GEMM of one projection's shape ([T k, H] x [H, F]) in the same precision (BF16 mm; FP8:
+                    torch._scaled_mm). "expert/dense" is the first over the last: the block's speed as a share of
+                    what its expert math alone would run at as dense GEMMs
 First a check on the device: the fused routing kernels against eager PyTorch, the grouped GEMMs against per-expert
-GEMMs, and each variant's block output against the BF16 block ("check ... ok" or "FAILED"). The summary table is
+GEMMs, the stacked gate/up product against two grouped GEMMs, the fused SwiGLU against eager PyTorch, and each
+variant's block output against the BF16 block ("check ... ok" or "FAILED"). The summary table is
 printed last.
 
     python benchmarks/moe_block.py            # on a GPU
@@ -45,14 +55,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megadlms import moe_kernels  # noqa: E402
+from megadlms import moe_kernels, swiglu_kernels  # noqa: E402
 from megadlms.config import TransformerConfig  # noqa: E402
 from megadlms.fp8 import Float8CurrentScaling, Float8RowwiseScaling, Format, convert_to_fp8  # noqa: E402
-from megadlms.grouped_gemm import backend, gmm, gmm_wgrad  # noqa: E402
-from megadlms.model import moe_block  # noqa: E402
+from megadlms.grouped_gemm import backend, gmm, gmm_wgrad, grouped_gate_up, grouped_linear  # noqa: E402
+from megadlms.model import SwiGLU, moe_block  # noqa: E402
 from megadlms.moe import GroupedExperts, dispatch_plan  # noqa: E402
 from megadlms.presets import PRESETS  # noqa: E402
 
@@ -165,6 +176,13 @@ def _phase(evt: Any, seq_phase: dict[int, str]) -> str | None:
     return None
 
 
+def _device_work(evt: Any) -> bool:
+    """Whether a profiler event is work on the device (a kernel, memory copy or set), not a record_function's span
+    drawn on the device timeline (a user annotation: it covers kernels counted on their own)."""
+    return (evt.device_type.name == "CUDA" and not getattr(evt, "is_user_annotation", False)
+            and evt.name not in PHASES)
+
+
 def kernel_breakdown(run, device, iters: int) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
     """Profile `iters` calls of run() (forward + backward): milliseconds per call by group (GROUPS) and the top
     kernels (name, group, ms per call). On the CPU the operators' own time stands for the kernels."""
@@ -187,11 +205,11 @@ def kernel_breakdown(run, device, iters: int) -> tuple[dict[str, float], list[tu
     work: list[tuple[str, float, Any]] = []
     for e in events:
         if device.type == "cuda":
-            work += [(k.name, k.duration / 1e3, e) for k in e.kernels]
+            work += [(k.name, k.duration / 1e3, e) for k in e.kernels if k.name not in PHASES]
         elif e.name.startswith("aten::"):
             work.append((e.name, e.self_cpu_time_total / 1e3, e))
     if device.type == "cuda":  # device work no operator launched (kept, as "other", so the shares stay true)
-        device_ms = sum(e.time_range.elapsed_us() for e in events if e.device_type.name == "CUDA") / 1e3
+        device_ms = sum(e.time_range.elapsed_us() for e in events if _device_work(e)) / 1e3
         unlinked = device_ms - sum(ms for _, ms, _ in work)
         if unlinked > 0.01 * device_ms:
             work.append(("(device time not linked to an operator)", unlinked, None))
@@ -248,6 +266,36 @@ def check_kernels(device, shape: dict[str, Any]) -> None:
     err = max(_rel(gmm(x, w.transpose(-2, -1), offs), gmm(x, w.transpose(-2, -1), offs, "loop")),
               _rel(gmm_wgrad(g.t(), x, offs), gmm_wgrad(g.t(), x, offs, "loop")))
     print(f"check gmm + wgrad ({backend(device, dt)}): rel err {err:.2e} {'ok' if err < 1e-2 else 'FAILED'}")
+    check_expert_kernels(device, shape, offs, m, dt)
+
+
+def check_expert_kernels(device, shape: dict[str, Any], offs: torch.Tensor, m: int, dt: torch.dtype) -> None:
+    """The experts' own kernels on the device: the stacked gate/up product (its weights' casts in and its gradients'
+    out) against two `grouped_linear`s, and the fused SwiGLU against eager PyTorch's, forward and backward."""
+    h, f = shape["hidden"], shape["ffn"]
+    gen = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(m, h, device=device, generator=gen).to(dt)
+    ws = [torch.randn(4, f, h, device=device, generator=gen).mul_(0.05).requires_grad_() for _ in range(2)]
+    dy = [torch.randn(m, f, device=device, generator=gen).to(dt) for _ in range(2)]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dt == torch.bfloat16):
+        fused = grouped_gate_up(x, ws[0], ws[1], offs)
+    sum((y.float() * d.float()).sum() for y, d in zip(fused, dy)).backward()
+    got = [*fused, *(w.grad for w in ws)]
+    for w in ws:
+        w.grad = None
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dt == torch.bfloat16):
+        apart = [grouped_linear(x, w, offs) for w in ws]
+    sum((y.float() * d.float()).sum() for y, d in zip(apart, dy)).backward()
+    err = max(_rel(a, b) for a, b in zip(got, [*apart, *(w.grad for w in ws)]))
+    print(f"check stacked gate/up product vs two grouped GEMMs: rel err {err:.2e} {'ok' if err < 1e-2 else 'FAILED'}")
+    gate, up = (torch.randn(m, f, device=device, generator=gen).mul_(3).to(dt).requires_grad_() for _ in range(2))
+    fused_h = SwiGLU()(gate, up)
+    fused_grads = torch.autograd.grad(fused_h, (gate, up), dy[0])
+    eager_h = F.silu(gate) * up
+    eager_grads = torch.autograd.grad(eager_h, (gate, up), dy[0])
+    err = max(_rel(a, b) for a, b in zip((fused_h, *fused_grads), (eager_h, *eager_grads)))
+    print(f"check fused SwiGLU ({'Triton' if swiglu_kernels.available(gate, up) else 'eager'}) vs eager: rel err "
+          f"{err:.2e} {'ok' if err < 1e-2 else 'FAILED'}")
 
 
 # ---------------------------------------------------------------- one variant
@@ -274,6 +322,15 @@ def build(name: str, shape: dict[str, Any], tokens: int, device) -> tuple[torch.
     return block, ctx
 
 
+def backward_fresh(y: torch.Tensor, grad: torch.Tensor, leaves: list[torch.Tensor], retain_graph: bool = False
+                   ) -> None:
+    """y.backward(grad) into fresh gradients, as a training step after the optimizer's zero_grad(set_to_none=True)
+    runs it: the leaves' gradients are written, not added to the previous call's."""
+    for t in leaves:
+        t.grad = None
+    y.backward(grad, retain_graph=retain_graph)
+
+
 def run_variant(name: str, shape: dict[str, Any], tokens: int, device, args,
                 reference: torch.Tensor | None) -> dict[str, Any]:
     block, ctx = build(name, shape, tokens, device)
@@ -293,11 +350,13 @@ def run_variant(name: str, shape: dict[str, Any], tokens: int, device, args,
     def fwd() -> None:
         holder["y"] = forward()
 
+    leaves = [xb, *block.parameters()]
+
     def bwd() -> None:
-        holder["y"].backward(grad, retain_graph=True)
+        backward_fresh(holder["y"], grad, leaves, retain_graph=True)
 
     def step() -> None:
-        forward().backward(grad)
+        backward_fresh(forward(), grad, leaves)
 
     out = forward().detach()
     err = None if reference is None else _rel(out, reference)
@@ -407,7 +466,7 @@ def main() -> None:
             r["dense"] = dense[name != "bf16"]
             g = r["groups"]
             total = sum(g.values())
-            print(f"{name}: kernel time per fwd+bwd {total:.3f} ms: " + ", ".join(
+            print(f"{name}: kernel time per fwd+bwd {total:.3f} ms (timed {r['fwd'] + r['bwd']:.3f}): " + ", ".join(
                 f"{k} {g.get(k, 0.0):.3f} ({g.get(k, 0.0) / max(total, 1e-9):.0%})" for k in GROUPS))
             for kname, group, ms in r["top"]:
                 print(f"    {ms:8.3f} ms  {group:<13} {kname}")

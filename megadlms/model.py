@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import swiglu_kernels
 from .attention_masks import BlockMask, run_flex_attention
 from .config import TransformerConfig
 from .moe import MoE
@@ -89,29 +90,43 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class _SwiGLUFn(torch.autograd.Function):
     """silu(gate) * up keeping only gate and up for the backward, which recomputes silu(gate). Eager autograd
-    would also keep silu(gate) for the product's backward: one more [tokens, ffn] tensor per layer. The gradients
-    are the ones eager autograd computes, op for op."""
+    would also keep silu(gate) for the product's backward: one more [tokens, ffn] tensor per layer. One fused
+    kernel each way where it runs (`swiglu_kernels`: fp32 math, one rounding); elsewhere the gradients are the ones
+    eager autograd computes, op for op."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, joint_grads: bool) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
+        ctx.joint_grads = joint_grads
+        if swiglu_kernels.available(gate, up):
+            return swiglu_kernels.swiglu(gate, up)
         return F.silu(gate) * up
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         gate, up = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+        if swiglu_kernels.available(gate, up):
+            return (*swiglu_kernels.swiglu_backward(grad, gate, up, ctx.joint_grads), None)
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate), None
 
 
 class SwiGLU(nn.Module):
-    """silu(gate) * up. A module so that FP8 conversion can swap in an FP8-storing version."""
+    """silu(gate) * up. A module so that FP8 conversion can swap in an FP8-storing version.
+
+    joint_grads: where gate and up are the two halves of one tensor, so are their gradients in the fused backward
+    (for a product that takes its output's gradient whole: the MoE experts' `grouped_gate_up`); else each is a
+    tensor of its own, as the other callers take them."""
+
+    def __init__(self, joint_grads: bool = False):
+        super().__init__()
+        self.joint_grads = joint_grads
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         # compiled graphs choose what to save themselves (inductor recomputes silu); eager calls (no compile, or
         # an FP8 MLP's unfused path, which runs outside the compiled layer) save only the inputs
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return F.silu(gate) * up
-        return _SwiGLUFn.apply(gate, up)
+        return _SwiGLUFn.apply(gate, up, self.joint_grads)
 
 
 class DotProductAttention(nn.Module):
@@ -223,7 +238,7 @@ def moe_block(cfg: TransformerConfig, layer_idx: int) -> MoE:
     """The MoE block of layer `layer_idx` (`megadlms.moe`), with this module's SwiGLU and, where the config has one,
     a shared expert that is an MLP of its own width."""
     shared = cfg.moe_shared_expert_intermediate_size
-    return MoE(cfg, layer_idx, act_fn=SwiGLU(), shared_expert=MLP(cfg, shared) if shared else None)
+    return MoE(cfg, layer_idx, act_fn=SwiGLU(joint_grads=True), shared_expert=MLP(cfg, shared) if shared else None)
 
 
 # The sibling projections that read the same input, per module type, and the hook that runs them: what the

@@ -4,7 +4,8 @@ expert. Plain single-device PyTorch, like `model.py`; FP8 swaps the experts for 
     x [T, H] -> router (fp32): logits [T, E] -> top-k experts per token, weights [T, k] (one fused kernel)
              -> dispatch: the T*k (token, expert) pairs sorted by expert (one sort) and gathered into [M, H], each
                 expert's rows padded to a multiple of 16 (M = T*k rounded up to 16, + 16*E: a static size)
-             -> experts: silu(x W_gate^T) * (x W_up^T) W_down^T per row group (`grouped_gemm.grouped_linear`)
+             -> experts: silu(x W_gate^T) * (x W_up^T) W_down^T per row group (grouped GEMMs: gate and up as
+                one, `grouped_gemm.grouped_gate_up`, then `grouped_linear`)
              -> combine: sum over the k rows of each token, times its routing weight, in fp32 (one gather and
                 weighted sum)
              (+ the shared expert's output)
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TransformerConfig
-from .grouped_gemm import ALIGN, grouped_linear
+from .grouped_gemm import ALIGN, grouped_gate_up, grouped_linear
 from .moe_kernels import combine_rows, permute_rows, route_topk
 
 log = logging.getLogger("megadlms")
@@ -116,7 +117,10 @@ class GroupedExperts(nn.Module):
         """x [M, H] sorted by expert -> [M, H]. Under expert parallelism the weights are DTensors sharded over the
         experts, and this rank's experts (their local shards) are the ones `offs` groups the rows for."""
         gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
-        h = self.act_fn(self.linear(x, gate, offs), self.linear(x, up, offs))
+        if type(self).linear is GroupedExperts.linear:  # these products: gate and up as one (`grouped_gate_up`)
+            h = self.act_fn(*grouped_gate_up(x, gate, up, offs))
+        else:  # a subclass's own products (FP8), one per projection
+            h = self.act_fn(self.linear(x, gate, offs), self.linear(x, up, offs))
         return self.linear(h, down, offs)
 
 
