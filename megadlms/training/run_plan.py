@@ -92,6 +92,8 @@ class RunPlan:
                 world_size = 1  # init_parallel names the bad value
         if device_type is None:
             device = config.train.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            if device != "cpu" and not device.startswith("cuda"):
+                raise ConfigError(f"--device {device!r} is not supported; use cuda or cpu")
             device_type = "cuda" if device.startswith("cuda") else device
         emulate = os.environ.get("MEGADLMS_EMULATE_CUDA_GRAPHS") == "1" and device_type != "cuda"
         return cls(config, model, world_size=world_size, device_type=device_type, emulate_graphs=emulate)

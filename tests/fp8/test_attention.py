@@ -434,9 +434,11 @@ def test_config_rejects_fp8_attention_without_delayed_scaling():
 
 
 def test_cli_flag_needs_an_fp8_format():
-    with pytest.raises(SystemExit) as e:
-        parse_train_args(["--fp8-dot-product-attention"])
-    assert e.value.code == 2
+    from megadlms.training.run_plan import RunPlan
+
+    plan = RunPlan.resolve(parse_train_args(["--fp8-dot-product-attention"]), TransformerConfig(), device_type="cpu")
+    with pytest.raises(ConfigError, match="--fp8-dot-product-attention.*--fp8-format"):
+        plan.check()
     args = parse_train_args(["--fp8-format", "hybrid", "--fp8-dot-product-attention"])
     assert args.fp8.fp8_dot_product_attention is True and args.fp8.fp8_format == "hybrid"
     assert parse_train_args(["--fp8-hybrid", "--fp8-dot-product-attention"]).fp8.fp8_dot_product_attention is True
