@@ -18,7 +18,7 @@ from .attention import Float8DotProductAttention, check_fp8_attention_support
 from .fusions.fused_mlp import fused_projections
 from .fusions.registry import install_fusions, log_fusion_decisions
 from .fusions.swiglu import SwiGLUFP8InputStore
-from .grouped import Float8GroupedExperts, fp8_grouped_eligible
+from .grouped import EXPERTS_FP8_WGRAD, Float8GroupedExperts, fp8_grouped_eligible
 from .hardware import check_fp8_support
 from .linear import DelayedScalingState, Float8Linear
 from .quantizer import make_quantizer
@@ -57,7 +57,8 @@ def _set_child(root: nn.Module, dotted: str, module: nn.Module) -> None:
 def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int = 0,
                    num_layers_at_end_in_bf16: int = 0, activation_func_fp8_input_store: bool = False,
                    fp8_wgrad: bool = True, fuse_projections: bool = True, fuse_mlp: bool = True,
-                   fprop_fast_accum: bool = True, dot_product_attention: bool = False) -> M:
+                   fprop_fast_accum: bool = True, dot_product_attention: bool = False,
+                   experts_fp8_wgrad: bool = EXPERTS_FP8_WGRAD) -> M:
     """Convert `model` (a TransformerLM) to FP8 in place and return it.
 
     Every eligible nn.Linear inside `model.layers` (in/out features multiples of 16) becomes a
@@ -68,6 +69,8 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
     fp32.
     activation_func_fp8_input_store: the SwiGLU of each FP8 layer keeps its inputs for backward
         in E4M3. fp8_wgrad=False: weight gradients in BF16 (fprop/dgrad stay FP8).
+    experts_fp8_wgrad: the MoE experts' weight gradients in FP8 too (with fp8_wgrad); off by default, where the
+        FP8 grouped weight-gradient GEMM is slower than the BF16 one (`grouped.EXPERTS_FP8_WGRAD`).
     fuse_projections: q/k/v and gate/up of each FP8 layer run as one FP8 GEMM each, sharing one cast of
         their input (`fused_linear.FusedFloat8Projection` in the Attention's `qkv_fusion` / the MLP's
         `gate_up_fusion`; parameters and state_dict keys are unchanged). Per-tensor recipes only.
@@ -110,7 +113,7 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
                                                                       fprop_fast_accum=fprop_fast_accum))
             elif fp8_grouped_eligible(child):  # MoE experts: FP8 grouped GEMMs (the router stays in fp32)
                 _set_child(layer, name, Float8GroupedExperts.from_experts(child, recipe, fprop_fast_accum,
-                                                                           fp8_wgrad))
+                                                                           fp8_wgrad and experts_fp8_wgrad))
             elif activation_func_fp8_input_store and type(child) is SwiGLU:
                 _set_child(layer, name, SwiGLUFP8InputStore())
             elif attention_recipe is not None and type(child) is DotProductAttention:

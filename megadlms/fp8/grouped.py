@@ -4,6 +4,11 @@ Each expert projection y = x @ W_e^T (x's rows grouped by expert, `offs`) runs i
 wgrad, as `gemm.fp8_grouped_gemm` over the operands of an `expert_quantizer.ExpertQuantizer` of the run's recipe
 (per-row or per-expert scaling, as `Recipe.experts` states; the products and their operands are listed there).
 Accumulation in fp32, outputs in the compute dtype. The router never comes here (it stays fp32: `moe.Router`).
+
+The experts' weight gradients run in BF16 by default (`EXPERTS_FP8_WGRAD`): a grouped GEMM in the compute dtype
+from the unquantized input and output gradient, fprop and dgrad staying FP8. On an H100 (torch 2.11) the FP8
+weight-gradient grouped GEMM (2-D x 2-D) ran at less than half the BF16 one's TFLOP/s, and it needs per-(expert,
+column) transposed casts of x, h and g that BF16 does without (docs/moe.md). `fp8_wgrad=True` keeps it available.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from .gemm import fp8_grouped_gemm
 from .recipe import Recipe
 from .state import FP8GlobalStateManager
 from .tensor import FP8Tensor, Scaling
+
+# The experts' weight gradients in FP8 by default? No: slower than BF16 where measured (module docstring)
+EXPERTS_FP8_WGRAD = False
 
 
 class _Float8GroupedLinearFn(torch.autograd.Function):
@@ -70,13 +78,13 @@ class _Float8GroupedLinearFn(torch.autograd.Function):
 
 
 def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, quantizer: ExpertQuantizer | Recipe,
-                       fast_accum: bool = True, fp8_wgrad: bool = True,
+                       fast_accum: bool = True, fp8_wgrad: bool = EXPERTS_FP8_WGRAD,
                        x_fp8: tuple[FP8Tensor, FP8Tensor | None] | None = None) -> torch.Tensor:
     """x [M, K] (rows grouped by `offs`, int32 [E]) and w [E, N, K] -> [M, N] in the compute dtype, its GEMMs in
     FP8 with `quantizer` (or one of the recipe given). K and N must be multiples of 16, and so must every group's
-    rows on CUDA (`moe.dispatch_plan` pads them). fp8_wgrad=False: the weight gradient as a grouped GEMM in the
-    compute dtype from the unquantized x (saved in that dtype) and g. x_fp8: `quantizer.quantize(x, offs)`'s
-    (rows, cols) when the caller cast x already (projections sharing their input)."""
+    rows on CUDA (`moe.dispatch_plan` pads them). fp8_wgrad=False (the default): the weight gradient as a grouped
+    GEMM in the compute dtype from the unquantized x (saved in that dtype) and g; True: in FP8. x_fp8:
+    `quantizer.quantize(x, offs)`'s (rows, cols) when the caller cast x already (projections sharing their input)."""
     if not isinstance(quantizer, ExpertQuantizer):
         quantizer = ExpertQuantizer(quantizer)
     out_dtype = compute_dtype(x)
@@ -103,9 +111,11 @@ def scaled_gmm_wgrad(a_t: torch.Tensor, sa_inv: torch.Tensor, b_t: torch.Tensor,
 class Float8GroupedExperts(GroupedExperts):
     """`GroupedExperts` whose grouped GEMMs run in FP8 inside an enabled `fp8_autocast` (as `Float8Linear`), in high
     precision outside. Same parameters and state_dict keys; `quantizer` from the recipe (`ExpertQuantizer`), its
-    `scaling` the recipe's `experts` (ValueError naming the recipes that work for one that does not)."""
+    `scaling` the recipe's `experts` (ValueError naming the recipes that work for one that does not). fp8_wgrad:
+    the weight gradients in FP8 (default `EXPERTS_FP8_WGRAD`: in the compute dtype, module docstring)."""
 
-    def __init__(self, *args: Any, recipe: Recipe, fprop_fast_accum: bool = True, fp8_wgrad: bool = True,
+    def __init__(self, *args: Any, recipe: Recipe, fprop_fast_accum: bool = True,
+                 fp8_wgrad: bool = EXPERTS_FP8_WGRAD,
                  **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.recipe, self.quantizer, self.fprop_fast_accum = recipe, ExpertQuantizer(recipe), fprop_fast_accum
@@ -114,7 +124,7 @@ class Float8GroupedExperts(GroupedExperts):
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, recipe: Recipe, fprop_fast_accum: bool = True,
-                     fp8_wgrad: bool = True) -> Float8GroupedExperts:
+                     fp8_wgrad: bool = EXPERTS_FP8_WGRAD) -> Float8GroupedExperts:
         """A Float8GroupedExperts sharing `experts`' weight Parameters and activation module (no copy)."""
         with torch.device("meta"):
             new = cls(experts.num_experts, experts.hidden_size, experts.ffn_hidden_size, experts.act_fn,
@@ -154,4 +164,5 @@ def fp8_grouped_eligible(experts: torch.nn.Module) -> bool:
             and experts.hidden_size % 16 == 0 and experts.ffn_hidden_size % 16 == 0)
 
 
-__all__ = ["Float8GroupedExperts", "fp8_grouped_linear", "fp8_grouped_eligible", "scaled_gmm", "scaled_gmm_wgrad"]
+__all__ = ["EXPERTS_FP8_WGRAD", "Float8GroupedExperts", "fp8_grouped_linear", "fp8_grouped_eligible", "scaled_gmm",
+           "scaled_gmm_wgrad"]

@@ -56,7 +56,7 @@ def test_gradients_track_high_precision(scaling):
     x = torch.randn(96, 32, requires_grad=True)
     w = torch.randn(4, 48, 32, requires_grad=True)
     g = torch.randn(96, 48)
-    fp8_grouped_linear(x, w, _offs(), RECIPES[scaling]).backward(g)
+    fp8_grouped_linear(x, w, _offs(), RECIPES[scaling], fp8_wgrad=True).backward(g)
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     grouped_linear(xr, wr, _offs()).backward(g)
 
@@ -79,14 +79,31 @@ def test_delayed_scaling_is_refused_for_the_experts_with_its_reason():
         Float8GroupedExperts(4, 32, 48, torch.nn.Identity(), recipe=DelayedScaling())
 
 
-def test_high_precision_weight_gradient():
-    """fp8_wgrad=False: the weight gradient is exactly the grouped GEMM of the unquantized g and x."""
+def test_high_precision_weight_gradient_is_the_default():
+    """By default the weight gradient is exactly the grouped GEMM of the unquantized g and x (fp8_wgrad=False)."""
     torch.manual_seed(0)
     x, w, g = torch.randn(96, 32), torch.randn(4, 48, 32, requires_grad=True), torch.randn(96, 48)
-    fp8_grouped_linear(x, w, _offs(), RECIPES["rowwise"], fp8_wgrad=False).backward(g)
+    fp8_grouped_linear(x, w, _offs(), RECIPES["rowwise"]).backward(g)
     wr = w.detach().clone().requires_grad_()
     grouped_linear(x, wr, _offs()).backward(g)
-    torch.testing.assert_close(w.grad, wr.grad)
+    torch.testing.assert_close(w.grad, wr.grad, atol=0, rtol=0)
+    fp8_grouped_linear(x, w, _offs(), RECIPES["rowwise"], fp8_wgrad=True).backward(g)  # FP8 differs: accumulates
+    assert 0 < (w.grad - 2 * wr.grad).abs().max() < 0.08 * wr.grad.abs().max()
+
+
+def test_experts_take_fp8_weight_gradients_only_when_asked():
+    from megadlms.fp8 import convert_to_fp8
+    from megadlms.model import TransformerLM
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=64,
+                            seq_length=16, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+
+    def experts(**options):
+        return convert_to_fp8(TransformerLM(cfg), Float8RowwiseScaling(), **options).layers[0].mlp.experts
+
+    assert experts().fp8_wgrad is False and "fp8_wgrad=False" in repr(experts())
+    assert experts(experts_fp8_wgrad=True).fp8_wgrad is True
+    assert experts(experts_fp8_wgrad=True, fp8_wgrad=False).fp8_wgrad is False  # --no-fp8-wgrad covers them too
 
 
 def test_fp8_moe_model_converts_and_trains():
@@ -148,7 +165,7 @@ def test_gate_and_up_projections_share_one_cast_of_their_input(monkeypatch):
     torch.manual_seed(0)
     from megadlms.model import SwiGLU
 
-    experts = Float8GroupedExperts(4, 32, 48, SwiGLU(), recipe=Float8RowwiseScaling())
+    experts = Float8GroupedExperts(4, 32, 48, SwiGLU(), recipe=Float8RowwiseScaling(), fp8_wgrad=True)
     for p in experts.parameters():
         torch.nn.init.normal_(p, 0, 0.1)
     x = torch.randn(96, 32, requires_grad=True)
