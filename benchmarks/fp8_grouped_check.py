@@ -3,7 +3,7 @@
 1. casts: each grouped cast kernel (`triton_grouped_cast`: per row, per (expert, column), per expert, the weights'
    transposes, the per-expert amax) against its torch cast, bit for bit, for bf16 and fp32 inputs;
 2. GEMMs: `fp8_grouped_gemm` (CUDA: `torch._scaled_grouped_mm`) against the same FP8 operands dequantized and
-   multiplied in fp32 on the CPU, for fprop, dgrad and wgrad;
+   multiplied in fp32 on the CPU, for fprop, dgrad and wgrad, with and without fast accumulation;
 3. layer: an FP8 expert projection's forward and both gradients (x in bf16, fp32 master weight, BF16 autocast as in
    training) against the fp32 product, for each recipe the experts take, with the weight gradient in BF16 (the
    default) and in FP8.
@@ -116,13 +116,14 @@ def check_gemms(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, g: torch.T
         wq, w_t = quant.quantize_weight(w, rows=True, cols=True)
         assert xq is not None and x_t is not None and gq is not None and g_t is not None
         assert wq is not None and w_t is not None
-        for label, a, b in (("fprop", xq, wq), ("dgrad", gq, w_t), ("wgrad", g_t, x_t)):
-            got = fp8_grouped_gemm(a, b, torch.float32, False)
+        for (label, a, b), fast in ((p, f) for p in (("fprop", xq, wq), ("dgrad", gq, w_t), ("wgrad", g_t, x_t))
+                                    for f in (False, True)):
+            got = fp8_grouped_gemm(a, b, torch.float32, fast)
             ref = fp8_grouped_gemm(to_cpu(a), to_cpu(b), torch.float32, False)
             if label != "wgrad":  # rows past offs[-1] are not computed by every backend
                 rows = int(offs[-1])
                 got, ref = got[:rows], ref[:rows]
-            report(f"gemm {name}: {label} vs dequantized fp32", rel(got, ref), 1e-2)
+            report(f"gemm {name}: {label}{' fast-accum' if fast else ''} vs dequantized fp32", rel(got, ref), 1e-2)
 
 
 def check_layer(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> None:

@@ -86,7 +86,7 @@ moe)
     step fp8_grouped_cast 150 $PY benchmarks/fp8_grouped_cast.py --sweep
     step moe_block 200 $PY benchmarks/moe_block.py
     echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
-    echo "=== FP8 experts against torch casts and fp32"; tail -34 "$OUT/fp8_grouped_check.log"
+    echo "=== FP8 experts against torch casts and fp32"; tail -40 "$OUT/fp8_grouped_check.log"
     echo "=== grouped GEMMs alone, BF16 and FP8 (rowwise)"; tail -13 "$OUT/fp8_grouped_gemms.log"
     echo "=== grouped cast bandwidth"; tail -14 "$OUT/fp8_grouped_cast.log"
     echo "=== MoE block"; tail -10 "$OUT/moe_block.log"

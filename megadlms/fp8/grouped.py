@@ -9,6 +9,12 @@ The experts' weight gradients run in BF16 by default (`EXPERTS_FP8_WGRAD`): a gr
 from the unquantized input and output gradient, fprop and dgrad staying FP8. On an H100 (torch 2.11) the FP8
 weight-gradient grouped GEMM (2-D x 2-D) ran at less than half the BF16 one's TFLOP/s, and it needs per-(expert,
 column) transposed casts of x, h and g that BF16 does without (docs/moe.md). `fp8_wgrad=True` keeps it available.
+
+The backward's FP8 grouped GEMMs use Hopper's fast accumulation by default, as the forward's do
+(`EXPERTS_BACKWARD_FAST_ACCUM`, as torchao's FP8 grouped GEMMs): with the exact accumulation, torch's grouped kernel
+takes, for groups under 2048 rows, the 128x256 tile that it avoids for that accumulation on larger ones (register
+spills); at Qwen3-30B-A3B shapes (128 experts, about 1024 rows each) the FP8 grouped GEMMs took twice the BF16 ones'
+time. `backward_fast_accum=False` keeps the exact accumulation.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from .tensor import FP8Tensor, Scaling
 
 # The experts' weight gradients in FP8 by default? No: slower than BF16 where measured (module docstring)
 EXPERTS_FP8_WGRAD = False
+# Fast accumulation in the backward's FP8 grouped GEMMs too (module docstring)
+EXPERTS_BACKWARD_FAST_ACCUM = True
 
 
 class _Float8GroupedLinearFn(torch.autograd.Function):
@@ -38,7 +46,7 @@ class _Float8GroupedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, quantizer: ExpertQuantizer,
                 fast_accum: bool, out_dtype: torch.dtype, fp8_wgrad: bool,
-                x_fp8: tuple[FP8Tensor, FP8Tensor | None] | None) -> torch.Tensor:
+                x_fp8: tuple[FP8Tensor, FP8Tensor | None] | None, backward_fast_accum: bool) -> torch.Tensor:
         want_x_t = ctx.needs_input_grad[1] and fp8_wgrad
         xq: FP8Tensor | None
         if x_fp8 is not None and (x_fp8[1] is not None or not want_x_t):  # x's casts, shared with another weight
@@ -56,6 +64,7 @@ class _Float8GroupedLinearFn(torch.autograd.Function):
             saved_x = x.to(out_dtype)  # the weight gradient in the compute dtype needs the unquantized input
         ctx.save_for_backward(saved_x, saved_si, w, offs, w_amax)
         ctx.quantizer, ctx.x_dtype, ctx.fp8_wgrad = quantizer, x.dtype, fp8_wgrad
+        ctx.backward_fast_accum = backward_fast_accum
         return y
 
     @staticmethod
@@ -68,27 +77,30 @@ class _Float8GroupedLinearFn(torch.autograd.Function):
         if gq is not None:
             _, w_t = quantizer.quantize_weight(w, rows=False, cols=True, amax=w_amax)
             assert w_t is not None  # asked for
-            dx = fp8_grouped_gemm(gq, w_t, ctx.x_dtype, False)
+            dx = fp8_grouped_gemm(gq, w_t, ctx.x_dtype, ctx.backward_fast_accum)
         if g_t is not None:
             x_t = FP8Tensor(saved_x, saved_si, quantizer.scaling, transposed=True, offs=offs)
-            dw = fp8_grouped_gemm(g_t, x_t, w.dtype, False)
+            dw = fp8_grouped_gemm(g_t, x_t, w.dtype, ctx.backward_fast_accum)
         elif want_dw:
             dw = gmm_wgrad(g.to(saved_x.dtype).t(), saved_x, offs).to(w.dtype)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, quantizer: ExpertQuantizer | Recipe,
                        fast_accum: bool = True, fp8_wgrad: bool = EXPERTS_FP8_WGRAD,
-                       x_fp8: tuple[FP8Tensor, FP8Tensor | None] | None = None) -> torch.Tensor:
+                       x_fp8: tuple[FP8Tensor, FP8Tensor | None] | None = None,
+                       backward_fast_accum: bool = EXPERTS_BACKWARD_FAST_ACCUM) -> torch.Tensor:
     """x [M, K] (rows grouped by `offs`, int32 [E]) and w [E, N, K] -> [M, N] in the compute dtype, its GEMMs in
     FP8 with `quantizer` (or one of the recipe given). K and N must be multiples of 16, and so must every group's
     rows on CUDA (`moe.dispatch_plan` pads them). fp8_wgrad=False (the default): the weight gradient as a grouped
     GEMM in the compute dtype from the unquantized x (saved in that dtype) and g; True: in FP8. x_fp8:
-    `quantizer.quantize(x, offs)`'s (rows, cols) when the caller cast x already (projections sharing their input)."""
+    `quantizer.quantize(x, offs)`'s (rows, cols) when the caller cast x already (projections sharing their input).
+    fast_accum / backward_fast_accum: Hopper's fast accumulation in the forward / the backward GEMMs."""
     if not isinstance(quantizer, ExpertQuantizer):
         quantizer = ExpertQuantizer(quantizer)
     out_dtype = compute_dtype(x)
-    return _Float8GroupedLinearFn.apply(x, w, offs, quantizer, fast_accum, out_dtype, fp8_wgrad, x_fp8)
+    return _Float8GroupedLinearFn.apply(x, w, offs, quantizer, fast_accum, out_dtype, fp8_wgrad, x_fp8,
+                                        backward_fast_accum)
 
 
 def scaled_gmm(a: torch.Tensor, sa_inv: torch.Tensor, b: torch.Tensor, sb_inv: torch.Tensor, offs: torch.Tensor,
@@ -112,15 +124,16 @@ class Float8GroupedExperts(GroupedExperts):
     """`GroupedExperts` whose grouped GEMMs run in FP8 inside an enabled `fp8_autocast` (as `Float8Linear`), in high
     precision outside. Same parameters and state_dict keys; `quantizer` from the recipe (`ExpertQuantizer`), its
     `scaling` the recipe's `experts` (ValueError naming the recipes that work for one that does not). fp8_wgrad:
-    the weight gradients in FP8 (default `EXPERTS_FP8_WGRAD`: in the compute dtype, module docstring)."""
+    the weight gradients in FP8 (default `EXPERTS_FP8_WGRAD`: in the compute dtype, module docstring).
+    backward_fast_accum: fast accumulation in the backward's FP8 GEMMs (default `EXPERTS_BACKWARD_FAST_ACCUM`)."""
 
     def __init__(self, *args: Any, recipe: Recipe, fprop_fast_accum: bool = True,
-                 fp8_wgrad: bool = EXPERTS_FP8_WGRAD,
+                 fp8_wgrad: bool = EXPERTS_FP8_WGRAD, backward_fast_accum: bool = EXPERTS_BACKWARD_FAST_ACCUM,
                  **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.recipe, self.quantizer, self.fprop_fast_accum = recipe, ExpertQuantizer(recipe), fprop_fast_accum
         self.scaling: Scaling = self.quantizer.scaling
-        self.fp8_wgrad = fp8_wgrad
+        self.fp8_wgrad, self.backward_fast_accum = fp8_wgrad, backward_fast_accum
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, recipe: Recipe, fprop_fast_accum: bool = True,
@@ -139,7 +152,8 @@ class Float8GroupedExperts(GroupedExperts):
                x_fp8: tuple[FP8Tensor, FP8Tensor | None] | None = None) -> torch.Tensor:
         if not FP8GlobalStateManager.is_fp8_enabled() or x.numel() == 0:
             return super().linear(x, w, offs)
-        return fp8_grouped_linear(x, w, offs, self.quantizer, self.fprop_fast_accum, self.fp8_wgrad, x_fp8)
+        return fp8_grouped_linear(x, w, offs, self.quantizer, self.fprop_fast_accum, self.fp8_wgrad, x_fp8,
+                                  self.backward_fast_accum)
 
     # Outside torch.compile's graphs, as `Float8Linear.forward`: a compiled layer runs the FP8 experts eagerly (their
     # casts are Triton kernels with a first-call check, the GEMMs torch._scaled_grouped_mm)
@@ -164,5 +178,5 @@ def fp8_grouped_eligible(experts: torch.nn.Module) -> bool:
             and experts.hidden_size % 16 == 0 and experts.ffn_hidden_size % 16 == 0)
 
 
-__all__ = ["EXPERTS_FP8_WGRAD", "Float8GroupedExperts", "fp8_grouped_linear", "fp8_grouped_eligible", "scaled_gmm",
-           "scaled_gmm_wgrad"]
+__all__ = ["EXPERTS_BACKWARD_FAST_ACCUM", "EXPERTS_FP8_WGRAD", "Float8GroupedExperts", "fp8_grouped_linear",
+           "fp8_grouped_eligible", "scaled_gmm", "scaled_gmm_wgrad"]

@@ -199,3 +199,21 @@ def test_grouped_gemm_refuses_what_the_gpu_kernel_would_on_every_backend():
     for a, b, message in bad:
         with pytest.raises(ValueError, match=message):
             fp8_grouped_gemm(a, b, torch.float32, False)
+
+
+@pytest.mark.parametrize("backward_fast_accum", [None, False])
+def test_backward_gemms_take_fast_accumulation_by_default(backward_fast_accum, monkeypatch):
+    """fprop, dgrad and the FP8 wgrad ask `fp8_grouped_gemm` for Hopper's fast accumulation (torch's grouped kernel
+    without it spills at MoE shapes), unless backward_fast_accum=False."""
+    import megadlms.fp8.grouped as grouped
+
+    calls = []
+    original = grouped.fp8_grouped_gemm
+    monkeypatch.setattr(grouped, "fp8_grouped_gemm", lambda a, b, dtype, fast: calls.append(
+        ("wgrad" if a.transposed else "dgrad" if b.transposed else "fprop", fast)) or original(a, b, dtype, fast))
+    x = torch.randn(96, 32, requires_grad=True)
+    w = torch.randn(4, 48, 32, requires_grad=True)
+    options = {} if backward_fast_accum is None else {"backward_fast_accum": backward_fast_accum}
+    fp8_grouped_linear(x, w, _offs(), RECIPES["rowwise"], fp8_wgrad=True, **options).backward(torch.ones(96, 48))
+    fast = backward_fast_accum is None
+    assert calls == [("fprop", True), ("dgrad", fast), ("wgrad", fast)]

@@ -149,7 +149,7 @@ def _script(name: str, args: list[str], capsys: pytest.CaptureFixture, monkeypat
 def test_grouped_check_script_passes_on_the_cpu(capsys, monkeypatch):
     out = _script("fp8_grouped_check.py", ["--smoke"], capsys, monkeypatch)
     lines = [line for line in out.splitlines() if line.startswith(("gemm ", "layer "))]
-    assert len(lines) == 18 and all(line.endswith(" ok") for line in lines), out
+    assert len(lines) == 24 and all(line.endswith(" ok") for line in lines), out
     assert out.strip().endswith("0 failed")
 
 
