@@ -217,3 +217,43 @@ def test_backward_gemms_take_fast_accumulation_by_default(backward_fast_accum, m
     fp8_grouped_linear(x, w, _offs(), RECIPES["rowwise"], fp8_wgrad=True, **options).backward(torch.ones(96, 48))
     fast = backward_fast_accum is None
     assert calls == [("fprop", True), ("dgrad", fast), ("wgrad", fast)]
+
+
+def _tiny_moe_model():
+    from megadlms.fp8 import convert_to_fp8
+    from megadlms.model import TransformerLM
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=64,
+                            seq_length=16, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+    return convert_to_fp8(TransformerLM(cfg), Float8RowwiseScaling())
+
+
+def test_expert_weights_cast_once_per_step_and_again_after_it(monkeypatch):
+    """Two micro-batches of a step share one FP8 cast of each expert weight (rows for fprop, W^T for dgrad, made by
+    the first backward); the optimizer's update and fp8_step make the next forward cast again; the gradients equal
+    those of a module casting on every forward, bit for bit."""
+    from megadlms.fp8 import fp8_step, set_fp8_weight_caching
+
+    cached, uncached = _tiny_moe_model(), _tiny_moe_model()
+    switched = set_fp8_weight_caching(uncached, False)
+    assert uncached.layers[0].mlp.experts in switched and not uncached.layers[0].mlp.experts.cache_weight
+    experts = cached.layers[0].mlp.experts
+    w_t_casts = []
+    original = experts.quantizer.quantize_weight
+    monkeypatch.setattr(experts.quantizer, "quantize_weight", lambda w, rows=True, cols=False, amax=None: (
+        w_t_casts.append(cols), original(w, rows, cols, amax))[1])
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for model in (cached, uncached):
+        for _ in range(2):  # two micro-batches
+            model(ids).float().square().mean().backward()
+    assert experts.num_weight_casts == 3 and w_t_casts.count(True) == 3  # gate, up, down: once each
+    assert uncached.layers[0].mlp.experts.num_weight_casts == 6
+    for a, b in zip(cached.parameters(), uncached.parameters()):
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+    opt = torch.optim.SGD(cached.parameters(), lr=0.1)
+    opt.step()  # in place: the weights' versions move
+    cached(ids).float().sum().backward()
+    assert experts.num_weight_casts == 6 and w_t_casts.count(True) == 6
+    fp8_step(cached)
+    assert experts.weight_casts == {}
