@@ -104,6 +104,13 @@ def test_experts_take_fp8_weight_gradients_only_when_asked():
     assert experts().fp8_wgrad is False and "fp8_wgrad=False" in repr(experts())
     assert experts(experts_fp8_wgrad=True).fp8_wgrad is True
     assert experts(experts_fp8_wgrad=True, fp8_wgrad=False).fp8_wgrad is False  # --no-fp8-wgrad covers them too
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.run_plan import resolve_model_config
+
+    flags = ["--model-path", "tiny-moe", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]
+    for extra, fp8_wgrad in (([], False), (["--fp8-experts-wgrad"], True)):
+        run_cfg = resolve_model_config(parse_train_args(flags + extra), vocab_size=None, mask_id=5)
+        assert build_model(run_cfg).layers[1].mlp.experts.fp8_wgrad is fp8_wgrad
 
 
 def test_fp8_moe_model_converts_and_trains():
