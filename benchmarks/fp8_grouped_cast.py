@@ -34,6 +34,8 @@ SWEEP = {"row_cast": [(0, 0, 8), (0, 0, 4), (0, 0, 16), (8, 256, 4), (16, 256, 8
          "col_cast": [(32, 64, 4), (64, 64, 4), (128, 64, 8), (64, 128, 8), (64, 32, 4), (128, 32, 4), (256, 32, 8),
                       (128, 16, 4), (256, 16, 4)],
          "expert_amax": [(16, 256, 4), (8, 512, 8), (32, 256, 8), (4, 2048, 8)]}
+# a weight's transposes: also each expert's rows whole in one tile (rows 0; columns 0: as many as fit)
+SWEEP["col_cast_weight"] = SWEEP["col_cast"] + [(0, 0, 8), (0, 0, 4), (0, 0, 16), (0, 8, 4), (0, 8, 8), (0, 16, 8)]
 
 
 def timed(fn, device: torch.device, iters: int, warmup: int) -> float:
@@ -99,9 +101,9 @@ def casts(args, device: torch.device) -> list[tuple[str, str, int, int, object]]
         ("x +amax, per expert", "expert_amax", size(x), x.numel(), lambda t: amax(x, offs, tile=t)),
         ("W rows fp32, per (expert, row)", "row_cast", moved(w, e * f), w.numel(),
          lambda t: row(wflat, E4M3, 0, None, None, tile=t)),
-        ("W^T fp32, per (expert, column)", "col_cast", moved(w, e * h), w.numel(),
+        ("W^T fp32, per (expert, column)", "col_cast_weight", moved(w, e * h), w.numel(),
          lambda t: col(wflat, woffs, E4M3, 0, None, True, tile=t)),
-        ("W^T fp32, per expert", "col_cast", moved(w, e * h), w.numel(),
+        ("W^T fp32, per expert", "col_cast_weight", moved(w, e * h), w.numel(),
          lambda t: col(wflat, woffs, E4M3, 0, aw, True, tile=t)),
     ]
 
@@ -143,7 +145,8 @@ def main() -> None:
         if kernel != "expert_amax":
             worst = min(worst, share)
         t = tile or k.TILES[kernel]  # (rows, columns, warps); columns 0: whole rows
-        tile_s = "-" if device.type != "cuda" else f"{'whole' if t[1] == 0 else f'{t[0]}x{t[1]}'} {t[2]}w"
+        whole = "whole" if t[1] == 0 else f"whole x{t[1]}"  # row_cast: whole rows; col_cast_weight: whole experts
+        tile_s = "-" if device.type != "cuda" else f"{whole if 0 in t[:2] else f'{t[0]}x{t[1]}'} {t[2]}w"
         print(f"{label:32} | {tile_s:>13} | {ms:7.3f} | {gbs:7,.0f} | {copy_gbs:9,.0f} | {share:7.0%}")
     print(f"slowest one-pass cast: {worst:.0%} of copy (goal >= 70%)")
 

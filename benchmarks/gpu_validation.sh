@@ -11,8 +11,9 @@
 #     bash benchmarks/gpu_validation.sh models        the MoE block (BF16 vs FP8, grouped GEMMs); LoRA on an FP8 base
 #                                                     against a BF16 base at llada-8b shapes (memory, tokens/s)
 #     bash benchmarks/gpu_validation.sh moe           the MoE experts' FP8 path: grouped casts against torch, grouped
-#                                                     GEMMs and a layer's gradients against fp32, per recipe; the
-#                                                     grouped casts' bandwidth against a copy's; the MoE block
+#                                                     GEMMs and a layer's gradients against fp32, per recipe; each
+#                                                     grouped GEMM timed, BF16 and FP8; the grouped casts'
+#                                                     bandwidth against a copy's; the MoE block
 #     bash benchmarks/gpu_validation.sh e2e           FP8 against BF16 where users run it, each with the kernel time
 #                                                     by category and peak memory: the 8B-class block per recipe,
 #                                                     the trainer (qwen3-1.7b), pre-training and packed SFT
@@ -81,10 +82,12 @@ models)
     ;;
 moe)
     step fp8_grouped_check 200 $PY benchmarks/fp8_grouped_check.py
+    step fp8_grouped_gemms 60 $PY benchmarks/fp8_grouped_check.py --gemms
     step fp8_grouped_cast 150 $PY benchmarks/fp8_grouped_cast.py --sweep
     step moe_block 200 $PY benchmarks/moe_block.py
     echo "=== status"; cat "$OUT/status.txt"; cat "$OUT/gpu.txt"
-    echo "=== FP8 experts against torch casts and fp32"; tail -28 "$OUT/fp8_grouped_check.log"
+    echo "=== FP8 experts against torch casts and fp32"; tail -40 "$OUT/fp8_grouped_check.log"
+    echo "=== grouped GEMMs alone, BF16 and FP8 (rowwise)"; tail -13 "$OUT/fp8_grouped_gemms.log"
     echo "=== grouped cast bandwidth"; tail -14 "$OUT/fp8_grouped_cast.log"
     echo "=== MoE block"; tail -10 "$OUT/moe_block.log"
     ;;

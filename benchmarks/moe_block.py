@@ -61,7 +61,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megadlms import moe_kernels, swiglu_kernels  # noqa: E402
 from megadlms.config import TransformerConfig  # noqa: E402
-from megadlms.fp8 import Float8CurrentScaling, Float8RowwiseScaling, Format, convert_to_fp8  # noqa: E402
+from megadlms.fp8 import (  # noqa: E402
+    Float8CurrentScaling,
+    Float8RowwiseScaling,
+    Format,
+    convert_to_fp8,
+    set_fp8_weight_caching,
+)
 from megadlms.grouped_gemm import backend, gmm, gmm_wgrad, grouped_gate_up, grouped_linear  # noqa: E402
 from megadlms.model import SwiGLU, moe_block  # noqa: E402
 from megadlms.moe import GroupedExperts, dispatch_plan  # noqa: E402
@@ -314,6 +320,8 @@ def build(name: str, shape: dict[str, Any], tokens: int, device) -> tuple[torch.
     ctx: Any = contextlib.nullcontext
     if name in RECIPES:
         holder = convert_to_fp8(_OneLayer(block), RECIPES[name])
+        # each forward + backward timed is a step of one micro-batch, whose weights the trainer casts every step
+        set_fp8_weight_caching(holder, False)
         ctx = holder.layer_context
     elif name == "torchao-rowwise":
         block.experts = TorchaoExperts(block.experts)

@@ -40,7 +40,8 @@ def apply_fp8(model: M, cfg: TransformerConfig) -> M:
                           activation_func_fp8_input_store=cfg.activation_func_fp8_input_store,
                           fp8_wgrad=cfg.fp8_wgrad, fuse_projections=cfg.fp8_fuse_projections,
                           fuse_mlp=cfg.fp8_fuse_mlp, fprop_fast_accum=cfg.fp8_fprop_fast_accum,
-                          dot_product_attention=cfg.fp8_dot_product_attention)
+                          dot_product_attention=cfg.fp8_dot_product_attention,
+                          experts_fp8_wgrad=cfg.fp8_experts_wgrad)
 
 
 def build_model(cfg: TransformerConfig, device: torch.device | str | None = None) -> TransformerLM:

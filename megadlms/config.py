@@ -49,6 +49,9 @@ class FP8Settings:
     fp8_amax_compute_algo: str = setting("most_recent", "delayed scaling: the scale's amax, the history's max or its "
                                                         "most recent", choices=FP8_AMAX_ALGOS)
     fp8_wgrad: bool = setting(True, "the weight-gradient GEMM in FP8 (--no-fp8-wgrad: in BF16)")
+    # megadlms.fp8.grouped.EXPERTS_FP8_WGRAD: off, the FP8 grouped weight-gradient GEMM being the slower one on Hopper
+    fp8_experts_wgrad: bool = setting(False, "the MoE experts' weight-gradient GEMMs in FP8 too (with --fp8-wgrad; "
+                                             "default: in BF16, faster on Hopper: docs/moe.md)")
     activation_func_fp8_input_store: bool = setting(False, "save the SwiGLU input for backward in FP8")
     # megadlms.fp8.fusions.fused_linear
     fp8_fuse_projections: bool = setting(True, "run q/k/v and gate/up as one FP8 GEMM each (same parameters and "

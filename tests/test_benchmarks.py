@@ -33,6 +33,7 @@ SMOKES = {
     "fp8_attention": (["--smoke"], "tiny | "),
     "bd3lm_likelihood": (["--smoke"], "ordering AR <= B=4 <= B=16 <= MDLM: "),
     "moe_block": (["--smoke"], "qwen3-30b-a3b    | fp8-tensorwise  | "),
+    "fp8_grouped_check": (["--smoke", "--gemms"], "qwen3-30b-a3b    | down       | wgrad | "),
     "lora_memory": (["--smoke"], "fp8 vs bf16 base: peak memory"),
     "fp8_cpu_speed": (["--smoke"], "fp8 rowwise      | "),
     # both kinds of run (the trainer's, LoRA's) in the slower precision; BF16 beside FP8 is the same code

@@ -18,7 +18,7 @@ from .attention import Float8DotProductAttention, check_fp8_attention_support
 from .fusions.fused_mlp import fused_projections
 from .fusions.registry import install_fusions, log_fusion_decisions
 from .fusions.swiglu import SwiGLUFP8InputStore
-from .grouped import Float8GroupedExperts, fp8_grouped_eligible
+from .grouped import EXPERTS_FP8_WGRAD, Float8GroupedExperts, fp8_grouped_eligible
 from .hardware import check_fp8_support
 from .linear import DelayedScalingState, Float8Linear
 from .quantizer import make_quantizer
@@ -57,7 +57,8 @@ def _set_child(root: nn.Module, dotted: str, module: nn.Module) -> None:
 def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int = 0,
                    num_layers_at_end_in_bf16: int = 0, activation_func_fp8_input_store: bool = False,
                    fp8_wgrad: bool = True, fuse_projections: bool = True, fuse_mlp: bool = True,
-                   fprop_fast_accum: bool = True, dot_product_attention: bool = False) -> M:
+                   fprop_fast_accum: bool = True, dot_product_attention: bool = False,
+                   experts_fp8_wgrad: bool = EXPERTS_FP8_WGRAD) -> M:
     """Convert `model` (a TransformerLM) to FP8 in place and return it.
 
     Every eligible nn.Linear inside `model.layers` (in/out features multiples of 16) becomes a
@@ -68,6 +69,8 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
     fp32.
     activation_func_fp8_input_store: the SwiGLU of each FP8 layer keeps its inputs for backward
         in E4M3. fp8_wgrad=False: weight gradients in BF16 (fprop/dgrad stay FP8).
+    experts_fp8_wgrad: the MoE experts' weight gradients in FP8 too (with fp8_wgrad); off by default, where the
+        FP8 grouped weight-gradient GEMM is slower than the BF16 one (`grouped.EXPERTS_FP8_WGRAD`).
     fuse_projections: q/k/v and gate/up of each FP8 layer run as one FP8 GEMM each, sharing one cast of
         their input (`fused_linear.FusedFloat8Projection` in the Attention's `qkv_fusion` / the MLP's
         `gate_up_fusion`; parameters and state_dict keys are unchanged). Per-tensor recipes only.
@@ -110,7 +113,7 @@ def convert_to_fp8(model: M, recipe: Recipe, *, num_layers_at_start_in_bf16: int
                                                                       fprop_fast_accum=fprop_fast_accum))
             elif fp8_grouped_eligible(child):  # MoE experts: FP8 grouped GEMMs (the router stays in fp32)
                 _set_child(layer, name, Float8GroupedExperts.from_experts(child, recipe, fprop_fast_accum,
-                                                                           fp8_wgrad))
+                                                                           fp8_wgrad and experts_fp8_wgrad))
             elif activation_func_fp8_input_store and type(child) is SwiGLU:
                 _set_child(layer, name, SwiGLUFP8InputStore())
             elif attention_recipe is not None and type(child) is DotProductAttention:
@@ -130,6 +133,12 @@ def fp8_modules(model: nn.Module) -> Iterator[Float8Linear]:
 
 
 ScalingModule = Float8Linear | Float8DotProductAttention  # FP8 modules with amax histories and scales
+CachingModule = Float8Linear | Float8GroupedExperts  # FP8 modules with a per-step FP8 weight cache
+
+
+def fp8_caching_modules(model: nn.Module) -> Iterator[CachingModule]:
+    """The modules of `model` that cache their FP8 weights for a step: Float8Linears and FP8 MoE experts."""
+    return (m for m in model.modules() if isinstance(m, (Float8Linear, Float8GroupedExperts)))
 
 
 def fp8_scaling_modules(model: nn.Module) -> Iterator[ScalingModule]:
@@ -138,21 +147,22 @@ def fp8_scaling_modules(model: nn.Module) -> Iterator[ScalingModule]:
 
 
 def invalidate_fp8_weight_caches(model: nn.Module) -> None:
-    """Make every Float8Linear recast its weight on the next forward (after weights changed outside
-    an optimizer step followed by `fp8_step`, e.g. a manual load into `.data`), and let go of the cached
+    """Make every Float8Linear and FP8 experts module recast its weights on the next forward (after weights changed
+    outside an optimizer step followed by `fp8_step`, e.g. a manual load into `.data`), and let go of the cached
     FP8 weights now (the layers' and their fused groups')."""
-    for m in fp8_modules(model):
+    for m in fp8_caching_modules(model):
         m.invalidate_fp8_weight_cache()
     for group in fused_projections(model):
         group.invalidate_fp8_weight_cache()
 
 
-def set_fp8_weight_caching(model: nn.Module, enabled: bool) -> list[Float8Linear]:
-    """Switch the per-step FP8 weight cache (`Float8Linear.cache_weight`) of `model`'s Float8Linears on or off, e.g.
+def set_fp8_weight_caching(model: nn.Module, enabled: bool) -> list[CachingModule]:
+    """Switch the per-step FP8 weight cache (`Float8Linear.cache_weight`, `Float8GroupedExperts.cache_weight`) of
+    `model`'s Float8Linears and FP8 experts on or off, e.g.
     off where no later micro-batch reads a cached weight (one micro-batch per step) or where weights are gathered
     per use (FSDP). Turning it off drops the caches held (the layers' and their fused groups'). Returns the layers
     whose setting changed (to switch back with `fp8_weight_caching`)."""
-    changed = [m for m in fp8_modules(model) if m.cache_weight != enabled]
+    changed = [m for m in fp8_caching_modules(model) if m.cache_weight != enabled]
     for m in changed:
         m.set_cache_weight(enabled)
     if changed and not enabled:
@@ -161,10 +171,11 @@ def set_fp8_weight_caching(model: nn.Module, enabled: bool) -> list[Float8Linear
 
 
 @contextlib.contextmanager
-def fp8_weight_caching(model: nn.Module, modules: list[Float8Linear]) -> Iterator[None]:
-    """Inside, `modules` (Float8Linears of `model`) keep their FP8 weights between forwards (`cache_weight=True`),
-    e.g. over the batches of an evaluation, which all see the same weights. On exit their setting is back to off
-    and the caches made inside are dropped: training without a cache must not hold them through its steps."""
+def fp8_weight_caching(model: nn.Module, modules: list[CachingModule]) -> Iterator[None]:
+    """Inside, `modules` (Float8Linears and FP8 experts of `model`) keep their FP8 weights between forwards
+    (`cache_weight=True`), e.g. over the batches of an evaluation, which all see the same weights. On exit their
+    setting is back to off and the caches made inside are dropped: training without a cache must not hold them
+    through its steps."""
     for m in modules:
         m.set_cache_weight(True)
     try:
@@ -187,7 +198,7 @@ def fp8_graph_capture(model: nn.Module, weights_in_graph: bool = True) -> Iterat
     On exit the FP8 buffers (amax histories, scales) get back their values from the entry, since the warm-up
     runs recorded the amaxes of sample inputs.
     """
-    modules = list(fp8_modules(model))
+    modules = list(fp8_caching_modules(model))
     scaling = list(fp8_scaling_modules(model))
     saved = [sm.save_scaling_state() for sm in scaling]
     cache_flags = [m.cache_weight for m in modules]
@@ -249,3 +260,6 @@ def fp8_step(model: nn.Module, group: Any = None) -> None:
         DelayedScalingState.update_scales(recipe, members)
     for m in modules:
         m.invalidate_fp8_weight_cache()
+    for experts in model.modules():
+        if isinstance(experts, Float8GroupedExperts):
+            experts.invalidate_fp8_weight_cache()

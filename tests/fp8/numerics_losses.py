@@ -71,6 +71,8 @@ def cases() -> dict[str, tuple]:
         out[f"moe-{recipe}-hybrid"] = (recipe, "hybrid", FUSED, False, "moe")
         out[f"moe-{recipe}-e4m3-autocast"] = (recipe, "e4m3", FUSED, True, "moe")
     out["moe-rowwise-hybrid-bf16wgrad"] = ("rowwise", "hybrid", {**FUSED, "fp8_wgrad": False}, False, "moe")
+    for recipe in ("rowwise", "tensorwise"):  # the experts' weight gradients in FP8 too (not their default)
+        out[f"moe-{recipe}-hybrid-fp8wgrad"] = (recipe, "hybrid", {**FUSED, "experts_fp8_wgrad": True}, False, "moe")
     return out
 
 

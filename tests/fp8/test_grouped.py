@@ -56,7 +56,7 @@ def test_gradients_track_high_precision(scaling):
     x = torch.randn(96, 32, requires_grad=True)
     w = torch.randn(4, 48, 32, requires_grad=True)
     g = torch.randn(96, 48)
-    fp8_grouped_linear(x, w, _offs(), RECIPES[scaling]).backward(g)
+    fp8_grouped_linear(x, w, _offs(), RECIPES[scaling], fp8_wgrad=True).backward(g)
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     grouped_linear(xr, wr, _offs()).backward(g)
 
@@ -79,14 +79,38 @@ def test_delayed_scaling_is_refused_for_the_experts_with_its_reason():
         Float8GroupedExperts(4, 32, 48, torch.nn.Identity(), recipe=DelayedScaling())
 
 
-def test_high_precision_weight_gradient():
-    """fp8_wgrad=False: the weight gradient is exactly the grouped GEMM of the unquantized g and x."""
+def test_high_precision_weight_gradient_is_the_default():
+    """By default the weight gradient is exactly the grouped GEMM of the unquantized g and x (fp8_wgrad=False)."""
     torch.manual_seed(0)
     x, w, g = torch.randn(96, 32), torch.randn(4, 48, 32, requires_grad=True), torch.randn(96, 48)
-    fp8_grouped_linear(x, w, _offs(), RECIPES["rowwise"], fp8_wgrad=False).backward(g)
+    fp8_grouped_linear(x, w, _offs(), RECIPES["rowwise"]).backward(g)
     wr = w.detach().clone().requires_grad_()
     grouped_linear(x, wr, _offs()).backward(g)
-    torch.testing.assert_close(w.grad, wr.grad)
+    torch.testing.assert_close(w.grad, wr.grad, atol=0, rtol=0)
+    fp8_grouped_linear(x, w, _offs(), RECIPES["rowwise"], fp8_wgrad=True).backward(g)  # FP8 differs: accumulates
+    assert 0 < (w.grad - 2 * wr.grad).abs().max() < 0.08 * wr.grad.abs().max()
+
+
+def test_experts_take_fp8_weight_gradients_only_when_asked():
+    from megadlms.fp8 import convert_to_fp8
+    from megadlms.model import TransformerLM
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=64,
+                            seq_length=16, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+
+    def experts(**options):
+        return convert_to_fp8(TransformerLM(cfg), Float8RowwiseScaling(), **options).layers[0].mlp.experts
+
+    assert experts().fp8_wgrad is False and "fp8_wgrad=False" in repr(experts())
+    assert experts(experts_fp8_wgrad=True).fp8_wgrad is True
+    assert experts(experts_fp8_wgrad=True, fp8_wgrad=False).fp8_wgrad is False  # --no-fp8-wgrad covers them too
+    from megadlms.training.args import parse_train_args
+    from megadlms.training.run_plan import resolve_model_config
+
+    flags = ["--model-path", "tiny-moe", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]
+    for extra, fp8_wgrad in (([], False), (["--fp8-experts-wgrad"], True)):
+        run_cfg = resolve_model_config(parse_train_args(flags + extra), vocab_size=None, mask_id=5)
+        assert build_model(run_cfg).layers[1].mlp.experts.fp8_wgrad is fp8_wgrad
 
 
 def test_fp8_moe_model_converts_and_trains():
@@ -148,7 +172,7 @@ def test_gate_and_up_projections_share_one_cast_of_their_input(monkeypatch):
     torch.manual_seed(0)
     from megadlms.model import SwiGLU
 
-    experts = Float8GroupedExperts(4, 32, 48, SwiGLU(), recipe=Float8RowwiseScaling())
+    experts = Float8GroupedExperts(4, 32, 48, SwiGLU(), recipe=Float8RowwiseScaling(), fp8_wgrad=True)
     for p in experts.parameters():
         torch.nn.init.normal_(p, 0, 0.1)
     x = torch.randn(96, 32, requires_grad=True)
@@ -182,3 +206,61 @@ def test_grouped_gemm_refuses_what_the_gpu_kernel_would_on_every_backend():
     for a, b, message in bad:
         with pytest.raises(ValueError, match=message):
             fp8_grouped_gemm(a, b, torch.float32, False)
+
+
+@pytest.mark.parametrize("backward_fast_accum", [None, False])
+def test_backward_gemms_take_fast_accumulation_by_default(backward_fast_accum, monkeypatch):
+    """fprop, dgrad and the FP8 wgrad ask `fp8_grouped_gemm` for Hopper's fast accumulation (torch's grouped kernel
+    without it spills at MoE shapes), unless backward_fast_accum=False."""
+    import megadlms.fp8.grouped as grouped
+
+    calls = []
+    original = grouped.fp8_grouped_gemm
+    monkeypatch.setattr(grouped, "fp8_grouped_gemm", lambda a, b, dtype, fast: calls.append(
+        ("wgrad" if a.transposed else "dgrad" if b.transposed else "fprop", fast)) or original(a, b, dtype, fast))
+    x = torch.randn(96, 32, requires_grad=True)
+    w = torch.randn(4, 48, 32, requires_grad=True)
+    options = {} if backward_fast_accum is None else {"backward_fast_accum": backward_fast_accum}
+    fp8_grouped_linear(x, w, _offs(), RECIPES["rowwise"], fp8_wgrad=True, **options).backward(torch.ones(96, 48))
+    fast = backward_fast_accum is None
+    assert calls == [("fprop", True), ("dgrad", fast), ("wgrad", fast)]
+
+
+def _tiny_moe_model():
+    from megadlms.fp8 import convert_to_fp8
+    from megadlms.model import TransformerLM
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=64,
+                            seq_length=16, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+    return convert_to_fp8(TransformerLM(cfg), Float8RowwiseScaling())
+
+
+def test_expert_weights_cast_once_per_step_and_again_after_it(monkeypatch):
+    """Two micro-batches of a step share one FP8 cast of each expert weight (rows for fprop, W^T for dgrad, made by
+    the first backward); the optimizer's update and fp8_step make the next forward cast again; the gradients equal
+    those of a module casting on every forward, bit for bit."""
+    from megadlms.fp8 import fp8_step, set_fp8_weight_caching
+
+    cached, uncached = _tiny_moe_model(), _tiny_moe_model()
+    switched = set_fp8_weight_caching(uncached, False)
+    assert uncached.layers[0].mlp.experts in switched and not uncached.layers[0].mlp.experts.cache_weight
+    experts = cached.layers[0].mlp.experts
+    w_t_casts = []
+    original = experts.quantizer.quantize_weight
+    monkeypatch.setattr(experts.quantizer, "quantize_weight", lambda w, rows=True, cols=False, amax=None: (
+        w_t_casts.append(cols), original(w, rows, cols, amax))[1])
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for model in (cached, uncached):
+        for _ in range(2):  # two micro-batches
+            model(ids).float().square().mean().backward()
+    assert experts.num_weight_casts == 3 and w_t_casts.count(True) == 3  # gate, up, down: once each
+    assert uncached.layers[0].mlp.experts.num_weight_casts == 6
+    for a, b in zip(cached.parameters(), uncached.parameters()):
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+    opt = torch.optim.SGD(cached.parameters(), lr=0.1)
+    opt.step()  # in place: the weights' versions move
+    cached(ids).float().sum().backward()
+    assert experts.num_weight_casts == 6 and w_t_casts.count(True) == 6
+    fp8_step(cached)
+    assert experts.weight_casts == {}

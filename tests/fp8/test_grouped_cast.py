@@ -54,9 +54,13 @@ SCRIPT = textwrap.dedent("""
         w = torch.randn(3, 48, 80).to(dtype)
         wo = torch.tensor([48, 96, 144], dtype=torch.int32)
         for amax in (None, k.expert_amax(w.reshape(-1, 80), wo)):
-            t, si = k.col_cast(w.reshape(-1, 80), wo, E4, 0, amax, per_expert_out=True)
-            assert t.shape == (3, 80, 48)
-            assert all(map(same, (t, si), k.torch_col_cast(w.reshape(-1, 80), wo, E4, 0, amax, True)))
+            # row blocks; each expert's 48 rows whole in one tile of columns (80 in one, or blocks of 8)
+            for tile in (None, (0, 0, 1), (0, 8, 1)):
+                t, si = k.col_cast(w.reshape(-1, 80), wo, E4, 0, amax, per_expert_out=True, tile=tile)
+                assert t.shape == (3, 80, 48)
+                assert all(map(same, (t, si), k.torch_col_cast(w.reshape(-1, 80), wo, E4, 0, amax, True))), tile
+        t, si = k.col_cast(x, offs, E4, 0, None, tile=(0, 16, 1))  # jagged groups: never whole, row blocks
+        assert all(map(same, (t, si), k.torch_col_cast(x, offs, E4, 0, None)))
     # the grouped linear through the kernels equals the torch casts' (forward and both gradients)
     sizes = [16, 0, 32, 48]
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
@@ -149,7 +153,7 @@ def _script(name: str, args: list[str], capsys: pytest.CaptureFixture, monkeypat
 def test_grouped_check_script_passes_on_the_cpu(capsys, monkeypatch):
     out = _script("fp8_grouped_check.py", ["--smoke"], capsys, monkeypatch)
     lines = [line for line in out.splitlines() if line.startswith(("gemm ", "layer "))]
-    assert len(lines) == 12 and all(line.endswith(" ok") for line in lines), out
+    assert len(lines) == 24 and all(line.endswith(" ok") for line in lines), out
     assert out.strip().endswith("0 failed")
 
 

@@ -8,7 +8,9 @@ rows past offs[-1] count as the last expert's). Three kernels, each one launch, 
                  from L2), or per expert (from `expert_amax`)
     col_cast     x [M, C] -> q^T [C, M] (or per expert [E, C, N] for a weight [E*N, C]), scale_inv [E, C]: one
                  scale per (expert, column) over the expert's rows (or per expert); one program per (expert,
-                 column block) walks its group's rows twice (amax, then cast and transposed store)
+                 column block) walks its group's rows twice (amax, then cast and transposed store), or, for a
+                 weight whose N rows fit one tile (`WHOLE_GROUP_ELEMENTS`), reads them once and keeps them in
+                 registers between the amax and the cast
     expert_amax  x [R, K] -> fp32 [E]: max |x| over each expert's rows (one atomic max per expert and row block),
                  the amax pass of per-expert current scaling (a scale that depends on a whole group cannot come
                  out of the cast that needs it)
@@ -92,7 +94,8 @@ if triton is not None:
     @triton.jit
     def col_cast_kernel(x_ptr, t_ptr, si_ptr, amax_ptr, offs_ptr, M, C, E, stride_e, stride_c, LOCAL: tl.constexpr,
                         FMAX: tl.constexpr, MARGIN_DIV: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-                        PER_EXPERT: tl.constexpr, SW_ROUND: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+                        PER_EXPERT: tl.constexpr, SW_ROUND: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+                        WHOLE_GROUP: tl.constexpr, GROUP: tl.constexpr):
         # program (e, c-block): the rows of expert e (the last expert also takes the rows past offs[-1])
         e = tl.program_id(0)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -100,29 +103,43 @@ if triton is not None:
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         end = tl.where(e == E - 1, M, tl.load(offs_ptr + e))
         lr = tl.arange(0, BM)
-        if PER_EXPERT:
-            amax = tl.zeros((BC,), tl.float32) + tl.load(amax_ptr + e)
+        if WHOLE_GROUP:  # a weight's expert: GROUP (<= BM) rows, read once, cast from registers into its [C, N]
+            m = (lr[:, None] < GROUP) & cmask[None, :]
+            v = tl.load(x_ptr + (start + lr).to(tl.int64)[:, None] * C + cols[None, :], mask=m,
+                        other=0.0).to(tl.float32)
+            if PER_EXPERT:
+                amax = tl.zeros((BC,), tl.float32) + tl.load(amax_ptr + e)
+            else:
+                amax = tl.max(tl.abs(v), axis=0)
+            scale = _scale_of(amax, FMAX, MARGIN_DIV)
+            tl.store(si_ptr + e * C + cols, tl.math.div_rn(tl.full((BC,), 1.0, tl.float32), scale), mask=cmask)
+            qt = to_fp8(tl.trans(v), scale[:, None], t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
+            out = t_ptr + e.to(tl.int64) * stride_e + cols.to(tl.int64)[:, None] * stride_c
+            tl.store(out + lr[None, :], qt, mask=cmask[:, None] & (lr[None, :] < GROUP))
         else:
-            amax = tl.zeros((BC,), tl.float32)
+            if PER_EXPERT:
+                amax = tl.zeros((BC,), tl.float32) + tl.load(amax_ptr + e)
+            else:
+                amax = tl.zeros((BC,), tl.float32)
+                for r0 in range(start, end, BM):
+                    rows = r0 + lr
+                    m = (rows[:, None] < end) & cmask[None, :]
+                    v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=m, other=0.0)
+                    amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=0))
+            scale = _scale_of(amax, FMAX, MARGIN_DIV)
+            tl.store(si_ptr + e * C + cols, tl.math.div_rn(tl.full((BC,), 1.0, tl.float32), scale), mask=cmask)
+            out = t_ptr + e.to(tl.int64) * stride_e + cols.to(tl.int64)[:, None] * stride_c
             for r0 in range(start, end, BM):
                 rows = r0 + lr
                 m = (rows[:, None] < end) & cmask[None, :]
-                v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=m, other=0.0)
-                amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=0))
-        scale = _scale_of(amax, FMAX, MARGIN_DIV)
-        tl.store(si_ptr + e * C + cols, tl.math.div_rn(tl.full((BC,), 1.0, tl.float32), scale), mask=cmask)
-        out = t_ptr + e.to(tl.int64) * stride_e + cols.to(tl.int64)[:, None] * stride_c
-        for r0 in range(start, end, BM):
-            rows = r0 + lr
-            m = (rows[:, None] < end) & cmask[None, :]
-            v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            # the fp32 tile transposed, then converted (the one-pass cast's production formulation, triton_cast)
-            qt = to_fp8(tl.trans(v), scale[:, None], t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
-            if LOCAL:  # each expert's own [C, N] block
-                rel = rows - start
-            else:
-                rel = rows
-            tl.store(out + rel[None, :], qt, mask=cmask[:, None] & (rows[None, :] < end))
+                v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                # the fp32 tile transposed, then converted (the one-pass cast's production formulation, triton_cast)
+                qt = to_fp8(tl.trans(v), scale[:, None], t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
+                if LOCAL:  # each expert's own [C, N] block
+                    rel = rows - start
+                else:
+                    rel = rows
+                tl.store(out + rel[None, :], qt, mask=cmask[:, None] & (rows[None, :] < end))
 
     @triton.jit
     def expert_amax_kernel(x_ptr, amax_ptr, offs_ptr, R, K, E, BM: tl.constexpr, BK: tl.constexpr,
@@ -153,11 +170,16 @@ def _block_e(e: int) -> int:
 
 
 # (rows, columns, warps) of one program of each kernel on the GPU (benchmarks/fp8_grouped_cast.py --sweep measures
-# them; row_cast's columns 0: whole rows, up to WHOLE_ROW_ELEMENTS a program); under the interpreter smaller tiles
-# (less emulation per test)
-TILES = {"row_cast": (0, 0, 8), "col_cast": (64, 64, 4), "expert_amax": (16, 256, 4)}
+# them; row_cast's columns 0: whole rows, up to WHOLE_ROW_ELEMENTS a program; col_cast_weight, col_cast of a weight
+# [E*N, C] into [E, C, N]: rows 0, each expert's N rows whole, up to WHOLE_GROUP_ELEMENTS a program and at least
+# WHOLE_GROUP_COLUMNS columns, else the row blocks of col_cast); under the interpreter smaller tiles (less emulation
+# per test)
+TILES = {"row_cast": (0, 0, 8), "col_cast": (64, 64, 4), "col_cast_weight": (64, 64, 4), "expert_amax": (16, 256, 4)}
 WHOLE_ROW_ELEMENTS = 8192
-INTERPRETER_TILES = {"row_cast": (16, 64, 1), "col_cast": (16, 32, 1), "expert_amax": (16, 128, 1)}
+WHOLE_GROUP_ELEMENTS = 8192
+WHOLE_GROUP_COLUMNS = 8  # 32-byte row segments of an fp32 weight: whole DRAM sectors
+INTERPRETER_TILES = {"row_cast": (16, 64, 1), "col_cast": (16, 32, 1), "col_cast_weight": (16, 32, 1),
+                     "expert_amax": (16, 128, 1)}
 
 
 def _tile(name: str, tile: tuple[int, int, int] | None) -> tuple[int, int, dict]:
@@ -194,7 +216,10 @@ def col_cast(x: torch.Tensor, offs: torch.Tensor, fp8_dtype: torch.dtype, margin
              tile: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, C] contiguous, rows grouped by `offs` -> (q^T, scale_inv fp32 [E, C]), one scale per (expert, column),
     or with `expert_amax` (fp32 [E]) per expert. q^T: [C, M], or with `per_expert_out` (equal groups of N = M / E
-    rows: a weight [E, N, C] viewed as [E*N, C]) [E, C, N], each expert's transpose. tile: as `row_cast`'s."""
+    rows: a weight [E, N, C] viewed as [E*N, C]) [E, C, N], each expert's transpose. tile: as `row_cast`'s
+    (`TILES["col_cast_weight"]` with per_expert_out); with per_expert_out, rows 0 reads each expert's N rows once,
+    whole, in tiles of up to `WHOLE_GROUP_ELEMENTS` // next_pow2(N) columns (where that is under
+    `WHOLE_GROUP_COLUMNS`, and without per_expert_out, the row blocks of `TILES["col_cast"]` instead)."""
     m, c = x.shape
     e = offs.shape[0]
     if per_expert_out:
@@ -206,10 +231,18 @@ def col_cast(x: torch.Tensor, offs: torch.Tensor, fp8_dtype: torch.dtype, margin
         stride_e, stride_c = 0, m
     si = torch.empty(e, c, dtype=torch.float32, device=x.device)
     per_expert = expert_amax is not None
-    bm, bc, warps = _tile("col_cast", tile)
+    bm, bc, warps = _tile("col_cast_weight" if per_expert_out else "col_cast", tile)
+    group = 0
+    if bm == 0:  # whole experts of a weight where they fit
+        whole = triton.next_power_of_2(max(m // e, 1))
+        if not per_expert_out or WHOLE_GROUP_ELEMENTS // whole < WHOLE_GROUP_COLUMNS:
+            bm, bc, warps = _tile("col_cast", None)
+        else:
+            bm, bc, group = whole, min(bc or WHOLE_GROUP_ELEMENTS, WHOLE_GROUP_ELEMENTS // whole), m // e
     col_cast_kernel[(e, triton_cast.triton_cdiv(c, bc))](
         x, t, si, expert_amax if per_expert else si, offs, m, c, e, stride_e, stride_c, LOCAL=per_expert_out,
-        PER_EXPERT=per_expert, BM=bm, BC=bc, **_constants(fp8_dtype, margin), **warps)
+        PER_EXPERT=per_expert, BM=bm, BC=bc, WHOLE_GROUP=group > 0, GROUP=group, **_constants(fp8_dtype, margin),
+        **warps)
     return t, si
 
 
