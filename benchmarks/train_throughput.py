@@ -68,10 +68,13 @@ VARIANTS: dict[str, list[str]] = {"": [], "nographs": ["--cuda-graphs", "off"], 
 def config_of(flags: list[str], seq: int):
     """The `TransformerConfig` a configuration's flags build (for its memory estimate)."""
     from megadlms.presets import load_model_config
+    from megadlms.training.config import _layer_freq
 
     opts = dict(zip(flags[::2], flags[1::2]))
-    layers = {"num_layers": int(opts["--num-layers"])} if "--num-layers" in opts else {}
-    return load_model_config(opts["--model-path"], seq_length=seq, **layers)
+    over: dict = {"num_layers": int(opts["--num-layers"])} if "--num-layers" in opts else {}
+    if "--moe-layer-freq" in opts:  # a cut MoE model names its layers' pattern anew
+        over["moe_layer_freq"] = _layer_freq(opts["--moe-layer-freq"])
+    return load_model_config(opts["--model-path"], seq_length=seq, **over)
 
 
 def micro_batch_for(name: str, flags: list[str], a: argparse.Namespace, free: float | None,
