@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 from megadlms.fp8.kernels import triton_grouped_cast as k  # noqa: E402
 from megadlms.fp8.recipe import E4M3  # noqa: E402
@@ -38,31 +37,11 @@ SWEEP = {"row_cast": [(0, 0, 8), (0, 0, 4), (0, 0, 16), (8, 256, 4), (16, 256, 8
 SWEEP["col_cast_weight"] = SWEEP["col_cast"] + [(0, 0, 8), (0, 0, 4), (0, 0, 16), (0, 8, 4), (0, 8, 8), (0, 16, 8)]
 
 
-def timed(fn, device: torch.device, iters: int, warmup: int) -> float:
-    """Median milliseconds of fn() (CUDA events on a GPU, wall clock elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def timed_copy(nbytes: int, device: torch.device, iters: int, warmup: int) -> float:
     """Median milliseconds of a device copy moving `nbytes` (nbytes / 2 read, as many written)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return timed(lambda: dst.copy_(src), device, iters, warmup)
+    return median_ms(lambda: dst.copy_(src), device, iters, warmup)
 
 
 def casts(args, device: torch.device) -> list[tuple[str, str, int, int, object]]:
@@ -136,7 +115,7 @@ def main() -> None:
     worst = 1.0
     for label, kernel, nbytes, _, fn in casts(args, device):
         tiles = SWEEP[kernel] if args.sweep and device.type == "cuda" else [None]
-        best = min(((timed(lambda t=t: fn(t), device, args.iters, args.warmup), t) for t in tiles),
+        best = min(((median_ms(lambda t=t: fn(t), device, args.iters, args.warmup), t) for t in tiles),
                    key=lambda r: r[0])
         ms, tile = best
         copy_ms = timed_copy(nbytes, device, args.iters, args.warmup)

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 from megadlms.fp8.expert_quantizer import ExpertQuantizer  # noqa: E402
 from megadlms.fp8.gemm import fp8_grouped_gemm  # noqa: E402
@@ -154,26 +153,6 @@ SMOKE_GEMM_SHAPES = {"llada-moe-7b-a1b": dict(hidden=64, ffn=32, experts=4),
                      "qwen3-30b-a3b": dict(hidden=64, ffn=48, experts=8)}
 
 
-def timed_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over `iters` runs after `warmup`."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def gemm_products(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, offs: torch.Tensor
                   ) -> dict[str, tuple[Callable[[], object], Callable[[], object], Callable[[], object]]]:
     """One projection y = x @ W_e^T (x [M, K] bf16, w [E, N, K] fp32, g [M, N] bf16): per product, the BF16 GEMM
@@ -211,7 +190,7 @@ def time_gemms(args: argparse.Namespace, device: torch.device) -> None:
             g = torch.randn(m, n_out, device=device).to(torch.bfloat16)
             tflop = 2 * m * n_out * k_in / 1e12
             for product, fns in gemm_products(x, w, g, offs).items():
-                ms = [timed_ms(fn, device, args.iters) for fn in fns]
+                ms = [median_ms(fn, device, args.iters) for fn in fns]
                 rates = [tflop / (t / 1e3) for t in ms]
                 print(f"{shape:16} | {proj:10} | {product:5} | {ms[0]:7.3f} | {rates[0]:7.1f} | {ms[1]:11.3f} | "
                       f"{rates[1]:7.1f} | {ms[2]:6.3f} | {rates[2]:7.1f} | {ms[0] / ms[1]:.2f}x", flush=True)

@@ -46,9 +46,7 @@ import contextlib
 import gc
 import importlib.util
 import re
-import statistics
 import sys
-import time
 import traceback
 from collections import defaultdict
 from pathlib import Path
@@ -58,6 +56,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timing import median_ms  # noqa: E402
 
 from megadlms import moe_kernels, swiglu_kernels  # noqa: E402
 from megadlms.config import TransformerConfig  # noqa: E402
@@ -130,26 +130,6 @@ class _OneLayer(torch.nn.Module):
 
 
 # ---------------------------------------------------------------- timing and profiling
-def timed(fn, device, iters: int, warmup: int) -> float:
-    """Median milliseconds of fn() over `iters` runs after `warmup`."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def mark_phases(block: torch.nn.Module) -> None:
     """Name the block's forward phases for the profiler (record_function around the router, the dispatch, the
     experts and the combine; the instance's methods are wrapped, the model code is unchanged)."""
@@ -368,9 +348,9 @@ def run_variant(name: str, shape: dict[str, Any], tokens: int, device, args,
 
     out = forward().detach()
     err = None if reference is None else _rel(out, reference)
-    fwd_ms = timed(fwd, device, args.iters, args.warmup)
+    fwd_ms = median_ms(fwd, device, args.iters, args.warmup)
     fwd()
-    bwd_ms = timed(bwd, device, args.iters, args.warmup)
+    bwd_ms = median_ms(bwd, device, args.iters, args.warmup)
     holder.clear()
     groups, top = kernel_breakdown(step, device, max(1, min(3, args.iters)))
     total = sum(groups.values())
@@ -391,10 +371,10 @@ def dense_tflops(shape: dict[str, Any], tokens: int, fp8: bool, device, args) ->
     if fp8 and device.type == "cuda":
         aq, bq = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
         one = torch.ones((), device=device)
-        ms = timed(lambda: torch._scaled_mm(aq, bq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+        ms = median_ms(lambda: torch._scaled_mm(aq, bq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
                                             use_fast_accum=True), device, args.iters, args.warmup)
     else:
-        ms = timed(lambda: a @ b.t(), device, args.iters, args.warmup)
+        ms = median_ms(lambda: a @ b.t(), device, args.iters, args.warmup)
     return 2.0 * tk * h * f / (ms * 1e9)
 
 

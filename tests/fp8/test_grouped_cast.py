@@ -138,6 +138,7 @@ def test_quantizer_states_scaling_and_grouped_layouts(recipe, scaling):
 def _script(name: str, args: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run benchmarks/<name>'s main() in this process (no interpreter start-up) and return what it printed."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / name
+    monkeypatch.syspath_prepend(str(path.parent))  # its sibling modules, as when run as a script
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
