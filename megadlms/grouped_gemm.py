@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .copy_kernels import copy_rows
+from .swiglu_kernels import adjacent_halves
 
 ALIGN = 16  # rows per group are padded to a multiple of this (FP8 grouped GEMMs need it; BF16 wgrad likes it)
 BACKENDS = ("grouped_mm", "loop")
@@ -148,9 +149,7 @@ def _joined(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor) 
     a = torch.zeros_like(like) if a is None else a
     b = torch.zeros_like(like) if b is None else b
     m, n = a.shape
-    if (not torch.compiler.is_compiling() and a.stride() == b.stride() == (2 * n, 1) and a.dtype == b.dtype
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and b.data_ptr() == a.data_ptr() + n * a.element_size()):
+    if not torch.compiler.is_compiling() and adjacent_halves(a, b):
         return a.as_strided((m, 2 * n), (2 * n, 1))
     return torch.cat([a, b], dim=1)
 

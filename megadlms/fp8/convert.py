@@ -258,8 +258,5 @@ def fp8_step(model: nn.Module, group: Any = None) -> None:
         groups[(recipe, m.delayed_state()[0].device, type(m))].append(m)
     for (recipe, _, _), members in groups.items():
         DelayedScalingState.update_scales(recipe, members)
-    for m in modules:
-        m.invalidate_fp8_weight_cache()
-    for experts in model.modules():
-        if isinstance(experts, Float8GroupedExperts):
-            experts.invalidate_fp8_weight_cache()
+    for cached in fp8_caching_modules(model):
+        cached.invalidate_fp8_weight_cache()

@@ -133,23 +133,6 @@ def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, qua
                                         backward_fast_accum, w_cast)
 
 
-def scaled_gmm(a: torch.Tensor, sa_inv: torch.Tensor, b: torch.Tensor, sb_inv: torch.Tensor, offs: torch.Tensor,
-               out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """a fp8 [M, K] with sa_inv [M] and b fp8 [E, N, K] (row-major) with sb_inv [E, N] -> per row group
-    (a * sa_inv) @ (b[e] * sb_inv[e])^T [M, N] in out_dtype (`fp8_grouped_gemm` of per-row scaled operands)."""
-    return fp8_grouped_gemm(FP8Tensor(a, sa_inv, Scaling.ROW, offs=offs), FP8Tensor(b, sb_inv, Scaling.ROW),
-                            out_dtype, fast_accum)
-
-
-def scaled_gmm_wgrad(a_t: torch.Tensor, sa_inv: torch.Tensor, b_t: torch.Tensor, sb_inv: torch.Tensor,
-                     offs: torch.Tensor, gid: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """a_t fp8 [N, M] with sa_inv [E, N] and b_t fp8 [K, M] with sb_inv [E, K], both grouped along M -> [E, N, K]:
-    per expert (a_t * sa_inv[e])[:, group] @ (b_t * sb_inv[e])[:, group]^T, in out_dtype (`fp8_grouped_gemm` of
-    transposed copies; `gid`, each row's expert, is not needed)."""
-    return fp8_grouped_gemm(FP8Tensor(a_t, sa_inv, Scaling.ROW, transposed=True, offs=offs),
-                            FP8Tensor(b_t, sb_inv, Scaling.ROW, transposed=True, offs=offs), out_dtype, False)
-
-
 class Float8GroupedExperts(GroupedExperts):
     """`GroupedExperts` whose grouped GEMMs run in FP8 inside an enabled `fp8_autocast` (as `Float8Linear`), in high
     precision outside. Same parameters and state_dict keys; `quantizer` from the recipe (`ExpertQuantizer`), its
@@ -250,4 +233,4 @@ def fp8_grouped_eligible(experts: torch.nn.Module) -> bool:
 
 
 __all__ = ["EXPERTS_BACKWARD_FAST_ACCUM", "EXPERTS_FP8_WGRAD", "ExpertWeightCast", "Float8GroupedExperts",
-           "fp8_grouped_linear", "fp8_grouped_eligible", "scaled_gmm", "scaled_gmm_wgrad"]
+           "fp8_grouped_linear", "fp8_grouped_eligible"]

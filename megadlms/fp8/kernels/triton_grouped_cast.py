@@ -35,7 +35,7 @@ triton = triton_cast.triton
 if triton is not None:
     import triton.language as tl
 
-    from .triton_cast import to_fp8
+    from .triton_cast import amax_scale, to_fp8
 
     @triton.jit
     def _expert_of(rows, offs_ptr, E, BE: tl.constexpr):
@@ -44,14 +44,6 @@ if triton is not None:
         ends = tl.load(offs_ptr + e, mask=e < E, other=2147483647)
         gid = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
         return tl.minimum(gid, E - 1)
-
-    @triton.jit
-    def _scale_of(amax, FMAX: tl.constexpr, MARGIN_DIV: tl.constexpr):
-        # amax (fp32, any shape) -> scale as primitives.amax_to_scale (1.0 where amax is 0 / not finite / overflows)
-        scale = tl.math.div_rn(tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), amax),
-                               tl.full(amax.shape, MARGIN_DIV, tl.float32))
-        ok = (amax > 0) & (amax < float("inf")) & (scale < float("inf"))
-        return tl.where(ok, scale, 1.0)
 
     @triton.jit
     def row_cast_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, offs_ptr, R, K, E, FMAX: tl.constexpr,
@@ -70,7 +62,7 @@ if triton is not None:
                 amax = tl.load(amax_ptr + _expert_of(rows, offs_ptr, E, BE), mask=rmask, other=0.0)
             else:
                 amax = tl.max(tl.abs(v), axis=1)
-            scale = _scale_of(amax, FMAX, MARGIN_DIV)
+            scale = amax_scale(amax, FMAX, MARGIN_DIV)
             tl.store(si_ptr + rows, tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), scale), mask=rmask)
             q = to_fp8(v, scale[:, None], q_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
             tl.store(q_ptr + base + cols[None, :], q, mask=m)
@@ -83,7 +75,7 @@ if triton is not None:
                     m = rmask[:, None] & (k0 + cols[None, :] < K)
                     v = tl.load(x_ptr + base + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
                     amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-            scale = _scale_of(amax, FMAX, MARGIN_DIV)
+            scale = amax_scale(amax, FMAX, MARGIN_DIV)
             tl.store(si_ptr + rows, tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), scale), mask=rmask)
             for k0 in range(0, K, BK):
                 m = rmask[:, None] & (k0 + cols[None, :] < K)
@@ -111,7 +103,7 @@ if triton is not None:
                 amax = tl.zeros((BC,), tl.float32) + tl.load(amax_ptr + e)
             else:
                 amax = tl.max(tl.abs(v), axis=0)
-            scale = _scale_of(amax, FMAX, MARGIN_DIV)
+            scale = amax_scale(amax, FMAX, MARGIN_DIV)
             tl.store(si_ptr + e * C + cols, tl.math.div_rn(tl.full((BC,), 1.0, tl.float32), scale), mask=cmask)
             qt = to_fp8(tl.trans(v), scale[:, None], t_ptr.dtype.element_ty, FMAX, MBITS, EMIN, SW_ROUND)
             out = t_ptr + e.to(tl.int64) * stride_e + cols.to(tl.int64)[:, None] * stride_c
@@ -126,7 +118,7 @@ if triton is not None:
                     m = (rows[:, None] < end) & cmask[None, :]
                     v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=m, other=0.0)
                     amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=0))
-            scale = _scale_of(amax, FMAX, MARGIN_DIV)
+            scale = amax_scale(amax, FMAX, MARGIN_DIV)
             tl.store(si_ptr + e * C + cols, tl.math.div_rn(tl.full((BC,), 1.0, tl.float32), scale), mask=cmask)
             out = t_ptr + e.to(tl.int64) * stride_e + cols.to(tl.int64)[:, None] * stride_c
             for r0 in range(start, end, BM):
