@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,25 +141,9 @@ def lora_step(spec: dict):
 
 def count_syncs(step) -> int:
     """The synchronising calls of one step (CUDA's sync debug mode)."""
-    import torch
+    from host_sync_probe import sync_calls
 
-    found = 0
-
-    def record(message, *args, **kwargs):
-        nonlocal found
-        found += "prototype feature" not in str(message)  # the notice that the mode is on is not a sync
-
-    shown = warnings.showwarning
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = shown
-    return found
+    return sum(sync_calls(step).values())
 
 
 def worker(spec: dict) -> dict:
