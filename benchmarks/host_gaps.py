@@ -56,25 +56,6 @@ def gpu_busy_ms(trace: Path) -> float:
                ) / 1e3
 
 
-def write_corpus(prefix: Path, vocab: int, n_tokens: int) -> None:
-    """Random documents of the bundled tokenizer's ordinary ids (its special ids, the mask among them, left out)."""
-    import numpy as np
-
-    from megadlms.data import IndexedDatasetBuilder, load_tokenizer
-
-    tok = load_tokenizer()
-    special = [i for i in (tok.mask_id, tok.eod_id) if i is not None]
-    low, high = max(special) + 1, min(vocab, tok.vocab_size)
-    rng = np.random.default_rng(0)
-    with IndexedDatasetBuilder(prefix, np.int32) as b:
-        done = 0
-        while done < n_tokens:
-            doc = rng.integers(low, high, int(rng.integers(100, 6000)) + 1, dtype=np.int32)
-            doc[-1] = tok.eod_id
-            b.add_document(doc)
-            done += len(doc)
-
-
 def trainer_step(spec: dict):
     """(the trainer's step, returning its loss tensor; the count of its layers' graph replays) for the `recompute`
     workloads."""
@@ -249,6 +230,8 @@ def main() -> None:
     print(f"host gaps | {a.preset} | seq {a.seq} x micro-batch {a.batch} | {device}")
     print(f"{'run':34s} {'ms/step':>8s} {'busy ms':>8s} {'idle ms':>8s} {'syncs':>6s} {'retries':>8s} "
           f"{'mallocs':>8s} {'frees':>6s} {'peak GiB':>9s} {'rsv GiB':>8s} {'replays':>8s}")
+    from benchmarks.train_throughput import write_corpus
+
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "synthetic_text_document"
         write_corpus(data, 128000, (a.warmup + a.steps + 4) * a.batch * (a.seq + 1) * 2)
