@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,25 +54,6 @@ def gpu_busy_ms(trace: Path) -> float:
 
     return sum(end - start for start, end, _ in busy_intervals([e for e in load(trace) if e.get("cat") in GPU_CATS])
                ) / 1e3
-
-
-def write_corpus(prefix: Path, vocab: int, n_tokens: int) -> None:
-    """Random documents of the bundled tokenizer's ordinary ids (its special ids, the mask among them, left out)."""
-    import numpy as np
-
-    from megadlms.data import IndexedDatasetBuilder, load_tokenizer
-
-    tok = load_tokenizer()
-    special = [i for i in (tok.mask_id, tok.eod_id) if i is not None]
-    low, high = max(special) + 1, min(vocab, tok.vocab_size)
-    rng = np.random.default_rng(0)
-    with IndexedDatasetBuilder(prefix, np.int32) as b:
-        done = 0
-        while done < n_tokens:
-            doc = rng.integers(low, high, int(rng.integers(100, 6000)) + 1, dtype=np.int32)
-            doc[-1] = tok.eod_id
-            b.add_document(doc)
-            done += len(doc)
 
 
 def trainer_step(spec: dict):
@@ -142,25 +122,9 @@ def lora_step(spec: dict):
 
 def count_syncs(step) -> int:
     """The synchronising calls of one step (CUDA's sync debug mode)."""
-    import torch
+    from host_sync_probe import sync_calls
 
-    found = 0
-
-    def record(message, *args, **kwargs):
-        nonlocal found
-        found += "prototype feature" not in str(message)  # the notice that the mode is on is not a sync
-
-    shown = warnings.showwarning
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = shown
-    return found
+    return sum(sync_calls(step).values())
 
 
 def worker(spec: dict) -> dict:
@@ -266,6 +230,8 @@ def main() -> None:
     print(f"host gaps | {a.preset} | seq {a.seq} x micro-batch {a.batch} | {device}")
     print(f"{'run':34s} {'ms/step':>8s} {'busy ms':>8s} {'idle ms':>8s} {'syncs':>6s} {'retries':>8s} "
           f"{'mallocs':>8s} {'frees':>6s} {'peak GiB':>9s} {'rsv GiB':>8s} {'replays':>8s}")
+    from benchmarks.train_throughput import write_corpus
+
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "synthetic_text_document"
         write_corpus(data, 128000, (a.warmup + a.steps + 4) * a.batch * (a.seq + 1) * 2)

@@ -54,8 +54,9 @@ def build_trainer(a: argparse.Namespace, data: Path):
     return throughput_trainer(flags, a.seq, a.batch, 1, data, "cpu" if a.smoke else None, extra)
 
 
-def sync_calls(trainer, steps: int) -> dict[str, int]:
-    """The synchronizing calls of `steps` train steps: message and the Python lines above it -> count."""
+def sync_calls(step, steps: int = 1) -> dict[str, int]:
+    """The synchronizing calls of `steps` calls of `step` (a train step): message and the Python lines above it ->
+    count."""
     import torch
 
     found: dict[str, int] = {}
@@ -74,7 +75,7 @@ def sync_calls(trainer, steps: int) -> dict[str, int]:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(steps):
-                trainer.train_step()
+                step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
             warnings.showwarning = shown
@@ -129,7 +130,7 @@ def main() -> None:
         print(f"host sync probe | {name} | B={a.batch} S={a.seq} | torch {torch.__version__} | "
               f"{torch.cuda.get_device_name() if cuda else 'cpu'}")
         if cuda:
-            calls = sync_calls(trainer, a.steps)
+            calls = sync_calls(trainer.train_step, a.steps)
             print(f"synchronizing calls in {a.steps} steps: {sum(calls.values())}")
             for key, n in calls.items():
                 print(f"--- x{n}\n{key}")

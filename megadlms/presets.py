@@ -236,7 +236,7 @@ def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None =
         num_query_groups=hf.get("num_key_value_heads") or heads,
         kv_channels=hf.get("head_dim") or defaults.get("head_dim") or hf["hidden_size"] // heads,
         ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-        max_position_embeddings=max_pos, seq_length=min(4096, max_pos),
+        max_position_embeddings=max_pos, seq_length=_imported_length(max_pos, None),
         rotary_base=float(rope_theta), norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         qk_layernorm=family == "qwen3", add_qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
@@ -244,7 +244,7 @@ def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None =
         mask_token_id=hf.get("mask_token_id") if mask_token_id is None else mask_token_id, extra=extra)
     block = hf.get("block_size") if hf.get("model_running_mode") == "bd3lm" else None
     if block:  # a block-diffusion export; its windows hold whole blocks
-        kwargs.update(block_size=block, seq_length=min(4096, max_pos) // block * block)
+        kwargs.update(block_size=block, seq_length=_imported_length(max_pos, block))
     kwargs.update(_trained_length(hf))
     if hf.get("model_running_mode") == "difflm-shift":  # written by our export: keep the logits' alignment
         kwargs["diffusion_shift"] = True
@@ -264,6 +264,13 @@ def hf_config_to_megadlms(hf: Mapping[str, Any], *, attn_mask_type: str | None =
 # config.json's record of the sequence length the model was trained at (Megatron's and our name), which our export
 # writes: an import, and `eval --hf-model`, score and fine-tune at that length, not at max_position_embeddings
 TRAINED_LENGTH_FIELD = "seq_length"
+
+
+def _imported_length(max_pos: int, block: int | None) -> int:
+    """The sequence length an import takes where config.json records none: min(4096, max_position_embeddings),
+    whole blocks for a block-diffusion model."""
+    length = min(4096, max_pos)
+    return length // block * block if block else length
 
 
 def _trained_length(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -361,9 +368,7 @@ def megadlms_config_to_hf(cfg: TransformerConfig, *, dtype: torch.dtype = torch.
             hf = _stock_config(cfg, arch, dtype, ids)
     except FormatError as e:
         raise InteropError(f"cannot export as {arch}: {e}") from e
-    default = min(4096, cfg.max_position_embeddings or cfg.seq_length)  # what an import takes without the record
-    if cfg.block_size:
-        default = default // cfg.block_size * cfg.block_size
+    default = _imported_length(cfg.max_position_embeddings or cfg.seq_length, cfg.block_size)
     if cfg.seq_length != default:  # read back by an import (`_trained_length`); else the file stays as imported
         hf[TRAINED_LENGTH_FIELD] = cfg.seq_length
     return hf
