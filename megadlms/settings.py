@@ -65,6 +65,18 @@ def _value_type(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
+def parser_groups(parser: argparse.ArgumentParser) -> Callable[[str], Any]:
+    """groups(title) for `add_setting_arguments`: the parser's argument group of that title, made on first use."""
+    groups: dict[str, Any] = {}
+
+    def group(title: str) -> Any:
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        return groups[title]
+
+    return group
+
+
 def add_setting_arguments(groups: Callable[[str], Any], kind: type, default_group: str,
                           names: Sequence[str] | None = None, meta: dict[str, dict[str, Any]] | None = None,
                           optional: bool = False) -> None:
