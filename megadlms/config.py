@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import MegaDLMsError
-from .settings import setting
+from .settings import flag_name, setting
 
 ATTN_MASK_TYPES = ("bidirectional", "causal")
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -358,11 +358,6 @@ def _positive(name: str, value: int) -> None:
 def _choice(name: str, value: str, choices: tuple[str, ...], hint: str = "") -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not one of {list(choices)} {hint}".rstrip())
-
-
-def flag_name(field_name: str) -> str:
-    """The command-line spelling of a run-config field: fields are named after their flags' dests."""
-    return "--" + field_name.replace("_", "-")
 
 
 def check_at_least(obj: Any, lows: dict[str, int | float]) -> None:

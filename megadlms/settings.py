@@ -44,9 +44,9 @@ def is_setting(f: dataclasses.Field) -> bool:
     return "help" in f.metadata
 
 
-def flag_of(name: str) -> str:
+def flag_name(field_name: str) -> str:
     """The command-line spelling of a field: `lr_warmup_iters` -> `--lr-warmup-iters`."""
-    return "--" + name.replace("_", "-")
+    return "--" + field_name.replace("_", "-")
 
 
 def field_default(f: dataclasses.Field) -> Any:
@@ -65,6 +65,18 @@ def _value_type(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
+def parser_groups(parser: argparse.ArgumentParser) -> Callable[[str], Any]:
+    """groups(title) for `add_setting_arguments`: the parser's argument group of that title, made on first use."""
+    groups: dict[str, Any] = {}
+
+    def group(title: str) -> Any:
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        return groups[title]
+
+    return group
+
+
 def add_setting_arguments(groups: Callable[[str], Any], kind: type, default_group: str,
                           names: Sequence[str] | None = None, meta: dict[str, dict[str, Any]] | None = None,
                           optional: bool = False) -> None:
@@ -81,7 +93,7 @@ def add_setting_arguments(groups: Callable[[str], Any], kind: type, default_grou
         if info.get("flag_default", _NO_DEFAULT) is not _NO_DEFAULT:
             default = info["flag_default"]
         kwargs: dict[str, Any] = {"dest": name, "default": default, "help": info["help"] or None}
-        flags = (flag_of(name), *info.get("flags", ()))
+        flags = (flag_name(name), *info.get("flags", ()))
         if hint is bool:
             negatable = info.get("negatable")
             if negatable if negatable is not None else default is not False:
@@ -101,4 +113,4 @@ def add_setting_arguments(groups: Callable[[str], Any], kind: type, default_grou
         group.add_argument(*flags, **kwargs)
         for flag, const in info.get("consts", {}).items():
             group.add_argument(flag, dest=name, action="store_const", const=const,
-                               help=f"same as {flag_of(name)} {const}")
+                               help=f"same as {flag_name(name)} {const}")

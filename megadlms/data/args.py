@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from ..config import ConfigError
-from ..settings import add_setting_arguments, setting
+from ..settings import add_setting_arguments, parser_groups, setting
 from .loader import DEFAULT_SPLIT, DataConfig
 from .tokenizer import SUPPORTED_TOKENIZER_TYPES
 
@@ -72,9 +71,7 @@ class DataSourceConfig:
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the data and SFT flags: one per `DataSourceConfig` setting."""
-    groups: dict[str, Any] = {}
-    add_setting_arguments(lambda title: groups.setdefault(title, parser.add_argument_group(title)), DataSourceConfig,
-                          DATA_GROUP)
+    add_setting_arguments(parser_groups(parser), DataSourceConfig, DATA_GROUP)
 
 
 def data_config_from_args(args: argparse.Namespace, **sizes: int) -> DataConfig:

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from ..settings import add_setting_arguments
+from ..settings import add_setting_arguments, parser_groups
 from .config import PARALLEL_GROUP, ParallelConfig
 
 
 def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
-    groups: dict[str, Any] = {}
-    add_setting_arguments(lambda title: groups.setdefault(title, p.add_argument_group(title)), ParallelConfig,
-                          PARALLEL_GROUP)
+    add_setting_arguments(parser_groups(p), ParallelConfig, PARALLEL_GROUP)

@@ -74,7 +74,7 @@ class TrainHelpFormatter(argparse.HelpFormatter):
 
 # argument placeholders in --help: by kind of value (the dest in capitals, argparse's own, doubles each long flag)
 METAVARS = {"save": "DIR", "load": "DIR", "tensorboard_dir": "DIR", "wandb_save_dir": "DIR",
-            "data_cache_path": "DIR", "lora_base_path": "DIR", "data_path": "PREFIX", "train_data_path": "PREFIX",
+            "data_cache_path": "DIR", "data_path": "PREFIX", "train_data_path": "PREFIX",
             "valid_data_path": "PREFIX", "test_data_path": "PREFIX", "tokenizer_model": "PATH",
             "model_path": "NAME|PATH", "device": "DEVICE", "rl_reward": "NAME[:W],...",
             "lora_targets": "q,k,v,...", "moe_layer_freq": "N|0,1,..", "split": "A,B,C"}

@@ -77,10 +77,12 @@ class Sharding:
         x_0 half gets weight 0), a length that does not split into 2 x cp chunks is padded (pad keys masked out,
         pad queries weigh 0), and the normaliser stays the whole sequence's, divided by cp: the cp ranks' losses
         average to the one-rank loss, as the gradients averaged over data x context-parallel ranks do.
-        causal: the model's attention (the padding's mask); count_rows: recount the non-zero weights for the host
+        causal: the model's attention (the padding's mask); count_rows: count the rank's non-zero weights for the host
         (the fused LM head + loss)."""
         cp, r = self.cp_size, self.cp_rank
         if cp == 1:
+            if count_rows:
+                batch.weighted_rows = HostCount(batch.weights)
             return batch
         inputs, targets, weights = batch.inputs, batch.targets, batch.weights
         b, s = inputs.shape

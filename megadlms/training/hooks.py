@@ -58,8 +58,8 @@ class TrainingHook:
 class Hooks:
     """The run's hooks, called in the order attached."""
 
-    def __init__(self, hooks: list[TrainingHook] | None = None):
-        self.hooks: list[TrainingHook] = list(hooks or [])
+    def __init__(self) -> None:
+        self.hooks: list[TrainingHook] = []
 
     def attach(self, hook: TrainingHook) -> None:
         self.hooks.append(hook)

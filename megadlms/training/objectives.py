@@ -38,7 +38,7 @@ from ..diffusion.objective import (
     weighted_cross_entropy,
 )
 from ..moe import add_aux_losses
-from .batch import Batch, HostCount, Sharding
+from .batch import Batch, Sharding
 from .documents import AttentionPlan, attended_pairs
 
 S = TypeVar("S")  # what the loader yields: a token window tensor, or a micro-batch's RL records
@@ -139,11 +139,9 @@ class Objective(ABC, Generic[S, N, B]):
         return sample
 
     def _placed(self, batch: Batch) -> Batch:
-        """The batch as this rank holds it in the parallel layout (`Sharding.shard`)."""
+        """The batch as this rank holds it in the parallel layout (`Sharding.shard`), with the count of its weighted
+        rows for the host where the fused LM head + loss takes it."""
         return self.sharding.shard(batch, causal=self.model_config.causal, count_rows=bool(self.loss_chunk_tokens))
-
-    def _counted(self, weights: torch.Tensor) -> HostCount | None:
-        return HostCount(weights) if self.loss_chunk_tokens else None
 
     def _denominator(self, noise: BatchNoise, rows: int, length: int, device: torch.device) -> torch.Tensor | None:
         """None (B * L), or B * (L - 1) in validation when the first token is left out (ignore_bos)."""
@@ -187,8 +185,7 @@ class Pretraining(Objective[torch.Tensor, BatchNoise, Batch]):
             tokens = length * sh.micro_batch_size * sh.dp_size
             yield self._placed(Batch(
                 inputs, targets, weights, tokens=tokens, flops=tokens * self.token_flops, attention_mask=mask,
-                position_ids=positions, weighted_rows=self._counted(weights),
-                denominator=self._denominator(noise, targets.shape[0], length, device)))
+                position_ids=positions, denominator=self._denominator(noise, targets.shape[0], length, device)))
 
 
 class BlockDiffusion(Objective[torch.Tensor, BatchNoise, Batch]):
@@ -232,7 +229,6 @@ class BlockDiffusion(Objective[torch.Tensor, BatchNoise, Batch]):
             yield self._placed(Batch(
                 inputs, targets, weights, tokens=tokens, flops=tokens * self.token_flops,
                 attention_mask=kwargs["attention_mask"], position_ids=kwargs["position_ids"],
-                weighted_rows=self._counted(weights),
                 denominator=self._denominator(noise, targets.shape[0], self.config.seq_length, device)))
 
 
@@ -276,7 +272,7 @@ class SupervisedFineTuning(Objective[torch.Tensor, BatchNoise, Batch]):
                      + sh.dp_size * n_pairs * cfg.attention_flops_per_pair())
             yield self._placed(Batch(
                 b.inputs, b.targets, b.weights, tokens=tokens, flops=flops, attention_mask=mask,
-                position_ids=positions, denominator=denominator, weighted_rows=self._counted(b.weights)))
+                position_ids=positions, denominator=denominator))
 
 
 def build_objective(objective: ObjectiveConfig, model_config: TransformerConfig, attention: AttentionPlan,

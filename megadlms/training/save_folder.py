@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..config import ConfigError, flag_name
 from . import checkpoint as ckpt
 from .config import RunConfig
 
@@ -49,10 +49,6 @@ def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[tuple
             if k in recorded and k not in WATCH_AND_PLACEMENT and recorded[k] != current[k]]
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def check_save_folder(config: RunConfig) -> None:
     """Refuse a run whose `--save` folder holds the checkpoints of a run with other settings, unless this run
     resumes from it (`--load` names it, without `--finetune`); say in one line when nothing will be kept."""
@@ -79,7 +75,7 @@ def check_save_folder(config: RunConfig) -> None:
         raise ConfigError(f"{where}, which record no training settings; {fix}")
     diff = differences(recorded, config.to_flat())
     if diff:
-        shown = ", ".join(f"{_flag(k)} {there} there, {here} here" for k, there, here in diff[:3])
+        shown = ", ".join(f"{flag_name(k)} {there} there, {here} here" for k, there, here in diff[:3])
         more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
         raise ConfigError(f"{where}; this run differs in {shown}{more}: {fix}")
     log.info("%s holds an earlier run of these settings (iteration %s): starting it over (--load %s resumes it "
