@@ -85,10 +85,10 @@ def sync_calls(step, steps: int = 1) -> dict[str, int]:
 
 def host_times(trainer, steps: int) -> tuple[list[float], list[float]]:
     """Per step: the host's ms in `train_step`, and its ms waiting for the masked-token count."""
-    from megadlms.training import objectives as objectives_module
+    from megadlms.training.batch import HostCount
 
     waits: list[float] = []
-    original = objectives_module.HostCount.get
+    original = HostCount.get
 
     def timed_get(self):
         t0 = time.perf_counter()
@@ -96,7 +96,7 @@ def host_times(trainer, steps: int) -> tuple[list[float], list[float]]:
         waits.append((time.perf_counter() - t0) * 1e3)
         return value
 
-    objectives_module.HostCount.get = timed_get
+    HostCount.get = timed_get
     step_ms = []
     try:
         for _ in range(steps):
@@ -104,7 +104,7 @@ def host_times(trainer, steps: int) -> tuple[list[float], list[float]]:
             trainer.train_step()
             step_ms.append((time.perf_counter() - t0) * 1e3)
     finally:
-        objectives_module.HostCount.get = original
+        HostCount.get = original
     return step_ms, waits
 
 
